@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+#
+# TORCH is the torch requirement installed before the project. The default is the CPU build
+# this project is tested with; GPU users pick theirs, e.g.
+#   make install TORCH="torch==2.9.1 --index-url https://download.pytorch.org/whl/cu128"
+# or TORCH= to keep a torch already in the environment. See docs/quickstart.md.
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.exactga-installed
+export HF_DATASETS_OFFLINE := 1
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install demo test lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(if $(strip $(TORCH)),$(PY) -m pip install $(TORCH))
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/tune run recipes/full_finetune_single_device.py \
+		--config configs/tiny/full_single_device.yaml
+
+test: install
+	$(PY) -m pytest -n 2 --dist loadgroup
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,44 @@
+"""Make ``tune run recipes/<name>.py`` run the ``recipes/`` folder of the working directory.
+
+torchtune 0.6.1 installs a top-level ``recipes`` package whose ``__init__`` raises, and
+``tune run recipes/x.py`` imports the module ``recipes.x`` with the working directory *last*
+on ``sys.path`` (``python -m`` under ``--nproc_per_node`` puts it first, but a regular package
+later on the path still beats a plain folder). Either way the installed package wins and the
+user's recipe is never run.
+
+This module is imported at interpreter start-up by ``exactga_recipes_path.pth`` and puts one
+finder in front of the import system. It answers for exactly one name, ``recipes``, and only
+when the working directory has a ``recipes/`` folder; every other import, and every launch from
+a directory without one, is untouched. Kept free of heavy imports: it runs in every interpreter
+of the environment. See docs/launching.md.
+"""
+
+import os
+import sys
+from importlib.machinery import ModuleSpec, PathFinder
+
+_PACKAGE = "recipes"
+
+
+class WorkingDirRecipesFinder:
+    """Resolve ``import recipes`` to ``./recipes`` when that folder exists."""
+
+    @classmethod
+    def find_spec(cls, fullname: str, path=None, target=None) -> ModuleSpec | None:
+        if fullname != _PACKAGE:
+            return None
+        try:
+            cwd = os.getcwd()
+        except OSError:  # the working directory was deleted
+            return None
+        if not os.path.isdir(os.path.join(cwd, _PACKAGE)):
+            return None
+        return PathFinder.find_spec(fullname, [cwd])
+
+
+def install() -> None:
+    if not any(finder is WorkingDirRecipesFinder for finder in sys.meta_path):
+        sys.meta_path.insert(0, WorkingDirRecipesFinder)
+
+
+install()

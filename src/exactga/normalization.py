@@ -1,0 +1,374 @@
+"""Exact loss normalisation for gradient accumulation and data parallelism.
+
+This module is the one place where exactga decides how much each token weighs. Every recipe
+goes through it; nothing about token counts or loss scaling is written in a recipe.
+
+The loss of one optimizer step is the sum of per-token losses over the whole accumulation
+window, on every data-parallel rank, divided by the number of loss tokens in that window.
+The notes below are referred to from the code (and from the recipes) by name.
+
+# See [shifted token count]
+A causal LM predicts label t+1 at position t, so the loss sees ``labels[:, 1:]`` (torchtune
+pads the last column with the ignore index). The token count must be taken on those shifted
+labels: counted before the shift it also includes each row's first label, which the loss never
+sees. Stock torchtune 0.6.1 counts before the shift, so its normaliser disagrees with the
+loss's own denominator whenever a first label is not masked (``train_on_input: True``, text
+completion) and accumulation is then not exact.
+
+# See [loss scaled before backward]
+Backward is linear, so scaling each micro-batch's mean loss by
+``dp_size * batch_tokens / window_tokens`` before ``backward()`` leaves exactly the gradient of
+the window loss in ``.grad``: no gradient-scaling pass afterwards (a read and write of every
+gradient). ``dp_size`` undoes the averaging that FSDP/DDP apply across data-parallel ranks.
+With one micro-batch on one rank the factor is exactly 1 and no op is applied at all.
+
+# See [empty windows]
+A micro-batch with no loss token has a mean loss of 0/0. It contributes nothing to the window
+gradient, so on one rank it is skipped outright. A window with no loss token on any rank
+carries no learning signal; stepping an optimizer on zero gradients would still move weights
+(momentum, weight decay), so the step is skipped and counted instead.
+
+# See [baseline modes]
+``post_scale`` reproduces stock torchtune 0.6.1 (loss times the token count taken before the
+shift, gradients scaled by the inverse window count after the last backward) and ``naive``
+the mean of micro-batch means divided by ga (the pre-fix Hugging Face Trainer). They exist so
+benchmarks and the parity report can compare against them, never as training choices.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+class NormMode(str, Enum):
+    """How micro-batch losses are weighted; see [baseline modes]."""
+
+    EXACT = "exact"
+    POST_SCALE = "post_scale"
+    NAIVE = "naive"
+
+
+def parse_mode(value: str, key: str = "loss_normalization") -> NormMode:
+    """Read a normalisation mode from config, naming ``key`` if the value is not one."""
+    try:
+        return NormMode(str(value))
+    except ValueError:
+        choices = ", ".join(mode.value for mode in NormMode)
+        raise ValueError(
+            f"{key}={value!r} is not a normalisation mode; choose one of {choices}."
+        ) from None
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Labels as the loss sees them: ``labels[:, 1:]`` plus one ignored column at the end.
+
+    Keeping the sequence length lets the model's logits be used unsliced. Pair of
+    :func:`count_loss_tokens`; see [shifted token count].
+    """
+    pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
+    return torch.cat((labels[..., 1:], pad), dim=-1)
+
+
+def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """Number of tokens the loss will see, counted on host labels after the shift.
+
+    See [shifted token count]. Call it before the batch moves to the device: on a CPU tensor
+    this is a host computation and never waits on an accelerator.
+    """
+    return int((labels[..., 1:] != ignore_index).sum())
+
+
+def count_unshifted_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """Stock torchtune's count, taken before the shift; used only by ``post_scale``."""
+    return int((labels != ignore_index).sum())
+
+
+def loss_ignore_index(loss_fn: nn.Module) -> int:
+    """The label value ``loss_fn`` ignores (torchtune's and torch's losses expose it)."""
+    return int(getattr(loss_fn, "ignore_index", IGNORE_INDEX))
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up check: the loss's own denominator equals our count.
+
+
+def loss_denominator(loss_fn: nn.Module, shifted_labels: torch.Tensor) -> float:
+    """The number of tokens ``loss_fn`` divides by on these labels, measured by probing it.
+
+    With all-zero logits every counted token costs exactly ``log(2)`` over a two-way
+    vocabulary, so ``loss = num_counted * log(2) / denominator`` whatever the loss does
+    internally. The probe needs no model and costs one tiny loss call.
+    """
+    ignore_index = loss_ignore_index(loss_fn)
+    probe_labels = torch.where(shifted_labels == ignore_index, ignore_index, 0).cpu()
+    probe_logits = torch.zeros(*probe_labels.shape, 2)
+    num_chunks = getattr(loss_fn, "num_output_chunks", None)
+    if num_chunks is not None:
+        loss = loss_fn(list(probe_logits.chunk(num_chunks, dim=1)), probe_labels)
+    else:
+        loss = loss_fn(probe_logits.reshape(-1, 2), probe_labels.reshape(-1))
+    num_counted = int((probe_labels != ignore_index).sum())
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss {type(loss_fn).__name__} returned {loss.numel()} values; exactga needs a "
+            "mean-reduced scalar loss (set its reduction to 'mean')."
+        )
+    return num_counted * math.log(2.0) / float(loss)
+
+
+def verify_loss_denominator(
+    loss_fn: nn.Module, labels: torch.Tensor, num_tokens: int | None = None
+) -> None:
+    """Fail loudly if ``loss_fn`` does not divide by the host count of these labels.
+
+    ``labels`` are a batch's labels as the dataloader gives them (before the shift). A dataset
+    that masks with another value than the loss's ignore index, or a loss that sums or divides
+    by something else, would silently break exact accumulation; this check runs once, on the
+    first batch of a run.
+    """
+    ignore_index = loss_ignore_index(loss_fn)
+    if num_tokens is None:
+        num_tokens = count_loss_tokens(labels, ignore_index)
+    if num_tokens == 0:
+        return  # nothing to compare; the next non-empty batch is checked instead
+    measured = loss_denominator(loss_fn, shift_labels(labels, ignore_index))
+    if not math.isclose(measured, num_tokens, rel_tol=1e-5):
+        raise ValueError(
+            f"loss {type(loss_fn).__name__} divides the first batch by {measured:.1f} tokens, "
+            f"but exactga counts {num_tokens} loss tokens (labels after the one-position "
+            f"shift, ignore_index={ignore_index}). Check that the dataset masks labels with the "
+            "loss's ignore_index, does not shift labels itself, and that the loss is a mean "
+            "over non-ignored tokens."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows: ga micro-batches, counted on the host, reduced once over the data-parallel group.
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch, still on the host, with its loss-token counts."""
+
+    batch: dict[str, torch.Tensor]
+    num_tokens: int  # tokens the loss sees; see [shifted token count]
+    num_unshifted_tokens: int  # stock torchtune's count, only for post_scale
+
+
+class _PendingCount:
+    """An all-reduce of a window's token count that may still be in flight."""
+
+    def __init__(self, num_local_tokens: int, group: dist.ProcessGroup | None) -> None:
+        self._value: int | None = None
+        if group is None:
+            self._value = num_local_tokens
+            return
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        self._tensor = torch.tensor([num_local_tokens], dtype=torch.int64, device=device)
+        self._work = dist.all_reduce(self._tensor, group=group, async_op=True)
+
+    def wait(self) -> int:
+        if self._value is None:
+            self._work.wait()
+            self._value = int(self._tensor.item())
+        return self._value
+
+
+@dataclass
+class Window:
+    """The micro-batches of one optimizer step and everything needed to weight them.
+
+    Created by :meth:`LossNormalizer.windows`, which has already issued the token-count
+    reduction; the first call that needs the global count waits for it, so the reduction
+    overlaps whatever the recipe does before (the first forward).
+    """
+
+    micro_batches: list[MicroBatch]
+    mode: NormMode
+    dp_size: int
+    _pending: _PendingCount
+    _losses: list[torch.Tensor] = field(default_factory=list)
+    _loss_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_local_tokens(self) -> int:
+        return sum(mb.num_tokens for mb in self.micro_batches)
+
+    @property
+    def num_global_tokens(self) -> int:
+        """Loss tokens of the window over every data-parallel rank (waits for the reduction)."""
+        return self._pending.wait()
+
+    def skip_step(self) -> bool:
+        """True when no rank has a loss token in this window; see [empty windows].
+
+        Only waits for the reduction when this rank has no token itself: otherwise the
+        answer is already known to be False.
+        """
+        return self.num_local_tokens == 0 and self.num_global_tokens == 0
+
+    def nonempty_micro_batches(self) -> Iterator[MicroBatch]:
+        """The micro-batches that carry loss tokens; see [empty windows]."""
+        return (mb for mb in self.micro_batches if mb.num_tokens > 0)
+
+    def scale(self, loss: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
+        """The micro-batch's mean loss weighted for backward; see [loss scaled before backward].
+
+        Also keeps a detached reference to the loss for :meth:`mean_loss`; nothing is read back
+        to the host here.
+        """
+        self._losses.append(loss.detach())
+        self._loss_tokens.append(micro_batch.num_tokens)
+        factor = self._loss_factor(micro_batch)
+        return loss if factor == 1.0 else loss * factor
+
+    def _loss_factor(self, micro_batch: MicroBatch) -> float:
+        if self.mode is NormMode.EXACT:
+            return self.dp_size * micro_batch.num_tokens / self.num_global_tokens
+        if self.mode is NormMode.POST_SCALE:
+            return float(micro_batch.num_unshifted_tokens)
+        return 1.0 / len(self.micro_batches)
+
+    def finish_gradients(self, model: nn.Module) -> None:
+        """Post-backward gradient work; a no-op except in the ``post_scale`` baseline."""
+        if self.mode is NormMode.POST_SCALE:
+            num_unshifted = sum(mb.num_unshifted_tokens for mb in self.micro_batches)
+            _scale_gradients(model, self.dp_size / num_unshifted)
+
+    def mean_loss(self) -> float:
+        """The exact window loss on this rank: token-loss sum over its loss tokens.
+
+        Reads one value back from the device; call it only on steps that are logged.
+        """
+        if not self._losses:
+            return float("nan")
+        weights = torch.tensor(self._loss_tokens, dtype=torch.float32)
+        losses = torch.stack([loss.float() for loss in self._losses]).cpu()
+        return float((losses * weights).sum() / weights.sum())
+
+
+def _scale_gradients(model: nn.Module, factor: float) -> None:
+    """The gradient pass stock torchtune runs every step (``training.scale_grads``)."""
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(factor)
+
+
+class LossNormalizer:
+    """Groups batches into accumulation windows and weights each micro-batch's loss.
+
+    Args:
+        loss_fn: the recipe's loss; its ``ignore_index`` is what counts as masked.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        mode: ``exact`` for training; see [baseline modes] for the others.
+        drop_partial_window: drop an epoch's last, short window instead of stepping on it.
+        dp_group: the data-parallel process group, or ``None`` on one device.
+    """
+
+    def __init__(
+        self,
+        loss_fn: nn.Module,
+        gradient_accumulation_steps: int,
+        mode: NormMode = NormMode.EXACT,
+        drop_partial_window: bool = False,
+        dp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if gradient_accumulation_steps < 1:
+            raise ValueError(
+                "gradient_accumulation_steps must be at least 1, "
+                f"got {gradient_accumulation_steps}."
+            )
+        self.loss_fn = loss_fn
+        self.ignore_index = loss_ignore_index(loss_fn)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.mode = mode
+        self.drop_partial_window = drop_partial_window
+        self.dp_group = dp_group
+        self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self._denominator_verified = False
+
+    def num_windows(self, num_batches: int) -> int:
+        """Optimizer steps in an epoch of ``num_batches`` micro-batches."""
+        full, rest = divmod(num_batches, self.gradient_accumulation_steps)
+        return full + (1 if rest and not self.drop_partial_window else 0)
+
+    def windows(
+        self, batches: Iterable[dict[str, torch.Tensor]], max_windows: int | None = None
+    ) -> Iterator[Window]:
+        """Prefetch one epoch of ``batches`` as windows of ``gradient_accumulation_steps``.
+
+        Call once per epoch: a window never spans epochs. Each window's token count is counted
+        on the host and its reduction issued before the window is handed out.
+        """
+        iterator = iter(batches)
+        num_yielded = 0
+        while max_windows is None or num_yielded < max_windows:
+            micro_batches = self._prefetch(iterator)
+            if not micro_batches:
+                return
+            if len(micro_batches) < self.gradient_accumulation_steps and self.drop_partial_window:
+                return
+            yield self._open_window(micro_batches)
+            num_yielded += 1
+
+    def _prefetch(self, iterator: Iterator[dict[str, torch.Tensor]]) -> list[MicroBatch]:
+        micro_batches = []
+        for _ in range(self.gradient_accumulation_steps):
+            batch = next(iterator, None)
+            if batch is None:
+                break
+            micro_batches.append(self._count(batch))
+        return micro_batches
+
+    def _count(self, batch: dict[str, torch.Tensor]) -> MicroBatch:
+        labels = batch["labels"]
+        num_tokens = count_loss_tokens(labels, self.ignore_index)
+        if not self._denominator_verified and num_tokens > 0:
+            verify_loss_denominator(self.loss_fn, labels, num_tokens)
+            self._denominator_verified = True
+        unshifted = (
+            count_unshifted_tokens(labels, self.ignore_index)
+            if self.mode is NormMode.POST_SCALE
+            else num_tokens
+        )
+        return MicroBatch(batch=batch, num_tokens=num_tokens, num_unshifted_tokens=unshifted)
+
+    def _open_window(self, micro_batches: list[MicroBatch]) -> Window:
+        num_local_tokens = sum(mb.num_tokens for mb in micro_batches)
+        pending = _PendingCount(num_local_tokens, self.dp_group)
+        return Window(micro_batches, self.mode, self.dp_size, pending)
+
+
+def reference_window_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Full-batch loss of a window, for tests: token-loss sum over the window's loss tokens."""
+    shifted = shift_labels(labels, ignore_index)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        shifted.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="sum",
+    ) / count_loss_tokens(labels, ignore_index)
+
+
+def warn_skipped_step(step: int) -> None:
+    """Tell the user a window had no loss token; see [empty windows]."""
+    warnings.warn(
+        f"step {step}: no loss token in this accumulation window on any rank (every label is "
+        "masked, e.g. prompts filling max_seq_len with train_on_input False); the optimizer "
+        "step is skipped and counted in the 'skipped_steps' metric.",
+        stacklevel=2,
+    )

@@ -1,0 +1,64 @@
+"""The keys each recipe reads, with their one default (see :mod:`exactga.config`).
+
+The stock keys are those torchtune 0.6.1's recipe of the same name reads, so its configs run
+unchanged. Sections with a ``_component_`` are typed ``Any``: their keys are the keyword
+arguments of the component and are checked when it is instantiated.
+
+To add a knob to a recipe you copied, subclass its schema in the recipe file::
+
+    @dataclass
+    class MyRecipeConfig(FullFinetuneSingleDeviceConfig):
+        my_knob: int = 3
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class FullFinetuneSingleDeviceConfig:
+    # Components (``_component_`` sections).
+    model: Any = MISSING
+    tokenizer: Any = MISSING
+    dataset: Any = MISSING  # one section, or a list of them (concatenated)
+    checkpointer: Any = MISSING
+    optimizer: Any = MISSING
+    loss: Any = MISSING
+    metric_logger: Any = MISSING
+    lr_scheduler: Any = None
+    profiler: Any = None
+
+    # Run.
+    output_dir: str = MISSING
+    device: str = "cuda"
+    dtype: str = "bf16"
+    seed: Optional[int] = None
+    cudnn_deterministic_mode: Optional[bool] = None
+    compile: bool = False
+    resume_from_checkpoint: bool = False
+
+    # Data and batching.
+    shuffle: bool = True
+    batch_size: int = MISSING
+    collate_fn: str = "torchtune.data.padded_collate_sft"
+    epochs: int = 1
+    max_steps_per_epoch: Optional[int] = None
+    gradient_accumulation_steps: int = 1
+
+    # Optimisation and memory.
+    optimizer_in_bwd: bool = False
+    clip_grad_norm: Optional[float] = None
+    enable_activation_checkpointing: bool = False
+    enable_activation_offloading: bool = False
+
+    # Logging.
+    log_every_n_steps: int = 1
+    log_peak_memory_stats: bool = False
+
+    # exactga (see docs/math.md).
+    loss_normalization: str = "exact"  # exact | post_scale | naive
+    drop_partial_window: bool = False

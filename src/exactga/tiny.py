@@ -1,0 +1,108 @@
+"""The embedded default's initial checkpoint, made on first use if absent.
+
+The tiny model has no published weights, so its config points torchtune's
+``FullModelHFCheckpointer`` at a folder that :func:`initialized_hf_checkpointer` fills the first
+time: seeded random weights of the configured architecture, written in Hugging Face's format
+(``config.json`` plus ``model.safetensors``), the same path real Llama checkpoints take. Nothing
+is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save_file
+from torchtune import config
+from torchtune.models import convert_weights
+from torchtune.training import FullModelHFCheckpointer
+
+
+def initialized_hf_checkpointer(
+    *, model: DictConfig | dict[str, Any], init_seed: int = 0, **checkpointer_kwargs: Any
+) -> FullModelHFCheckpointer:
+    """A ``FullModelHFCheckpointer`` whose ``checkpoint_dir`` is created from ``model`` if empty.
+
+    Args:
+        model: the recipe's model section (``model: ${model}`` in the config).
+        init_seed: seed of the initial weights; every run with the same seed starts equal.
+        **checkpointer_kwargs: passed to ``FullModelHFCheckpointer`` unchanged.
+    """
+    checkpoint_dir = Path(checkpointer_kwargs["checkpoint_dir"])
+    files = list(checkpointer_kwargs["checkpoint_files"])
+    if len(files) != 1:
+        raise ValueError("config key 'checkpointer.checkpoint_files' must name one file here.")
+    if not (checkpoint_dir / files[0]).exists():
+        # torchtune hands sections over as plain dicts.
+        write_initial_checkpoint(OmegaConf.create(model), checkpoint_dir, files[0], init_seed)
+    return FullModelHFCheckpointer(**checkpointer_kwargs)
+
+
+def write_initial_checkpoint(
+    model_cfg: DictConfig, checkpoint_dir: Path, file_name: str, init_seed: int
+) -> None:
+    """Seeded weights of ``model_cfg`` in HF format; atomic, so parallel first runs agree."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        with torch.device("cpu"):
+            model = config.instantiate(model_cfg)
+        _init_like_pretraining(model)
+    hf_config = _hf_llama_config(model_cfg)
+    state_dict = convert_weights.tune_to_hf(
+        model.state_dict(),
+        num_heads=hf_config["num_attention_heads"],
+        num_kv_heads=hf_config["num_key_value_heads"],
+        dim=hf_config["hidden_size"],
+    )
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    weights = {key: value.contiguous() for key, value in state_dict.items()}
+    _atomic_write(checkpoint_dir / "config.json", lambda p: p.write_text(json.dumps(hf_config)))
+    _atomic_write(checkpoint_dir / file_name, lambda p: save_file(weights, str(p)))
+
+
+def _init_like_pretraining(model: torch.nn.Module, std: float = 0.02) -> None:
+    """GPT-style init: torch's unit-variance embeddings, tied to the output, start at a loss
+    of hundreds; small normal weights start near ``log(vocab_size)`` as a pretrained run did."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                torch.nn.init.zeros_(module.bias)
+
+
+def _hf_llama_config(model_cfg: DictConfig) -> dict[str, Any]:
+    """The ``config.json`` fields torchtune's HF checkpointer reads for a Llama model."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model_cfg.vocab_size,
+        "hidden_size": model_cfg.embed_dim,
+        "intermediate_size": model_cfg.intermediate_dim,
+        "num_hidden_layers": model_cfg.num_layers,
+        "num_attention_heads": model_cfg.num_heads,
+        "num_key_value_heads": model_cfg.num_kv_heads,
+        "max_position_embeddings": model_cfg.max_seq_len,
+        "rms_norm_eps": model_cfg.get("norm_eps", 1e-5),
+        "rope_theta": model_cfg.get("rope_base", 500_000),
+        "tie_word_embeddings": model_cfg.get("tie_word_embeddings", True),
+        "torch_dtype": "float32",
+    }
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    """Write through a temporary file in the same folder, then rename over ``path``."""
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
