@@ -37,8 +37,13 @@ from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 from exactga.config import validate_config
-from exactga.normalization import LossNormalizer, Window, parse_mode, shift_labels
-from exactga.normalization import warn_skipped_step
+from exactga.normalization import (
+    LossNormalizer,
+    Window,
+    parse_mode,
+    shift_labels,
+    warn_skipped_step,
+)
 from exactga.profiling import setup_profiler
 from exactga.schemas import FullFinetuneSingleDeviceConfig
 
@@ -165,10 +170,16 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         try:
             self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
             if self.seed != ckpt_dict[training.SEED_KEY]:
-                warn(f"config seed differs from the checkpoint's; using {ckpt_dict['seed']}.")
+                warn(
+                    f"config seed differs from the checkpoint's; using {ckpt_dict['seed']}.",
+                    stacklevel=2,
+                )
                 self.seed = ckpt_dict[training.SEED_KEY]
             if self.max_steps_per_epoch != ckpt_dict[training.MAX_STEPS_KEY]:
-                warn("config max_steps_per_epoch differs from the checkpoint's; using the latter.")
+                warn(
+                    "config max_steps_per_epoch differs from the checkpoint's; using the latter.",
+                    stacklevel=2,
+                )
                 self.max_steps_per_epoch = ckpt_dict[training.MAX_STEPS_KEY]
         except KeyError as err:
             raise KeyError(
@@ -383,7 +394,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def _report_outputs(self) -> None:
         log.info(f"Checkpoints are in {self._checkpoint_dir}")
         if self._log_dir is not None:
-            log.info(f"TensorBoard logs are in {self._log_dir}: tensorboard --logdir {self._log_dir}")
+            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
 
     def cleanup(self) -> None:
         self._metric_logger.close()
