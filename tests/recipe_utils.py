@@ -1,0 +1,117 @@
+"""Helpers for the recipe tests: launch ``tune run`` in a subprocess and read what it wrote.
+
+Tests run recipes only through the real command line (STYLE.md point 10): nothing here imports
+a recipe. Every launch is offline.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/full_finetune_single_device.py"
+TINY_CONFIG = "configs/tiny/full_single_device.yaml"
+TUNE = Path(sys.executable).parent / "tune"
+
+# The tiny config's architecture shrunk further so a step costs milliseconds on CPU.
+SMALL_MODEL = {
+    "model.num_layers": 2,
+    "model.embed_dim": 64,
+    "model.intermediate_dim": 128,
+    "model.num_heads": 4,
+    "model.num_kv_heads": 2,
+}
+
+
+def tune_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launch: offline, unbuffered, nothing else changed."""
+    env = dict(os.environ)
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(extra_env or {})
+    return env
+
+
+def run_tune(
+    args: list[str],
+    cwd: Path | str = REPO_ROOT,
+    extra_env: dict[str, str] | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``tune run *args`` from ``cwd``, with stdout and stderr captured as text."""
+    return subprocess.run(
+        [str(TUNE), "run", *args],
+        cwd=cwd,
+        env=tune_env(extra_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def tiny_args(output_dir: Path | str, **overrides: object) -> list[str]:
+    """Recipe, tiny config, small-model overrides and ``output_dir``, then ``overrides``.
+
+    Keyword names are config keys with ``.`` written as ``__`` (``optimizer__lr=0.1``); a later
+    key wins, so ``overrides`` may also replace a small-model size.
+    """
+    merged: dict[str, object] = dict(SMALL_MODEL)
+    merged["output_dir"] = str(output_dir)
+    merged.update({key.replace("__", "."): value for key, value in overrides.items()})
+    return [RECIPE, "--config", TINY_CONFIG, *(f"{k}={v}" for k, v in merged.items())]
+
+
+def output_of(proc: subprocess.CompletedProcess) -> str:
+    """Both streams of a launch, for assertions and failure messages."""
+    return f"{proc.stdout}\n{proc.stderr}"
+
+
+def load_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def relative_l2(
+    w_a: dict[str, torch.Tensor], w_b: dict[str, torch.Tensor], w_init: dict[str, torch.Tensor]
+) -> float:
+    """``||w_a - w_b|| / ||w_a - w_init||`` over all tensors concatenated, in float64.
+
+    The distance between two trained models relative to how far training moved them, so the
+    tolerance does not depend on the learning rate or on the weights' scale.
+    """
+    assert w_a.keys() == w_b.keys() == w_init.keys(), "checkpoints hold different tensors"
+    diff_sq = update_sq = 0.0
+    for key in w_a:
+        a, b, init = (w[key].double() for w in (w_a, w_b, w_init))
+        diff_sq += float(((a - b) ** 2).sum())
+        update_sq += float(((a - init) ** 2).sum())
+    assert update_sq > 0, "training did not move the weights"
+    return (diff_sq / update_sq) ** 0.5
+
+
+def read_scalars(log_root: Path | str) -> dict[str, list[float]]:
+    """Every scalar logged under ``log_root`` (TensorBoard events), by tag, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    event_files = sorted(Path(log_root).rglob("events.out.tfevents.*"))
+    assert event_files, f"no TensorBoard events under {log_root}"
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for event_file in event_files:
+        ea = EventAccumulator(str(event_file), size_guidance={"tensors": 0, "scalars": 0})
+        ea.Reload()
+        tags = ea.Tags()
+        for tag in tags.get("tensors", []):
+            for e in ea.Tensors(tag):
+                value = float(make_ndarray(e.tensor_proto).reshape(-1)[0])
+                scalars.setdefault(tag, []).append((e.step, value))
+        for tag in tags.get("scalars", []):
+            for e in ea.Scalars(tag):
+                scalars.setdefault(tag, []).append((e.step, float(e.value)))
+    return {tag: [v for _, v in sorted(values)] for tag, values in scalars.items()}

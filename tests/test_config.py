@@ -1,0 +1,87 @@
+"""Strict configs: every stock and shipped config is accepted, bad input names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torchtune
+from omegaconf import OmegaConf
+from torchtune._recipe_registry import get_all_recipes
+
+from exactga.config import validate_config
+from exactga.schemas import FullFinetuneSingleDeviceConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STOCK_CONFIGS = Path(torchtune.__file__).resolve().parents[1] / "recipes" / "configs"
+RECIPE = "full_finetune_single_device"
+
+
+def stock_configs(recipe_name: str) -> list[Path]:
+    (recipe,) = [r for r in get_all_recipes() if r.name == recipe_name]
+    return [STOCK_CONFIGS / config.file_path for config in recipe.configs]
+
+
+def shipped_configs(suffix: str) -> list[Path]:
+    return sorted((REPO_ROOT / "configs").rglob(f"*{suffix}.yaml"))
+
+
+def validate(cfg) -> object:
+    return validate_config(cfg, FullFinetuneSingleDeviceConfig, RECIPE)
+
+
+@pytest.mark.parametrize("path", stock_configs(RECIPE), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_stock_torchtune_config_is_accepted_unchanged(path: Path) -> None:
+    cfg = validate(OmegaConf.load(path))
+    assert cfg.loss_normalization == "exact"  # our keys get their defaults
+
+
+@pytest.mark.parametrize(
+    "path", shipped_configs("full_single_device"), ids=lambda p: f"{p.parent.name}/{p.stem}"
+)
+def test_every_shipped_config_is_known_to_its_recipe(path: Path) -> None:
+    cfg = validate(OmegaConf.load(path))
+    first_lines = path.read_text().splitlines()[:25]
+    assert any(f"tune run recipes/{RECIPE}.py" in line for line in first_lines)
+    assert cfg.batch_size >= 1
+
+
+def tiny_cfg(**overrides: object):
+    cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / "full_single_device.yaml")
+    return OmegaConf.merge(cfg, OmegaConf.create(overrides))
+
+
+def test_misspelt_key_is_named_with_a_suggestion() -> None:
+    with pytest.raises(
+        ValueError, match="'gradient_acumulation_steps'.*'gradient_accumulation_steps'"
+    ):
+        validate(tiny_cfg(gradient_acumulation_steps=4))
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown config key 'warp_drive'"):
+        validate(tiny_cfg(warp_drive=True))
+
+
+def test_wrong_type_names_the_key() -> None:
+    with pytest.raises(ValueError, match="config key 'batch_size'"):
+        validate(tiny_cfg(batch_size="eight"))
+
+
+@pytest.mark.parametrize("key", ["batch_size", "gradient_accumulation_steps", "epochs"])
+def test_counts_below_one_name_the_key(key: str) -> None:
+    with pytest.raises(ValueError, match=f"config key '{key}' must be at least 1"):
+        validate(tiny_cfg(**{key: 0}))
+
+
+def test_missing_required_key_is_named() -> None:
+    cfg = tiny_cfg()
+    del cfg["batch_size"]
+    with pytest.raises(ValueError, match="missing required keys: batch_size"):
+        validate(cfg)
+
+
+def test_sections_stay_open_for_torchtune() -> None:
+    cfg = validate(tiny_cfg())
+    cfg.profiler["_component_"] = "torchtune.training.setup_torch_profiler"  # torchtune does this
+    assert cfg.clip_grad_norm == 1.0

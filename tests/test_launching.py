@@ -1,0 +1,80 @@
+"""``tune run`` finds *our* recipe files, however they are launched.
+
+torchtune 0.6.1 installs a top-level ``recipes`` package that would shadow ./recipes; the start-up
+hook (src/_exactga_recipes_hook.py) makes the working directory's folder win. These tests launch
+the way a user does and prove which file ran: stock torchtune has no "unknown config key" error
+and no ``loss_tokens`` metric, and an edited copy prints its own marker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from recipe_utils import (
+    RECIPE,
+    REPO_ROOT,
+    TINY_CONFIG,
+    output_of,
+    read_scalars,
+    run_tune,
+    tiny_args,
+)
+
+pytestmark = pytest.mark.slow
+
+TRAINED = "epoch_0/model-00001-of-00001.safetensors"
+MARKER = "EDITED COPY RAN"
+
+
+def _assert_trained_by_us(proc, output_dir: Path) -> None:
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert (output_dir / TRAINED).is_file()
+    # Metrics only exactga's recipe logs.
+    scalars = read_scalars(output_dir / "logs")
+    assert scalars["loss_tokens"] and scalars["skipped_steps"] == [0.0]
+
+
+def test_tune_run_from_repo_root_runs_our_recipe(tmp_path):
+    proc = run_tune(tiny_args(tmp_path / "typo", max_step_per_epoch=1))
+    assert proc.returncode != 0
+    assert "unknown config key 'max_step_per_epoch'" in output_of(proc), output_of(proc)[-4000:]
+
+    proc = run_tune(tiny_args(tmp_path / "out", max_steps_per_epoch=1))
+    _assert_trained_by_us(proc, tmp_path / "out")
+
+
+def test_tune_run_with_torchrun_runs_our_recipe(tmp_path):
+    """``--nproc_per_node`` goes through torchrun, which runs the recipe with ``python -m``."""
+    args = tiny_args(tmp_path / "out", max_steps_per_epoch=1)
+    proc = run_tune(["--nproc_per_node", "1", *args])
+    assert "Running with torchrun" in proc.stdout, output_of(proc)[-4000:]
+    _assert_trained_by_us(proc, tmp_path / "out")
+
+
+def _edited_copy(destination: Path) -> None:
+    """The recipe with a print inserted after its imports, as a user's edit would be."""
+    lines = (REPO_ROOT / RECIPE).read_text().splitlines(keepends=True)
+    first_statement = next(i for i, line in enumerate(lines) if line.startswith("log = "))
+    lines.insert(first_statement, f'print("{MARKER}")\n\n')
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    destination.write_text("".join(lines))
+
+
+@pytest.mark.parametrize("recipe", ["my_recipe.py", "recipes/edited.py"])
+def test_edited_copy_runs_from_its_own_folder(tmp_path, recipe):
+    project = tmp_path / "myproj"
+    _edited_copy(project / "my_recipe.py")
+    _edited_copy(project / "recipes" / "edited.py")
+    out_dir = tmp_path / "out"
+    args = tiny_args(
+        out_dir,
+        max_steps_per_epoch=1,
+        tokenizer__path=REPO_ROOT / "configs/tiny/tokenizer.model",
+        dataset__data_files=REPO_ROOT / "configs/tiny/data.json",
+    )
+    assert args[:3] == [RECIPE, "--config", TINY_CONFIG]
+    args[:3] = [recipe, "--config", str(REPO_ROOT / TINY_CONFIG)]
+    proc = run_tune(args, cwd=project)
+    assert MARKER in proc.stdout, output_of(proc)[-4000:]
+    _assert_trained_by_us(proc, out_dir)

@@ -1,0 +1,236 @@
+"""recipes/full_finetune_single_device.py run through the real ``tune run`` on CPU.
+
+Tier (b) of STYLE.md point 9: a tiny model on the shipped data, in a subprocess, offline. The
+recipe is never imported; everything is read back from what a run writes (checkpoints and
+TensorBoard events).
+
+Run the parity tests with ``-rP`` to see the measured distances, which docs/ quotes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torchtune
+from omegaconf import OmegaConf
+from recipe_utils import (
+    RECIPE,
+    REPO_ROOT,
+    TINY_CONFIG,
+    load_weights,
+    output_of,
+    read_scalars,
+    relative_l2,
+    run_tune,
+    tiny_args,
+)
+
+pytestmark = pytest.mark.slow
+
+TRAINED = "epoch_0/model-00001-of-00001.safetensors"
+INITIAL = "base_model/model.safetensors"
+STOCK_CONFIG = (
+    Path(torchtune.__file__).resolve().parent.parent
+    / "recipes/configs/llama3_2/1B_full_single_device.yaml"
+)
+
+# Three steps of 8 sequences; no clipping, which would make the update depend on the norm of
+# the full gradient only up to rounding anyway, but keeps the comparison about the loss alone.
+# Warm-up is dropped so that the first step's learning rate is not zero.
+PARITY_STEPS = 3
+SPLITS = [(8, 1), (1, 8), (2, 4)]  # batch_size x gradient_accumulation_steps
+OPTIMIZERS = {
+    # The tiny config's AdamW has weight_decay, which SGD would also accept; removed so that
+    # SGD is plain gradient descent. The lr is large so the update dwarfs fp32 rounding.
+    "sgd": ["optimizer._component_=torch.optim.SGD", "optimizer.lr=0.5", "~optimizer.weight_decay"],
+    "adamw": [],  # the tiny config's AdamW(lr=1e-3, weight_decay=0.01)
+}
+PARITY_TOLERANCE = 1e-5
+
+
+def _train(
+    output_dir: Path, batch_size: int, ga: int, extra: list[str], **overrides: object
+) -> Path:
+    """Train PARITY_STEPS steps with this split; returns ``output_dir`` after checking success."""
+    args = tiny_args(
+        output_dir,
+        batch_size=batch_size,
+        gradient_accumulation_steps=ga,
+        max_steps_per_epoch=PARITY_STEPS,
+        clip_grad_norm="null",
+        lr_scheduler__num_warmup_steps=0,
+        **overrides,
+    )
+    proc = run_tune(args + extra)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    return output_dir
+
+
+@pytest.mark.parametrize("train_on_input", [True, False], ids=["train_on_input", "masked_input"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_accumulation_splits_match_full_batch(tmp_path, optimizer, train_on_input):
+    """8x1, 1x8 and 2x4 train to the same weights (relative L2 <= 1e-5)."""
+    extra = OPTIMIZERS[optimizer]
+    runs = {
+        (bs, ga): _train(
+            tmp_path / f"{bs}x{ga}", bs, ga, extra, dataset__train_on_input=train_on_input
+        )
+        for bs, ga in SPLITS
+    }
+    reference = runs[SPLITS[0]]
+    w_init = load_weights(reference / INITIAL)
+    w_ref = load_weights(reference / TRAINED)
+    ref_scalars = read_scalars(reference / "logs")
+    assert len(ref_scalars["loss"]) == PARITY_STEPS
+
+    for (bs, ga), run_dir in runs.items():
+        if run_dir == reference:
+            continue
+        # Same windows: the sampler's order depends on the seed and epoch only, so every split
+        # sees the same 8 sequences per step and hence the same loss-token counts.
+        scalars = read_scalars(run_dir / "logs")
+        assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]
+        assert load_weights(run_dir / INITIAL).keys() == w_init.keys()
+        rel = relative_l2(load_weights(run_dir / TRAINED), w_ref, w_init)
+        print(
+            f"{optimizer} train_on_input={train_on_input} {bs}x{ga} vs 8x1: "
+            f"relative L2 {rel:.3e}; losses {scalars['loss']} vs {ref_scalars['loss']}"
+        )
+        assert rel <= PARITY_TOLERANCE, f"{bs}x{ga} differs from 8x1 by {rel:.3e}"
+
+
+def test_naive_normalization_breaks_parity(tmp_path):
+    """Negative control: the check above has teeth. The mean of micro-batch means (naive)
+    weighs short sequences up, so 1x8 moves away from 8x1 by far more than the tolerance."""
+    extra = [*OPTIMIZERS["sgd"], "loss_normalization=naive", "dataset.train_on_input=True"]
+    full = _train(tmp_path / "8x1", 8, 1, extra)
+    accumulated = _train(tmp_path / "1x8", 1, 8, extra)
+    rel = relative_l2(
+        load_weights(accumulated / TRAINED),
+        load_weights(full / TRAINED),
+        load_weights(full / INITIAL),
+    )
+    print(f"naive sgd train_on_input=True 1x8 vs 8x1: relative L2 {rel:.3e}")
+    assert rel > 1e-4
+
+
+def _alpaca_row(instruction: str, output: str) -> dict[str, str]:
+    return {"instruction": instruction, "input": "", "output": output}
+
+
+def test_windows_without_loss_tokens_are_skipped(tmp_path):
+    """Prompts longer than max_seq_len leave every label masked; such a window skips its step."""
+    long_prompt = " ".join(["describe the weather in a very long sentence"] * 30)  # 270 words
+    long_rows = [_alpaca_row(long_prompt, "It is sunny.") for _ in range(2)]
+    short_rows = [_alpaca_row("Say hello.", "Hello there, friend.") for _ in range(2)]
+    # Micro-batches of 2, windows of 2: [long long | long long] is a window with no loss token;
+    # [short short | long long] has one empty micro-batch; [short short | short short] is plain.
+    rows = long_rows * 2 + short_rows + long_rows + short_rows * 2
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(rows))
+
+    args = tiny_args(
+        tmp_path / "out",
+        dataset__data_files=data,
+        tokenizer__max_seq_len=64,
+        shuffle=False,
+        batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps_per_epoch=3,
+    )
+    proc = run_tune(args)
+    out = output_of(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "no loss token in this accumulation window" in out
+    scalars = read_scalars(tmp_path / "out/logs")
+    assert scalars["skipped_steps"][-1] >= 1
+    assert scalars["loss_tokens"][0] == 0
+    assert all(n > 0 for n in scalars["loss_tokens"][1:])
+    for name, tensor in load_weights(tmp_path / "out" / TRAINED).items():
+        assert torch.isfinite(tensor).all(), f"{name} is not finite"
+
+
+def test_default_run_writes_checkpoint_and_metrics(tmp_path):
+    """The tiny default itself (full size), two steps: artefacts and metric names."""
+    out_dir = tmp_path / "out"
+    proc = run_tune(
+        [RECIPE, "--config", TINY_CONFIG, f"output_dir={out_dir}", "max_steps_per_epoch=2"]
+    )
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert (out_dir / TRAINED).is_file()
+    assert (out_dir / "epoch_0/config.json").is_file()
+
+    scalars = read_scalars(out_dir / "logs")
+    for name in ("loss", "lr", "tokens_per_second_per_gpu", "loss_tokens", "skipped_steps"):
+        assert len(scalars.get(name, [])) == 2, f"metric {name!r}: {scalars.get(name)}"
+    assert all(math.isfinite(v) for v in scalars["loss"])
+    # A fresh model predicts about uniformly over the 2048-token vocabulary.
+    assert 5 < scalars["loss"][0] < 9, scalars["loss"]
+    assert scalars["skipped_steps"] == [0, 0]
+
+
+def test_stock_torchtune_config_runs_unchanged(tmp_path):
+    """torchtune 0.6.1's own llama3_2/1B config file, only overridden from the command line."""
+    from exactga.tiny import write_initial_checkpoint
+
+    model = {
+        "_component_": "torchtune.models.llama3_2.llama3_2",
+        "vocab_size": 2048,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "embed_dim": 64,
+        "intermediate_dim": 128,
+        "max_seq_len": 512,
+    }
+    checkpoint_dir = tmp_path / "base"
+    write_initial_checkpoint(OmegaConf.create(model), checkpoint_dir, "model.safetensors", 0)
+    out_dir = tmp_path / "out"
+    overrides = {
+        **{f"model.{key}": value for key, value in model.items()},
+        "tokenizer._component_": "torchtune.models.llama2.llama2_tokenizer",
+        "tokenizer.path": REPO_ROOT / "configs/tiny/tokenizer.model",
+        "tokenizer.max_seq_len": 256,
+        "dataset.source": "json",
+        "dataset.data_files": REPO_ROOT / "configs/tiny/data.json",
+        "dataset.split": "train",
+        "checkpointer.checkpoint_dir": checkpoint_dir,
+        "optimizer._component_": "torch.optim.AdamW",
+        "device": "cpu",
+        "dtype": "fp32",
+        "output_dir": out_dir,
+        "max_steps_per_epoch": 2,
+    }
+    args = [RECIPE, "--config", str(STOCK_CONFIG), *(f"{k}={v}" for k, v in overrides.items())]
+    proc = run_tune(args)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert (out_dir / TRAINED).is_file()
+    # The file itself was not touched and still steps the optimizer inside backward.
+    assert OmegaConf.load(STOCK_CONFIG).optimizer_in_bwd is True
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "gradient_acumulation_steps=2",
+            [
+                "unknown config key 'gradient_acumulation_steps'",
+                "Did you mean 'gradient_accumulation_steps'?",
+            ],
+        ),
+        ("loss_normalization=bogus", ["loss_normalization='bogus'"]),
+    ],
+    ids=["misspelt_key", "bad_mode"],
+)
+def test_bad_config_fails_naming_the_key(tmp_path, override, expected):
+    proc = run_tune(tiny_args(tmp_path / "out") + [override])
+    out = output_of(proc)
+    assert proc.returncode != 0, out[-4000:]
+    for text in expected:
+        assert text in out, out[-4000:]
+    assert not (tmp_path / "out" / TRAINED).exists()
