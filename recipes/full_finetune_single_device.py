@@ -153,7 +153,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             num_training_steps=self.total_epochs * self._steps_per_epoch,
             last_epoch=self.global_step - 1,
         )
-        self._profiler = setup_profiler(cfg.get(PROFILER_KEY))
+        self._profiler = setup_profiler(
+            cfg.get(PROFILER_KEY), self._output_dir, self._device, self._model
+        )
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
 
@@ -322,20 +324,24 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def _train_step(self, window: Window) -> torch.Tensor | None:
         """One optimizer step over an accumulation window; returns the grad norm if clipped."""
         for micro_batch in window.nonempty_micro_batches():
-            utils.batch_to_device(micro_batch.batch, self._device)
-            loss = self._loss_step(micro_batch.batch)
-            # See [loss scaled before backward]: no gradient pass follows.
-            window.scale(loss, micro_batch).backward()
+            with self._profiler.phase("forward"):
+                utils.batch_to_device(micro_batch.batch, self._device)
+                loss = self._loss_step(micro_batch.batch)
+            with self._profiler.phase("backward"):
+                # See [loss scaled before backward]: no gradient pass follows.
+                window.scale(loss, micro_batch).backward()
         if self._optimizer_in_bwd:
             return None
-        window.finish_gradients(self._model)
-        grad_norm = None
-        if self._clip_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self._model.parameters(), max_norm=float(self._clip_grad_norm)
-            )
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
+        self._profiler.sample_gradient_pass(self._model)  # measures only; see [saved latency]
+        with self._profiler.phase("optimizer"):
+            window.finish_gradients(self._model)
+            grad_norm = None
+            if self._clip_grad_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self._model.parameters(), max_norm=float(self._clip_grad_norm)
+                )
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def train(self) -> None:
@@ -350,7 +356,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 self._dataloader.sampler.set_epoch(curr_epoch)
                 pbar = tqdm(total=self._steps_per_epoch, desc=f"epoch {curr_epoch + 1}")
                 windows = self._normalizer.windows(self._dataloader, self._steps_per_epoch)
-                for window in windows:
+                for window in self._profiler.timed(windows):
                     grad_norm = None
                     if window.skip_step():
                         warn_skipped_step(self.global_step + 1)
@@ -361,16 +367,18 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         self._lr_scheduler.step()
                     self.global_step += 1
                     num_tokens_since_log += window.num_global_tokens
+                    self._profiler.step(window.num_input_tokens)
                     pbar.update(1)
 
                     if self.global_step % self._log_every_n_steps == 0:
                         elapsed = time.perf_counter() - t_last_log
                         metrics = self._step_metrics(window, grad_norm)
                         metrics["tokens_per_second_per_gpu"] = num_tokens_since_log / elapsed
+                        metrics.update(self._profiler.metrics())
                         self._metric_logger.log_dict(metrics, step=self.global_step)
-                        pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
+                        if "loss" in metrics:
+                            pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
-                    self._profiler.step()
                 pbar.close()
                 self.epochs_run += 1
                 self.save_checkpoint(epoch=curr_epoch)
@@ -380,11 +388,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """The logged metrics; the only host read-backs of the step happen here."""
         optimizer = self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer
         metrics = {
-            "loss": window.mean_loss(),
             "lr": get_lr(optimizer),
             "loss_tokens": float(window.num_global_tokens),
             "skipped_steps": float(self.num_skipped_steps),
         }
+        if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
+            metrics["loss"] = window.mean_loss()
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         if self._log_peak_memory_stats:
@@ -392,6 +401,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return metrics
 
     def _report_outputs(self) -> None:
+        log.info(self._profiler.summary())
         log.info(f"Checkpoints are in {self._checkpoint_dir}")
         if self._log_dir is not None:
             log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")

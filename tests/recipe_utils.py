@@ -29,9 +29,14 @@ SMALL_MODEL = {
 
 
 def tune_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a launch: offline, unbuffered, nothing else changed."""
+    """The environment of a launch: offline, unbuffered, one intra-op thread unless set.
+
+    Tests run launches side by side (``pytest -n 2``); a tiny model gains nothing from more
+    threads, and oversubscribed cores made each launch about twice as slow.
+    """
     env = dict(os.environ)
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra_env or {})
     return env
 
