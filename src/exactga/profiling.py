@@ -226,6 +226,11 @@ class TrainingProfiler:
             return contextlib.nullcontext()
         return self._clock.time(name)
 
+    @property
+    def saved_ms_samples(self) -> list[float]:
+        """Every timed gradient-scaling pass of the run, in milliseconds."""
+        return list(self._saved_ms)
+
     def sample_gradient_pass(self, model: nn.Module) -> None:
         """On sampled steps, time the gradient pass exact mode avoids; see [saved latency]."""
         every = self.settings.saved_latency_every_n_steps

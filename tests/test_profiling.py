@@ -1,0 +1,152 @@
+"""The profiler hook in one process: settings, timings, the saved latency, FLOPs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_normalization import make_loss, make_rows, micro_batch_loss, split, tiny_model
+
+from exactga.normalization import LossNormalizer
+from exactga.profiling import (
+    PHASES,
+    model_flops_per_token,
+    parse_settings,
+    setup_profiler,
+    time_gradient_pass,
+)
+
+CPU = torch.device("cpu")
+
+
+def backward_once(model: torch.nn.Module) -> None:
+    loss_fn = make_loss("cross_entropy", model)
+    (window,) = LossNormalizer(loss_fn, 2).windows(split(make_rows(), 4))
+    for mb in window.nonempty_micro_batches():
+        window.scale(micro_batch_loss(model, loss_fn, mb.batch), mb).backward()
+
+
+def test_stock_profiler_section_is_accepted_and_unknown_keys_are_named() -> None:
+    stock = OmegaConf.create(
+        {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False, "cpu": True}
+    )
+    settings = parse_settings(stock, "/tmp/out")
+    assert settings.output_dir == "/tmp/out/profiling_outputs"
+    assert parse_settings(None, "/tmp/out").log_timings
+    with pytest.raises(ValueError, match="'profiler.wait_stepz'"):
+        parse_settings(OmegaConf.create({"wait_stepz": 1}), "/tmp/out")
+
+
+def test_gradient_pass_measurement_changes_no_gradient_bit() -> None:
+    model = tiny_model()
+    backward_once(model)
+    before = [p.grad.clone() for p in model.parameters()]
+    assert time_gradient_pass(model, CPU) > 0
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def independent_scaling_pass_ms(model: torch.nn.Module) -> float:
+    """The pass, timed here without the library: multiply every gradient by a tensor 1."""
+    one = torch.tensor(1.0)
+    t0 = time.perf_counter()
+    for param in model.parameters():
+        param.grad *= one
+    return (time.perf_counter() - t0) * 1e3
+
+
+def test_saved_ms_matches_an_independently_timed_scaling_pass() -> None:
+    model = tiny_model()
+    backward_once(model)
+    profiler = setup_profiler(
+        OmegaConf.create({"saved_latency_every_n_steps": 1}), "/tmp/unused", CPU, model
+    )
+    with profiler:
+        for _ in range(15):
+            profiler.sample_gradient_pass(model)
+            profiler.step(num_tokens=100)
+        saved = profiler.metrics()["normalization/saved_ms"]
+    independent = statistics.median(independent_scaling_pass_ms(model) for _ in range(15))
+    measured = statistics.median(profiler.saved_ms_samples)
+    assert saved > 0
+    # Same pass, same gradients: the medians agree to within timer noise on a shared CPU.
+    assert independent / 3 <= measured <= independent * 3
+
+
+def test_saved_latency_is_sampled_on_step_2_and_every_n() -> None:
+    model = tiny_model()
+    backward_once(model)
+    cfg = OmegaConf.create({"saved_latency_every_n_steps": 4})
+    profiler = setup_profiler(cfg, "/tmp/unused", CPU, model)
+    sampled = []
+    for step in range(1, 10):
+        before = len(profiler.saved_ms_samples)
+        profiler.sample_gradient_pass(model)
+        if len(profiler.saved_ms_samples) > before:
+            sampled.append(step)
+        profiler.step(num_tokens=1)
+    assert sampled == [2, 4, 8]
+    off = setup_profiler(OmegaConf.create({"saved_latency_every_n_steps": 0}), "/x", CPU, model)
+    for _ in range(3):
+        off.sample_gradient_pass(model)
+        off.step(num_tokens=1)
+    assert off.saved_ms_samples == []
+
+
+def test_metrics_average_phases_per_step_and_reset() -> None:
+    model = tiny_model()
+    profiler = setup_profiler(OmegaConf.create({"peak_flops": 1e12}), "/tmp/unused", CPU, model)
+    with profiler:
+        for item in profiler.timed([1, 2]):
+            with profiler.phase("forward"):
+                time.sleep(0.01 * item)
+            profiler.step(num_tokens=50)
+        metrics = profiler.metrics()
+    assert set(metrics) >= {f"time/{p}_ms" for p in PHASES} | {
+        "time/step_ms",
+        "throughput/tokens_per_second",
+        "throughput/mfu",
+    }
+    assert metrics["time/forward_ms"] == pytest.approx(15.0, rel=0.5)  # (10 + 20) / 2 steps
+    assert metrics["time/step_ms"] >= metrics["time/forward_ms"]
+    assert 0 < metrics["throughput/mfu"] < 1
+    assert profiler.metrics() == {}  # nothing new since the last read
+
+
+def test_timings_off_make_the_hook_silent() -> None:
+    model = tiny_model()
+    profiler = setup_profiler(OmegaConf.create({"log_timings": False}), "/x", CPU, model)
+    with profiler, profiler.phase("forward"):
+        profiler.step(num_tokens=1)
+    assert profiler.metrics() == {}
+
+
+def test_flops_per_token_counts_matmuls_and_attention() -> None:
+    model = tiny_model()
+    num_params = sum(p.numel() for p in model.parameters())
+    attention = 12 * 2 * 32 * 64  # layers * dim * max_seq_len
+    assert model_flops_per_token(model) == 6 * num_params + attention
+
+
+def test_trace_is_written_as_perfetto_json(tmp_path) -> None:
+    model = tiny_model()
+    cfg = OmegaConf.create(
+        {"enabled": True, "wait_steps": 1, "warmup_steps": 1, "active_steps": 1, "num_cycles": 1}
+    )
+    profiler = setup_profiler(cfg, str(tmp_path), CPU, model)
+    with profiler:
+        for _ in range(4):
+            with profiler.phase("forward"):
+                model(torch.randint(0, 64, (1, 8)))
+            profiler.step(num_tokens=8)
+    (trace,) = (tmp_path / "profiling_outputs").glob("trace_step_*.json")
+    assert "traceEvents" in json.loads(trace.read_text())
+
+
+def test_exceptions_pass_through_the_hook() -> None:
+    profiler = setup_profiler(None, "/x", CPU, tiny_model())
+    with pytest.raises(RuntimeError, match="boom"), profiler:
+        raise RuntimeError("boom")
