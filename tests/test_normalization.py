@@ -23,7 +23,6 @@ from exactga.normalization import (
     count_unshifted_tokens,
     loss_denominator,
     parse_mode,
-    reference_window_loss,
     shift_labels,
     verify_loss_denominator,
 )
@@ -91,6 +90,16 @@ def micro_batch_loss(model: nn.Module, loss_fn: nn.Module, batch: dict) -> torch
         labels = labels.reshape(-1)
         logits = logits.reshape(-1, logits.size(-1))
     return loss_fn(logits, labels)
+
+
+def reference_window_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The full-batch loss written out: token-loss sum over the window's loss tokens."""
+    shifted = labels[..., 1:].reshape(-1)
+    logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
+    token_losses = nn.functional.cross_entropy(
+        logits, shifted, ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return token_losses.sum() / (shifted != IGNORE_INDEX).sum()
 
 
 def make_loss(kind: str, model: nn.Module) -> nn.Module:

@@ -61,7 +61,9 @@ def test_hook_logs_scalars_writes_traces_and_leaves_weights_bit_identical(tmp_pa
     assert json.loads(trace.read_text())["traceEvents"]
 
     off_scalars = read_scalars(tmp_path / "off" / "logs")
-    assert not any(tag.startswith(("time/", "throughput/", "normalization/")) for tag in off_scalars)
+    assert not any(
+        tag.startswith(("time/", "throughput/", "normalization/")) for tag in off_scalars
+    )
     w_on = load_weights(tmp_path / "on" / TRAINED)
     w_off = load_weights(tmp_path / "off" / TRAINED)
     assert all(torch.equal(w_on[key], w_off[key]) for key in w_on)

@@ -45,7 +45,6 @@ from enum import Enum
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torchtune.training import scale_grads
 
@@ -357,19 +356,6 @@ class LossNormalizer:
         num_local_tokens = sum(mb.num_tokens for mb in micro_batches)
         pending = _PendingCount(num_local_tokens, self.dp_group)
         return Window(micro_batches, self.mode, self.dp_size, pending)
-
-
-def reference_window_loss(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
-) -> torch.Tensor:
-    """Full-batch loss of a window, for tests: token-loss sum over the window's loss tokens."""
-    shifted = shift_labels(labels, ignore_index)
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(),
-        shifted.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="sum",
-    ) / count_loss_tokens(labels, ignore_index)
 
 
 def warn_skipped_step(step: int) -> None:
