@@ -32,7 +32,6 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import PROFILER_KEY
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
@@ -153,9 +152,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             num_training_steps=self.total_epochs * self._steps_per_epoch,
             last_epoch=self.global_step - 1,
         )
-        self._profiler = setup_profiler(
-            cfg.get(PROFILER_KEY), self._output_dir, self._device, self._model
-        )
+        self._profiler = setup_profiler(cfg, self._device, self._model)
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
 

@@ -14,6 +14,7 @@ from test_normalization import make_loss, make_rows, micro_batch_loss, split, ti
 from exactga.normalization import LossNormalizer
 from exactga.profiling import (
     PHASES,
+    TOP_LEVEL_KEYS,
     model_flops_per_token,
     parse_settings,
     setup_profiler,
@@ -21,6 +22,14 @@ from exactga.profiling import (
 )
 
 CPU = torch.device("cpu")
+
+
+def hook(model: torch.nn.Module, settings: dict, output_dir: str = "/tmp/unused"):
+    """The profiler a recipe would build from these config keys (top-level or ``profiler.*``)."""
+    top_level = {k: v for k, v in settings.items() if k in TOP_LEVEL_KEYS}
+    section = {k: v for k, v in settings.items() if k not in TOP_LEVEL_KEYS}
+    cfg = OmegaConf.create({"output_dir": output_dir, "profiler": section, **top_level})
+    return setup_profiler(cfg, CPU, model)
 
 
 def backward_once(model: torch.nn.Module) -> None:
@@ -39,6 +48,9 @@ def test_stock_profiler_section_is_accepted_and_unknown_keys_are_named() -> None
     assert parse_settings(None, "/tmp/out").log_timings
     with pytest.raises(ValueError, match="'profiler.wait_stepz'"):
         parse_settings(OmegaConf.create({"wait_stepz": 1}), "/tmp/out")
+    # exactga's knobs are top-level keys: stock torchtune would pass them to its profiler
+    with pytest.raises(ValueError, match="'profiler.log_timings'"):
+        parse_settings(OmegaConf.create({"log_timings": False}), "/tmp/out")
 
 
 def test_gradient_pass_measurement_changes_no_gradient_bit() -> None:
@@ -61,9 +73,7 @@ def independent_scaling_pass_ms(model: torch.nn.Module) -> float:
 def test_saved_ms_matches_an_independently_timed_scaling_pass() -> None:
     model = tiny_model()
     backward_once(model)
-    profiler = setup_profiler(
-        OmegaConf.create({"saved_latency_every_n_steps": 1}), "/tmp/unused", CPU, model
-    )
+    profiler = hook(model, {"saved_latency_every_n_steps": 1})
     with profiler:
         for _ in range(15):
             profiler.sample_gradient_pass(model)
@@ -80,7 +90,7 @@ def test_saved_latency_is_sampled_on_step_2_and_every_n() -> None:
     model = tiny_model()
     backward_once(model)
     cfg = OmegaConf.create({"saved_latency_every_n_steps": 4})
-    profiler = setup_profiler(cfg, "/tmp/unused", CPU, model)
+    profiler = hook(model, cfg)
     sampled = []
     for step in range(1, 10):
         before = len(profiler.saved_ms_samples)
@@ -89,7 +99,7 @@ def test_saved_latency_is_sampled_on_step_2_and_every_n() -> None:
             sampled.append(step)
         profiler.step(num_tokens=1)
     assert sampled == [2, 4, 8]
-    off = setup_profiler(OmegaConf.create({"saved_latency_every_n_steps": 0}), "/x", CPU, model)
+    off = hook(model, {"saved_latency_every_n_steps": 0})
     for _ in range(3):
         off.sample_gradient_pass(model)
         off.step(num_tokens=1)
@@ -98,7 +108,7 @@ def test_saved_latency_is_sampled_on_step_2_and_every_n() -> None:
 
 def test_metrics_average_phases_per_step_and_reset() -> None:
     model = tiny_model()
-    profiler = setup_profiler(OmegaConf.create({"peak_flops": 1e12}), "/tmp/unused", CPU, model)
+    profiler = hook(model, {"peak_flops": 1e12})
     with profiler:
         for item in profiler.timed([1, 2]):
             with profiler.phase("forward"):
@@ -118,7 +128,7 @@ def test_metrics_average_phases_per_step_and_reset() -> None:
 
 def test_timings_off_make_the_hook_silent() -> None:
     model = tiny_model()
-    profiler = setup_profiler(OmegaConf.create({"log_timings": False}), "/x", CPU, model)
+    profiler = hook(model, {"log_timings": False})
     with profiler, profiler.phase("forward"):
         profiler.step(num_tokens=1)
     assert profiler.metrics() == {}
@@ -136,7 +146,7 @@ def test_trace_is_written_as_perfetto_json(tmp_path) -> None:
     cfg = OmegaConf.create(
         {"enabled": True, "wait_steps": 1, "warmup_steps": 1, "active_steps": 1, "num_cycles": 1}
     )
-    profiler = setup_profiler(cfg, str(tmp_path), CPU, model)
+    profiler = hook(model, cfg, output_dir=str(tmp_path))
     with profiler:
         for _ in range(4):
             with profiler.phase("forward"):
@@ -147,6 +157,6 @@ def test_trace_is_written_as_perfetto_json(tmp_path) -> None:
 
 
 def test_exceptions_pass_through_the_hook() -> None:
-    profiler = setup_profiler(None, "/x", CPU, tiny_model())
+    profiler = hook(tiny_model(), {})
     with pytest.raises(RuntimeError, match="boom"), profiler:
         raise RuntimeError("boom")

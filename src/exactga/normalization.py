@@ -26,7 +26,18 @@ With one micro-batch on one rank the factor is exactly 1 and no op is applied at
 A micro-batch with no loss token has a mean loss of 0/0. It contributes nothing to the window
 gradient, so on one rank it is skipped outright. A window with no loss token on any rank
 carries no learning signal; stepping an optimizer on zero gradients would still move weights
-(momentum, weight decay), so the step is skipped and counted instead.
+(momentum, weight decay), so the step is skipped and counted instead. Every rank reaches the
+same decision: a rank with a token of its own knows N > 0, one without waits for N.
+
+# See [empty micro-batches under FSDP]
+Under FSDP every data-parallel rank must run the same forwards and backwards, or the ranks'
+all-gathers and reduce-scatters pair up wrongly and hang. So with dp_size > 1 an empty
+micro-batch still runs, with weight exactly 0. Its mean loss would be 0/0 = NaN (the loss
+divides by its own token count) and NaN * 0 is NaN, in the loss and in every gradient. So one
+dummy label is planted on the host copy of its labels (``labels[0, 1] = 0``, the first
+position the loss scores): the loss is then a finite mean over that one token, while the
+micro-batch's recorded count stays 0, so its factor is exactly 0 and its gradient exactly
+zero. Nothing else reads the planted label.
 
 # See [baseline modes]
 ``post_scale`` reproduces stock torchtune 0.6.1 (loss times the token count taken before the
@@ -171,11 +182,13 @@ class _PendingCount:
 
     def __init__(self, num_local_tokens: int, group: dist.ProcessGroup | None) -> None:
         self._value: int | None = None
+        self.device = torch.device("cpu")
         if group is None:
             self._value = num_local_tokens
             return
         backend = dist.get_backend(group)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        self.device = torch.device(device)
         self._tensor = torch.tensor([num_local_tokens], dtype=torch.int64, device=device)
         self._work = dist.all_reduce(self._tensor, group=group, async_op=True)
 
@@ -201,6 +214,7 @@ class Window:
     _pending: _PendingCount
     _losses: list[torch.Tensor] = field(default_factory=list)
     _loss_tokens: list[int] = field(default_factory=list)
+    dp_group: dist.ProcessGroup | None = None
 
     @property
     def num_local_tokens(self) -> int:
@@ -209,7 +223,7 @@ class Window:
     @property
     def num_input_tokens(self) -> int:
         """Positions the model processes on this rank, padding included (for throughput)."""
-        return sum(mb.batch["tokens"].numel() for mb in self.nonempty_micro_batches())
+        return sum(mb.batch["tokens"].numel() for mb in self.micro_batches_to_run())
 
     @property
     def num_global_tokens(self) -> int:
@@ -227,6 +241,17 @@ class Window:
     def nonempty_micro_batches(self) -> Iterator[MicroBatch]:
         """The micro-batches that carry loss tokens; see [empty windows]."""
         return (mb for mb in self.micro_batches if mb.num_tokens > 0)
+
+    def micro_batches_to_run(self) -> Iterator[MicroBatch]:
+        """The micro-batches a recipe must forward and backward on this rank.
+
+        On one data-parallel rank, the non-empty ones; with several, all of them, so that every
+        rank runs the same collectives (empty ones carry a planted label and weigh exactly 0).
+        See [empty micro-batches under FSDP].
+        """
+        if self.dp_size > 1:
+            return iter(self.micro_batches)
+        return self.nonempty_micro_batches()
 
     def scale(self, loss: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
         """The micro-batch's mean loss weighted for backward; see [loss scaled before backward].
@@ -262,6 +287,23 @@ class Window:
         weights = torch.tensor(self._loss_tokens, dtype=torch.float32)
         losses = torch.stack([loss.float() for loss in self._losses]).cpu()
         return float((losses * weights).sum() / weights.sum())
+
+    def global_mean_loss(self) -> float:
+        """The exact window loss over every data-parallel rank (what the step optimised).
+
+        One all-reduce of one number over the data-parallel group, so call it on every rank,
+        and only on logged steps. Without a group it is :meth:`mean_loss`.
+        """
+        if self.dp_group is None:
+            return self.mean_loss()
+        local_sum = torch.zeros((), dtype=torch.float64)
+        if self._losses:
+            weights = torch.tensor(self._loss_tokens, dtype=torch.float64)
+            losses = torch.stack([loss.double() for loss in self._losses]).cpu()
+            local_sum = (losses * weights).sum()
+        summed = local_sum.to(self._pending.device)
+        dist.all_reduce(summed, group=self.dp_group)
+        return float(summed) / self.num_global_tokens
 
 
 def gradient_scaling_pass(model: nn.Module, factor: float) -> None:
@@ -350,12 +392,33 @@ class LossNormalizer:
             if self.mode is NormMode.POST_SCALE
             else num_tokens
         )
+        if num_tokens == 0 and self.dp_size > 1:
+            batch = plant_dummy_label(batch, self.ignore_index)
         return MicroBatch(batch=batch, num_tokens=num_tokens, num_unshifted_tokens=unshifted)
 
     def _open_window(self, micro_batches: list[MicroBatch]) -> Window:
         num_local_tokens = sum(mb.num_tokens for mb in micro_batches)
         pending = _PendingCount(num_local_tokens, self.dp_group)
-        return Window(micro_batches, self.mode, self.dp_size, pending)
+        return Window(micro_batches, self.mode, self.dp_size, pending, dp_group=self.dp_group)
+
+
+def plant_dummy_label(
+    batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX
+) -> dict[str, torch.Tensor]:
+    """A copy of ``batch`` whose labels hold one live label, so its mean loss is finite.
+
+    Only for micro-batches whose recorded count is 0, which therefore weigh exactly 0; see
+    [empty micro-batches under FSDP]. The caller's labels are left untouched.
+    """
+    labels = batch["labels"]
+    if labels.shape[-1] < 2:
+        raise ValueError(
+            "an empty micro-batch with sequences of length 1 has no position to score; "
+            "sequences need at least two tokens."
+        )
+    labels = labels.clone()
+    labels[..., 0, 1] = 0 if ignore_index != 0 else 1
+    return {**batch, "labels": labels}
 
 
 def warn_skipped_step(step: int) -> None:

@@ -13,7 +13,7 @@ off, so the training loop carries no ``if profiling:`` branches):
   bit-identical) on this model's real gradients. See [saved latency].
 - throughput (``throughput/tokens_per_second``, ``throughput/mfu``): processed tokens,
   including padding, and model FLOPs utilisation from ``6 * params`` plus attention FLOPs per
-  token over the device's peak (a small table, or ``profiler.peak_flops``).
+  token over the device's peak (a small table, or the config key ``peak_flops``).
 - ``torch.profiler`` traces on torchtune's schedule keys, written as Chrome/Perfetto JSON
   (``trace_step_<n>.json``, open at https://ui.perfetto.dev), stepped once per *optimizer*
   step (stock torchtune steps per micro-batch); on CUDA with ``profile_memory`` also memory
@@ -78,24 +78,31 @@ class ProfilerSettings:
     warmup_steps: int = 3
     active_steps: int = 2
     num_cycles: int = 1
-    # exactga
+    # exactga's scalars, set by the top-level keys of the same names (stock torchtune passes the
+    # profiler section to its own profiler, which would reject extra keys there)
     log_timings: bool = True  # time/*, throughput/* and normalization/* scalars
     saved_latency_every_n_steps: int = 10  # 0: never time the gradient-scaling pass
     peak_flops: float | None = None  # per-device peak FLOP/s for throughput/mfu
 
 
-def parse_settings(cfg_profiler: DictConfig | None, default_output_dir: str) -> ProfilerSettings:
-    """Read the ``profiler`` section, naming any key it does not know."""
+# The top-level config keys that feed ProfilerSettings' exactga fields.
+TOP_LEVEL_KEYS = ("log_timings", "saved_latency_every_n_steps", "peak_flops")
+
+
+def parse_settings(
+    cfg_profiler: DictConfig | None, default_output_dir: str, **top_level: Any
+) -> ProfilerSettings:
+    """Read the ``profiler`` section (torchtune's keys only), naming any key it does not know."""
     values = {} if cfg_profiler is None else OmegaConf.to_container(cfg_profiler, resolve=True)
-    known = {f.name for f in dataclasses.fields(ProfilerSettings)}
+    known = {f.name for f in dataclasses.fields(ProfilerSettings)} - set(TOP_LEVEL_KEYS)
     for key in values:
         if key not in known:
             raise ValueError(f"unknown config key 'profiler.{key}'.")
-    settings = ProfilerSettings(**values)
+    settings = ProfilerSettings(**values, **top_level)
     if settings.output_dir is None:
         settings.output_dir = os.path.join(default_output_dir, "profiling_outputs")
     if settings.saved_latency_every_n_steps < 0:
-        raise ValueError("config key 'profiler.saved_latency_every_n_steps' must be >= 0.")
+        raise ValueError("config key 'saved_latency_every_n_steps' must be >= 0.")
     return settings
 
 
@@ -333,8 +340,12 @@ def device_peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def setup_profiler(
-    cfg_profiler: DictConfig | None, output_dir: str, device: torch.device, model: nn.Module
-) -> TrainingProfiler:
-    """The recipe's profiler hook from its ``profiler`` config section (which may be absent)."""
-    return TrainingProfiler(parse_settings(cfg_profiler, output_dir), device, model)
+def setup_profiler(cfg: DictConfig, device: torch.device, model: nn.Module) -> TrainingProfiler:
+    """The recipe's profiler hook from a validated recipe config.
+
+    Reads the ``profiler`` section (may be absent), ``output_dir`` and the top-level
+    ``log_timings``, ``saved_latency_every_n_steps`` and ``peak_flops``.
+    """
+    top_level = {key: cfg[key] for key in TOP_LEVEL_KEYS if key in cfg}
+    settings = parse_settings(cfg.get("profiler"), cfg.output_dir, **top_level)
+    return TrainingProfiler(settings, device, model)
