@@ -120,3 +120,24 @@ def read_scalars(log_root: Path | str) -> dict[str, list[float]]:
             for e in ea.Scalars(tag):
                 scalars.setdefault(tag, []).append((e.step, float(e.value)))
     return {tag: [v for _, v in sorted(values)] for tag, values in scalars.items()}
+
+
+LORA_RECIPE = "recipes/lora_finetune_single_device.py"
+LORA_TINY_CONFIG = "configs/tiny/lora_single_device.yaml"
+QLORA_TINY_CONFIG = "configs/tiny/qlora_single_device.yaml"
+
+
+def lora_tiny_args(
+    output_dir: Path | str, config: str = LORA_TINY_CONFIG, **overrides: object
+) -> list[str]:
+    """:func:`tiny_args` for the LoRA recipe: the tiny LoRA (or QLoRA) config, same overrides.
+
+    The base model under ``checkpointer.model`` follows ``model.*`` by interpolation, so the
+    small-model overrides shrink both.
+    """
+    return [LORA_RECIPE, "--config", config, *tiny_args(output_dir, **overrides)[3:]]
+
+
+def load_adapters(path: Path | str) -> dict[str, torch.Tensor]:
+    """The adapter weights of ``adapter_model.pt`` (torchtune's names and layout)."""
+    return torch.load(str(path), map_location="cpu", weights_only=True)

@@ -85,3 +85,26 @@ def test_sections_stay_open_for_torchtune() -> None:
     cfg = validate(tiny_cfg())
     cfg.profiler["_component_"] = "torchtune.training.setup_torch_profiler"  # torchtune does this
     assert cfg.clip_grad_norm == 1.0
+
+
+DISTRIBUTED = "full_finetune_distributed"
+
+
+@pytest.mark.parametrize(
+    "path", stock_configs(DISTRIBUTED), ids=lambda p: f"{p.parent.name}/{p.stem}"
+)
+def test_every_stock_distributed_config_is_accepted_unchanged(path: Path) -> None:
+    from exactga.schemas import FullFinetuneDistributedConfig
+
+    cfg = validate_config(OmegaConf.load(path), FullFinetuneDistributedConfig, DISTRIBUTED)
+    assert cfg.gradient_sync == "every_micro_batch"  # stock behaviour unless asked
+    assert cfg.loss_normalization == "exact"
+
+
+def test_shipped_distributed_config_is_known_to_its_recipe() -> None:
+    from exactga.schemas import FullFinetuneDistributedConfig
+
+    path = REPO_ROOT / "configs" / "tiny" / "full_distributed.yaml"
+    validate_config(OmegaConf.load(path), FullFinetuneDistributedConfig, DISTRIBUTED)
+    first_lines = path.read_text().splitlines()[:25]
+    assert any(f"recipes/{DISTRIBUTED}.py" in line for line in first_lines)

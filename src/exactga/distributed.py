@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -112,8 +113,6 @@ def cleanup_before_training(device: torch.device) -> None:
     """torchtune's pre-training cleanup, which on CPU calls a ``torch.cpu.empty_cache`` that
     does not exist; only the garbage collection applies there."""
     if device.type == "cpu":
-        import gc
-
         gc.collect()
         return
     training.cleanup_before_training()

@@ -13,7 +13,7 @@ To add a knob to a recipe you copied, subclass its schema in the recipe file::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING
@@ -109,6 +109,9 @@ class LoraFinetuneSingleDeviceConfig:
     # Logging.
     log_every_n_steps: int = 1
     log_peak_memory_stats: bool = False
+    log_timings: bool = True  # exactga: time/*, throughput/*, normalization/* scalars
+    saved_latency_every_n_steps: int = 10  # exactga: 0 never times the skipped gradient pass
+    peak_flops: Optional[float] = None  # exactga: device peak FLOP/s for throughput/mfu
 
     # exactga (see docs/math.md).
     loss_normalization: str = "exact"  # exact | post_scale | naive
@@ -130,4 +133,27 @@ class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
     ac_option: Any = None  # an int (every n-th layer) or "op"
 
     # exactga: when FSDP reduces gradients under accumulation (docs/full_finetune_distributed.md).
-    gradient_sync: str = "once_per_window"  # once_per_window | every_micro_batch
+    # every_micro_batch is stock torchtune's behaviour and never needs more memory than stock;
+    # once_per_window is faster but holds an unsharded gradient copy per rank, which stock
+    # configs with ga = 8 (up to the 90B vision model) could not afford.
+    gradient_sync: str = "every_micro_batch"  # every_micro_batch | once_per_window
+
+
+@dataclass
+class ParitySettings:
+    """The ``parity`` section of ``ga_parity``: what to compare, for how long."""
+
+    # batch_size x gradient_accumulation_steps; all with the same global batch. The full batch
+    # (global x 1) is always trained as the reference.
+    splits: list[str] = field(default_factory=lambda: ["1x8", "2x4", "4x2"])
+    modes: list[str] = field(default_factory=lambda: ["naive", "post_scale", "exact"])
+    num_steps: int = 12
+    noise_floor: float = 1e-5  # relative L2 an exact split may differ by in fp32
+
+
+@dataclass
+class GaParityConfig(LoraFinetuneSingleDeviceConfig):
+    """``ga_parity``: a full or LoRA single-device config plus a ``parity`` section."""
+
+    optimizer_in_bwd: bool = False  # read by full configs; must stay False here
+    parity: ParitySettings = field(default_factory=ParitySettings)

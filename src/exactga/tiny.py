@@ -46,7 +46,18 @@ def initialized_hf_checkpointer(
 def write_initial_checkpoint(
     model_cfg: DictConfig, checkpoint_dir: Path, file_name: str, init_seed: int
 ) -> None:
-    """Seeded weights of ``model_cfg`` in HF format; atomic, so parallel first runs agree."""
+    """Seeded weights of ``model_cfg`` in HF format; atomic, so parallel first runs agree.
+
+    ``model_cfg`` is a plain model: a LoRA builder's state dict has adapter keys that no HF
+    checkpoint holds (configs/tiny/lora_single_device.yaml gives the checkpointer the plain
+    builder with the LoRA model's sizes).
+    """
+    if "lora_rank" in model_cfg:
+        raise ValueError(
+            f"config key 'checkpointer.model' is a LoRA model ({model_cfg.get('_component_')}); "
+            "the initial checkpoint holds base weights only, so give it the plain builder with "
+            "the same sizes (see configs/tiny/lora_single_device.yaml)."
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed)
         with torch.device("cpu"):

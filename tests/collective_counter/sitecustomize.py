@@ -1,0 +1,58 @@
+"""Counts torch.distributed collectives per optimizer step in a recipe launched by a test.
+
+Put this folder on ``PYTHONPATH`` and set ``EXACTGA_COUNT_COLLECTIVES_DIR``: every interpreter
+started under it (the ``tune run`` workers) wraps ``dist.all_reduce`` and FSDP2's reduce-scatter
+entry points, closes an interval at each optimizer step (a global step post-hook) and writes
+``rank<RANK>.json`` at exit: one dict of counts per optimizer step. Without the variable this
+module does nothing and imports nothing. Tests only; recipes never see it.
+"""
+
+import os
+
+_OUT = os.environ.get("EXACTGA_COUNT_COLLECTIVES_DIR")
+
+if _OUT:
+    import atexit
+    import collections
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    _current = collections.Counter()
+    _steps = []
+
+    def _wrap(name, classify):
+        original = getattr(dist, name, None)
+        if original is None:
+            return
+
+        def counting(*args, **kwargs):
+            _current[classify(*args, **kwargs)] += 1
+            return original(*args, **kwargs)
+
+        setattr(dist, name, counting)
+
+    def _all_reduce_kind(tensor, *args, **kwargs):
+        # The window token count is the only int64 all-reduce of a step.
+        return "token_count" if tensor.dtype == torch.int64 else "all_reduce_other"
+
+    _wrap("all_reduce", _all_reduce_kind)
+    _wrap("reduce_scatter_single", lambda *a, **k: "reduce_scatter")
+    _wrap("reduce_scatter_tensor", lambda *a, **k: "reduce_scatter")
+
+    def _close_step(optimizer, args, kwargs):
+        _steps.append(dict(_current))
+        _current.clear()
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_close_step)
+
+    def _write():
+        rank = os.environ.get("RANK")
+        if rank is not None and _steps:
+            with open(os.path.join(_OUT, f"rank{rank}.json"), "w") as f:
+                json.dump(_steps, f)
+
+    atexit.register(_write)

@@ -1,0 +1,124 @@
+"""Checks on the shipped per-model LoRA and QLoRA configs in configs/.
+
+Fast and offline, as tests/test_model_configs.py: models are built on the meta device, tokenizers
+are only resolved to their builder function, and no recipe is run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torchtune
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config
+from torchtune.config._utils import _get_component_from_path
+from torchtune.modules.peft import get_adapter_params
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/lora_finetune_single_device.py"
+STOCK_CONFIGS = Path(torchtune.__file__).resolve().parent.parent / "recipes" / "configs"
+
+# config (relative to configs/, no suffix) -> (output tag, min params, max params), base model
+MODEL_CONFIGS = {
+    "llama3_2/1B_lora_single_device": ("llama3_2_1B", 1.0e9, 1.6e9),
+    "llama3_2/3B_lora_single_device": ("llama3_2_3B", 2.8e9, 3.6e9),
+    "llama3_1/8B_lora_single_device": ("llama3_1_8B", 7.5e9, 8.5e9),
+    "qwen2_5/0.5B_lora_single_device": ("qwen2_5_0_5B", 0.4e9, 0.65e9),
+    "qwen2_5/1.5B_lora_single_device": ("qwen2_5_1_5B", 1.3e9, 1.8e9),
+    "qwen2_5/7B_lora_single_device": ("qwen2_5_7B", 7.0e9, 8.0e9),
+    "llama3_2/1B_qlora_single_device": ("llama3_2_1B", 1.0e9, 1.6e9),
+    "llama3_2/3B_qlora_single_device": ("llama3_2_3B", 2.8e9, 3.6e9),
+    "llama3_1/8B_qlora_single_device": ("llama3_1_8B", 7.5e9, 8.5e9),
+}
+NAMES = list(MODEL_CONFIGS)
+
+EXACTGA_KEYS = {"loss_normalization", "drop_partial_window"}
+CHANGED_KEYS = {"output_dir", "metric_logger"}
+
+
+def _path(name: str) -> Path:
+    return REPO_ROOT / "configs" / f"{name}.yaml"
+
+
+def _load(name: str) -> DictConfig:
+    cfg = OmegaConf.load(_path(name))
+    assert isinstance(cfg, DictConfig)
+    return cfg
+
+
+def _header(name: str) -> str:
+    header = []
+    for line in _path(name).read_text().splitlines():
+        if line.startswith("#"):
+            header.append(line)
+        elif line.strip():
+            break
+    return "\n".join(header)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_header_has_download_and_launch_commands(name: str) -> None:
+    header = _header(name)
+    assert "tune download" in header
+    launch = f"tune run {RECIPE} --config configs/{name}.yaml"
+    assert launch in header
+    assert any(
+        line.strip().startswith(f"#   {launch} ") and "=" in line for line in header.splitlines()
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_model_builds_on_meta_with_adapters(name: str) -> None:
+    """Base size in range; only the adapters would train (a small fraction of the weights)."""
+    _, lo, hi = MODEL_CONFIGS[name]
+    cfg = _load(name)
+    with torch.device("meta"):
+        model = config.instantiate(cfg.model)
+    adapters = get_adapter_params(model)
+    n_adapter = sum(p.numel() for p in adapters.values())
+    n_params = sum(p.numel() for p in model.parameters()) - n_adapter
+    assert lo <= n_params <= hi, f"{cfg.model._component_}: {n_params:,} params"
+    assert 0 < n_adapter < 0.05 * n_params
+    assert all(".lora_" in key for key in adapters)
+    if "qlora" in name:
+        assert "qlora" in cfg.model._component_
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_component_paths_resolve(name: str) -> None:
+    cfg = _load(name)
+    assert callable(_get_component_from_path(cfg.tokenizer._component_))
+    for key in ("dataset", "loss", "checkpointer", "metric_logger", "profiler", "optimizer"):
+        assert callable(_get_component_from_path(cfg[key]._component_)), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_exactga_settings(name: str) -> None:
+    tag, _, _ = MODEL_CONFIGS[name]
+    cfg = _load(name)
+    assert cfg.loss_normalization == "exact"
+    assert cfg.drop_partial_window is False
+    kind = "qlora" if "qlora" in name else "lora"
+    assert cfg.output_dir == f"/tmp/exactga/{tag}/{kind}_single_device"
+    assert cfg.metric_logger._component_ == "torchtune.training.metric_logging.TensorBoardLogger"
+    assert OmegaConf.to_container(cfg.metric_logger)["log_dir"] == "${output_dir}/logs"
+    assert cfg.model.lora_dropout == 0.0  # dropout masks would differ between splits
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_matches_stock_config(name: str) -> None:
+    """Apart from the documented changes, each config equals torchtune 0.6.1's stock one."""
+    stock_path = STOCK_CONFIGS / f"{name}.yaml"
+    if not stock_path.is_file():
+        pytest.skip(f"stock torchtune config not installed at {stock_path}")
+    ours = OmegaConf.to_container(_load(name), resolve=False)
+    stock = OmegaConf.to_container(OmegaConf.load(stock_path), resolve=False)
+    assert set(ours) == set(stock) | EXACTGA_KEYS
+    for key in stock:
+        if key not in CHANGED_KEYS:
+            assert ours[key] == stock[key], key
+    ours_logger = {k: v for k, v in ours["metric_logger"].items() if k != "_component_"}
+    stock_logger = {k: v for k, v in stock["metric_logger"].items() if k != "_component_"}
+    assert ours_logger == stock_logger

@@ -1,0 +1,233 @@
+"""recipes/full_finetune_distributed.py through the real ``tune run --nproc_per_node 2`` on CPU.
+
+Tier (b) of STYLE.md point 9, gloo ranks, offline. All launches of the module run once, two
+at a time, in a module fixture; each test then reads what they wrote. The one-rank reference
+is the single-device recipe (same sampler order, same initial checkpoint), so these runs also
+check the two recipes against each other.
+
+Collectives are counted by ``tests/collective_counter/sitecustomize.py``, which the launches
+load through ``PYTHONPATH``; the recipes know nothing of it. Run with ``-rP`` to see the
+measured distances (docs/full_finetune_distributed.md quotes them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_utils import (
+    REPO_ROOT,
+    SMALL_MODEL,
+    load_weights,
+    output_of,
+    read_scalars,
+    relative_l2,
+    run_tune,
+)
+
+pytestmark = pytest.mark.slow
+
+SINGLE = "recipes/full_finetune_single_device.py"
+SINGLE_CONFIG = "configs/tiny/full_single_device.yaml"
+DISTRIBUTED = "recipes/full_finetune_distributed.py"
+DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
+TRAINED = "epoch_0/model-00001-of-00001.safetensors"
+INITIAL = "base_model/model.safetensors"
+COUNTER = REPO_ROOT / "tests/collective_counter"
+PARITY_TOLERANCE = 1e-5
+
+# As in the single-device parity test: 12 AdamW steps, no clipping, no warm-up.
+PARITY = {"max_steps_per_epoch": 12, "clip_grad_norm": "null", "lr_scheduler.num_warmup_steps": 0}
+# The ragged data: 6 plain SGD steps (large lr so the update dwarfs rounding), in file order.
+SGD = {
+    "optimizer._component_": "torch.optim.SGD",
+    "optimizer.lr": 0.5,
+    "~optimizer.weight_decay": None,
+    "max_steps_per_epoch": 6,
+    "clip_grad_norm": "null",
+    "lr_scheduler.num_warmup_steps": 0,
+    "shuffle": False,
+    "tokenizer.max_seq_len": 64,
+}
+
+
+def _row(instruction: str, output: str) -> dict[str, str]:
+    return {"instruction": instruction, "input": "", "output": output}
+
+
+def ragged_rows() -> list[dict[str, str]]:
+    """Eight rows per step; unshuffled, rank 0 reads the even rows and rank 1 the odd ones.
+
+    step 0: rank 0 long answers, rank 1 two-word answers (very different counts)
+    step 1: rank 1 only prompts longer than max_seq_len: no loss token on that rank
+    step 2: no loss token on any rank: the step is skipped everywhere
+    step 3: rank 0's first micro-batch (2x2) is empty, its second long
+    steps 4-5: rank 0 short, rank 1 long
+    """
+    long = _row("Tell a story.", " ".join(["the quick brown fox jumps over the lazy dog"] * 5))
+    short = _row("Say hi.", "Hi there.")
+    masked = _row(" ".join(["describe the weather in a very long sentence"] * 30), "Sunny.")
+    steps = [
+        [long, short] * 4,
+        [long, masked] * 4,
+        [masked] * 8,
+        [masked, short, masked, short, long, short, long, short],
+        [short, long] * 4,
+        [short, long] * 4,
+    ]
+    return [row for step in steps for row in step]
+
+
+def _args(recipe: str, config: str, out: Path, settings: dict[str, object]) -> list[str]:
+    merged = {**SMALL_MODEL, "output_dir": out, **settings}
+    overrides = [k if v is None else f"{k}={v}" for k, v in merged.items()]
+    return [recipe, "--config", config, *overrides]
+
+
+def _launch(name: str, nproc: int, settings: dict[str, object], root: Path) -> Path:
+    out = root / name
+    counts = root / f"{name}_collectives"
+    counts.mkdir(parents=True)
+    if nproc == 1:
+        args = _args(SINGLE, SINGLE_CONFIG, out, settings)
+    else:
+        args = [
+            "--nproc_per_node",
+            str(nproc),
+            *_args(DISTRIBUTED, DISTRIBUTED_CONFIG, out, settings),
+        ]
+    env = {"PYTHONPATH": str(COUNTER), "EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)}
+    proc = run_tune(args, extra_env=env, timeout=600)
+    assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
+    (out / "output.txt").write_text(output_of(proc))
+    return out
+
+
+def _launch_two_nodes(name: str, settings: dict[str, object], root: Path) -> Path:
+    """Two ``tune run --nnodes 2 --nproc_per_node 1`` agents on this machine, meeting through
+    torchrun's c10d rendezvous on loopback: the multi-node launch path of the docs."""
+    out = root / name
+    with socket.socket() as sock:  # a free port for the rendezvous store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rendezvous = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d"]
+    rendezvous += ["--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", name]
+    args = [*rendezvous, *_args(DISTRIBUTED, DISTRIBUTED_CONFIG, out, settings)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda _: run_tune(args, timeout=600), range(2)))
+    for proc in procs:
+        assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("distributed")
+    data = root / "ragged.json"
+    data.write_text(json.dumps(ragged_rows()))
+    ragged = {**SGD, "dataset.data_files": data}
+    launches = {
+        # name: (ranks, overrides); bs x ga per rank, 8 sequences per step in all
+        "1rank_8x1": (1, {**PARITY, "batch_size": 8, "gradient_accumulation_steps": 1}),
+        "2ranks_4x1": (2, {**PARITY, "batch_size": 4, "gradient_accumulation_steps": 1}),
+        "2ranks_1x4": (
+            2,
+            {
+                **PARITY,
+                "batch_size": 1,
+                "gradient_accumulation_steps": 4,
+                "gradient_sync": "once_per_window",
+            },
+        ),
+        "2ranks_2x2": (
+            2,
+            {
+                **PARITY,
+                "batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "gradient_sync": "every_micro_batch",
+            },
+        ),
+        "ragged_1rank_8x1": (1, {**ragged, "batch_size": 8, "gradient_accumulation_steps": 1}),
+        "ragged_2ranks_2x2": (2, {**ragged, "batch_size": 2, "gradient_accumulation_steps": 2}),
+    }
+    # Two launches at a time: each is mostly single-threaded start-up on a small machine.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(_launch, name, nproc, settings, root)
+            for name, (nproc, settings) in launches.items()
+        }
+        result = {name: future.result() for name, future in futures.items()}
+    two_nodes = {**PARITY, "batch_size": 4, "gradient_accumulation_steps": 1}
+    result["2nodes_4x1"] = _launch_two_nodes("2nodes_4x1", two_nodes, root)
+    return result
+
+
+def _distance(run: Path, reference: Path) -> float:
+    return relative_l2(
+        load_weights(run / TRAINED),
+        load_weights(reference / TRAINED),
+        load_weights(reference / INITIAL),
+    )
+
+
+@pytest.mark.parametrize("name", ["2ranks_4x1", "2ranks_1x4", "2ranks_2x2", "2nodes_4x1"])
+def test_rank_and_accumulation_splits_match_one_rank(runs, name):
+    """2 ranks x (4x1, 1x4, 2x2), and 4x1 on two nodes over loopback rendezvous, train to the
+    weights of 1 rank 8x1 (relative L2 <= 1e-5)."""
+    reference = runs["1rank_8x1"]
+    scalars, ref_scalars = read_scalars(runs[name] / "logs"), read_scalars(reference / "logs")
+    assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]  # the same 8 sequences per step
+    rel = _distance(runs[name], reference)
+    print(f"{name} vs 1 rank 8x1: relative L2 {rel:.3e}")
+    assert rel <= PARITY_TOLERANCE
+    # The logged loss is the exact window loss over both ranks, as on one rank.
+    assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-4)
+
+
+def test_ragged_and_empty_ranks_match_one_rank(runs):
+    """Very different token counts per rank, a rank with no loss token, a window empty on every
+    rank: still the one-rank weights, finite, and the empty window skipped on both ranks."""
+    run, reference = runs["ragged_2ranks_2x2"], runs["ragged_1rank_8x1"]
+    scalars, ref_scalars = read_scalars(run / "logs"), read_scalars(reference / "logs")
+    assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]
+    assert scalars["loss_tokens"][2] == 0 and all(
+        n > 0 for i, n in enumerate(scalars["loss_tokens"]) if i != 2
+    )
+    assert scalars["skipped_steps"][-1] == 1
+    for name, tensor in load_weights(run / TRAINED).items():
+        assert torch.isfinite(tensor).all(), f"{name} is not finite"
+    assert all(math.isfinite(v) for v in scalars["loss"])
+    rel = _distance(run, reference)
+    print(f"ragged 2 ranks 2x2 vs 1 rank 8x1: relative L2 {rel:.3e}")
+    assert rel <= PARITY_TOLERANCE
+    assert (run / "output.txt").read_text().count("no loss token in this accumulation window") == 1
+
+
+def _steps(run: Path, rank: int) -> list[dict[str, int]]:
+    return json.loads((run.parent / f"{run.name}_collectives" / f"rank{rank}.json").read_text())
+
+
+def test_collectives_per_optimizer_step(runs):
+    """One token-count all-reduce per step; gradients reduce-scattered once per parameter group
+    per step with once_per_window whatever ga is, ga times with every_micro_batch."""
+    per_step = {
+        name: [_steps(runs[name], r) for r in range(2)]
+        for name in ("2ranks_4x1", "2ranks_1x4", "2ranks_2x2")
+    }
+    groups = per_step["2ranks_4x1"][0][0]["reduce_scatter"]  # FSDP units: layers + root
+    assert groups == SMALL_MODEL["model.num_layers"] + 1
+    expected = {"2ranks_4x1": groups, "2ranks_1x4": groups, "2ranks_2x2": 2 * groups}
+    for name, ranks in per_step.items():
+        for steps in ranks:
+            assert len(steps) == PARITY["max_steps_per_epoch"]
+            for step in steps:
+                assert step.get("token_count") == 1, (name, step)
+                assert step.get("reduce_scatter") == expected[name], (name, step)
+                # The only other all-reduce: the logged loss of the previous step.
+                assert step.get("all_reduce_other", 0) <= 1, (name, step)
