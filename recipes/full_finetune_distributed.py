@@ -50,10 +50,10 @@ from tqdm import tqdm
 
 from exactga import distributed
 from exactga.config import validate_config
-from exactga.normalization import LossNormalizer, Window, parse_mode, warn_skipped_step
+from exactga.normalization import LossNormalizer, Window, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.schemas import FullFinetuneDistributedConfig
-from exactga.training import causal_lm_loss
+from exactga.training import causal_lm_loss, train_window
 
 log = utils.get_logger("INFO")
 
@@ -378,40 +378,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             epoch=epoch,
         )
 
-    def _train_step(self, window: Window) -> torch.Tensor | None:
-        """One optimizer step over an accumulation window; returns the grad norm if clipped."""
-        # Every rank runs every micro-batch, empty ones with weight 0: see
-        # [empty micro-batches under FSDP] in exactga.normalization.
-        micro_batches = list(window.micro_batches_to_run())
-        for i, micro_batch in enumerate(micro_batches):
-            is_last = i == len(micro_batches) - 1
-            with distributed.gradient_sync(self._model, self._gradient_sync, is_last):
-                with self._profiler.phase("forward"):
-                    utils.batch_to_device(micro_batch.batch, self._device)
-                    loss = causal_lm_loss(
-                        self._model,
-                        self._loss_fn,
-                        micro_batch.batch,
-                        self._activations_handling_ctx,
-                    )
-                with self._profiler.phase("backward"):
-                    # See [loss scaled before backward]: includes dp_size; no gradient pass.
-                    window.scale(loss, micro_batch).backward()
-        if self._optimizer_in_bwd:
-            return None
-        self._profiler.sample_gradient_pass(self._model)  # measures only; see [saved latency]
-        with self._profiler.phase("optimizer"):
-            window.finish_gradients(self._model)
-            grad_norm = None
-            if self._clip_grad_norm is not None:
-                grad_norm = distributed.full_tensor(
-                    torch.nn.utils.clip_grad_norm_(
-                        self._model.parameters(), max_norm=float(self._clip_grad_norm)
-                    )
-                )
-            self._optimizer.step()
-            self._optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and mean loss of one micro-batch already on the device."""
+        return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
 
     def train(self) -> None:
         distributed.cleanup_before_training(self._device)
@@ -431,14 +400,21 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 windows = self._normalizer.windows(self._dataloader, self._steps_per_epoch)
                 for window in self._profiler.timed(windows):
-                    grad_norm = None
-                    # The same answer on every rank; see [empty windows].
-                    if window.skip_step():
-                        if self._is_rank_zero:
-                            warn_skipped_step(self.global_step + 1)
-                        self.num_skipped_steps += 1
-                    else:
-                        grad_norm = self._train_step(window)
+                    outcome = train_window(
+                        window,
+                        model=self._model,
+                        loss_step=self._loss_step,
+                        optimizer=None if self._optimizer_in_bwd else self._optimizer,
+                        profiler=self._profiler,
+                        device=self._device,
+                        step=self.global_step + 1,
+                        clip_grad_norm=self._clip_grad_norm,
+                        micro_batch_context=partial(
+                            distributed.gradient_sync, self._model, self._gradient_sync
+                        ),
+                        announce_skip=self._is_rank_zero,
+                    )
+                    self.num_skipped_steps += outcome.skipped
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
                     self.global_step += 1
@@ -449,7 +425,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                     if self.global_step % self._log_every_n_steps == 0:
                         # Every rank takes part in the loss reduction; rank 0 writes.
                         elapsed = time.perf_counter() - t_last_log
-                        metrics = self._step_metrics(window, grad_norm)
+                        metrics = self._step_metrics(window, outcome.grad_norm)
                         metrics["tokens_per_second_per_gpu"] = (
                             num_tokens_since_log / elapsed / self.world_size
                         )

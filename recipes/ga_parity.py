@@ -162,6 +162,11 @@ class GaParityRecipe:
             model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = config.instantiate(self._cfg.optimizer, trainable)
+        lr_scheduler = None
+        if self._cfg.lr_scheduler is not None:
+            lr_scheduler = config.instantiate(
+                self._cfg.lr_scheduler, optimizer, num_training_steps=self._num_steps
+            )
         normalizer = LossNormalizer(self._loss_fn, split.ga, mode=mode)
         # Timings off: the report compares numbers, and the hook stays the recipes' own.
         profiler = setup_profiler(
@@ -185,6 +190,8 @@ class GaParityRecipe:
                 step=step,
                 clip_grad_norm=self._clip_grad_norm,
             )
+            if lr_scheduler is not None:
+                lr_scheduler.step()
             losses.append(window.mean_loss())
             logger.log("loss", losses[-1], step)
         logger.close()

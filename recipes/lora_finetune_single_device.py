@@ -49,15 +49,10 @@ from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 from exactga.config import validate_config
-from exactga.normalization import (
-    LossNormalizer,
-    Window,
-    parse_mode,
-    shift_labels,
-    warn_skipped_step,
-)
+from exactga.normalization import LossNormalizer, Window, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.schemas import LoraFinetuneSingleDeviceConfig
+from exactga.training import causal_lm_loss, train_window
 
 log = utils.get_logger("INFO")
 
@@ -376,39 +371,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
-        labels = batch.pop("labels")
-        with self._activations_handling_ctx:
-            logits = self._model(**batch)
-        # See [shifted token count] in exactga.normalization: the count used to weight this
-        # loss was taken on exactly these shifted labels.
-        labels = shift_labels(labels, self._loss_fn.ignore_index)
-        if not isinstance(logits, list):
-            labels = labels.reshape(-1)
-            logits = logits.reshape(-1, logits.size(-1))
-        loss = self._loss_fn(logits, labels)
-        del logits  # frees the largest activation before backward
-        return loss
-
-    def _train_step(self, window: Window) -> torch.Tensor | None:
-        """One optimizer step over an accumulation window; returns the grad norm if clipped."""
-        for micro_batch in window.nonempty_micro_batches():
-            with self._profiler.phase("forward"):
-                utils.batch_to_device(micro_batch.batch, self._device)
-                loss = self._loss_step(micro_batch.batch)
-            with self._profiler.phase("backward"):
-                # See [loss scaled before backward]: no gradient pass follows.
-                window.scale(loss, micro_batch).backward()
-        self._profiler.sample_gradient_pass(self._model)  # measures only; see [saved latency]
-        with self._profiler.phase("optimizer"):
-            window.finish_gradients(self._model)
-            grad_norm = None
-            if self._clip_grad_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self._model.parameters(), max_norm=float(self._clip_grad_norm)
-                )
-            self._optimizer.step()
-            self._optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
 
     def train(self) -> None:
         if self._compile:
@@ -422,12 +385,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                 pbar = tqdm(total=self._steps_per_epoch, desc=f"epoch {curr_epoch + 1}")
                 windows = self._normalizer.windows(self._dataloader, self._steps_per_epoch)
                 for window in self._profiler.timed(windows):
-                    grad_norm = None
-                    if window.skip_step():
-                        warn_skipped_step(self.global_step + 1)
-                        self.num_skipped_steps += 1
-                    else:
-                        grad_norm = self._train_step(window)
+                    outcome = train_window(
+                        window,
+                        model=self._model,
+                        loss_step=self._loss_step,
+                        optimizer=self._optimizer,
+                        profiler=self._profiler,
+                        device=self._device,
+                        step=self.global_step + 1,
+                        clip_grad_norm=self._clip_grad_norm,
+                    )
+                    self.num_skipped_steps += outcome.skipped
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
                     self.global_step += 1
@@ -437,7 +405,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
                     if self.global_step % self._log_every_n_steps == 0:
                         elapsed = time.perf_counter() - t_last_log
-                        metrics = self._step_metrics(window, grad_norm)
+                        metrics = self._step_metrics(window, outcome.grad_norm)
                         metrics["tokens_per_second_per_gpu"] = num_tokens_since_log / elapsed
                         metrics.update(self._profiler.metrics())
                         self._metric_logger.log_dict(metrics, step=self.global_step)

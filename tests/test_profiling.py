@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from test_normalization import make_loss, make_rows, micro_batch_loss, split, tiny_model
+from torchtune.models.llama3_2 import llama3_2
 
 from exactga.normalization import LossNormalizer
 from exactga.profiling import (
@@ -160,3 +161,22 @@ def test_exceptions_pass_through_the_hook() -> None:
     profiler = hook(tiny_model(), {})
     with pytest.raises(RuntimeError, match="boom"), profiler:
         raise RuntimeError("boom")
+
+
+def test_flops_leave_out_an_untied_embedding_and_frozen_weight_gradients() -> None:
+    model = llama3_2(
+        vocab_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        embed_dim=32,
+        max_seq_len=64,
+        intermediate_dim=64,
+        tie_word_embeddings=False,
+    )
+    attention = 12 * 2 * 32 * 64
+    matmul_params = sum(p.numel() for p in model.parameters()) - 64 * 32  # minus the lookup
+    assert model_flops_per_token(model) == 6 * matmul_params + attention
+    for param in model.parameters():  # frozen: no weight-gradient matmuls, as for a LoRA base
+        param.requires_grad_(False)
+    assert model_flops_per_token(model) == 4 * matmul_params + attention

@@ -188,6 +188,10 @@ def test_rank_and_accumulation_splits_match_one_rank(runs, name):
     assert rel <= PARITY_TOLERANCE
     # The logged loss is the exact window loss over both ranks, as on one rank.
     assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-4)
+    # The profiler hook's scalars, logged by rank 0 at every step.
+    for tag in ("time/step_ms", "time/backward_ms", "throughput/tokens_per_second"):
+        assert len(scalars[tag]) == len(scalars["loss"]) and min(scalars[tag]) > 0, tag
+    assert scalars["normalization/saved_ms"][-1] > 0
 
 
 def test_ragged_and_empty_ranks_match_one_rank(runs):

@@ -41,13 +41,20 @@ OPTIMIZERS = {
     "sgd": ["optimizer._component_=torch.optim.SGD", "optimizer.lr=0.5", "~optimizer.weight_decay"],
     "adamw": ["optimizer.lr=3e-3"],  # the tiny LoRA config's AdamW, weight_decay 0.01
 }
-# The issue asked for 1e-7; the fp32 floor measured on this setup is higher, so this is 2e-6
-# (worst measured case 1.1e-6, AdamW 2x4), not a silently loosened check. Measured 1x8 vs 8x1 with
-# train_on_input True: SGD lr 0.5 3.1e-7, AdamW lr 3e-3 6.0e-7, AdamW lr 1e-3 7.0e-7; with dtype
-# fp64 and torch's CrossEntropyLoss still 3.1e-7, because torchtune's RMSNorm and RoPE compute in
-# fp32 whatever the dtype. SGD at lr 2.0 amplified it to 6.9e-6 (1x8, train_on_input True).
-# The negative control below shows a normalisation error is orders of magnitude larger.
-PARITY_TOLERANCE = 2e-6
+# Precision of the parity runs: (extra overrides, tolerance). In fp32 the splits differ by the
+# rounding of their different matmul shapes and summation orders, measured at 3e-7 to 1.1e-6
+# after 12 steps (AdamW 2x4 worst), whatever the normalisation; the fp32 case checks that floor
+# with 2e-6. In fp64 (with torch's CrossEntropyLoss: the chunked loss upcasts to fp32 only) that
+# rounding is about 1e-8, so there the check is the 1e-7 the issue asks for. The negative
+# control below shows a normalisation error is orders of magnitude larger than either.
+PRECISIONS = {
+    "fp32": ([], 2e-6),
+    "fp64": (["dtype=fp64", "loss._component_=torch.nn.CrossEntropyLoss"], 1e-7),
+}
+PARITY_CASES = [  # (precision, optimizer, train_on_input)
+    *(("fp64", opt, toi) for opt in OPTIMIZERS for toi in (True, False)),
+    ("fp32", "adamw", True),
+]
 
 
 def _train(output_dir: Path, batch_size: int, ga: int, extra: list[str], **overrides) -> Path:
@@ -66,11 +73,29 @@ def _train(output_dir: Path, batch_size: int, ga: int, extra: list[str], **overr
     return output_dir
 
 
-@pytest.fixture(scope="module")
-def initial_adapters(tmp_path_factory) -> dict[str, torch.Tensor]:
+def _initial_adapters(out: Path, extra: list[str]) -> dict[str, torch.Tensor]:
     """The seeded adapter initialisation: one step at learning rate 0 leaves it untouched."""
-    out = _train(tmp_path_factory.mktemp("init"), 8, 1, OPTIMIZERS["sgd"] + ["optimizer.lr=0"])
+    _train(out, 8, 1, OPTIMIZERS["sgd"] + ["optimizer.lr=0", *extra])
     return load_adapters(out / ADAPTERS)
+
+
+@pytest.fixture(scope="module")
+def initial_adapters_at(tmp_path_factory):
+    """``precision -> initial adapters``, each trained once per test worker."""
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get(precision: str) -> dict[str, torch.Tensor]:
+        if precision not in cache:
+            out = tmp_path_factory.mktemp(f"init-{precision}")
+            cache[precision] = _initial_adapters(out, PRECISIONS[precision][0])
+        return cache[precision]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def initial_adapters(initial_adapters_at) -> dict[str, torch.Tensor]:
+    return initial_adapters_at("fp32")
 
 
 def test_adapter_init_is_seeded_and_b_starts_at_zero(initial_adapters):
@@ -81,15 +106,20 @@ def test_adapter_init_is_seeded_and_b_starts_at_zero(initial_adapters):
     assert all(float(v.abs().max()) > 0.0 for v in lora_a.values())
 
 
-@pytest.mark.parametrize("train_on_input", [True, False], ids=["train_on_input", "masked_input"])
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "train_on_input"),
+    PARITY_CASES,
+    ids=[f"{p}-{o}-{'train_on_input' if t else 'masked_input'}" for p, o, t in PARITY_CASES],
+)
 def test_accumulation_splits_match_full_batch(
-    tmp_path, initial_adapters, optimizer, train_on_input
+    tmp_path, initial_adapters_at, precision, optimizer, train_on_input
 ):
-    """8x1, 1x8 and 2x4 train to the same adapters (relative L2 <= 1e-7)."""
+    """8x1, 1x8 and 2x4 train to the same adapters (fp64: relative L2 <= 1e-7)."""
     from recipe_utils import relative_l2
 
-    extra = OPTIMIZERS[optimizer]
+    dtype_overrides, tolerance = PRECISIONS[precision]
+    initial_adapters = initial_adapters_at(precision)
+    extra = OPTIMIZERS[optimizer] + dtype_overrides
     runs = {
         (bs, ga): _train(
             tmp_path / f"{bs}x{ga}", bs, ga, extra, dataset__train_on_input=train_on_input
@@ -110,9 +140,10 @@ def test_accumulation_splits_match_full_batch(
         assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]
         rel = relative_l2(load_adapters(run_dir / ADAPTERS), a_ref, initial_adapters)
         print(
-            f"{optimizer} train_on_input={train_on_input} {bs}x{ga} vs 8x1: relative L2 {rel:.3e}"
+            f"{precision} {optimizer} train_on_input={train_on_input} {bs}x{ga} vs 8x1: "
+            f"relative L2 {rel:.3e}"
         )
-        assert rel <= PARITY_TOLERANCE, f"{bs}x{ga} differs from 8x1 by {rel:.3e}"
+        assert rel <= tolerance, f"{bs}x{ga} differs from 8x1 by {rel:.3e}"
 
 
 def test_naive_normalization_breaks_parity(tmp_path, initial_adapters):
@@ -192,8 +223,12 @@ def test_artefacts_match_stock_layout(tmp_path):
     assert changed and all(("proj" in k) for k in changed), sorted(changed)
     assert not any("k_proj" in k or "embed" in k for k in changed)
     scalars = read_scalars(out / "logs")
-    for name in ("loss", "lr", "tokens_per_second_per_gpu", "loss_tokens", "skipped_steps"):
+    stock = ("loss", "lr", "tokens_per_second_per_gpu", "loss_tokens", "skipped_steps")
+    hook = ("time/step_ms", "time/forward_ms", "time/backward_ms", "throughput/tokens_per_second")
+    for name in stock + hook:
         assert len(scalars.get(name, [])) == 2, f"metric {name!r}: {scalars.get(name)}"
+    # The profiler hook timed the gradient pass LoRA skips (step 2 is always sampled).
+    assert scalars["normalization/saved_ms"][-1] > 0
     assert all(math.isfinite(v) for v in scalars["loss"])
 
 

@@ -7,6 +7,8 @@ weights, whatever the learning rate or the weights' scale.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +109,8 @@ def markdown_table(summaries: list[RunSummary], noise_floor: float, what: str) -
     ]
     for s in sorted(summaries, key=lambda s: (MODE_ORDER.index(s.mode), s.split)):
         flag = "" if s.relative_l2 <= noise_floor else " (above floor)"
-        lines.append(f"| {s.mode} | {s.split} | {s.relative_l2:.3e}{flag} | {s.max_loss_gap:.3e} |")
+        row = f"| {s.mode} | {s.split} | {s.relative_l2:.3e}{flag} | {s.max_loss_gap:.3e} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -126,26 +129,35 @@ def plot(
     import matplotlib.pyplot as plt
 
     modes = [m for m in MODE_ORDER if any(r.mode == m for r in runs)]
-    fig = plt.figure(figsize=(5 * max(len(modes), 2), 8.5), layout="constrained")
-    grid = fig.add_gridspec(2, len(modes))
-    steps = range(1, len(reference.losses) + 1)
+    fig = plt.figure(figsize=(5 * max(len(modes), 2), 12), layout="constrained")
+    grid = fig.add_gridspec(3, len(modes))
+    steps = list(range(1, len(reference.losses) + 1))
+    gap_axes = []
     for column, mode in enumerate(modes):
+        mode_runs = [r for r in runs if r.mode == mode]
         ax = fig.add_subplot(grid[0, column])
-        ax.plot(
-            steps,
-            reference.losses,
-            color="black",
-            linewidth=2.5,
-            label=f"full batch {reference.split}",
-        )
-        for run in (r for r in runs if r.mode == mode):
-            ax.plot(steps, run.losses, linestyle="--", marker=".", label=f"{run.split}")
+        ax.plot(steps, reference.losses, color="black", linewidth=2.5, label="full batch")
+        for run in mode_runs:
+            ax.plot(steps, run.losses, linestyle="--", marker=".", label=run.split)
         ax.set_title(MODE_LABELS.get(mode, mode))
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("window loss")
         ax.legend(title="bsz x ga", fontsize="small")
         ax.grid(alpha=0.3)
-    ax = fig.add_subplot(grid[1, :])
+        gap_ax = fig.add_subplot(grid[1, column], sharey=gap_axes[0] if gap_axes else None)
+        gap_axes.append(gap_ax)
+        for run in mode_runs:
+            gaps = [
+                max(abs(a - b), 1e-12) for a, b in zip(run.losses, reference.losses, strict=True)
+            ]
+            gap_ax.plot(steps, gaps, marker=".", label=run.split)
+        gap_ax.set_yscale("log")
+        gap_ax.set_xlabel("optimizer step")
+        gap_ax.set_ylabel("|loss - full-batch loss| (log)")
+        gap_ax.set_title(f"{mode}: loss-curve gap")
+        gap_ax.legend(title="bsz x ga", fontsize="small")
+        gap_ax.grid(alpha=0.3)
+    ax = fig.add_subplot(grid[2, :])
     labels = [f"{s.mode}\n{s.split}" for s in summaries]
     colors = [f"C{MODE_ORDER.index(s.mode)}" for s in summaries]
     values = [max(s.relative_l2, 1e-12) for s in summaries]
@@ -175,7 +187,10 @@ def write_report(
     noise_floor: float,
     what: str = "weights",
 ) -> Path:
-    """Write ``report.md`` and ``parity.png`` into ``out_dir``; returns the report's path."""
+    """Write ``report.md``, ``parity.png`` and ``summary.json`` into ``out_dir``.
+
+    Returns the report's path.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = summarize(reference, runs, initial_weights)
     plot(out_dir / "parity.png", reference, runs, summaries, noise_floor, what)
@@ -192,4 +207,10 @@ def write_report(
     )
     report = out_dir / "report.md"
     report.write_text(text + "\n")
+    numbers = {
+        "reference": reference.split,
+        "noise_floor": noise_floor,
+        "runs": [dataclasses.asdict(summary) for summary in summaries],
+    }
+    (out_dir / "summary.json").write_text(json.dumps(numbers, indent=2) + "\n")
     return report

@@ -156,19 +156,24 @@ class TrainingProfiler:
         self._t_last_read = time.perf_counter()
         self._saved_ms: list[float] = []
         self._step_ms_total = 0.0
+        self._t_last_step = time.perf_counter()
+        self._recording_memory = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def __enter__(self) -> TrainingProfiler:
-        self._t_last_read = time.perf_counter()
+        self._t_last_read = self._t_last_step = time.perf_counter()
+        self._start_memory_history()
         if self.settings.enabled:
             self._trace = self._start_trace()
-            self._start_memory_history()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, torch.OutOfMemoryError):
             self._dump_memory_snapshot("oom_memory_snapshot.pickle")
+        if self._recording_memory:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording_memory = False
         if self._trace is not None:
             self._trace.stop()
             self._trace = None
@@ -179,6 +184,8 @@ class TrainingProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU] if s.cpu else []
         if s.cuda and torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        if s.xpu and hasattr(torch, "xpu") and torch.xpu.is_available():
+            activities.append(torch.profiler.ProfilerActivity.XPU)
         schedule = torch.profiler.schedule(
             wait=s.wait_steps, warmup=s.warmup_steps, active=s.active_steps, repeat=s.num_cycles
         )
@@ -202,11 +209,13 @@ class TrainingProfiler:
         self._dump_memory_snapshot(f"memory_snapshot_step_{self._step}.pickle")
 
     def _start_memory_history(self) -> None:
+        """With ``profile_memory`` on CUDA, record allocations from the start (for snapshots)."""
         if self.settings.profile_memory and self._device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=100_000)
+            self._recording_memory = True
 
     def _dump_memory_snapshot(self, name: str) -> None:
-        if not (self.settings.profile_memory and self._device.type == "cuda"):
+        if not self._recording_memory:
             return
         path = Path(self.settings.output_dir) / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -250,6 +259,9 @@ class TrainingProfiler:
 
     def step(self, num_tokens: int) -> None:
         """Close an optimizer step that processed ``num_tokens`` tokens (padding included)."""
+        now = time.perf_counter()
+        self._step_ms_total += (now - self._t_last_step) * 1e3
+        self._t_last_step = now
         self._step += 1
         self._steps_since_read += 1
         self._tokens_since_read += num_tokens
@@ -264,7 +276,6 @@ class TrainingProfiler:
         elapsed_s = time.perf_counter() - self._t_last_read
         steps = self._steps_since_read
         step_ms = elapsed_s * 1e3 / steps
-        self._step_ms_total += elapsed_s * 1e3
         metrics = {f"time/{phase}_ms": phase_ms[phase] / steps for phase in PHASES}
         metrics["time/step_ms"] = step_ms
         tokens_per_second = self._tokens_since_read / elapsed_s
@@ -314,19 +325,36 @@ def _synchronize(device: torch.device) -> None:
 
 
 def model_flops_per_token(model: nn.Module) -> float:
-    """Training FLOPs per token: ``6 * params`` for the matmuls, plus attention scores.
+    """Training FLOPs per token: matmul weights, plus attention scores.
 
-    The attention term (``12 * layers * dim * context``, PaLM appendix B) uses the model's
-    ``max_seq_len`` as context, an upper bound for padded fine-tuning batches.
+    Each matmul weight costs 2 FLOPs per token forward and 2 for the input gradient; 2 more for
+    its own gradient when it trains (``6 * params`` for full fine-tuning, about ``4 * params``
+    for LoRA). An untied input embedding is a lookup, not a matmul, and is left out (a tied one
+    is the output projection). The attention term (``12 * layers * dim * context``, PaLM
+    appendix B) uses the model's ``max_seq_len`` as context, an upper bound for padded batches.
     """
-    num_params = sum(p.numel() for p in model.parameters())
+    lookup_only = _untied_embedding(model)
+    params = [p for p in model.parameters() if p is not lookup_only]
+    num_params = sum(p.numel() for p in params)
+    num_trainable = sum(p.numel() for p in params if p.requires_grad)
     layers = getattr(model, "layers", None)
     embed = getattr(model, "tok_embeddings", None)
     context = getattr(model, "max_seq_len", None)
     attention = 0.0
     if layers is not None and embed is not None and context is not None:
         attention = 12.0 * len(layers) * embed.embedding_dim * context
-    return 6.0 * num_params + attention
+    return 4.0 * num_params + 2.0 * num_trainable + attention
+
+
+def _untied_embedding(model: nn.Module) -> torch.Tensor | None:
+    """The input embedding's weight when the output projection has weights of its own."""
+    embed, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    # torchtune's TiedLinear is a plain object over the embedding, not a module with weights.
+    if embed is None or not isinstance(output, nn.Module):
+        return None
+    if next(output.parameters(), None) is None:
+        return None
+    return embed.weight
 
 
 def device_peak_flops(device: torch.device) -> float | None:

@@ -21,6 +21,7 @@ from exactga.normalization import Window, shift_labels, warn_skipped_step
 from exactga.profiling import TrainingProfiler
 
 LossStep = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+MicroBatchContext = Callable[[bool], contextlib.AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ def train_window(
     device: torch.device,
     step: int,
     clip_grad_norm: float | None = None,
+    micro_batch_context: MicroBatchContext | None = None,
+    announce_skip: bool = True,
 ) -> StepOutcome:
     """Accumulate ``window`` into the gradients and step ``optimizer``.
 
@@ -76,17 +79,25 @@ def train_window(
         device: where micro-batches go.
         step: the number of this optimizer step, for the skipped-window warning.
         clip_grad_norm: max gradient norm, or ``None`` for no clipping.
+        micro_batch_context: called with "is this the window's last micro-batch" around each
+            micro-batch's forward and backward (the distributed recipes' gradient-sync policy).
+        announce_skip: warn about a skipped window here (rank 0 only, under data parallelism).
     """
-    if window.skip_step():
-        warn_skipped_step(step)  # See [empty windows]
+    if window.skip_step():  # the same answer on every rank; see [empty windows]
+        if announce_skip:
+            warn_skipped_step(step)
         return StepOutcome(skipped=True)
-    for micro_batch in window.nonempty_micro_batches():
-        with profiler.phase("forward"):
-            utils.batch_to_device(micro_batch.batch, device)
-            loss = loss_step(micro_batch.batch)
-        with profiler.phase("backward"):
-            # See [loss scaled before backward]: no gradient pass follows.
-            window.scale(loss, micro_batch).backward()
+    # On several ranks this includes empty micro-batches; see [empty micro-batches under FSDP].
+    micro_batches = list(window.micro_batches_to_run())
+    for index, micro_batch in enumerate(micro_batches):
+        is_last = index == len(micro_batches) - 1
+        with micro_batch_context(is_last) if micro_batch_context else contextlib.nullcontext():
+            with profiler.phase("forward"):
+                utils.batch_to_device(micro_batch.batch, device)
+                loss = loss_step(micro_batch.batch)
+            with profiler.phase("backward"):
+                # See [loss scaled before backward]: no gradient pass follows.
+                window.scale(loss, micro_batch).backward()
     if optimizer is None:
         return StepOutcome(skipped=False)
     profiler.sample_gradient_pass(model)  # measures only; see [saved latency]
@@ -97,6 +108,8 @@ def train_window(
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 model.parameters(), max_norm=float(clip_grad_norm)
             )
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+                grad_norm = grad_norm.full_tensor()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return StepOutcome(skipped=False, grad_norm=grad_norm)
