@@ -202,6 +202,14 @@ def test_windows_stop_at_the_end_of_each_epoch_and_at_max_windows() -> None:
     assert len(list(normalizer.windows(epoch, max_windows=1))) == 1
 
 
+def test_an_epoch_read_to_its_last_window_leaves_the_loader_exhausted() -> None:
+    """A stateful loader must see StopIteration, or a resumed run starts an empty epoch."""
+    normalizer = LossNormalizer(CEWithChunkedOutputLoss(), 2)
+    epoch = iter(split(make_rows(), 2))  # 4 batches: exactly 2 windows
+    assert len(list(normalizer.windows(epoch, max_windows=2))) == 2
+    assert next(epoch, None) is None
+
+
 def test_zero_token_micro_batch_is_skipped_inside_a_window() -> None:
     rows = make_rows()
     normalizer = LossNormalizer(CEWithChunkedOutputLoss(), 8)

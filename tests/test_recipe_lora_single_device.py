@@ -47,10 +47,16 @@ OPTIMIZERS = {
 # with 2e-6. In fp64 (with torch's CrossEntropyLoss: the chunked loss upcasts to fp32 only) that
 # rounding is about 1e-8, so there the check is the 1e-7 the issue asks for. The negative
 # control below shows a normalisation error is orders of magnitude larger than either.
+# AdamW divides each element's update by that element's own gradient scale, so elements whose
+# gradient nearly cancels turn even fp64's residue (torchtune's RMSNorm and RoPE compute in fp32
+# whatever the dtype) into lr-sized differences: fp64 2x4 measured 1.05e-6 with eps 1e-8,
+# 2.0e-7 with 1e-6 and 5.8e-8 with 1e-5. The fp64 AdamW cases use eps 1e-5 so the check
+# measures the normalisation, not that amplification; SGD needs no such change.
 PRECISIONS = {
     "fp32": ([], 2e-6),
     "fp64": (["dtype=fp64", "loss._component_=torch.nn.CrossEntropyLoss"], 1e-7),
 }
+FP64_ADAMW = ["optimizer.eps=1e-5"]
 PARITY_CASES = [  # (precision, optimizer, train_on_input)
     *(("fp64", opt, toi) for opt in OPTIMIZERS for toi in (True, False)),
     ("fp32", "adamw", True),
@@ -120,6 +126,8 @@ def test_accumulation_splits_match_full_batch(
     dtype_overrides, tolerance = PRECISIONS[precision]
     initial_adapters = initial_adapters_at(precision)
     extra = OPTIMIZERS[optimizer] + dtype_overrides
+    if precision == "fp64" and optimizer == "adamw":
+        extra += FP64_ADAMW
     runs = {
         (bs, ga): _train(
             tmp_path / f"{bs}x{ga}", bs, ga, extra, dataset__train_on_input=train_on_input

@@ -143,6 +143,49 @@ def gradient_sync(
         model.set_requires_gradient_sync(True)
 
 
+def initialize_adapters(
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    cpu_offload: bool = False,
+) -> None:
+    """Give every LoRA/DoRA adapter its fresh initial value, the same whatever the sharding.
+
+    Stock torchtune initialises the adapters of a model built on the meta device *after*
+    sharding, shard by shard; on CPU, DTensor has no random-number tracker, so each rank draws
+    its shard from its own generator and the initial adapters (and so every trained adapter)
+    change with the number of ranks. Here the full tensors are drawn on the host, in module
+    order, with torchtune's own initialisers from ``seed`` (the run's seed, not torchtune's
+    per-rank ``seed + rank``), then loaded as any full state dict; the global generator is
+    left as it was. Runs on 1 and on N ranks start equal.
+    """
+    full_state_dict: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _draw_adapters(model, dtype, full_state_dict)
+    training.load_from_full_model_state_dict(
+        model, full_state_dict, device, strict=False, cpu_offload=cpu_offload
+    )
+
+
+def _draw_adapters(model: nn.Module, dtype: torch.dtype, out: dict[str, torch.Tensor]) -> None:
+    from torchtune.modules.peft import DoRALinear, LoRALinear
+    from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
+
+    for name, module in model.named_modules():
+        if not isinstance(module, (LoRALinear, DoRALinear)):
+            continue
+        for part, init in (("lora_a", _lora_a_init_params), ("lora_b", _lora_b_init_params)):
+            shape = getattr(module, part).weight.shape
+            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=dtype)
+            linear = linear.to_empty(device="cpu")
+            init(linear)
+            out[f"{name}.{part}.weight"] = linear.weight.detach()
+        if isinstance(module, DoRALinear):  # a placeholder: set from the base weights later
+            out[f"{name}.magnitude"] = torch.ones(module.out_dim, dtype=dtype)
+
+
 def full_tensor(value: Any) -> Any:
     """A DTensor's full value (a clipped gradient norm under FSDP), anything else as is."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value

@@ -371,6 +371,10 @@ class LossNormalizer:
                 return
             yield self._open_window(micro_batches)
             num_yielded += 1
+        # Stopped by max_windows: one more fetch lets a stateful loader that is at its end see
+        # StopIteration, so a checkpoint taken now records a finished epoch and a resumed run
+        # does not start with an empty one. An epoch cut short loses nothing: it ends here.
+        next(iterator, None)
 
     def _prefetch(self, iterator: Iterator[dict[str, torch.Tensor]]) -> list[MicroBatch]:
         micro_batches = []

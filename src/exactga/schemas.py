@@ -157,3 +157,19 @@ class GaParityConfig(LoraFinetuneSingleDeviceConfig):
 
     optimizer_in_bwd: bool = False  # read by full configs; must stay False here
     parity: ParitySettings = field(default_factory=ParitySettings)
+
+
+@dataclass
+class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
+    """``lora_finetune_distributed``: the single-device LoRA keys plus the distributed ones."""
+
+    # Sharding (torchtune 0.6.1's keys; stock LoRA has no tensor parallelism).
+    fsdp_cpu_offload: bool = False
+    fsdp_reshard_after_forward: bool = True
+    custom_sharded_layers: Optional[list[str]] = None
+    # Three stock QLoRA configs carry ``fsdp: {cpu_offload: False}``, which stock never reads;
+    # accepted so they run unchanged, and the recipe warns that it is ignored.
+    fsdp: Any = None
+
+    # exactga: when FSDP reduces gradients under accumulation; see FullFinetuneDistributedConfig.
+    gradient_sync: str = "every_micro_batch"  # every_micro_batch | once_per_window

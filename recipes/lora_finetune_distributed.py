@@ -1,0 +1,565 @@
+"""LoRA fine-tuning with FSDP2 on one node or many, GPUs or CPUs, with exact accumulation.
+
+A drop-in for torchtune 0.6.1's ``lora_finetune_distributed``: its configs run unchanged, with
+the same artefacts, written by rank 0 (adapter weights in torchtune's format and, through the
+checkpointer, in PEFT's format with ``adapter_config.json``; merged full weights unless
+``save_adapter_weights_only``). Only the adapters train. What differs: the loss of each
+optimizer step is exactly the full-batch loss of the window over every data-parallel rank,
+whatever the split into ranks and micro-batches, with no pass over the gradients; ranks may
+hold very different token counts, or none; ``device: cpu`` runs (gloo), which stock 0.6.1 does
+not; the initial adapters do not depend on the number of ranks; and gradients may be reduced
+once per window instead of after every micro-batch (``gradient_sync``). See
+``exactga.normalization``, docs/math.md and docs/lora_finetune_distributed.md.
+
+Launch from the repository root::
+
+    tune run --nproc_per_node 2 recipes/lora_finetune_distributed.py \\
+        --config configs/tiny/lora_distributed.yaml
+    # several nodes: the same command on each, through torchrun's rendezvous
+    tune run --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d \\
+        --rdzv_endpoint HOST:29500 --rdzv_id JOB recipes/lora_finetune_distributed.py \\
+        --config llama3_1/70B_lora
+
+Copy this file to change the loop; the numerics stay in ``exactga``.
+"""
+
+import sys
+import time
+from functools import partial
+from typing import Any
+from warnings import warn
+
+import torch
+from omegaconf import DictConfig, ListConfig
+from torch import nn
+from torch.optim import Optimizer
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset
+from torchtune.modules.peft import (
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+    validate_missing_and_unexpected_for_lora,
+)
+from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training import PROFILER_KEY
+from torchtune.training.lr_schedulers import get_lr
+from tqdm import tqdm
+
+from exactga import distributed
+from exactga.config import validate_config
+from exactga.normalization import LossNormalizer, Window, parse_mode
+from exactga.profiling import setup_profiler
+from exactga.schemas import LoraFinetuneDistributedConfig
+from exactga.training import causal_lm_loss, train_window
+
+log = utils.get_logger("INFO")
+
+RECIPE_NAME = "lora_finetune_distributed"
+
+# The model-section keys the recipe reads besides instantiating it (stock reads the same).
+LORA_MODEL_KEYS = ("lora_rank", "lora_alpha", "lora_attn_modules", "apply_lora_to_mlp")
+
+
+class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
+    """LoRA, DoRA and QLoRA fine-tuning of a dense decoder with FSDP2, on GPUs or CPUs.
+
+    The base weights are frozen (NF4-quantised with a ``qlora_*`` builder); only the adapter
+    parameters get gradients and optimizer state, and only they are reduced across ranks.
+
+    Features (each a config key; defaults in ``exactga.schemas``):
+        - Exact accumulation over micro-batches *and* data-parallel ranks, as in
+          recipes/full_finetune_distributed.py: one all-reduce of the window's loss-token count
+          over the data-parallel group per step, each micro-batch loss scaled by ``dp_size *
+          batch_tokens / window_tokens`` before backward; an empty micro-batch still runs with
+          weight 0, and a window empty on every rank skips its step (``skipped_steps``).
+        - ``gradient_sync``: ``every_micro_batch`` (default, as stock) or ``once_per_window``
+          (one reduce-scatter of the adapter gradients per step).
+        - FSDP2 through torchtune's ``shard_model`` over the data-parallel mesh:
+          ``fsdp_cpu_offload``, ``fsdp_reshard_after_forward``, ``custom_sharded_layers``.
+        - ``loss_normalization``, precision, activation checkpointing and offloading,
+          ``compile``, ``clip_grad_norm``, schedulers: as in the single-device LoRA recipe.
+        - Checkpointing at each epoch's end, gathered to and written by rank 0: adapter weights
+          and adapter config, merged weights unless ``save_adapter_weights_only``, recipe and
+          optimizer state between epochs; ``resume_from_checkpoint`` at an epoch boundary.
+        - Rank-0-only metric logging and progress bar; ``loss`` is the exact window loss over
+          all ranks.
+
+    Args:
+        cfg: the validated config (see ``recipe_main``).
+
+    Raises:
+        ValueError: fp16 ``dtype``; a ``model`` section without LoRA keys;
+            ``enable_activation_offloading`` off CUDA or without activation checkpointing.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        if self._dtype == torch.float16:
+            raise ValueError("config key 'dtype': fp16 is not supported; use bf16 or fp32.")
+        _check_flag_combinations(cfg, self._device)
+        self._gradient_sync = distributed.parse_gradient_sync(cfg.gradient_sync)
+
+        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload
+        distributed.init_distributed(self._device, offload_ops_to_cpu=self._fsdp_cpu_offload)
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+        # Pure data parallelism (stock LoRA has no tensor-parallel dimension).
+        self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
+        self.dp_size = self._mesh["dp"].size()
+        self.dp_rank = self._mesh["dp"].get_local_rank()
+        if cfg.fsdp is not None:
+            distributed.log_rank_zero(
+                "config key 'fsdp' is ignored (as by stock torchtune); use fsdp_cpu_offload."
+            )
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
+        if cfg.log_peak_memory_stats and not self._log_peak_memory_stats:
+            distributed.log_rank_zero("log_peak_memory_stats is ignored on CPU.")
+
+        self._resume_from_checkpoint = cfg.resume_from_checkpoint
+        self._save_adapter_weights_only = cfg.save_adapter_weights_only
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._clip_grad_norm = cfg.clip_grad_norm
+        self._loss_normalization = parse_mode(cfg.loss_normalization)
+        self._drop_partial_window = cfg.drop_partial_window
+        self._compile = cfg.compile
+        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
+        self._enable_activation_offloading = cfg.enable_activation_offloading
+
+        # LoRA settings, read from the model section as stock does.
+        self._lora_rank = cfg.model.lora_rank
+        self._lora_alpha = cfg.model.lora_alpha
+        self._lora_attn_modules = list(cfg.model.lora_attn_modules)
+        self._apply_lora_to_mlp = cfg.model.apply_lora_to_mlp
+        self._apply_lora_to_output = cfg.model.get("apply_lora_to_output", False)
+
+        # Public state, updated by the checkpoint loader when resuming.
+        self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode)
+        self.epochs_run = 0
+        self.total_epochs = cfg.epochs
+        self.max_steps_per_epoch = cfg.max_steps_per_epoch
+        self.global_step = 0
+        self.num_skipped_steps = 0
+
+    def setup(self, cfg: DictConfig) -> None:
+        if self._fsdp_cpu_offload:
+            training.set_torch_num_threads()  # fused AdamW on CPU is ~2x faster with all cores
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+
+        ckpt_dict = self.load_checkpoint(cfg.checkpointer)
+        self._model = self._setup_model(
+            cfg,
+            base_model_state_dict=ckpt_dict[training.MODEL_KEY],
+            lora_weights_state_dict=(
+                ckpt_dict[training.ADAPTER_KEY] if self._resume_from_checkpoint else None
+            ),
+        )
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = self._setup_optimizer(
+            cfg.optimizer,
+            ckpt_dict.get(training.OPT_KEY) if self._resume_from_checkpoint else None,
+        )
+
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._compile:
+            training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        self._normalizer = LossNormalizer(
+            self._loss_fn,
+            self._gradient_accumulation_steps,
+            mode=self._loss_normalization,
+            drop_partial_window=self._drop_partial_window,
+            dp_group=distributed.dp_group(self._mesh),
+        )
+
+        self._dataloader = self._setup_data(
+            cfg.dataset,
+            shuffle=cfg.shuffle,
+            batch_size=cfg.batch_size,
+            collate_fn=cfg.collate_fn,
+            dataloader_state_dict=(
+                ckpt_dict.get(training.DATALOADER_KEY) if self._resume_from_checkpoint else None
+            ),
+        )
+        self._steps_per_epoch = self._normalizer.num_windows(len(self._dataloader))
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        self.global_step = self.epochs_run * self._steps_per_epoch
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg.lr_scheduler,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+        # Traces and memory snapshots from rank 0 only; the others only time their phases.
+        cfg_profiler = cfg.copy()
+        if not self._is_rank_zero:
+            cfg_profiler[PROFILER_KEY] = None
+        self._profiler = setup_profiler(cfg_profiler, self._device, self._model)
+        self._checkpoint_dir = cfg.checkpointer.output_dir
+        self._log_dir = (
+            getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
+        )
+
+    def load_checkpoint(self, cfg_checkpointer: DictConfig) -> dict[str, Any]:
+        self._checkpointer = config.instantiate(
+            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+        )
+        ckpt_dict = self._checkpointer.load_checkpoint()
+        if self._resume_from_checkpoint:
+            if training.ADAPTER_KEY not in ckpt_dict:
+                raise ValueError(
+                    "config key 'resume_from_checkpoint': no adapter weights found in the "
+                    "checkpoint; resume needs the adapter_model.pt of an earlier epoch."
+                )
+            self._update_recipe_state(ckpt_dict)
+        return ckpt_dict
+
+    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
+        try:
+            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
+            if self.seed != ckpt_dict[training.SEED_KEY]:
+                warn("config seed differs from the checkpoint's; using the latter.", stacklevel=2)
+                self.seed = ckpt_dict[training.SEED_KEY]
+            if self.max_steps_per_epoch != ckpt_dict[training.MAX_STEPS_KEY]:
+                warn(
+                    "config max_steps_per_epoch differs from the checkpoint's; using the latter.",
+                    stacklevel=2,
+                )
+                self.max_steps_per_epoch = ckpt_dict[training.MAX_STEPS_KEY]
+        except KeyError as err:
+            raise KeyError(
+                f"checkpoint has no recipe state ({err}); is it a checkpoint of this recipe?"
+            ) from err
+
+    def _setup_model(
+        self,
+        cfg: DictConfig,
+        base_model_state_dict: dict[str, Any],
+        lora_weights_state_dict: dict[str, Any] | None,
+    ) -> nn.Module:
+        """Build on the meta device, freeze the base, apply activation checkpointing and FSDP2,
+        then load base weights and adapters shard by shard."""
+        t0 = time.perf_counter()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        set_trainable_params(model, get_adapter_params(model))
+        if self._compile:
+            training.compile_model(model, verbose=self._is_rank_zero)
+        if self._enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        # torchtune's LoRA-aware sharding, as stock: each layer is its own FSDP unit, so frozen
+        # and trainable parameters share units and only the adapters' gradients are reduced.
+        training.shard_model(
+            model=model,
+            shard_conditions=[
+                partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
+            ],
+            cpu_offload=self._fsdp_cpu_offload,
+            reshard_after_forward=cfg.fsdp_reshard_after_forward,
+            dp_mesh=self._mesh["dp"],
+        )
+
+        lora_missing = lora_unexpected = None
+        if lora_weights_state_dict:
+            lora_missing, lora_unexpected = training.load_from_full_model_state_dict(
+                model, lora_weights_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
+            )
+        else:
+            distributed.initialize_adapters(
+                model, self._device, self._dtype, self.seed, cpu_offload=self._fsdp_cpu_offload
+            )
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
+                    m.rope_init()
+        base_missing, base_unexpected = training.load_from_full_model_state_dict(
+            model, base_model_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
+        )
+        # DoRA magnitudes are initialised from the loaded base weights.
+        is_dora = False
+        for m in model.modules():
+            if hasattr(m, "initialize_dora_magnitude"):
+                is_dora = True
+                m.initialize_dora_magnitude()
+        if is_dora and lora_weights_state_dict:  # a resumed run keeps its trained magnitudes
+            training.load_from_full_model_state_dict(
+                model, lora_weights_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
+            )
+        validate_missing_and_unexpected_for_lora(
+            lora_attn_modules=self._lora_attn_modules,
+            apply_lora_to_mlp=self._apply_lora_to_mlp,
+            apply_lora_to_output=self._apply_lora_to_output,
+            base_missing=base_missing,
+            base_unexpected=base_unexpected,
+            lora_missing=lora_missing,
+            lora_unexpected=lora_unexpected,
+        )
+        training.validate_no_params_on_meta_device(model)
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        distributed.log_rank_zero(
+            f"Model built, sharded over dp={self.dp_size} and loaded in "
+            f"{time.perf_counter() - t0:.2f} s, precision {self._dtype}; "
+            f"{num_trainable:,} trainable adapter parameters (sharded count)."
+        )
+        if self._is_rank_zero and self._device.type != "cpu":
+            training.log_memory_stats(distributed.memory_stats(self._device))
+        distributed.barrier()
+        return model
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
+    ) -> Optimizer:
+        # All parameters, as stock passes them; the frozen ones never get a gradient.
+        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+        if opt_state_dict:
+            training.load_from_full_optimizer_state_dict(
+                self._model, optimizer, opt_state_dict, self._device
+            )
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
+    ) -> Any:
+        if cfg_lr_scheduler is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+
+    def _setup_data(
+        self,
+        cfg_dataset: DictConfig,
+        shuffle: bool,
+        batch_size: int,
+        collate_fn: str,
+        dataloader_state_dict: dict[str, Any] | None,
+    ) -> StatefulDataLoader:
+        if isinstance(cfg_dataset, ListConfig):
+            datasets = [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            ds = ConcatDataset(datasets=datasets)
+            packed = getattr(ds, "packed", False)
+        else:
+            ds = config.instantiate(cfg_dataset, self._tokenizer)
+            packed = cfg_dataset.get("packed", False)
+        if "left_pad_sequence" in collate_fn:
+            raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
+        collate = _get_component_from_path(collate_fn)
+        sampler = StatefulDistributedSampler(
+            ds, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=0
+        )
+        dataloader = StatefulDataLoader(
+            dataset=ds,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=(
+                padded_collate_packed
+                if packed
+                else partial(
+                    collate,
+                    padding_idx=self._tokenizer.pad_id,
+                    ignore_idx=self._loss_fn.ignore_index,
+                )
+            ),
+            # Dropping the last short batch avoids shape issues with compile + flex attention.
+            drop_last=True,
+        )
+        if dataloader_state_dict is not None:
+            dataloader.load_state_dict(dataloader_state_dict)
+        return dataloader
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """Gather on rank 0 and write there what stock writes (all ranks must call this):
+        adapters and adapter config, merged weights unless adapter-only, recipe and optimizer
+        state if training goes on."""
+        intermediate = epoch + 1 < self.total_epochs
+        t0 = time.perf_counter()
+        cpu_state_dict = training.gather_cpu_state_dict(
+            self._model,
+            self._is_rank_zero,
+            device=self._device,
+            adapter_weights_only=self._save_adapter_weights_only,
+        )
+        opt_state_dict = None
+        if intermediate:
+            opt_state_dict = training.get_full_optimizer_state_dict(
+                self._model, self._optimizer, self._is_rank_zero, device=self._device
+            )
+        if self._is_rank_zero:
+            ckpt_dict: dict[str, Any] = {}
+            if self._save_adapter_weights_only:
+                ckpt_dict[training.ADAPTER_KEY] = cpu_state_dict
+            else:
+                ckpt_dict[training.ADAPTER_KEY] = get_adapter_state_dict(cpu_state_dict)
+                ckpt_dict[training.MODEL_KEY] = get_merged_lora_ckpt(
+                    cpu_state_dict, rank=self._lora_rank, alpha=self._lora_alpha
+                )
+            if intermediate:
+                ckpt_dict.update(
+                    {
+                        training.OPT_KEY: opt_state_dict,
+                        training.SEED_KEY: self.seed,
+                        training.EPOCHS_KEY: self.epochs_run,
+                        training.TOTAL_EPOCHS_KEY: self.total_epochs,
+                        training.MAX_STEPS_KEY: self.max_steps_per_epoch,
+                        training.DATALOADER_KEY: self._dataloader.state_dict(),
+                    }
+                )
+            ckpt_dict[training.ADAPTER_CONFIG] = {
+                "r": self._lora_rank,
+                "lora_alpha": self._lora_alpha,
+                "target_modules": get_lora_module_names(
+                    self._lora_attn_modules, self._apply_lora_to_mlp, self._apply_lora_to_output
+                ),
+                "peft_type": "LORA",
+            }
+            self._checkpointer.save_checkpoint(
+                ckpt_dict,
+                epoch=epoch,
+                intermediate_checkpoint=intermediate,
+                adapter_only=self._save_adapter_weights_only,
+            )
+            log.info(f"Checkpoint gathered and written in {time.perf_counter() - t0:.2f} s")
+        distributed.barrier()
+
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and mean loss of one micro-batch already on the device."""
+        return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
+
+    def train(self) -> None:
+        distributed.cleanup_before_training(self._device)
+        if self._compile:
+            distributed.log_rank_zero("torch.compile is on: expect a slow first step.")
+        self._optimizer.zero_grad()
+        num_tokens_since_log, t_last_log = 0, time.perf_counter()
+
+        with self._profiler:
+            for curr_epoch in range(self.epochs_run, self.total_epochs):
+                self._dataloader.sampler.set_epoch(curr_epoch)
+                pbar = tqdm(
+                    total=self._steps_per_epoch,
+                    desc=f"epoch {curr_epoch + 1}",
+                    disable=not self._is_rank_zero,
+                )
+                windows = self._normalizer.windows(self._dataloader, self._steps_per_epoch)
+                for window in self._profiler.timed(windows):
+                    outcome = train_window(
+                        window,
+                        model=self._model,
+                        loss_step=self._loss_step,
+                        optimizer=self._optimizer,
+                        profiler=self._profiler,
+                        device=self._device,
+                        step=self.global_step + 1,
+                        clip_grad_norm=self._clip_grad_norm,
+                        micro_batch_context=partial(
+                            distributed.gradient_sync, self._model, self._gradient_sync
+                        ),
+                        announce_skip=self._is_rank_zero,
+                    )
+                    self.num_skipped_steps += outcome.skipped
+                    if self._lr_scheduler is not None:
+                        self._lr_scheduler.step()
+                    self.global_step += 1
+                    num_tokens_since_log += window.num_global_tokens
+                    self._profiler.step(window.num_input_tokens)
+                    pbar.update(1)
+
+                    if self.global_step % self._log_every_n_steps == 0:
+                        # Every rank takes part in the loss reduction; rank 0 writes.
+                        elapsed = time.perf_counter() - t_last_log
+                        metrics = self._step_metrics(window, outcome.grad_norm)
+                        metrics["tokens_per_second_per_gpu"] = (
+                            num_tokens_since_log / elapsed / self.world_size
+                        )
+                        metrics.update(self._profiler.metrics())
+                        if self._is_rank_zero:
+                            self._metric_logger.log_dict(metrics, step=self.global_step)
+                        if "loss" in metrics:
+                            pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
+                        num_tokens_since_log, t_last_log = 0, time.perf_counter()
+                pbar.close()
+                self.epochs_run += 1
+                self.save_checkpoint(epoch=curr_epoch)
+        self._report_outputs()
+
+    def _step_metrics(self, window: Window, grad_norm: torch.Tensor | None) -> dict[str, float]:
+        """The logged metrics; the only host read-backs of the step happen here."""
+        metrics = {
+            "lr": get_lr(self._optimizer),
+            "loss_tokens": float(window.num_global_tokens),
+            "skipped_steps": float(self.num_skipped_steps),
+        }
+        if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
+            metrics["loss"] = window.global_mean_loss()
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        if self._log_peak_memory_stats:
+            metrics.update(distributed.memory_stats(self._device))
+        return metrics
+
+    def _report_outputs(self) -> None:
+        distributed.log_rank_zero(self._profiler.summary())
+        distributed.log_rank_zero(f"Adapters and checkpoints are in {self._checkpoint_dir}")
+        if self._log_dir is not None:
+            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
+
+    def cleanup(self) -> None:
+        if self._is_rank_zero:
+            self._metric_logger.close()
+        distributed.destroy()
+
+
+def _check_flag_combinations(cfg: DictConfig, device: torch.device) -> None:
+    """Reject settings that cannot work together, naming the keys."""
+    missing = [key for key in LORA_MODEL_KEYS if key not in cfg.model]
+    if missing:
+        raise ValueError(
+            f"config key 'model' ({cfg.model.get('_component_')}) has no "
+            f"{', '.join('model.' + key for key in missing)}: this recipe needs a LoRA or QLoRA "
+            "builder (e.g. torchtune.models.llama3_1.lora_llama3_1_8b); for full fine-tuning "
+            "use recipes/full_finetune_distributed.py."
+        )
+    if cfg.enable_activation_offloading and device.type != "cuda":
+        raise ValueError("config key 'enable_activation_offloading' needs device: cuda.")
+    if cfg.enable_activation_offloading and not cfg.enable_activation_checkpointing:
+        raise ValueError(
+            "config key 'enable_activation_offloading' needs enable_activation_checkpointing."
+        )
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: validates the config strictly, then trains."""
+    cfg = validate_config(cfg, LoraFinetuneDistributedConfig, RECIPE_NAME)
+    if distributed.is_rank_zero():
+        config.log_config(recipe_name="LoRAFinetuneRecipeDistributed", cfg=cfg)
+    recipe = LoRAFinetuneRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
