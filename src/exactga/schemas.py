@@ -20,7 +20,9 @@ from omegaconf import MISSING
 
 
 @dataclass
-class FullFinetuneSingleDeviceConfig:
+class SingleDeviceRecipeConfig:
+    """The keys every single-device fine-tuning recipe reads (full and LoRA)."""
+
     # Components (``_component_`` sections).
     model: Any = MISSING
     tokenizer: Any = MISSING
@@ -50,7 +52,6 @@ class FullFinetuneSingleDeviceConfig:
     gradient_accumulation_steps: int = 1
 
     # Optimisation and memory.
-    optimizer_in_bwd: bool = False
     clip_grad_norm: Optional[float] = None
     enable_activation_checkpointing: bool = False
     enable_activation_offloading: bool = False
@@ -68,54 +69,20 @@ class FullFinetuneSingleDeviceConfig:
 
 
 @dataclass
-class LoraFinetuneSingleDeviceConfig:
-    # Components (``_component_`` sections). ``model`` must be a LoRA/QLoRA builder: the recipe
-    # also reads its lora_rank, lora_alpha, lora_attn_modules, apply_lora_to_mlp and
-    # apply_lora_to_output.
-    model: Any = MISSING
-    tokenizer: Any = MISSING
-    dataset: Any = MISSING  # one section, or a list of them (concatenated)
-    checkpointer: Any = MISSING
-    optimizer: Any = MISSING
-    loss: Any = MISSING
-    metric_logger: Any = MISSING
-    lr_scheduler: Any = None
-    profiler: Any = None
+class FullFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
+    """``full_finetune_single_device``."""
 
-    # Run.
-    output_dir: str = MISSING
-    device: str = "cuda"
-    dtype: str = "bf16"
-    seed: Optional[int] = None
-    cudnn_deterministic_mode: Optional[bool] = None
-    compile: bool = False
-    resume_from_checkpoint: bool = False
+    optimizer_in_bwd: bool = False
+
+
+@dataclass
+class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
+    """``lora_finetune_single_device``. ``model`` must be a LoRA/QLoRA builder: the recipe also
+    reads its lora_rank, lora_alpha, lora_attn_modules, apply_lora_to_mlp and
+    apply_lora_to_output. No ``optimizer_in_bwd``: stock's LoRA recipe does not read it."""
+
     save_adapter_weights_only: bool = False
     low_cpu_ram: bool = False  # torchtune's low-CPU-RAM NF4 state-dict hook (QLoRA)
-
-    # Data and batching.
-    shuffle: bool = True
-    batch_size: int = MISSING
-    collate_fn: str = "torchtune.data.padded_collate_sft"
-    epochs: int = 1
-    max_steps_per_epoch: Optional[int] = None
-    gradient_accumulation_steps: int = 1
-
-    # Optimisation and memory.
-    clip_grad_norm: Optional[float] = None
-    enable_activation_checkpointing: bool = False
-    enable_activation_offloading: bool = False
-
-    # Logging.
-    log_every_n_steps: int = 1
-    log_peak_memory_stats: bool = False
-    log_timings: bool = True  # exactga: time/*, throughput/*, normalization/* scalars
-    saved_latency_every_n_steps: int = 10  # exactga: 0 never times the skipped gradient pass
-    peak_flops: Optional[float] = None  # exactga: device peak FLOP/s for throughput/mfu
-
-    # exactga (see docs/math.md).
-    loss_normalization: str = "exact"  # exact | post_scale | naive
-    drop_partial_window: bool = False
 
 
 @dataclass
