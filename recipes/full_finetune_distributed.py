@@ -38,6 +38,7 @@ from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
+from torchtune.modules import TiedLinear
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training import PROFILER_KEY
 from torchtune.training.activations import apply_selective_activation_checkpointing
@@ -237,6 +238,13 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             training.compile_model(model, verbose=self._is_rank_zero)
 
         if self._tensor_parallel_dim > 1:
+            if isinstance(getattr(model, "output", None), TiedLinear):
+                # torchtune 0.6.1's TP plans shard the output as a Linear; a tied output then
+                # multiplies a plain tensor by a DTensor deep inside the first forward.
+                raise ValueError(
+                    "config keys 'tensor_parallel_dim' and 'model.tie_word_embeddings': tensor "
+                    "parallelism needs an untied output projection (tie_word_embeddings: False)."
+                )
             model = training.prepare_mha_for_tp(model, self._mesh["tp"])
             parallelize_module(model, self._mesh["tp"], parallelize_plan=self._tensor_parallel_plan)
         # As in torchtune: ``ac_mode`` selects selective AC only when full AC is off.

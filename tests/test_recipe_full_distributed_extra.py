@@ -94,3 +94,74 @@ def test_optimizer_in_bwd_with_accumulation_is_refused_naming_both_keys(runs):
     assert proc.returncode != 0
     assert "ValueError" in output
     assert "'optimizer_in_bwd'" in output and "'gradient_accumulation_steps'" in output
+
+
+# Tensor parallelism on 2 CPU ranks (dp 1 x tp 2) against the single-device recipe. torchtune
+# 0.6.1's Llama TP plan shards the output projection as a Linear, so the model is untied here
+# (a tied output is refused by name: see test_tied_output_with_tensor_parallelism_is_refused).
+TP_RUN = {
+    **SMALL_MODEL,
+    "model.tie_word_embeddings": False,
+    "batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "max_steps_per_epoch": 4,
+    "clip_grad_norm": "null",
+    "lr_scheduler.num_warmup_steps": 0,
+    # Plain SGD with a large step: AdamW's first updates magnify rounding (5e-6 here in 4 steps).
+    "optimizer._component_": "torch.optim.SGD",
+    "optimizer.lr": 0.5,
+    "~optimizer.weight_decay": None,
+}
+TP_PLAN = "tensor_parallel_plan._component_=torchtune.models.llama3.base_llama_tp_plan"
+
+
+def _args(recipe: str, config: str, output_dir: Path, settings: dict) -> list[str]:
+    return [recipe, "--config", config, f"output_dir={output_dir}"] + [
+        key if value is None else f"{key}={value}" for key, value in settings.items()
+    ]
+
+
+def test_tensor_parallel_run_matches_one_device(tmp_path):
+    single = tmp_path / "single"
+    tp = tmp_path / "tp2"
+    launches = [
+        (
+            _args(
+                "recipes/full_finetune_single_device.py",
+                "configs/tiny/full_single_device.yaml",
+                single,
+                TP_RUN,
+            ),
+            [],
+        ),
+        (
+            [
+                "--nproc_per_node",
+                "2",
+                *_args(DISTRIBUTED, DISTRIBUTED_CONFIG, tp, TP_RUN),
+                "tensor_parallel_dim=2",
+                TP_PLAN,
+            ],
+            [],
+        ),
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda launch: run_tune(launch[0]), launches))
+    for proc in procs:
+        assert proc.returncode == 0, output_of(proc)[-4000:]
+    rel = relative_l2(
+        load_weights(tp / TRAINED), load_weights(single / TRAINED), load_weights(single / INITIAL)
+    )
+    print(f"tensor_parallel_dim=2 vs one device: relative L2 {rel:.3e}")
+    assert rel <= TOLERANCE
+    assert read_scalars(tp / "logs")["loss"] == pytest.approx(
+        read_scalars(single / "logs")["loss"], rel=1e-5
+    )
+
+
+def test_tied_output_with_tensor_parallelism_is_refused(tmp_path):
+    settings = {**TP_RUN, "model.tie_word_embeddings": True}
+    args = ["--nproc_per_node", "2", *_args(DISTRIBUTED, DISTRIBUTED_CONFIG, tmp_path, settings)]
+    proc = run_tune([*args, "tensor_parallel_dim=2", TP_PLAN])
+    assert proc.returncode != 0
+    assert "model.tie_word_embeddings" in output_of(proc)
