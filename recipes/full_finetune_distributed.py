@@ -24,11 +24,12 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 from warnings import warn
 
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
@@ -50,11 +51,29 @@ from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 from exactga import distributed
+from exactga.checkpointing import (
+    MODEL_FILE,
+    find_resume_checkpoint,
+    load_model_state,
+    progress_state,
+    restore_progress,
+    restore_rng_state,
+    run_fingerprint,
+    should_save_step_checkpoint,
+    step_checkpointer_for,
+    step_rank_state,
+)
 from exactga.config import validate_config
+from exactga.data import checked_dataset, dataset_source, model_vocab_size
 from exactga.normalization import LossNormalizer, Window, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.schemas import FullFinetuneDistributedConfig
-from exactga.training import causal_lm_loss, train_window
+from exactga.training import (
+    causal_lm_loss,
+    handle_nonfinite_loss,
+    parse_nonfinite_policy,
+    train_window,
+)
 
 log = utils.get_logger("INFO")
 
@@ -84,7 +103,12 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
           ``ac_mode``/``ac_option``) and offloading, ``compile``, ``optimizer_in_bwd`` (ga = 1),
           ``clip_grad_norm``, schedulers: as in the single-device recipe.
         - Checkpointing through torchtune's checkpoint client at each epoch's end, written by
-          rank 0 (``enable_async_checkpointing`` for intermediate distributed checkpoints).
+          rank 0 (``enable_async_checkpointing`` for intermediate distributed checkpoints), and
+          with ``save_every_n_steps`` atomic step checkpoints (full weights and optimizer state
+          from rank 0, RNG and data-loader position from every rank): ``resume_from_checkpoint``
+          then goes on with the next window on the same world size (docs/reliability.md).
+        - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step on every rank
+          (``skip``) or stops the run with a checkpoint (``stop``).
         - Rank-0-only metric logging and progress bar; ``loss`` is the exact window loss over
           all ranks (one extra all-reduce of one number on logged steps only).
 
@@ -140,7 +164,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
-        self._checkpoint_client = CheckpointClient(cfg)
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
 
         # Public state, updated by the checkpoint loader when resuming.
         self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode)
@@ -149,6 +174,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
         self.num_skipped_steps = 0
+        self.num_nonfinite_steps = 0
 
     def setup(self, cfg: DictConfig) -> None:
         if self._fsdp_cpu_offload:
@@ -157,11 +183,32 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
 
+        self._step_checkpointer = step_checkpointer_for(
+            cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
+        )
+        self._fingerprint = run_fingerprint(
+            cfg, world_size=self.world_size, tensor_parallel_dim=self._tensor_parallel_dim
+        )
+        resume = find_resume_checkpoint(self._step_checkpointer, cfg, self._fingerprint)
+        # Resuming from a step checkpoint, torchtune's client loads only the base weights.
+        self._checkpoint_client = CheckpointClient(
+            cfg if resume is None else OmegaConf.merge(cfg, {"resume_from_checkpoint": False})
+        )
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
-        self._model = self._setup_model(cfg, ckpt_dict[training.MODEL_KEY])
+        source = f"checkpointer.checkpoint_dir ({cfg.checkpointer.checkpoint_dir})"
+        if resume is not None:
+            distributed.log_rank_zero(f"Resuming from step checkpoint {resume.path}")
+            restore_progress(self, resume.trainer_state)
+            source = str(resume.path / MODEL_FILE)
+            ckpt_dict = {
+                training.MODEL_KEY: resume.model_state,
+                training.OPT_KEY: resume.optimizer_state,
+                training.DATALOADER_KEY: resume.rank_state["dataloader"],
+            }
+        self._model = self._setup_model(cfg, ckpt_dict[training.MODEL_KEY], source)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, ckpt_dict.get(training.OPT_KEY))
-        if self._resume_from_checkpoint:
+        if self._resume_from_checkpoint and resume is None:
             if self._enable_async_checkpointing:
                 ckpt_dict = self._checkpoint_client.load_distributed_checkpoint(
                     self._model,
@@ -194,7 +241,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._steps_per_epoch = self._normalizer.num_windows(len(self._dataloader))
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        if resume is None:
+            self.global_step = self.epochs_run * self._steps_per_epoch
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
@@ -210,6 +258,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._log_dir = (
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
+        if resume is not None:  # last: model and data setup above draw from the RNGs
+            restore_rng_state(resume.rank_state["rng"], self._device)
 
     def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
         try:
@@ -228,7 +278,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"checkpoint has no recipe state ({err}); is it a checkpoint of this recipe?"
             ) from err
 
-    def _setup_model(self, cfg: DictConfig, model_state_dict: dict[str, Any]) -> nn.Module:
+    def _setup_model(
+        self, cfg: DictConfig, model_state_dict: dict[str, Any], source: str
+    ) -> nn.Module:
         """Build on the meta device, apply TP, activation checkpointing and FSDP2, then load
         the full state dict shard by shard."""
         t0 = time.perf_counter()
@@ -269,8 +321,16 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             for m in model.modules():
                 if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
                     m.rope_init()
-        training.load_from_full_model_state_dict(
-            model, model_state_dict, self._device, strict=True, cpu_offload=self._fsdp_cpu_offload
+        load_model_state(
+            model,
+            model_state_dict,
+            source,
+            load=partial(
+                training.load_from_full_model_state_dict,
+                device=self._device,
+                strict=True,
+                cpu_offload=self._fsdp_cpu_offload,
+            ),
         )
         training.validate_no_params_on_meta_device(model)
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
@@ -344,6 +404,10 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         else:
             ds = config.instantiate(cfg_dataset, self._tokenizer)
             packed = cfg_dataset.get("packed", False)
+        # Bad rows and out-of-vocabulary ids fail naming the row; see exactga.data.
+        ds = checked_dataset(
+            ds, vocab_size=model_vocab_size(self._model), source=dataset_source(cfg_dataset)
+        )
         if "left_pad_sequence" in collate_fn:
             raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
         collate = _get_component_from_path(collate_fn)
@@ -381,9 +445,42 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 epochs_run=self.epochs_run,
                 total_epochs=self.total_epochs,
                 max_steps_per_epoch=self.max_steps_per_epoch,
-                dataloader_state_dict=self._dataloader.state_dict(),
+                # See [loader position at epoch ends] in exactga.checkpointing.
+                dataloader_state_dict=None,
             ),
             epoch=epoch,
+        )
+
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; all ranks call this.
+
+        Rank 0 gathers and writes the full weights and optimizer state, every rank its RNG and
+        data-loader position; the folder appears atomically once all are on disk.
+        """
+        model_state = training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device
+        )
+        if self._optimizer_in_bwd:
+            optimizer_state = {
+                name: training.get_full_optimizer_state_dict(
+                    self._model, opt, self._is_rank_zero, device=self._device
+                )
+                for name, opt in self._optim_ckpt_wrapper.optim_map.items()
+            }
+        else:
+            optimizer_state = training.get_full_optimizer_state_dict(
+                self._model, self._optimizer, self._is_rank_zero, device=self._device
+            )
+        return self._step_checkpointer.save(
+            self.global_step,
+            model_state=model_state if self._is_rank_zero else None,
+            optimizer_state=optimizer_state if self._is_rank_zero else None,
+            trainer_state=progress_state(self, self._fingerprint),
+            rank_state=step_rank_state(
+                self._device,
+                self._dataloader,
+                at_epoch_start=self.global_step == self.epochs_run * self._steps_per_epoch,
+            ),
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -401,12 +498,17 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in range(self.epochs_run, self.total_epochs):
                 self._dataloader.sampler.set_epoch(curr_epoch)
+                # Non-zero only when resuming from a step checkpoint taken mid-epoch.
+                steps_done = self.global_step - curr_epoch * self._steps_per_epoch
                 pbar = tqdm(
                     total=self._steps_per_epoch,
+                    initial=steps_done,
                     desc=f"epoch {curr_epoch + 1}",
                     disable=not self._is_rank_zero,
                 )
-                windows = self._normalizer.windows(self._dataloader, self._steps_per_epoch)
+                windows = self._normalizer.windows(
+                    self._dataloader, self._steps_per_epoch - steps_done
+                )
                 for window in self._profiler.timed(windows):
                     outcome = train_window(
                         window,
@@ -423,9 +525,17 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                         announce_skip=self._is_rank_zero,
                     )
                     self.num_skipped_steps += outcome.skipped
+                    self.num_nonfinite_steps += outcome.nonfinite
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
                     self.global_step += 1
+                    if outcome.nonfinite:  # the same on every rank: the flag was reduced
+                        handle_nonfinite_loss(
+                            self._nonfinite_policy,
+                            self.global_step,
+                            weights_updated=self._optimizer_in_bwd,
+                            save_checkpoint=self.save_step_checkpoint,
+                        )
                     num_tokens_since_log += window.num_global_tokens
                     self._profiler.step(window.num_input_tokens)
                     pbar.update(1)
@@ -443,9 +553,17 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                         if "loss" in metrics:
                             pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
+                    # The epoch's last step is saved below, once the epoch is closed.
+                    if (
+                        should_save_step_checkpoint(self.global_step, self._save_every_n_steps)
+                        and self.global_step < (curr_epoch + 1) * self._steps_per_epoch
+                    ):
+                        self.save_step_checkpoint()
                 pbar.close()
                 self.epochs_run += 1
                 self.save_checkpoint(epoch=curr_epoch)
+                if self._save_every_n_steps:
+                    self.save_step_checkpoint()
         self._report_outputs()
 
     def _step_metrics(self, window: Window, grad_norm: torch.Tensor | None) -> dict[str, float]:
@@ -455,6 +573,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             "lr": get_lr(optimizer),
             "loss_tokens": float(window.num_global_tokens),
             "skipped_steps": float(self.num_skipped_steps),
+            "nonfinite_steps": float(self.num_nonfinite_steps),
         }
         if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
             metrics["loss"] = window.global_mean_loss()

@@ -18,6 +18,7 @@ Copy this file to change the loop; the numerics stay in ``exactga``. docs/ has a
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 from warnings import warn
 
@@ -35,11 +36,30 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
+from exactga.checkpointing import (
+    MODEL_FILE,
+    StepCheckpoint,
+    find_resume_checkpoint,
+    load_model_state,
+    progress_state,
+    restore_progress,
+    restore_rng_state,
+    run_fingerprint,
+    should_save_step_checkpoint,
+    step_checkpointer_for,
+    step_rank_state,
+)
 from exactga.config import validate_config
+from exactga.data import checked_dataset, dataset_source, model_vocab_size
 from exactga.normalization import LossNormalizer, Window, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.schemas import FullFinetuneSingleDeviceConfig
-from exactga.training import causal_lm_loss, train_window
+from exactga.training import (
+    causal_lm_loss,
+    handle_nonfinite_loss,
+    parse_nonfinite_policy,
+    train_window,
+)
 
 log = utils.get_logger("INFO")
 
@@ -61,8 +81,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         - Precision (``dtype``: fp32 or bf16), activation checkpointing and offloading,
           ``compile``, ``optimizer_in_bwd`` (needs ``gradient_accumulation_steps: 1``),
           ``clip_grad_norm``, learning-rate schedulers: as in torchtune.
-        - Checkpointing through torchtune's checkpointers at each epoch's end; resuming
-          (``resume_from_checkpoint``) at an epoch boundary.
+        - Checkpointing through torchtune's checkpointers at each epoch's end, and with
+          ``save_every_n_steps`` atomic step checkpoints (``keep_last_n_checkpoints``) holding
+          weights, optimizer, counters, RNG and data-loader position: ``resume_from_checkpoint``
+          then goes on with the very next window and ends where an uninterrupted run would
+          (see docs/reliability.md). Without step checkpoints it resumes at an epoch boundary.
+        - ``nonfinite_loss``: a step with a NaN/inf loss is skipped (``skip``) or stops the run
+          with a checkpoint (``stop``); one host read per step, none per micro-batch.
         - Logging through torchtune's metric loggers: ``loss`` (exact window loss), ``lr``,
           ``tokens_per_second_per_gpu``, ``loss_tokens``, ``skipped_steps``, ``grad_norm`` when
           clipping, and peak memory on GPU.
@@ -94,6 +119,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
         _check_flag_combinations(cfg, self._device)
 
         # Public state, updated by the checkpoint loader when resuming.
@@ -103,13 +130,19 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
         self.num_skipped_steps = 0
+        self.num_nonfinite_steps = 0
 
     def setup(self, cfg: DictConfig) -> None:
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-        ckpt_dict = self.load_checkpoint(cfg.checkpointer)
-        self._model = self._setup_model(cfg.model, ckpt_dict[training.MODEL_KEY])
+        self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
+        self._fingerprint = run_fingerprint(cfg, world_size=1)
+        resume = find_resume_checkpoint(self._step_checkpointer, cfg, self._fingerprint)
+        ckpt_dict = self.load_checkpoint(cfg.checkpointer, from_step_checkpoint=resume)
+        self._model = self._setup_model(
+            cfg.model, ckpt_dict[training.MODEL_KEY], ckpt_dict["source"]
+        )
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(
             cfg.optimizer,
@@ -140,7 +173,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._steps_per_epoch = self._normalizer.num_windows(len(self._dataloader))
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        if resume is None:
+            self.global_step = self.epochs_run * self._steps_per_epoch
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
@@ -150,14 +184,33 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._profiler = setup_profiler(cfg, self._device, self._model)
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
+        if resume is not None:  # last: model and data setup above draw from the RNGs
+            restore_rng_state(resume.rank_state["rng"], self._device)
 
-    def load_checkpoint(self, cfg_checkpointer: DictConfig) -> dict[str, Any]:
+    def load_checkpoint(
+        self, cfg_checkpointer: DictConfig, from_step_checkpoint: StepCheckpoint | None
+    ) -> dict[str, Any]:
+        """Weights and state to start from: a step checkpoint when resuming from one, else
+        torchtune's checkpointer (the base model, or an epoch checkpoint when resuming)."""
         self._checkpointer = config.instantiate(
-            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+            cfg_checkpointer,
+            should_load_recipe_state=self._resume_from_checkpoint and from_step_checkpoint is None,
         )
+        # Read even when a step checkpoint replaces its weights: the HF checkpointer learns
+        # there the layout it writes the epoch checkpoints in.
         ckpt_dict = self._checkpointer.load_checkpoint()
+        if from_step_checkpoint is not None:
+            log.info(f"Resuming from step checkpoint {from_step_checkpoint.path}")
+            restore_progress(self, from_step_checkpoint.trainer_state)
+            return {
+                training.MODEL_KEY: from_step_checkpoint.model_state,
+                training.OPT_KEY: from_step_checkpoint.optimizer_state,
+                training.DATALOADER_KEY: from_step_checkpoint.rank_state["dataloader"],
+                "source": str(from_step_checkpoint.path / MODEL_FILE),
+            }
         if self._resume_from_checkpoint:
             self._update_recipe_state(ckpt_dict)
+        ckpt_dict["source"] = f"checkpointer.checkpoint_dir ({cfg_checkpointer.checkpoint_dir})"
         return ckpt_dict
 
     def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
@@ -180,7 +233,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 f"checkpoint has no recipe state ({err}); is it a checkpoint of this recipe?"
             ) from err
 
-    def _setup_model(self, cfg_model: DictConfig, model_state_dict: dict[str, Any]) -> nn.Module:
+    def _setup_model(
+        self, cfg_model: DictConfig, model_state_dict: dict[str, Any], source: str
+    ) -> nn.Module:
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
         if self._compile:
@@ -189,7 +244,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-        model.load_state_dict(model_state_dict)
+        load_model_state(model, model_state_dict, source)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
             model, self._enable_activation_offloading
@@ -252,6 +307,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         else:
             ds = config.instantiate(cfg_dataset, self._tokenizer)
             packed = cfg_dataset.get("packed", False)
+        # Bad rows and out-of-vocabulary ids fail naming the row; see exactga.data.
+        ds = checked_dataset(
+            ds, vocab_size=model_vocab_size(self._model), source=dataset_source(cfg_dataset)
+        )
         if "left_pad_sequence" in collate_fn:
             raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
         collate = _get_component_from_path(collate_fn)
@@ -286,7 +345,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     training.EPOCHS_KEY: self.epochs_run,
                     training.TOTAL_EPOCHS_KEY: self.total_epochs,
                     training.MAX_STEPS_KEY: self.max_steps_per_epoch,
-                    training.DATALOADER_KEY: self._dataloader.state_dict(),
+                    # See [loader position at epoch ends] in exactga.checkpointing.
+                    training.DATALOADER_KEY: None,
                     training.OPT_KEY: (
                         self._optim_ckpt_wrapper.state_dict()
                         if self._optimizer_in_bwd
@@ -296,6 +356,24 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
         self._checkpointer.save_checkpoint(
             ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate
+        )
+
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; atomic."""
+        return self._step_checkpointer.save(
+            self.global_step,
+            model_state=self._model.state_dict(),
+            optimizer_state=(
+                self._optim_ckpt_wrapper.state_dict()
+                if self._optimizer_in_bwd
+                else self._optimizer.state_dict()
+            ),
+            trainer_state=progress_state(self, self._fingerprint),
+            rank_state=step_rank_state(
+                self._device,
+                self._dataloader,
+                at_epoch_start=self.global_step == self.epochs_run * self._steps_per_epoch,
+            ),
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -312,8 +390,14 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in range(self.epochs_run, self.total_epochs):
                 self._dataloader.sampler.set_epoch(curr_epoch)
-                pbar = tqdm(total=self._steps_per_epoch, desc=f"epoch {curr_epoch + 1}")
-                windows = self._normalizer.windows(self._dataloader, self._steps_per_epoch)
+                # Non-zero only when resuming from a step checkpoint taken mid-epoch.
+                steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+                pbar = tqdm(
+                    total=self._steps_per_epoch, initial=steps_done, desc=f"epoch {curr_epoch + 1}"
+                )
+                windows = self._normalizer.windows(
+                    self._dataloader, self._steps_per_epoch - steps_done
+                )
                 for window in self._profiler.timed(windows):
                     outcome = train_window(
                         window,
@@ -326,9 +410,17 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         clip_grad_norm=self._clip_grad_norm,
                     )
                     self.num_skipped_steps += outcome.skipped
+                    self.num_nonfinite_steps += outcome.nonfinite
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
                     self.global_step += 1
+                    if outcome.nonfinite:
+                        handle_nonfinite_loss(
+                            self._nonfinite_policy,
+                            self.global_step,
+                            weights_updated=self._optimizer_in_bwd,
+                            save_checkpoint=self.save_step_checkpoint,
+                        )
                     num_tokens_since_log += window.num_global_tokens
                     self._profiler.step(window.num_input_tokens)
                     pbar.update(1)
@@ -342,9 +434,17 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         if "loss" in metrics:
                             pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
+                    # The epoch's last step is saved below, once the epoch is closed.
+                    if (
+                        should_save_step_checkpoint(self.global_step, self._save_every_n_steps)
+                        and self.global_step < (curr_epoch + 1) * self._steps_per_epoch
+                    ):
+                        self.save_step_checkpoint()
                 pbar.close()
                 self.epochs_run += 1
                 self.save_checkpoint(epoch=curr_epoch)
+                if self._save_every_n_steps:
+                    self.save_step_checkpoint()
         self._report_outputs()
 
     def _step_metrics(self, window: Window, grad_norm: torch.Tensor | None) -> dict[str, float]:
@@ -354,6 +454,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             "lr": get_lr(optimizer),
             "loss_tokens": float(window.num_global_tokens),
             "skipped_steps": float(self.num_skipped_steps),
+            "nonfinite_steps": float(self.num_nonfinite_steps),
         }
         if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
             metrics["loss"] = window.mean_loss()

@@ -26,6 +26,7 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 from warnings import warn
 
@@ -53,11 +54,29 @@ from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 from exactga import distributed
+from exactga.checkpointing import (
+    StepCheckpoint,
+    find_resume_checkpoint,
+    load_model_state,
+    progress_state,
+    restore_progress,
+    restore_rng_state,
+    run_fingerprint,
+    should_save_step_checkpoint,
+    step_checkpointer_for,
+    step_rank_state,
+)
 from exactga.config import validate_config
+from exactga.data import checked_dataset, dataset_source, model_vocab_size
 from exactga.normalization import LossNormalizer, Window, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.schemas import LoraFinetuneDistributedConfig
-from exactga.training import causal_lm_loss, train_window
+from exactga.training import (
+    causal_lm_loss,
+    handle_nonfinite_loss,
+    parse_nonfinite_policy,
+    train_window,
+)
 
 log = utils.get_logger("INFO")
 
@@ -87,7 +106,12 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
           ``compile``, ``clip_grad_norm``, schedulers: as in the single-device LoRA recipe.
         - Checkpointing at each epoch's end, gathered to and written by rank 0: adapter weights
           and adapter config, merged weights unless ``save_adapter_weights_only``, recipe and
-          optimizer state between epochs; ``resume_from_checkpoint`` at an epoch boundary.
+          optimizer state between epochs. With ``save_every_n_steps``, atomic step checkpoints
+          (adapters and optimizer from rank 0, RNG and data-loader position from every rank):
+          ``resume_from_checkpoint`` then goes on with the next window on the same world size
+          (docs/reliability.md); without them it resumes at an epoch boundary, as stock.
+        - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step on every rank
+          (``skip``) or stops the run with a checkpoint (``stop``).
         - Rank-0-only metric logging and progress bar; ``loss`` is the exact window loss over
           all ranks.
 
@@ -150,6 +174,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
         self.num_skipped_steps = 0
+        self.num_nonfinite_steps = 0
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
 
     def setup(self, cfg: DictConfig) -> None:
         if self._fsdp_cpu_offload:
@@ -158,10 +185,16 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
 
-        ckpt_dict = self.load_checkpoint(cfg.checkpointer)
+        self._step_checkpointer = step_checkpointer_for(
+            cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
+        )
+        self._fingerprint = run_fingerprint(cfg, world_size=self.world_size)
+        resume = find_resume_checkpoint(self._step_checkpointer, cfg, self._fingerprint)
+        ckpt_dict = self.load_checkpoint(cfg.checkpointer, from_step_checkpoint=resume)
         self._model = self._setup_model(
             cfg,
             base_model_state_dict=ckpt_dict[training.MODEL_KEY],
+            base_source=f"checkpointer.checkpoint_dir ({cfg.checkpointer.checkpoint_dir})",
             lora_weights_state_dict=(
                 ckpt_dict[training.ADAPTER_KEY] if self._resume_from_checkpoint else None
             ),
@@ -197,7 +230,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._steps_per_epoch = self._normalizer.num_windows(len(self._dataloader))
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        if resume is None:
+            self.global_step = self.epochs_run * self._steps_per_epoch
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
@@ -213,13 +247,26 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._log_dir = (
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
+        if resume is not None:  # last: model and data setup above draw from the RNGs
+            restore_rng_state(resume.rank_state["rng"], self._device)
 
-    def load_checkpoint(self, cfg_checkpointer: DictConfig) -> dict[str, Any]:
+    def load_checkpoint(
+        self, cfg_checkpointer: DictConfig, from_step_checkpoint: StepCheckpoint | None
+    ) -> dict[str, Any]:
+        """The base weights from torchtune's checkpointer, plus the adapters and state to go on
+        from: a step checkpoint's when resuming from one, else an epoch checkpoint's."""
         self._checkpointer = config.instantiate(
-            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+            cfg_checkpointer,
+            should_load_recipe_state=self._resume_from_checkpoint and from_step_checkpoint is None,
         )
         ckpt_dict = self._checkpointer.load_checkpoint()
-        if self._resume_from_checkpoint:
+        if from_step_checkpoint is not None:
+            distributed.log_rank_zero(f"Resuming from step checkpoint {from_step_checkpoint.path}")
+            restore_progress(self, from_step_checkpoint.trainer_state)
+            ckpt_dict[training.ADAPTER_KEY] = from_step_checkpoint.model_state
+            ckpt_dict[training.OPT_KEY] = from_step_checkpoint.optimizer_state
+            ckpt_dict[training.DATALOADER_KEY] = from_step_checkpoint.rank_state["dataloader"]
+        elif self._resume_from_checkpoint:
             if training.ADAPTER_KEY not in ckpt_dict:
                 raise ValueError(
                     "config key 'resume_from_checkpoint': no adapter weights found in the "
@@ -249,6 +296,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self,
         cfg: DictConfig,
         base_model_state_dict: dict[str, Any],
+        base_source: str,
         lora_weights_state_dict: dict[str, Any] | None,
     ) -> nn.Module:
         """Build on the meta device, freeze the base, apply activation checkpointing and FSDP2,
@@ -288,8 +336,15 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             for m in model.modules():
                 if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
                     m.rope_init()
-        base_missing, base_unexpected = training.load_from_full_model_state_dict(
-            model, base_model_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
+        base_missing, base_unexpected = load_model_state(
+            model,
+            base_model_state_dict,
+            base_source,
+            load=partial(
+                training.load_from_full_model_state_dict,
+                device=self._device,
+                cpu_offload=self._fsdp_cpu_offload,
+            ),
         )
         # DoRA magnitudes are initialised from the loaded base weights.
         is_dora = False
@@ -363,6 +418,10 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         else:
             ds = config.instantiate(cfg_dataset, self._tokenizer)
             packed = cfg_dataset.get("packed", False)
+        # Bad rows and out-of-vocabulary ids fail naming the row; see exactga.data.
+        ds = checked_dataset(
+            ds, vocab_size=model_vocab_size(self._model), source=dataset_source(cfg_dataset)
+        )
         if "left_pad_sequence" in collate_fn:
             raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
         collate = _get_component_from_path(collate_fn)
@@ -423,7 +482,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         training.EPOCHS_KEY: self.epochs_run,
                         training.TOTAL_EPOCHS_KEY: self.total_epochs,
                         training.MAX_STEPS_KEY: self.max_steps_per_epoch,
-                        training.DATALOADER_KEY: self._dataloader.state_dict(),
+                        # See [loader position at epoch ends] in exactga.checkpointing.
+                        training.DATALOADER_KEY: None,
                     }
                 )
             ckpt_dict[training.ADAPTER_CONFIG] = {
@@ -443,6 +503,30 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             log.info(f"Checkpoint gathered and written in {time.perf_counter() - t0:.2f} s")
         distributed.barrier()
 
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; all ranks call this.
+
+        Rank 0 gathers and writes the full adapters and optimizer state, every rank its RNG
+        and data-loader position; the folder appears atomically once all are on disk.
+        """
+        adapters = training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device, adapter_weights_only=True
+        )
+        optimizer_state = training.get_full_optimizer_state_dict(
+            self._model, self._optimizer, self._is_rank_zero, device=self._device
+        )
+        return self._step_checkpointer.save(
+            self.global_step,
+            model_state=adapters if self._is_rank_zero else None,
+            optimizer_state=optimizer_state if self._is_rank_zero else None,
+            trainer_state=progress_state(self, self._fingerprint),
+            rank_state=step_rank_state(
+                self._device,
+                self._dataloader,
+                at_epoch_start=self.global_step == self.epochs_run * self._steps_per_epoch,
+            ),
+        )
+
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
         return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
@@ -457,12 +541,17 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in range(self.epochs_run, self.total_epochs):
                 self._dataloader.sampler.set_epoch(curr_epoch)
+                # Non-zero only when resuming from a step checkpoint taken mid-epoch.
+                steps_done = self.global_step - curr_epoch * self._steps_per_epoch
                 pbar = tqdm(
                     total=self._steps_per_epoch,
+                    initial=steps_done,
                     desc=f"epoch {curr_epoch + 1}",
                     disable=not self._is_rank_zero,
                 )
-                windows = self._normalizer.windows(self._dataloader, self._steps_per_epoch)
+                windows = self._normalizer.windows(
+                    self._dataloader, self._steps_per_epoch - steps_done
+                )
                 for window in self._profiler.timed(windows):
                     outcome = train_window(
                         window,
@@ -479,9 +568,17 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         announce_skip=self._is_rank_zero,
                     )
                     self.num_skipped_steps += outcome.skipped
+                    self.num_nonfinite_steps += outcome.nonfinite
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
                     self.global_step += 1
+                    if outcome.nonfinite:  # the same on every rank: the flag was reduced
+                        handle_nonfinite_loss(
+                            self._nonfinite_policy,
+                            self.global_step,
+                            weights_updated=False,
+                            save_checkpoint=self.save_step_checkpoint,
+                        )
                     num_tokens_since_log += window.num_global_tokens
                     self._profiler.step(window.num_input_tokens)
                     pbar.update(1)
@@ -499,9 +596,17 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         if "loss" in metrics:
                             pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
+                    # The epoch's last step is saved below, once the epoch is closed.
+                    if (
+                        should_save_step_checkpoint(self.global_step, self._save_every_n_steps)
+                        and self.global_step < (curr_epoch + 1) * self._steps_per_epoch
+                    ):
+                        self.save_step_checkpoint()
                 pbar.close()
                 self.epochs_run += 1
                 self.save_checkpoint(epoch=curr_epoch)
+                if self._save_every_n_steps:
+                    self.save_step_checkpoint()
         self._report_outputs()
 
     def _step_metrics(self, window: Window, grad_norm: torch.Tensor | None) -> dict[str, float]:
@@ -510,6 +615,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             "lr": get_lr(self._optimizer),
             "loss_tokens": float(window.num_global_tokens),
             "skipped_steps": float(self.num_skipped_steps),
+            "nonfinite_steps": float(self.num_nonfinite_steps),
         }
         if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
             metrics["loss"] = window.global_mean_loss()

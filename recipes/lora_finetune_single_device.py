@@ -22,6 +22,7 @@ docs/lora_finetune_single_device.md.
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 from warnings import warn
 
@@ -48,11 +49,29 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
+from exactga.checkpointing import (
+    StepCheckpoint,
+    find_resume_checkpoint,
+    load_model_state,
+    progress_state,
+    restore_progress,
+    restore_rng_state,
+    run_fingerprint,
+    should_save_step_checkpoint,
+    step_checkpointer_for,
+    step_rank_state,
+)
 from exactga.config import validate_config
+from exactga.data import checked_dataset, dataset_source, model_vocab_size
 from exactga.normalization import LossNormalizer, Window, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.schemas import LoraFinetuneSingleDeviceConfig
-from exactga.training import causal_lm_loss, train_window
+from exactga.training import (
+    causal_lm_loss,
+    handle_nonfinite_loss,
+    parse_nonfinite_policy,
+    train_window,
+)
 
 log = utils.get_logger("INFO")
 
@@ -81,8 +100,13 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
           ``compile``, ``clip_grad_norm``, learning-rate schedulers, low-bit optimizers
           (``torchao.optim.AdamW8bit``, bitsandbytes): as in torchtune.
         - Checkpointing at each epoch's end: adapter weights and adapter config, plus merged
-          full weights unless ``save_adapter_weights_only``; resuming
-          (``resume_from_checkpoint``) at an epoch boundary from the adapter checkpoint.
+          full weights unless ``save_adapter_weights_only``. With ``save_every_n_steps``, atomic
+          step checkpoints (adapters, optimizer, counters, RNG, data-loader position;
+          ``keep_last_n_checkpoints``) from which ``resume_from_checkpoint`` goes on with the
+          very next window (docs/reliability.md); without them it resumes at an epoch boundary
+          from the adapter checkpoint, as stock.
+        - ``nonfinite_loss``: a step with a NaN/inf loss is skipped (``skip``) or stops the run
+          with a checkpoint (``stop``); one host read per step, none per micro-batch.
         - Logging through torchtune's metric loggers: ``loss`` (exact window loss), ``lr``,
           ``tokens_per_second_per_gpu``, ``loss_tokens``, ``skipped_steps``, ``grad_norm`` when
           clipping, and peak memory on GPU.
@@ -114,6 +138,8 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
         _check_flag_combinations(cfg, self._device)
 
         # LoRA settings, read from the model section as stock does.
@@ -130,17 +156,22 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
         self.num_skipped_steps = 0
+        self.num_nonfinite_steps = 0
 
     def setup(self, cfg: DictConfig) -> None:
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-        ckpt_dict = self.load_checkpoint(cfg.checkpointer)
+        self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
+        self._fingerprint = run_fingerprint(cfg, world_size=1)
+        resume = find_resume_checkpoint(self._step_checkpointer, cfg, self._fingerprint)
+        ckpt_dict = self.load_checkpoint(cfg.checkpointer, from_step_checkpoint=resume)
         # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
         common_utils._use_low_cpu_ram = cfg.low_cpu_ram
         self._model = self._setup_model(
             cfg.model,
             base_model_state_dict=ckpt_dict[training.MODEL_KEY],
+            base_source=f"checkpointer.checkpoint_dir ({cfg.checkpointer.checkpoint_dir})",
             lora_weights_state_dict=(
                 ckpt_dict[training.ADAPTER_KEY] if self._resume_from_checkpoint else None
             ),
@@ -175,7 +206,8 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._steps_per_epoch = self._normalizer.num_windows(len(self._dataloader))
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        if resume is None:
+            self.global_step = self.epochs_run * self._steps_per_epoch
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
@@ -185,13 +217,26 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._profiler = setup_profiler(cfg, self._device, self._model)
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
+        if resume is not None:  # last: model and data setup above draw from the RNGs
+            restore_rng_state(resume.rank_state["rng"], self._device)
 
-    def load_checkpoint(self, cfg_checkpointer: DictConfig) -> dict[str, Any]:
+    def load_checkpoint(
+        self, cfg_checkpointer: DictConfig, from_step_checkpoint: StepCheckpoint | None
+    ) -> dict[str, Any]:
+        """The base weights from torchtune's checkpointer, plus the adapters and state to go on
+        from: a step checkpoint's when resuming from one, else an epoch checkpoint's."""
         self._checkpointer = config.instantiate(
-            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+            cfg_checkpointer,
+            should_load_recipe_state=self._resume_from_checkpoint and from_step_checkpoint is None,
         )
         ckpt_dict = self._checkpointer.load_checkpoint()
-        if self._resume_from_checkpoint:
+        if from_step_checkpoint is not None:
+            log.info(f"Resuming from step checkpoint {from_step_checkpoint.path}")
+            restore_progress(self, from_step_checkpoint.trainer_state)
+            ckpt_dict[training.ADAPTER_KEY] = from_step_checkpoint.model_state
+            ckpt_dict[training.OPT_KEY] = from_step_checkpoint.optimizer_state
+            ckpt_dict[training.DATALOADER_KEY] = from_step_checkpoint.rank_state["dataloader"]
+        elif self._resume_from_checkpoint:
             if training.ADAPTER_KEY not in ckpt_dict:
                 raise ValueError(
                     "config key 'resume_from_checkpoint': no adapter weights found in the "
@@ -224,6 +269,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self,
         cfg_model: DictConfig,
         base_model_state_dict: dict[str, Any],
+        base_source: str,
         lora_weights_state_dict: dict[str, Any] | None,
     ) -> nn.Module:
         with training.set_default_dtype(self._dtype), self._device:
@@ -238,7 +284,9 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
 
-        base_missing, base_unexpected = model.load_state_dict(base_model_state_dict, strict=False)
+        base_missing, base_unexpected = load_model_state(
+            model, base_model_state_dict, base_source, strict=False
+        )
         # DoRA magnitudes are initialised from the loaded base weights.
         if self._is_dora:
             for module in model.modules():
@@ -307,6 +355,10 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         else:
             ds = config.instantiate(cfg_dataset, self._tokenizer)
             packed = cfg_dataset.get("packed", False)
+        # Bad rows and out-of-vocabulary ids fail naming the row; see exactga.data.
+        ds = checked_dataset(
+            ds, vocab_size=model_vocab_size(self._model), source=dataset_source(cfg_dataset)
+        )
         if "left_pad_sequence" in collate_fn:
             raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
         collate = _get_component_from_path(collate_fn)
@@ -344,13 +396,16 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                     training.EPOCHS_KEY: self.epochs_run,
                     training.TOTAL_EPOCHS_KEY: self.total_epochs,
                     training.MAX_STEPS_KEY: self.max_steps_per_epoch,
-                    training.DATALOADER_KEY: self._dataloader.state_dict(),
+                    # See [loader position at epoch ends] in exactga.checkpointing.
+                    training.DATALOADER_KEY: None,
                 }
             )
         ckpt_dict[training.ADAPTER_KEY] = get_adapter_state_dict(self._model.state_dict())
         if not self._save_adapter_weights_only:
-            # On the host, so merging does not need a second copy of the model on the device.
-            state_dict = {k: v.cpu() for k, v in self._model.state_dict().items()}
+            # A host copy, so merging does not need a second model on the device. A copy even on
+            # CPU: torchtune merges in place, and ``.cpu()`` of a CPU tensor is the tensor
+            # itself, so the frozen base would silently take the adapters in (stock's bug).
+            state_dict = {k: v.to("cpu", copy=True) for k, v in self._model.state_dict().items()}
             ckpt_dict[training.MODEL_KEY] = get_merged_lora_ckpt(
                 state_dict, rank=self._lora_rank, alpha=self._lora_alpha
             )
@@ -369,6 +424,21 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             adapter_only=self._save_adapter_weights_only,
         )
 
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; atomic. The frozen
+        base is not in it: a resumed run reads it from the checkpointer again."""
+        return self._step_checkpointer.save(
+            self.global_step,
+            model_state={name: p.detach() for name, p in self.adapter_params.items()},
+            optimizer_state=self._optimizer.state_dict(),
+            trainer_state=progress_state(self, self._fingerprint),
+            rank_state=step_rank_state(
+                self._device,
+                self._dataloader,
+                at_epoch_start=self.global_step == self.epochs_run * self._steps_per_epoch,
+            ),
+        )
+
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
         return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
@@ -382,8 +452,14 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in range(self.epochs_run, self.total_epochs):
                 self._dataloader.sampler.set_epoch(curr_epoch)
-                pbar = tqdm(total=self._steps_per_epoch, desc=f"epoch {curr_epoch + 1}")
-                windows = self._normalizer.windows(self._dataloader, self._steps_per_epoch)
+                # Non-zero only when resuming from a step checkpoint taken mid-epoch.
+                steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+                pbar = tqdm(
+                    total=self._steps_per_epoch, initial=steps_done, desc=f"epoch {curr_epoch + 1}"
+                )
+                windows = self._normalizer.windows(
+                    self._dataloader, self._steps_per_epoch - steps_done
+                )
                 for window in self._profiler.timed(windows):
                     outcome = train_window(
                         window,
@@ -396,9 +472,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                         clip_grad_norm=self._clip_grad_norm,
                     )
                     self.num_skipped_steps += outcome.skipped
+                    self.num_nonfinite_steps += outcome.nonfinite
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
                     self.global_step += 1
+                    if outcome.nonfinite:
+                        handle_nonfinite_loss(
+                            self._nonfinite_policy,
+                            self.global_step,
+                            weights_updated=False,
+                            save_checkpoint=self.save_step_checkpoint,
+                        )
                     num_tokens_since_log += window.num_global_tokens
                     self._profiler.step(window.num_input_tokens)
                     pbar.update(1)
@@ -412,9 +496,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                         if "loss" in metrics:
                             pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
+                    # The epoch's last step is saved below, once the epoch is closed.
+                    if (
+                        should_save_step_checkpoint(self.global_step, self._save_every_n_steps)
+                        and self.global_step < (curr_epoch + 1) * self._steps_per_epoch
+                    ):
+                        self.save_step_checkpoint()
                 pbar.close()
                 self.epochs_run += 1
                 self.save_checkpoint(epoch=curr_epoch)
+                if self._save_every_n_steps:
+                    self.save_step_checkpoint()
         self._report_outputs()
 
     def _step_metrics(self, window: Window, grad_norm: torch.Tensor | None) -> dict[str, float]:
@@ -423,6 +515,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             "lr": get_lr(self._optimizer),
             "loss_tokens": float(window.num_global_tokens),
             "skipped_steps": float(self.num_skipped_steps),
+            "nonfinite_steps": float(self.num_nonfinite_steps),
         }
         if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
             metrics["loss"] = window.mean_loss()

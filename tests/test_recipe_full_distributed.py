@@ -218,8 +218,9 @@ def _steps(run: Path, rank: int) -> list[dict[str, int]]:
 
 
 def test_collectives_per_optimizer_step(runs):
-    """One token-count all-reduce per step; gradients reduce-scattered once per parameter group
-    per step with once_per_window whatever ga is, ga times with every_micro_batch."""
+    """One token-count all-reduce and one 1-byte non-finite-loss flag per step; gradients
+    reduce-scattered once per parameter group per step with once_per_window whatever ga is,
+    ga times with every_micro_batch."""
     per_step = {
         name: [_steps(runs[name], r) for r in range(2)]
         for name in ("2ranks_4x1", "2ranks_1x4", "2ranks_2x2")
@@ -232,6 +233,7 @@ def test_collectives_per_optimizer_step(runs):
             assert len(steps) == PARITY["max_steps_per_epoch"]
             for step in steps:
                 assert step.get("token_count") == 1, (name, step)
+                assert step.get("finite_flag") == 1, (name, step)
                 assert step.get("reduce_scatter") == expected[name], (name, step)
                 # The only other all-reduce: the logged loss of the previous step.
                 assert step.get("all_reduce_other", 0) <= 1, (name, step)

@@ -52,18 +52,23 @@ def _suggest(key: Any, known: list[str]) -> str:
 
 
 # Counts that must be positive; a zero or negative value would train on nothing or loop forever.
-_MINIMUMS = {"batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1, "log_every_n_steps": 1}
+_MINIMUMS = {
+    "batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "epochs": 1,
+    "log_every_n_steps": 1,
+    "keep_last_n_checkpoints": 2,  # a damaged latest checkpoint needs one to fall back to
+}
 
 
 def _check_minimums(cfg: DictConfig) -> None:
     for key, minimum in _MINIMUMS.items():
         if key in cfg and cfg[key] < minimum:
             raise ValueError(f"config key '{key}' must be at least {minimum}, got {cfg[key]}.")
-    steps = cfg.get("max_steps_per_epoch")
-    if steps is not None and steps < 1:
-        raise ValueError(
-            f"config key 'max_steps_per_epoch' must be null or at least 1, got {steps}."
-        )
+    for key in ("max_steps_per_epoch", "save_every_n_steps"):
+        steps = cfg.get(key)
+        if steps is not None and steps < 1:
+            raise ValueError(f"config key '{key}' must be null or at least 1, got {steps}.")
 
 
 __all__ = ["validate_config", "ConfigKeyError"]

@@ -275,6 +275,11 @@ class Window:
         """Post-backward gradient work; a no-op except in the ``post_scale`` baseline."""
         if self.mode is NormMode.POST_SCALE:
             num_unshifted = sum(mb.num_unshifted_tokens for mb in self.micro_batches)
+            if self.dp_group is not None:  # stock reduces its count over the ranks, then scales
+                device = self._pending.device
+                count = torch.tensor([num_unshifted], dtype=torch.int64, device=device)
+                dist.all_reduce(count, group=self.dp_group)
+                num_unshifted = int(count.item())
             gradient_scaling_pass(model, self.dp_size / num_unshifted)
 
     def mean_loss(self) -> float:

@@ -67,6 +67,12 @@ class SingleDeviceRecipeConfig:
     loss_normalization: str = "exact"  # exact | post_scale | naive
     drop_partial_window: bool = False
 
+    # exactga: step checkpoints and failures (see docs/reliability.md).
+    save_every_n_steps: Optional[int] = None  # null: epoch-end checkpoints only, as stock
+    keep_last_n_checkpoints: int = 2  # step checkpoints kept; 2 or more
+    resume_allow_changed_keys: list[str] = field(default_factory=list)
+    nonfinite_loss: str = "skip"  # skip | stop
+
 
 @dataclass
 class FullFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
@@ -110,8 +116,9 @@ class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
 class ParitySettings:
     """The ``parity`` section of ``ga_parity``: what to compare, for how long."""
 
-    # batch_size x gradient_accumulation_steps; all with the same global batch. The full batch
-    # (global x 1) is always trained as the reference.
+    # batch_size x gradient_accumulation_steps, "BxG", or x data-parallel ranks, "BxGxN" (N = the
+    # launch's process count); all with the same global batch. The full batch (global x 1) on
+    # one device is always trained as the reference.
     splits: list[str] = field(default_factory=lambda: ["1x8", "2x4", "4x2"])
     modes: list[str] = field(default_factory=lambda: ["naive", "post_scale", "exact"])
     num_steps: int = 12

@@ -8,11 +8,15 @@ rule, the loss step with its label shift, scaling before backward, and the optim
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torchtune import utils
@@ -26,10 +30,82 @@ MicroBatchContext = Callable[[bool], contextlib.AbstractContextManager[Any]]
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What one window did: skipped (no loss token anywhere), and the grad norm if clipped."""
+    """What one window did: skipped (no loss token anywhere, or a non-finite loss), and the
+    grad norm if clipped. ``nonfinite`` says a micro-batch loss on some rank was NaN or inf."""
 
     skipped: bool
     grad_norm: torch.Tensor | None = None
+    nonfinite: bool = False
+
+
+class NonFinitePolicy(Enum):
+    """``nonfinite_loss``: what a step whose loss is NaN or inf does. See [non-finite loss]."""
+
+    SKIP = "skip"
+    STOP = "stop"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training stopped on a non-finite loss (``nonfinite_loss: stop``)."""
+
+
+# [non-finite loss]
+# Each micro-batch's loss is tested with ``isfinite`` on the device and the flags are and-ed
+# there, so no micro-batch waits for the host. Once per step, before the optimizer runs, the flag
+# is reduced over the data-parallel group (one 1-byte all-reduce; every rank must take the same
+# decision or their weights would part) and read on the host: one sync per step, where the
+# optimizer step would have to wait for backward anyway. A non-finite step never reaches the
+# optimizer: its gradients are dropped, so the weights stay finite. With ``clip_grad_norm``
+# set, a non-finite gradient norm (a finite loss whose backward overflowed) counts as well; it
+# is read in the same host read (without clipping there is no norm to test short of a pass over
+# the gradients, which is what we avoid). ``skip`` warns, counts it in ``nonfinite_steps`` and
+# goes on with the next window; ``stop`` saves a step checkpoint of the
+# weights before that step (its data-loader position is after the bad window, so resuming goes
+# on with the next one) and raises. With ``optimizer_in_bwd`` the optimizer has already stepped
+# inside backward, so the run always stops, pointing to the last step checkpoint.
+
+
+def parse_nonfinite_policy(value: str, key: str = "nonfinite_loss") -> NonFinitePolicy:
+    """The policy named by config ``key``, or a ValueError naming the key."""
+    try:
+        return NonFinitePolicy(value)
+    except ValueError:
+        choices = " | ".join(p.value for p in NonFinitePolicy)
+        raise ValueError(f"config key '{key}' must be one of {choices}, got {value!r}.") from None
+
+
+def handle_nonfinite_loss(
+    policy: NonFinitePolicy,
+    step: int,
+    *,
+    weights_updated: bool,
+    save_checkpoint: Callable[[], Path],
+) -> None:
+    """Apply ``policy`` to optimizer step ``step``, whose loss was not finite on some rank.
+
+    Every rank calls this (``save_checkpoint`` is collective under data parallelism).
+
+    Raises:
+        NonFiniteLossError: under ``stop``, or whenever the weights were already updated.
+    """
+    if weights_updated:
+        raise NonFiniteLossError(
+            f"non-finite loss at step {step}; with optimizer_in_bwd the weights were already "
+            "updated, so the run stops without saving. Resume from the last step checkpoint "
+            "(resume_from_checkpoint=True), e.g. with a lower learning rate."
+        )
+    if policy is NonFinitePolicy.SKIP:
+        warnings.warn(
+            f"non-finite loss at step {step}: the step is skipped (nonfinite_loss: skip); "
+            "the weights are unchanged.",
+            stacklevel=2,
+        )
+        return
+    path = save_checkpoint()
+    raise NonFiniteLossError(
+        f"non-finite loss at step {step} (nonfinite_loss: stop). The weights before it are "
+        f"saved in {path}; resume_from_checkpoint=True goes on with the next window."
+    )
 
 
 def causal_lm_loss(
@@ -89,17 +165,19 @@ def train_window(
         return StepOutcome(skipped=True)
     # On several ranks this includes empty micro-batches; see [empty micro-batches under FSDP].
     micro_batches = list(window.micro_batches_to_run())
+    finite = None
     for index, micro_batch in enumerate(micro_batches):
         is_last = index == len(micro_batches) - 1
         with micro_batch_context(is_last) if micro_batch_context else contextlib.nullcontext():
             with profiler.phase("forward"):
                 utils.batch_to_device(micro_batch.batch, device)
                 loss = loss_step(micro_batch.batch)
+                finite = _and_finite(finite, loss)
             with profiler.phase("backward"):
                 # See [loss scaled before backward]: no gradient pass follows.
                 window.scale(loss, micro_batch).backward()
-    if optimizer is None:
-        return StepOutcome(skipped=False)
+    if optimizer is None:  # it already stepped inside backward; see [non-finite loss]
+        return StepOutcome(skipped=False, nonfinite=not _all_finite(finite, None, window))
     profiler.sample_gradient_pass(model)  # measures only; see [saved latency]
     with profiler.phase("optimizer"):
         window.finish_gradients(model)
@@ -110,6 +188,31 @@ def train_window(
             )
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
                 grad_norm = grad_norm.full_tensor()
+        if not _all_finite(finite, grad_norm, window):  # see [non-finite loss]
+            optimizer.zero_grad(set_to_none=True)
+            return StepOutcome(skipped=True, nonfinite=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return StepOutcome(skipped=False, grad_norm=grad_norm)
+
+
+def _and_finite(finite: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
+    """``finite and isfinite(loss)``, on the device: no host sync per micro-batch."""
+    loss_finite = torch.isfinite(loss.detach()).all()
+    return loss_finite if finite is None else finite & loss_finite
+
+
+def _all_finite(
+    finite: torch.Tensor | None, grad_norm: torch.Tensor | None, window: Window
+) -> bool:
+    """Whether every rank's losses, and the gradient norm if clipping computed one, were
+    finite: the step's one flag reduction and one host read."""
+    if finite is None:
+        return True
+    if grad_norm is not None:  # already global under FSDP, so and-ing it in is enough
+        finite = finite & torch.isfinite(grad_norm).to(finite.device)
+    if window.dp_size > 1:
+        flag = finite.to(torch.uint8)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=window.dp_group)
+        return bool(flag.item())
+    return bool(finite.item())

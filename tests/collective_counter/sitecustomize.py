@@ -34,8 +34,11 @@ if _OUT:
         setattr(dist, name, counting)
 
     def _all_reduce_kind(tensor, *args, **kwargs):
-        # The window token count is the only int64 all-reduce of a step.
-        return "token_count" if tensor.dtype == torch.int64 else "all_reduce_other"
+        # The window token count is the only int64 all-reduce of a step, the non-finite-loss
+        # flag the only uint8 one.
+        if tensor.dtype == torch.int64:
+            return "token_count"
+        return "finite_flag" if tensor.dtype == torch.uint8 else "all_reduce_other"
 
     _wrap("all_reduce", _all_reduce_kind)
     _wrap("reduce_scatter_single", lambda *a, **k: "reduce_scatter")

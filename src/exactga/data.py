@@ -1,0 +1,247 @@
+"""Bad dataset rows fail with the row, the dataset and the problem, never deep in a loader.
+
+torchtune 0.6.1 reports a bad row from inside its transforms, without saying which row:
+a column missing from one row of a JSON file arrives as ``None`` and fails as
+``AssertionError: content must be of type List[Dict[str, Any]], got None``; a column missing
+from every row is a bare ``KeyError: 'output'``. Worse, the Alpaca transform formats the
+instruction and input into its prompt with ``str.format``, so an ``"instruction": 7`` or a
+``{...}`` trains silently on the text ``7``. And a token id beyond the model's embedding table
+fails on CUDA as a device-side assert, far from the tokenizer that produced it.
+
+:func:`checked_dataset` wraps the dataset a recipe instantiates. See [checked rows].
+
+[checked rows]
+Two kinds of check, chosen so that a good dataset pays next to nothing:
+
+- At start-up, the columns of the datasets whose columns we know (the Alpaca, input/output,
+  ShareGPT and OpenAI transforms, also inside a ``ConcatDataset`` or ``PackedDataset``) are checked
+  from the Arrow schema: a column of the right type without nulls costs O(1), and only a column that
+  is not one is scanned, to name its first bad row. A wrong type then fails before the first
+  step instead of hours into an epoch, or never.
+- Per sample, in the DataLoader: any exception from loading or transforming a row becomes a
+  ``ValueError`` naming the row, and the tokenized sample must hold ``tokens`` and ``labels``
+  of equal length with every id in ``[0, vocab_size)``. That is a min and a max over at most
+  ``max_seq_len`` ints on the host, small next to tokenizing the row.
+
+Rows are counted from 0 in the order of the dataset as instantiated (after any ``filter_fn``);
+for a JSON file without a filter that is the position in the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import Dataset
+from torchtune.data import (
+    AlpacaToMessages,
+    InputOutputToMessages,
+    OpenAIToMessages,
+    ShareGPTToMessages,
+)
+from torchtune.datasets import ConcatDataset, PackedDataset, SFTDataset
+
+# The columns each known message transform reads, by their default name (a column map may rename
+# them): the type of value it expects, and whether a row may leave the column empty (null or
+# absent). Only the columns are checked up front; what is inside a conversation is checked by
+# the transform itself, and a failure there is reported by row (see [checked rows]).
+_COLUMNS: dict[type, dict[str, tuple[type, bool]]] = {
+    AlpacaToMessages: {"instruction": (str, False), "input": (str, True), "output": (str, False)},
+    InputOutputToMessages: {"input": (str, False), "output": (str, False)},
+    ShareGPTToMessages: {"conversations": (list, False)},
+    OpenAIToMessages: {"messages": (list, False)},
+}
+
+
+def checked_dataset(dataset: Dataset, vocab_size: int, source: str) -> Dataset:
+    """``dataset`` with bad rows reported by row, ``source`` and problem. See [checked rows].
+
+    Args:
+        dataset: the map-style dataset a recipe instantiated (an ``SFTDataset``, or a
+            ``ConcatDataset`` or ``PackedDataset`` of them, or any other).
+        vocab_size: rows of the model's embedding table; token ids must be below it.
+        source: the dataset as the user configured it, for messages, e.g.
+            ``"dataset (json: configs/tiny/data.json)"``.
+
+    Raises:
+        ValueError: at once, for a text column of a known dataset that is missing or holds a
+            value that is not a string (naming the first such row); later, from
+            ``__getitem__``, for any row that fails to load or tokenize.
+    """
+    assert vocab_size > 0, f"vocab_size must be positive, got {vocab_size}"
+    for sft, sft_source in _sft_datasets(dataset, source):
+        _check_columns(sft, sft_source)
+    return CheckedDataset(dataset, vocab_size, source)
+
+
+def dataset_source(cfg_dataset: Any) -> str:
+    """How the user configured the dataset, for messages: its source and files, or builder."""
+    sections = list(cfg_dataset) if OmegaConf.is_list(cfg_dataset) else [cfg_dataset]
+    described = []
+    for section in sections:
+        where = section.get("data_files") or section.get("source") or section.get("_component_")
+        kind = section.get("source") or section.get("_component_")
+        described.append(f"{kind}: {where}" if where != kind else str(kind))
+    return f"dataset ({'; '.join(described)})"
+
+
+def model_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's token embedding table (torchtune decoders: ``tok_embeddings``)."""
+    embeddings = getattr(model, "tok_embeddings", None)
+    if embeddings is None or not hasattr(embeddings, "num_embeddings"):
+        raise ValueError(
+            f"config key 'model': {type(model).__name__} has no tok_embeddings table, so token "
+            "ids cannot be checked against its vocabulary; this recipe trains decoders that do."
+        )
+    return int(embeddings.num_embeddings)
+
+
+class CheckedDataset(Dataset):
+    """Forwards to the wrapped dataset; see :func:`checked_dataset`.
+
+    Attributes the recipes read (``packed``) are forwarded, so the wrapper is a drop-in.
+    """
+
+    def __init__(self, dataset: Dataset, vocab_size: int, source: str) -> None:
+        self._dataset = dataset
+        self._vocab_size = vocab_size
+        self._source = source
+        # A packed dataset's index is a pack of several rows, not a row of the file.
+        packed = isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False) is True
+        self._unit = "packed sample" if packed else "dataset row"
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names not found normally. Dunders and a half-built instance (during
+        # unpickling in a DataLoader worker) must not recurse into the wrapped dataset.
+        if name.startswith("__") or "_dataset" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._dataset, name)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        try:
+            sample = self._dataset[index]
+        except Exception as err:
+            raise ValueError(f"{self._where(index)}: {_describe(err)}") from err
+        self._check_sample(index, sample)
+        return sample
+
+    def _where(self, index: int) -> str:
+        return f"{self._unit} {index} of {self._source}"
+
+    def _check_sample(self, index: int, sample: Any) -> None:
+        if not isinstance(sample, Mapping) or "tokens" not in sample or "labels" not in sample:
+            keys = ", ".join(map(str, sample)) if isinstance(sample, Mapping) else type(sample)
+            raise ValueError(
+                f"{self._where(index)}: a sample must hold 'tokens' and 'labels', got {keys}."
+            )
+        tokens, labels = sample["tokens"], sample["labels"]
+        if len(tokens) != len(labels):
+            raise ValueError(
+                f"{self._where(index)}: {len(tokens)} tokens but {len(labels)} labels; the "
+                "dataset's transform must give one label per token."
+            )
+        if len(tokens) == 0:
+            return
+        lowest, highest = _min_max(tokens)
+        if lowest < 0:
+            raise ValueError(
+                f"{self._where(index)}: token id {lowest} is negative; the dataset's transform "
+                "(config key 'tokenizer' or 'dataset') produced an invalid id."
+            )
+        if highest >= self._vocab_size:
+            raise ValueError(
+                f"{self._where(index)}: token id {highest} (its largest) is beyond the model's "
+                f"vocabulary (vocab_size {self._vocab_size}). The tokenizer "
+                "(config key 'tokenizer') does not match the model (config key "
+                "'model.vocab_size'): use the model's own tokenizer, or a vocab_size at least "
+                f"{highest + 1}."
+            )
+
+
+def _min_max(tokens: Any) -> tuple[int, int]:
+    if isinstance(tokens, torch.Tensor):  # packed samples are tensors
+        return int(tokens.min()), int(tokens.max())
+    return int(min(tokens)), int(max(tokens))
+
+
+def _describe(err: Exception) -> str:
+    if isinstance(err, KeyError):
+        # The message transforms read columns by name; a KeyError is nearly always one missing.
+        return f"missing column or key {err.args[0]!r} (KeyError)"
+    return f"{type(err).__name__}: {err}"
+
+
+def _sft_datasets(dataset: Dataset, source: str) -> Iterator[tuple[SFTDataset, str]]:
+    """The ``SFTDataset``s inside ``dataset``, each with the name its messages should use."""
+    if isinstance(dataset, SFTDataset):
+        yield dataset, source
+    elif isinstance(dataset, PackedDataset):
+        yield from _sft_datasets(dataset.ds, source)
+    elif isinstance(dataset, ConcatDataset):
+        for i, part in enumerate(getattr(dataset, "_datasets", [])):
+            yield from _sft_datasets(part, f"{source}[{i}]")
+
+
+def _check_columns(dataset: SFTDataset, source: str) -> None:
+    """Raise naming the first row whose column is absent or of the wrong type.
+
+    Only for message transforms whose columns we know; any other dataset is left to the
+    per-sample checks. See [checked rows].
+    """
+    transform = getattr(dataset, "_message_transform", None)
+    columns = _COLUMNS.get(type(transform))
+    data = getattr(dataset, "_data", None)
+    if columns is None or not hasattr(data, "features"):  # e.g. a streaming dataset
+        return
+    # Alpaca and input/output keep their map public, the chat transforms private.
+    column_map = getattr(transform, "column_map", None) or getattr(transform, "_column_map", {})
+    present = list(data.column_names)
+    for default_name, (kind, optional) in columns.items():
+        name = (column_map or {}).get(default_name, default_name)
+        if name not in present:
+            if optional:
+                continue
+            renamed = f" (column_map '{default_name}')" if name != default_name else ""
+            raise ValueError(
+                f"{source}: missing column '{name}'{renamed} in every row; its columns are "
+                f"{', '.join(present)}."
+            )
+        if _is_clean_column(data, name, kind, allow_null=optional):
+            continue
+        for row, value in enumerate(data[name]):
+            if value is None and not optional:
+                raise ValueError(
+                    f"dataset row {row} of {source}: missing column '{name}' (absent or null)."
+                )
+            if value is not None and not isinstance(value, kind):
+                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+                raise ValueError(
+                    f"dataset row {row} of {source}: column '{name}' must be a {_KIND[kind]}, "
+                    f"got {type(value).__name__} {shown}."
+                )
+
+
+_KIND = {str: "string", list: "list"}
+
+
+def _is_clean_column(data: Any, name: str, kind: type, allow_null: bool) -> bool:
+    """Whether column ``name`` holds only ``kind`` (and no nulls, unless allowed), judged from
+    the Arrow schema alone; False means "scan it"."""
+    feature = data.features[name]
+    if kind is str:
+        typed = getattr(feature, "dtype", None) in ("string", "large_string")
+    else:
+        typed = type(feature).__name__ in ("List", "LargeList")
+    if not typed:
+        return False
+    if allow_null:
+        return True
+    try:
+        return data.data.column(name).null_count == 0
+    except (AttributeError, KeyError):  # not Arrow-backed as expected: scan to be sure
+        return False

@@ -1,0 +1,513 @@
+"""Unit tier: step checkpoints are written atomically, verified on load, and refuse to resume
+another run.
+
+A tiny Llama from torchtune's builders and an AdamW that has taken a step supply real tensors
+and optimizer state. Damage is done to the files on disk the way disks and interrupted copies do
+it (truncation, a flipped byte, a missing file, a crash mid-save), and the checkpointer must fall
+back to the previous checkpoint, naming the file at fault. See [atomic step checkpoints] and
+[what a resume may change] in ``exactga.checkpointing``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import warnings
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torchtune.models.llama3_2 import llama3_2
+
+from exactga.checkpointing import (
+    MANIFEST_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    CorruptCheckpointError,
+    StepCheckpointer,
+    capture_rng_state,
+    check_resume_fingerprint,
+    find_resume_checkpoint,
+    load_model_state,
+    restore_rng_state,
+    run_fingerprint,
+)
+
+CPU = torch.device("cpu")
+VOCAB = 64
+RANK_FILE = "rank_0.pt"
+
+
+def tiny_model(embed_dim: int = 16, num_layers: int = 1, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return llama3_2(
+        vocab_size=VOCAB,
+        num_layers=num_layers,
+        num_heads=2,
+        num_kv_heads=1,
+        embed_dim=embed_dim,
+        intermediate_dim=32,
+        max_seq_len=32,
+    )
+
+
+def train_one_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int = 1) -> None:
+    """One AdamW step on random tokens, so the optimizer has state to save."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=gen)
+    logits = model(tokens)
+    loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def trained(seed: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_one_step(model, optimizer, seed)
+    return model, optimizer
+
+
+def save_step(
+    checkpointer: StepCheckpointer,
+    step: int,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path:
+    """What a recipe saves at ``step``: weights, optimizer, counters, this rank's RNG/position."""
+    if model is None:
+        model, optimizer = trained(seed=step)
+    return checkpointer.save(
+        step,
+        model_state=model.state_dict(),
+        optimizer_state=None if optimizer is None else optimizer.state_dict(),
+        trainer_state={"global_step": step, "epochs_run": 0, "fingerprint": {"batch_size": 2}},
+        rank_state={"rng": capture_rng_state(CPU), "dataloader": {"samples_seen": 10 * step}},
+    )
+
+
+def assert_same_tensors(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype, key
+        assert torch.equal(actual[key], value), key
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def fix_manifest(checkpoint: Path, name: str) -> None:
+    """Record ``name``'s current size and CRC32 in the manifest, as if it had been saved so."""
+    manifest_path = checkpoint / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    data = (checkpoint / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    del manifest["manifest_crc32"]  # the manifest's own check, over the rest of it
+    manifest["manifest_crc32"] = zlib.crc32(json.dumps(manifest, sort_keys=True).encode())
+    manifest_path.write_text(json.dumps(manifest))
+
+
+# --- round trip and pruning ------------------------------------------------------------------
+
+
+def test_save_then_load_latest_round_trips_every_part(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    checkpointer = StepCheckpointer(tmp_path / "ckpt", keep_last_n=2)
+    rng = capture_rng_state(CPU)
+    expected_torch, expected_python = torch.rand(5), random.random()
+    trainer_state = {"global_step": 3, "epochs_run": 1, "fingerprint": {"model": {"a": [1, 2]}}}
+    path = checkpointer.save(
+        3,
+        model_state=model.state_dict(),
+        optimizer_state=optimizer.state_dict(),
+        trainer_state=trainer_state,
+        rank_state={"rng": rng, "dataloader": {"samples_seen": 30}},
+    )
+    torch.manual_seed(1234)  # what the run does after saving: draws move on
+    random.seed(1234)
+
+    loaded = checkpointer.load_latest()
+
+    assert loaded is not None
+    assert loaded.step == 3 and loaded.path == path
+    assert loaded.trainer_state == trainer_state
+    assert loaded.rank_state["dataloader"] == {"samples_seen": 30}
+    assert_same_tensors(loaded.model_state, model.state_dict())
+    restore_rng_state(loaded.rank_state["rng"], CPU)
+    assert torch.equal(torch.rand(5), expected_torch)
+    assert random.random() == expected_python
+
+    # The optimizer state is complete: a fresh model and optimizer restored from the checkpoint
+    # take the next step bit-for-bit as the original ones do.
+    resumed = tiny_model(seed=99)
+    load_model_state(resumed, loaded.model_state, str(loaded.path / MODEL_FILE))
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    resumed_optimizer.load_state_dict(loaded.optimizer_state)
+    train_one_step(model, optimizer, seed=7)
+    train_one_step(resumed, resumed_optimizer, seed=7)
+    assert_same_tensors(resumed.state_dict(), model.state_dict())
+
+
+def test_checkpoint_without_optimizer_loads_none_for_it(tmp_path: Path) -> None:
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    model = tiny_model()
+    save_step(checkpointer, 1, model, optimizer=None)
+    loaded = checkpointer.load_latest()
+    assert loaded.optimizer_state is None
+    assert_same_tensors(loaded.model_state, model.state_dict())
+
+
+@pytest.mark.parametrize("keep_last_n", [2, 3])
+def test_keep_last_n_prunes_older_checkpoints(tmp_path: Path, keep_last_n: int) -> None:
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=keep_last_n)
+    model = tiny_model()
+    for step in range(1, 6):
+        save_step(checkpointer, step, model)
+    kept = list(range(6 - keep_last_n, 6))
+    assert checkpointer.list_steps() == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step_{s:06d}" for s in kept]
+
+
+@pytest.mark.parametrize("keep_last_n", [1, 0])
+def test_keep_last_n_below_two_is_refused_naming_the_key(tmp_path: Path, keep_last_n) -> None:
+    with pytest.raises(ValueError, match="'keep_last_n_checkpoints'"):
+        StepCheckpointer(tmp_path, keep_last_n=keep_last_n)
+
+
+def test_no_checkpoint_loads_none(tmp_path: Path) -> None:
+    assert StepCheckpointer(tmp_path / "absent", keep_last_n=2).load_latest() is None
+    assert StepCheckpointer(tmp_path, keep_last_n=2).load_latest() is None
+
+
+# --- damage ------------------------------------------------------------------------------------
+
+
+DAMAGES = {
+    "truncate": truncate,
+    "flip_byte": flip_byte,
+    "delete": Path.unlink,
+}
+
+
+@pytest.mark.parametrize(
+    "damage, name",
+    [
+        ("truncate", MODEL_FILE),
+        ("truncate", OPTIMIZER_FILE),
+        ("truncate", RANK_FILE),
+        ("flip_byte", MODEL_FILE),
+        ("flip_byte", OPTIMIZER_FILE),
+        ("flip_byte", RANK_FILE),
+        ("delete", OPTIMIZER_FILE),
+        ("delete", RANK_FILE),
+        ("delete", MANIFEST_FILE),
+        ("truncate", MANIFEST_FILE),
+    ],
+)
+def test_damaged_latest_falls_back_to_the_previous_one_naming_the_file(
+    tmp_path: Path, damage: str, name: str
+) -> None:
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=3)
+    previous_model, _ = trained(seed=1)
+    save_step(checkpointer, 1, *trained(seed=1))
+    latest = save_step(checkpointer, 2, *trained(seed=2))
+    DAMAGES[damage](latest / name)
+
+    with pytest.warns(UserWarning, match=re.escape(str(latest / name))):
+        loaded = checkpointer.load_latest()
+
+    assert loaded.step == 1
+    assert_same_tensors(loaded.model_state, previous_model.state_dict())
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(latest / name))):
+        checkpointer.load(latest)
+
+
+def test_every_checkpoint_damaged_raises_naming_each_file(tmp_path: Path) -> None:
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    model = tiny_model()
+    first = save_step(checkpointer, 1, model)
+    second = save_step(checkpointer, 2, model)
+    (first / MANIFEST_FILE).unlink()
+    truncate(second / MODEL_FILE)
+
+    with pytest.warns(UserWarning), pytest.raises(CorruptCheckpointError) as err:
+        checkpointer.load_latest()
+
+    assert str(first / MANIFEST_FILE) in str(err.value)
+    assert str(second / MODEL_FILE) in str(err.value)
+
+
+def test_stale_staging_folder_is_ignored_then_removed_by_the_next_save(tmp_path: Path) -> None:
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    model = tiny_model()
+    save_step(checkpointer, 5, model)
+    # A crash just before the rename leaves a staging folder that looks complete inside.
+    stale = tmp_path / ".step_000007.tmp"
+    shutil.copytree(tmp_path / "step_000005", stale)
+
+    assert checkpointer.list_steps() == [5]
+    assert checkpointer.load_latest().step == 5
+
+    save_step(checkpointer, 6, model)
+    assert not stale.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005", "step_000006"]
+
+
+def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    first_model, first_optimizer = trained(seed=1)
+    second_model, second_optimizer = trained(seed=2)
+    save_step(checkpointer, 4, first_model, first_optimizer)
+    save_step(checkpointer, 4, second_model, second_optimizer)
+
+    loaded = checkpointer.load_latest()
+
+    assert loaded.step == 4
+    assert_same_tensors(loaded.model_state, second_model.state_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]
+
+
+@pytest.mark.parametrize("saved_world_size, world_size", [(2, 1), (1, 2)])
+def test_world_size_mismatch_is_refused_naming_both_sizes(
+    tmp_path: Path, saved_world_size: int, world_size: int
+) -> None:
+    save_step(StepCheckpointer(tmp_path, 2, rank=0, world_size=saved_world_size), 1, tiny_model())
+    checkpointer = StepCheckpointer(tmp_path, 2, rank=0, world_size=world_size)
+    expected = f"written by {saved_world_size} ranks and this run has {world_size}"
+    with pytest.raises(ValueError, match=expected):
+        checkpointer.load_latest()
+
+
+# --- nothing unpickles code --------------------------------------------------------------------
+
+
+def _leave_marker(path: str) -> None:
+    Path(path).write_text("code ran")
+
+
+class _Payload:
+    """Runs ``_leave_marker`` when unpickled by a loader that allows arbitrary globals."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (_leave_marker, (self.marker,))
+
+
+@pytest.mark.parametrize("name", [OPTIMIZER_FILE, RANK_FILE])
+def test_pickled_code_in_a_checkpoint_is_refused_without_running(tmp_path: Path, name: str) -> None:
+    root = tmp_path / "ckpt"
+    checkpointer = StepCheckpointer(root, keep_last_n=2)
+    model = tiny_model()
+    save_step(checkpointer, 1, model, torch.optim.AdamW(model.parameters()))
+    latest = save_step(checkpointer, 2, model, torch.optim.AdamW(model.parameters()))
+    marker = tmp_path / "marker"
+    torch.save({"state": {}, "param_groups": [], "payload": _Payload(marker)}, latest / name)
+    fix_manifest(latest, name)  # only the unpickling is at fault, not size or CRC
+
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(latest / name))):
+        checkpointer.load(latest)
+    with pytest.warns(UserWarning, match=re.escape(str(latest / name))):
+        assert checkpointer.load_latest().step == 1
+    assert not marker.exists()
+
+    # The payload is real: a loader that unpickles code does run it.
+    torch.load(latest / name, weights_only=False)
+    assert marker.exists()
+
+
+# --- what a resume may change ------------------------------------------------------------------
+
+
+def run_config(**overrides) -> dict:
+    cfg = {
+        "dim": 16,
+        "base_batch_size": 2,
+        "model": {
+            "_component_": "torchtune.models.llama3_2.llama3_2",
+            "num_layers": 1,
+            "embed_dim": "${dim}",
+        },
+        "tokenizer": {"path": "/models/tokenizer.model"},
+        "dataset": [{"source": "a"}, {"source": "b"}],
+        "batch_size": "${base_batch_size}",
+        "gradient_accumulation_steps": 4,
+        "shuffle": True,
+        "loss_normalization": "exact",
+        "max_steps_per_epoch": None,
+        "optimizer": {"lr": 1e-3},
+        "epochs": 1,
+        "resume_from_checkpoint": True,
+        "resume_allow_changed_keys": [],
+    }
+    for key, value in overrides.items():
+        section, _, leaf = key.rpartition(".")
+        (cfg[section] if section else cfg)[leaf] = value
+    return OmegaConf.create(cfg)
+
+
+def test_run_fingerprint_resolves_interpolations_and_ignores_free_keys() -> None:
+    fingerprint = run_fingerprint(run_config(), world_size=2)
+    assert fingerprint["batch_size"] == 2
+    assert fingerprint["model"]["embed_dim"] == 16
+    assert fingerprint["dataset"] == [{"source": "a"}, {"source": "b"}]
+    assert fingerprint["world_size"] == 2
+    assert "optimizer" not in fingerprint and "epochs" not in fingerprint
+
+    # a change reached only through an interpolation still changes the fingerprint
+    assert run_fingerprint(run_config(dim=32))["model"]["embed_dim"] == 32
+    # learning rate and epochs may change freely
+    free = run_fingerprint(run_config(**{"optimizer.lr": 1.0, "epochs": 9}), world_size=2)
+    assert free == fingerprint
+
+
+def test_changed_keys_are_refused_naming_keys_and_values() -> None:
+    saved = run_fingerprint(run_config(), world_size=1)
+    current = run_fingerprint(run_config(batch_size=4, **{"model.num_layers": 2}), world_size=1)
+
+    with pytest.raises(ValueError) as err:
+        check_resume_fingerprint(saved, current, [], Path("/out/step_000010"))
+
+    message = str(err.value)
+    assert "'batch_size': 2 in the checkpoint, 4 now" in message
+    assert "'model': num_layers 1 in the checkpoint, 2 now" in message
+    assert "/out/step_000010" in message
+    assert "resume_allow_changed_keys" in message
+
+
+def test_allowed_changes_only_warn_and_the_rest_are_still_refused() -> None:
+    saved = run_fingerprint(run_config(), world_size=1)
+    current = run_fingerprint(run_config(batch_size=4, **{"model.num_layers": 2}), world_size=1)
+
+    with pytest.warns(UserWarning) as record:
+        check_resume_fingerprint(saved, current, ["batch_size", "model"], Path("/out/step_1"))
+    messages = " | ".join(str(w.message) for w in record)
+    assert "'batch_size'" in messages and "'model'" in messages
+
+    with pytest.raises(ValueError) as err:
+        check_resume_fingerprint(saved, current, ["batch_size"], Path("/out/step_1"))
+    assert "'model'" in str(err.value)
+    assert "'batch_size'" not in str(err.value)
+
+
+def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_path: Path) -> None:
+    cfg = run_config()
+    fingerprint = run_fingerprint(cfg, world_size=1)
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    model = tiny_model()
+    checkpointer.save(
+        3,
+        model_state=model.state_dict(),
+        optimizer_state=None,
+        trainer_state={"fingerprint": fingerprint},
+        rank_state={"rng": capture_rng_state(CPU)},
+    )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same config resumes silently
+        found = find_resume_checkpoint(checkpointer, cfg, run_fingerprint(cfg, world_size=1))
+    assert found.step == 3
+
+    resume_off = run_config(resume_from_checkpoint=False)
+    assert find_resume_checkpoint(checkpointer, resume_off, {}) is None
+    changed = run_config(gradient_accumulation_steps=8)
+    with pytest.raises(ValueError, match="'gradient_accumulation_steps': 4 in the checkpoint"):
+        find_resume_checkpoint(checkpointer, changed, run_fingerprint(changed, world_size=1))
+
+
+# --- loading weights into the configured model ---------------------------------------------
+
+
+def test_weights_of_another_size_name_the_weight_and_both_shapes() -> None:
+    model = tiny_model(embed_dim=16)
+    other = tiny_model(embed_dim=32).state_dict()
+
+    with pytest.raises(ValueError) as err:
+        load_model_state(model, other, "/ckpt/model.safetensors")
+
+    message = str(err.value)
+    assert "/ckpt/model.safetensors" in message
+    assert "config key 'model'" in message
+    shapes = r"weight '([^']+)' has shape (\([^)]*\)) in the checkpoint and (\([^)]*\))"
+    found = re.search(shapes, message)
+    assert found, message
+    key, in_checkpoint, in_model = found.groups()
+    assert in_checkpoint == str(tuple(other[key].shape))
+    assert in_model == str(tuple(model.state_dict()[key].shape))
+    assert in_checkpoint != in_model
+
+
+def test_missing_or_extra_weights_under_strict_name_the_source() -> None:
+    model = tiny_model()
+    state = model.state_dict()
+    missing = {k: v for k, v in state.items() if k != "norm.scale"}
+    with pytest.raises(ValueError, match=r"/ckpt/model\.safetensors does not fit config key"):
+        load_model_state(model, missing, "/ckpt/model.safetensors")
+
+    deeper = tiny_model(num_layers=2).state_dict()
+    with pytest.raises(ValueError, match=r"/ckpt/deeper\.safetensors does not fit config key"):
+        load_model_state(model, deeper, "/ckpt/deeper.safetensors")
+
+
+def test_matching_weights_load_and_non_strict_tolerates_missing_keys() -> None:
+    source = tiny_model(seed=3)
+    model = tiny_model(seed=4)
+    load_model_state(model, source.state_dict(), "source")
+    assert_same_tensors(model.state_dict(), source.state_dict())
+
+    partial = {k: v for k, v in tiny_model(seed=5).state_dict().items() if k != "norm.scale"}
+    result = load_model_state(model, partial, "partial", strict=False)
+    assert list(result.missing_keys) == ["norm.scale"]
+
+    calls = []
+    load_model_state(model, source.state_dict(), "custom", load=lambda m, sd: calls.append(sd))
+    assert len(calls) == 1
+
+
+def test_custom_loader_errors_are_reported_as_another_model() -> None:
+    def failing_load(model: nn.Module, state_dict: dict) -> None:
+        raise RuntimeError("size mismatch for a sharded parameter\nmore detail")
+
+    with pytest.raises(ValueError, match="sharded does not fit config key 'model'"):
+        load_model_state(tiny_model(), tiny_model().state_dict(), "sharded", load=failing_load)
+
+
+# --- the manifest checks itself; load errors name the keys ---------------------------------
+
+
+def test_bit_flip_in_the_manifest_counters_falls_back(tmp_path: Path) -> None:
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    model = tiny_model()
+    save_step(checkpointer, 2, model)
+    latest = save_step(checkpointer, 3, model)
+    manifest = latest / MANIFEST_FILE
+    data = bytearray(manifest.read_bytes())
+    digit = data.index(b'"global_step": 3') + len(b'"global_step": ')
+    data[digit] ^= 0x01  # '3' -> '2': still valid JSON
+    manifest.write_bytes(bytes(data))
+
+    with pytest.warns(UserWarning, match=re.escape(str(manifest))):
+        loaded = checkpointer.load_latest()
+    assert loaded.step == 2
+
+
+def test_missing_weights_are_named() -> None:
+    model = tiny_model()
+    missing = {k: v for k, v in model.state_dict().items() if k != "norm.scale"}
+    with pytest.raises(ValueError, match="norm.scale"):
+        load_model_state(model, missing, "/ckpt/model.safetensors")

@@ -1,0 +1,229 @@
+"""Kill a run with SIGKILL at a random step, resume it, and end where an uninterrupted run ends.
+
+Tier (b) of STYLE.md point 9: the real ``tune run`` in a subprocess, on CPU, offline. Each
+scenario trains 12 steps over two epochs with a step checkpoint after every step, once without
+interruption and once killed (the whole process group, as a lost machine would be) as soon as
+a checkpoint of a randomly drawn step exists, plus a random delay so the kill may land mid-step
+or mid-save. The resumed run must end with the same weights (relative L2 <= 1e-6; in practice
+they are bit-identical). The draw is printed (``-rP``); ``EXACTGA_KILL_SEED`` replays one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_utils import (
+    LORA_RECIPE,
+    LORA_TINY_CONFIG,
+    RECIPE,
+    REPO_ROOT,
+    SMALL_MODEL,
+    TINY_CONFIG,
+    TUNE,
+    load_weights,
+    output_of,
+    relative_l2,
+    run_tune,
+    tune_env,
+)
+
+# One worker runs the whole module, so the uninterrupted runs are made once and shared.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
+
+TOLERANCE = 1e-6
+STEPS_PER_EPOCH = 6
+EPOCHS = 2
+FINAL = f"epoch_{EPOCHS - 1}/model-00001-of-00001.safetensors"
+INITIAL = "base_model/model.safetensors"
+KILL_TIMEOUT_S = 240
+
+# Every step checkpointed, AdamW with a warm-up and cosine schedule (the scheduler and the
+# optimizer moments must both resume), shuffled data over two epochs.
+RESUMABLE = {
+    "max_steps_per_epoch": STEPS_PER_EPOCH,
+    "epochs": EPOCHS,
+    "save_every_n_steps": 1,
+    "metric_logger._component_": "torchtune.training.metric_logging.DiskLogger",
+}
+
+SCENARIOS = {
+    "full": ([RECIPE, "--config", TINY_CONFIG], {}),
+    "lora": ([LORA_RECIPE, "--config", LORA_TINY_CONFIG], {}),
+    "full_2ranks": (
+        [
+            *("--nproc_per_node", "2", "recipes/full_finetune_distributed.py"),
+            *("--config", "configs/tiny/full_distributed.yaml"),
+        ],
+        {},
+    ),
+}
+
+
+def _args(scenario: str, out: Path, **overrides: object) -> list[str]:
+    head, extra = SCENARIOS[scenario]
+    settings = {**SMALL_MODEL, **RESUMABLE, **extra, "output_dir": out, **overrides}
+    return [*head, *(f"{key}={value}" for key, value in settings.items())]
+
+
+def _kill_seed() -> int:
+    return int(os.environ.get("EXACTGA_KILL_SEED", time.time_ns() % 1_000_000))
+
+
+def _latest_step(out: Path) -> int:
+    root = out / "step_checkpoints"
+    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*")] if root.is_dir() else []
+    return max(steps, default=0)
+
+
+def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int = 1) -> None:
+    """Launch, and SIGKILL its process group once a random step's checkpoint exists."""
+    kill_after = rng.randint(first_step, STEPS_PER_EPOCH * EPOCHS - 4)
+    delay = rng.uniform(0.0, 0.2)
+    log_path = out.parent / f"{out.name}_killed.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(TUNE), "run", *_args(scenario, out)],
+            cwd=REPO_ROOT,
+            env=tune_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the kill takes every rank with it
+        )
+        try:
+            deadline = time.monotonic() + KILL_TIMEOUT_S
+            while _latest_step(out) < kill_after and proc.poll() is None:
+                assert time.monotonic() < deadline, "the run did not reach its kill step"
+                time.sleep(0.02)
+            time.sleep(delay)
+            ended = proc.poll() is not None
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # already gone
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not ended, f"the run ended before its kill:\n{log_path.read_text()[-3000:]}"
+    print(f"{scenario}: killed after step {kill_after} + {delay:.2f} s")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, Path]:
+    """Each scenario's run without interruption, made once on first use."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    made: dict[str, Path] = {}
+
+    def get(scenario: str) -> Path:
+        if scenario not in made:
+            out = root / scenario
+            proc = run_tune(_args(scenario, out), timeout=600)
+            assert proc.returncode == 0, output_of(proc)[-4000:]
+            made[scenario] = out
+        return made[scenario]
+
+    return get
+
+
+def _distance(run: Path, reference: Path) -> float:
+    initial = load_weights(reference / INITIAL)
+    return relative_l2(load_weights(run / FINAL), load_weights(reference / FINAL), initial)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, scenario):
+    seed = _kill_seed()
+    print(f"EXACTGA_KILL_SEED={seed}")
+    out = tmp_path / "run"
+    _run_and_kill(scenario, out, random.Random(seed))
+
+    proc = run_tune(_args(scenario, out, resume_from_checkpoint=True), timeout=600)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert "Resuming from step checkpoint" in output_of(proc)
+    rel = _distance(out, uninterrupted(scenario))
+    print(f"{scenario}: resumed vs uninterrupted relative L2 {rel:.3e}")
+    assert rel <= TOLERANCE
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    _run_and_kill("full", out, random.Random(_kill_seed()), first_step=2)  # two checkpoints
+    latest = out / "step_checkpoints" / f"step_{_latest_step(out):06d}" / "model.safetensors"
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
+
+    proc = run_tune(_args("full", out, resume_from_checkpoint=True), timeout=600)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert f"{latest}" in output_of(proc) and "truncated" in output_of(proc)
+    assert "falling back to the previous step checkpoint" in output_of(proc)
+    assert _distance(out, uninterrupted("full")) <= TOLERANCE
+
+
+def test_resume_refuses_a_changed_batch_split(uninterrupted, tmp_path):
+    done = uninterrupted("full")
+    out = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(done), str(out)], check=True)
+    proc = run_tune(
+        _args("full", out, resume_from_checkpoint=True, batch_size=2, gradient_accumulation_steps=4)
+    )
+    assert proc.returncode != 0
+    message = output_of(proc)
+    assert "'batch_size': 4 in the checkpoint, 2 now" in message
+    assert "'gradient_accumulation_steps': 2 in the checkpoint, 4 now" in message
+    assert "resume_allow_changed_keys=[batch_size,gradient_accumulation_steps]" in message
+
+
+def test_nonfinite_loss_stops_with_a_checkpoint_then_skips(tmp_path):
+    """An absurd learning rate makes the loss or the gradient norm inf/NaN within two steps.
+    ``stop`` names the step and saves the finite weights before it; resumed under ``skip``, the
+    run skips the rest and ends with finite weights."""
+    out = tmp_path / "run"
+    blow_up = {
+        "optimizer._component_": "torch.optim.SGD",
+        "optimizer.lr": 1e30,
+        "~optimizer.weight_decay": None,
+        "lr_scheduler.num_warmup_steps": 0,
+        "save_every_n_steps": 100,
+        "epochs": 1,
+    }
+    args = _args("full", out, **{k: v for k, v in blow_up.items() if v is not None})
+    args += [k for k, v in blow_up.items() if v is None]
+    proc = run_tune([*args, "nonfinite_loss=stop"])
+    assert proc.returncode != 0
+    stopped = re.search(r"non-finite loss at step (\d+) \(nonfinite_loss: stop\)", output_of(proc))
+    assert stopped, output_of(proc)[-4000:]
+    saved = out / "step_checkpoints" / f"step_{int(stopped.group(1)):06d}"
+    assert f"saved in {saved}" in output_of(proc)
+    weights = load_weights(saved / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+    proc = run_tune([*args, "nonfinite_loss=skip", "resume_from_checkpoint=True"])
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert "the step is skipped (nonfinite_loss: skip)" in output_of(proc)
+    final = load_weights(out / "epoch_0/model-00001-of-00001.safetensors")
+    assert all(torch.isfinite(w).all() for w in final.values())
+
+
+def test_checkpoint_of_another_model_is_named(uninterrupted):
+    """The tiny config's own sizes (embed_dim 256) pointed at the small model's weights (64)."""
+    small = uninterrupted("full")
+    proc = run_tune(
+        [
+            RECIPE,
+            "--config",
+            TINY_CONFIG,
+            f"output_dir={small.parent / 'other'}",
+            f"checkpointer.checkpoint_dir={small / 'base_model'}",
+            "max_steps_per_epoch=1",
+        ]
+    )
+    assert proc.returncode != 0
+    message = output_of(proc)
+    assert (
+        f"checkpointer.checkpoint_dir ({small / 'base_model'}) does not fit config key" in message
+    )
+    assert "has shape (2048, 64) in the checkpoint and (2048, 256) in the model" in message
