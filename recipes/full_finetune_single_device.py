@@ -435,9 +435,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                             pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
                     # The epoch's last step is saved below, once the epoch is closed.
-                    if (
-                        should_save_step_checkpoint(self.global_step, self._save_every_n_steps)
-                        and self.global_step < (curr_epoch + 1) * self._steps_per_epoch
+                    if should_save_step_checkpoint(
+                        self.global_step,
+                        self._save_every_n_steps,
+                        epoch_end_step=(curr_epoch + 1) * self._steps_per_epoch,
                     ):
                         self.save_step_checkpoint()
                 pbar.close()

@@ -218,9 +218,14 @@ def step_checkpointer_for(
     return StepCheckpointer(root, keep_last_n, rank, world_size)
 
 
-def should_save_step_checkpoint(step: int, every_n_steps: int | None) -> bool:
-    """``save_every_n_steps`` as a predicate; ``None`` or 0 turns step checkpoints off."""
-    return bool(every_n_steps) and step % every_n_steps == 0
+def should_save_step_checkpoint(step: int, every_n_steps: int | None, epoch_end_step: int) -> bool:
+    """Whether optimizer step ``step`` saves a step checkpoint inside the training loop.
+
+    ``save_every_n_steps`` as a predicate (``None`` or 0 turns step checkpoints off), except on
+    the epoch's last step (``epoch_end_step``): that one is saved once the epoch is closed, so
+    its checkpoint records a finished epoch; see [loader position at epoch ends].
+    """
+    return bool(every_n_steps) and step % every_n_steps == 0 and step < epoch_end_step
 
 
 # --- RNG and fingerprints ------------------------------------------------------------------
@@ -369,8 +374,20 @@ def _barrier() -> None:
 
 
 def _contiguous(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors wants contiguous tensors that share no storage with each other.
-    return {key: value.detach().contiguous().cpu().clone() for key, value in tensors.items()}
+    """Host tensors safetensors accepts: contiguous, no two sharing storage.
+
+    Copies only what must be copied: recipes hand over host copies already (gathered under
+    FSDP, or ``.cpu()`` of device tensors), and cloning those again would double the host
+    memory a full model's checkpoint takes.
+    """
+    out, seen = {}, set()
+    for key, value in tensors.items():
+        value = value.detach().cpu().contiguous()
+        if value.untyped_storage().data_ptr() in seen:  # tied weights: safetensors refuses
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        out[key] = value
+    return out
 
 
 def _torch_save_synced(obj: Any, path: Path) -> None:
