@@ -24,7 +24,7 @@ import contextlib
 import enum
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -159,23 +159,63 @@ def initialize_adapters(
     order, with torchtune's own initialisers from ``seed`` (the run's seed, not torchtune's
     per-rank ``seed + rank``), then loaded as any full state dict; the global generator is
     left as it was. Runs on 1 and on N ranks start equal.
+
+    The drawn tensors are keyed as ``model.state_dict()`` keys them. See [state-dict keys].
+
+    Raises:
+        ValueError: a drawn adapter has no parameter of that name to land in.
     """
     full_state_dict: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         _draw_adapters(model, dtype, full_state_dict)
+    _check_keys_exist(full_state_dict, model.state_dict().keys())
     training.load_from_full_model_state_dict(
         model, full_state_dict, device, strict=False, cpu_offload=cpu_offload
     )
+
+
+# Note [state-dict keys]
+# ``named_modules()`` names a module by the attribute path that reaches it, wrappers
+# included: activation checkpointing puts every wrapped layer behind
+# ``_checkpoint_wrapped_module.`` and ``torch.compile(module)`` behind ``_orig_mod.``. Those
+# wrappers strip their prefix from ``state_dict()`` keys, and torchtune's sharded loading
+# looks each full tensor up by state-dict key, so a name taken from ``named_modules()``
+# finds nothing there under activation checkpointing (torchtune then fails with
+# "'NoneType' object has no attribute 'dtype'"). Module names are therefore turned into
+# state-dict keys by dropping the wrapper prefixes, and checked against the real keys.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def state_dict_name(module_name: str) -> str:
+    """The state-dict key prefix of a module named ``module_name`` by ``named_modules()``.
+
+    See [state-dict keys].
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        module_name = module_name.replace(prefix, "")
+    return module_name
+
+
+def _check_keys_exist(drawn: dict[str, torch.Tensor], model_keys: Iterable[str]) -> None:
+    known = set(model_keys)
+    missing = [key for key in drawn if key not in known]
+    if missing:
+        raise ValueError(
+            f"initial LoRA adapter '{missing[0]}' has no parameter of that name in the model's "
+            f"state dict ({len(missing)} such keys); the model section's LoRA builder and its "
+            "wrappers disagree. Please report this with your config."
+        )
 
 
 def _draw_adapters(model: nn.Module, dtype: torch.dtype, out: dict[str, torch.Tensor]) -> None:
     from torchtune.modules.peft import DoRALinear, LoRALinear
     from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 
-    for name, module in model.named_modules():
+    for module_name, module in model.named_modules():
         if not isinstance(module, (LoRALinear, DoRALinear)):
             continue
+        name = state_dict_name(module_name)
         for part, init in (("lora_a", _lora_a_init_params), ("lora_b", _lora_b_init_params)):
             shape = getattr(module, part).weight.shape
             linear = nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=dtype)
