@@ -153,6 +153,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                 "gradient_sync": "every_micro_batch",
             },
         ),
+        # Activation checkpointing, as most stock configs set it: must not change numbers.
+        "2ranks_2x2_ac": (
+            2,
+            {
+                **PARITY,
+                "batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "enable_activation_checkpointing": True,
+            },
+        ),
         "ragged_1rank_8x1": (1, {**ragged, "batch_size": 8, "gradient_accumulation_steps": 1}),
         "ragged_2ranks_2x2": (2, {**ragged, "batch_size": 2, "gradient_accumulation_steps": 2}),
     }
@@ -211,6 +221,23 @@ def test_ragged_and_empty_ranks_match_one_rank(runs):
     print(f"ragged 2 ranks 2x2 vs 1 rank 8x1: relative L2 {rel:.3e}")
     assert rel <= PARITY_TOLERANCE
     assert (run / "output.txt").read_text().count("no loss token in this accumulation window") == 1
+
+
+def test_activation_checkpointing_changes_no_number(runs):
+    """The same 2x2 run with and without activation checkpointing: both within the parity
+    bound of 1 rank 8x1, and of each other. Recomputation repeats the same ops on the same
+    inputs, so nothing but rounding may differ."""
+    plain, checkpointed = runs["2ranks_2x2"], runs["2ranks_2x2_ac"]
+    assert "enable_activation_checkpointing: true" in (checkpointed / "output.txt").read_text()
+    to_plain = _distance(checkpointed, plain)
+    to_one_rank = _distance(checkpointed, runs["1rank_8x1"])
+    print(
+        f"2x2 with activation checkpointing: vs without {to_plain:.3e}, "
+        f"vs 1 rank 8x1 {to_one_rank:.3e}"
+    )
+    assert to_plain <= PARITY_TOLERANCE and to_one_rank <= PARITY_TOLERANCE
+    losses = read_scalars(checkpointed / "logs")["loss"]
+    assert losses == pytest.approx(read_scalars(plain / "logs")["loss"], rel=1e-6)
 
 
 def _steps(run: Path, rank: int) -> list[dict[str, int]]:

@@ -119,6 +119,17 @@ def _launch_all(root: Path) -> None:
             },
         ),
         "2ranks_2x2": (2, {**PARITY, "batch_size": 2, "gradient_accumulation_steps": 2}),
+        # Activation checkpointing, as most stock LoRA configs set it: wrapped layers must
+        # still receive their initial adapters, and recomputation must not change numbers.
+        "2ranks_2x2_ac": (
+            2,
+            {
+                **PARITY,
+                "batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "enable_activation_checkpointing": True,
+            },
+        ),
         # lr 0 for one step: the initial adapters, drawn on two ranks.
         "init_2ranks": (
             2,
@@ -156,10 +167,10 @@ def runs(tmp_path_factory) -> Path:
     return shared
 
 
-@pytest.mark.parametrize("name", ["2ranks_4x1", "2ranks_1x4", "2ranks_2x2"])
+@pytest.mark.parametrize("name", ["2ranks_4x1", "2ranks_1x4", "2ranks_2x2", "2ranks_2x2_ac"])
 def test_rank_and_accumulation_splits_match_one_rank(runs, name):
-    """2 ranks x (4x1, 1x4 once_per_window, 2x2 every_micro_batch) train to the adapters of
-    1 rank 8x1 (fp64, relative L2 <= 1e-7)."""
+    """2 ranks x (4x1, 1x4 once_per_window, 2x2 every_micro_batch, 2x2 with activation
+    checkpointing) train to the adapters of 1 rank 8x1 (fp64, relative L2 <= 1e-7)."""
     reference, initial = runs / "1rank_8x1", load_adapters(runs / "init_2ranks" / ADAPTERS)
     scalars, ref_scalars = read_scalars(runs / name / "logs"), read_scalars(reference / "logs")
     assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]  # the same 8 sequences per step
@@ -171,6 +182,22 @@ def test_rank_and_accumulation_splits_match_one_rank(runs, name):
     assert rel <= PARITY_TOLERANCE
     # The logged loss is the exact window loss over both ranks, as on one rank.
     assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
+
+
+def test_activation_checkpointing_changes_no_number(runs):
+    """The same 2x2 run with and without activation checkpointing: same losses, and adapters
+    within the parity bound. Recomputing a layer's forward in backward repeats the same ops on
+    the same inputs, so nothing but rounding may differ."""
+    plain, checkpointed = runs / "2ranks_2x2", runs / "2ranks_2x2_ac"
+    assert "enable_activation_checkpointing: true" in (checkpointed / "output.txt").read_text()
+    initial = load_adapters(runs / "init_2ranks" / ADAPTERS)
+    rel = relative_l2(
+        load_adapters(checkpointed / ADAPTERS), load_adapters(plain / ADAPTERS), initial
+    )
+    print(f"2x2 with vs without activation checkpointing: relative L2 {rel:.3e}")
+    assert rel <= PARITY_TOLERANCE
+    losses = read_scalars(checkpointed / "logs")["loss"]
+    assert losses == pytest.approx(read_scalars(plain / "logs")["loss"], rel=1e-12)
 
 
 def test_initial_adapters_are_lora_init(runs):

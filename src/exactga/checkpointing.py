@@ -45,7 +45,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 STEP_CHECKPOINT_SUBDIR = "step_checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK_BYTES = 16 << 20
-_CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module"  # activation checkpointing's
 _MANIFEST_KEYS = ("step", "world_size", "trainer_state", "files")
 
 # The keys that decide what a run computes; a resume that changes one would silently train a
@@ -337,12 +336,34 @@ def load_model_state(
         ) from err
 
 
+# Note [state-dict keys]
+# ``named_modules()`` names a module by the attribute path that reaches it, wrappers
+# included: activation checkpointing puts every wrapped layer behind
+# ``_checkpoint_wrapped_module.`` and ``torch.compile(module)`` behind ``_orig_mod.``. Those
+# wrappers strip their prefix from ``state_dict()`` keys, and torchtune's sharded loading
+# looks each full tensor up by state-dict key, so a name taken from ``named_modules()``
+# finds nothing there under activation checkpointing (torchtune then fails with
+# "'NoneType' object has no attribute 'dtype'"). Module names are therefore turned into
+# state-dict keys by dropping the wrapper prefixes, and checked against the real keys.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def state_dict_name(module_name: str) -> str:
+    """The state-dict key prefix of a module named ``module_name`` by ``named_modules()``.
+
+    See [state-dict keys].
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        module_name = module_name.replace(prefix, "")
+    return module_name
+
+
 def _check_shapes(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str) -> None:
     """Name the first weight whose shape differs: the usual sign of another model's weights."""
     # Parameters and buffers rather than state_dict(): QLoRA's state-dict hook would dequantize
     # every NF4 weight just to be looked at. DTensor shapes are global shapes.
     expected = {
-        name.replace(f".{_CHECKPOINT_WRAPPER_PREFIX}", ""): tuple(tensor.shape)
+        state_dict_name(name): tuple(tensor.shape)
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]
     }
     for key, value in state_dict.items():

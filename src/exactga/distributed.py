@@ -34,6 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torchtune import training, utils
 
+from exactga.checkpointing import state_dict_name
+
 log = utils.get_logger("INFO")
 
 
@@ -173,28 +175,6 @@ def initialize_adapters(
     training.load_from_full_model_state_dict(
         model, full_state_dict, device, strict=False, cpu_offload=cpu_offload
     )
-
-
-# Note [state-dict keys]
-# ``named_modules()`` names a module by the attribute path that reaches it, wrappers
-# included: activation checkpointing puts every wrapped layer behind
-# ``_checkpoint_wrapped_module.`` and ``torch.compile(module)`` behind ``_orig_mod.``. Those
-# wrappers strip their prefix from ``state_dict()`` keys, and torchtune's sharded loading
-# looks each full tensor up by state-dict key, so a name taken from ``named_modules()``
-# finds nothing there under activation checkpointing (torchtune then fails with
-# "'NoneType' object has no attribute 'dtype'"). Module names are therefore turned into
-# state-dict keys by dropping the wrapper prefixes, and checked against the real keys.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def state_dict_name(module_name: str) -> str:
-    """The state-dict key prefix of a module named ``module_name`` by ``named_modules()``.
-
-    See [state-dict keys].
-    """
-    for prefix in _WRAPPER_PREFIXES:
-        module_name = module_name.replace(prefix, "")
-    return module_name
 
 
 def _check_keys_exist(drawn: dict[str, torch.Tensor], model_keys: Iterable[str]) -> None:
