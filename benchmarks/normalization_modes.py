@@ -190,7 +190,7 @@ def train_step(arm: Arm, batches: list[dict[str, torch.Tensor]], device: torch.d
     synchronize(device)
     t0, cpu0 = time.perf_counter(), time.thread_time()
     window = open_window(arm, batches)
-    assert not window.skip_step(), "load_batches keeps only micro-batches with loss tokens"
+    assert not window.should_skip_step(), "load_batches keeps only micro-batches with loss tokens"
     overhead_ms = 0.0
     for micro_batch in window.nonempty_micro_batches():
         utils.batch_to_device(micro_batch.batch, device)

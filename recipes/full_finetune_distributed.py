@@ -26,52 +26,36 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import Any
-from warnings import warn
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
 from torchtune.modules import TiedLinear
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training import PROFILER_KEY
 from torchtune.training.activations import apply_selective_activation_checkpointing
-from torchtune.training.checkpointing._checkpoint_client import (
-    CheckpointClient,
-    TrainingProgress,
-)
-from torchtune.training.lr_schedulers import get_lr
+from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 from tqdm import tqdm
 
 from exactga import distributed
-from exactga.checkpointing import (
-    MODEL_FILE,
-    find_resume_checkpoint,
-    load_model_state,
-    progress_state,
-    restore_progress,
-    restore_rng_state,
-    run_fingerprint,
-    should_save_step_checkpoint,
-    step_checkpointer_for,
-    step_rank_state,
-)
+from exactga.checkpointing import step_checkpointer_for
 from exactga.config import validate_config
-from exactga.data import checked_dataset, dataset_source, model_vocab_size
-from exactga.normalization import LossNormalizer, Window, parse_mode
+from exactga.data import build_dataloader, load_dataset, model_vocab_size
+from exactga.model_state import load_model_state
+from exactga.normalization import LossNormalizer, parse_mode
 from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
 from exactga.schemas import FullFinetuneDistributedConfig
 from exactga.training import (
+    attach_lr_scheduler_in_backward,
     causal_lm_loss,
     handle_nonfinite_loss,
     parse_nonfinite_policy,
+    step_metrics,
     train_window,
 )
 
@@ -116,21 +100,17 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         cfg: the validated config (see ``recipe_main``).
 
     Raises:
-        ValueError: fp16 ``dtype``; ``optimizer_in_bwd`` with accumulation or clipping; a
-            tensor-parallel dimension without a plan or not dividing the world size;
-            ``enable_activation_offloading`` off CUDA or without activation checkpointing.
+        ValueError: bad values and impossible combinations of config keys, at start-up
+            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        if self._dtype == torch.float16:
-            raise ValueError("config key 'dtype': fp16 is not supported; use bf16 or fp32.")
-        _check_flag_combinations(cfg, self._device)
         self._gradient_sync = distributed.parse_gradient_sync(cfg.gradient_sync)
 
         self._enable_async_checkpointing = cfg.enable_async_checkpointing
-        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload
+        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
         distributed.init_distributed(
             self._device,
             offload_ops_to_cpu=self._fsdp_cpu_offload or self._enable_async_checkpointing,
@@ -139,12 +119,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._is_rank_zero = self.rank == 0
         self._tensor_parallel_dim = cfg.tensor_parallel_dim
         self._tensor_parallel_plan = config.instantiate(cfg.tensor_parallel_plan)
-        if self._tensor_parallel_dim > 1 and self._tensor_parallel_plan is None:
-            raise ValueError(
-                "config key 'tensor_parallel_plan' is needed when tensor_parallel_dim > 1."
-            )
-        if self._tensor_parallel_dim > 1 and cfg.optimizer.get("fused", False):
-            raise ValueError("config key 'optimizer.fused' does not work with tensor parallelism.")
         self._mesh = distributed.build_device_mesh(self._device, self._tensor_parallel_dim)
         self.dp_size = self._mesh["dp"].size()
         self.dp_rank = self._mesh["dp"].get_local_rank()
@@ -152,10 +126,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
-        if cfg.log_peak_memory_stats and not self._log_peak_memory_stats:
-            distributed.log_rank_zero("log_peak_memory_stats is ignored on CPU.")
 
-        self._resume_from_checkpoint = cfg.resume_from_checkpoint
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._clip_grad_norm = cfg.clip_grad_norm
@@ -167,14 +138,12 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._save_every_n_steps = cfg.save_every_n_steps
         self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
 
-        # Public state, updated by the checkpoint loader when resuming.
-        self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode)
-        self.epochs_run = 0
-        self.total_epochs = cfg.epochs
-        self.max_steps_per_epoch = cfg.max_steps_per_epoch
-        self.global_step = 0
-        self.num_skipped_steps = 0
-        self.num_nonfinite_steps = 0
+        # Epochs, steps and their outcomes; a resume sets them in setup.
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
 
     def setup(self, cfg: DictConfig) -> None:
         if self._fsdp_cpu_offload:
@@ -189,36 +158,29 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._fingerprint = run_fingerprint(
             cfg, world_size=self.world_size, tensor_parallel_dim=self._tensor_parallel_dim
         )
-        resume = find_resume_checkpoint(self._step_checkpointer, cfg, self._fingerprint)
-        # Resuming from a step checkpoint, torchtune's client loads only the base weights.
+        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        # torchtune's client reads the base weights, or with an epoch resume the epoch's.
         self._checkpoint_client = CheckpointClient(
-            cfg if resume is None else OmegaConf.merge(cfg, {"resume_from_checkpoint": False})
+            OmegaConf.merge(cfg, {"resume_from_checkpoint": resume.from_epoch_checkpoint})
         )
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
-        source = f"checkpointer.checkpoint_dir ({cfg.checkpointer.checkpoint_dir})"
-        if resume is not None:
-            distributed.log_rank_zero(f"Resuming from step checkpoint {resume.path}")
-            restore_progress(self, resume.trainer_state)
-            source = str(resume.path / MODEL_FILE)
-            ckpt_dict = {
-                training.MODEL_KEY: resume.model_state,
-                training.OPT_KEY: resume.optimizer_state,
-                training.DATALOADER_KEY: resume.rank_state["dataloader"],
-            }
-        self._model = self._setup_model(cfg, ckpt_dict[training.MODEL_KEY], source)
+        self._model = self._setup_model(
+            cfg, resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)
+        )
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(cfg.optimizer, ckpt_dict.get(training.OPT_KEY))
-        if self._resume_from_checkpoint and resume is None:
-            if self._enable_async_checkpointing:
-                ckpt_dict = self._checkpoint_client.load_distributed_checkpoint(
-                    self._model,
-                    self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer,
-                )
-            self._update_recipe_state(ckpt_dict)
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+        if resume.from_epoch_checkpoint and self._enable_async_checkpointing:
+            # torchtune's distributed checkpoint loads weights and optimizer state in place.
+            ckpt_dict = self._checkpoint_client.load_distributed_checkpoint(
+                self._model,
+                self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer,
+            )
+        resume.restore_progress(self._progress, ckpt_dict)
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._compile:
-            training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+            self._loss_fn = training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
         if hasattr(self._loss_fn, "num_output_chunks"):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         self._normalizer = LossNormalizer(
@@ -229,25 +191,29 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             dp_group=distributed.dp_group(self._mesh),
         )
 
-        self._dataloader = self._setup_data(
-            cfg.dataset,
-            shuffle=cfg.shuffle,
+        # Data order, row checks and loader position: see [data order] in exactga.data. Ranks
+        # of one tensor-parallel group read the same data: the sampler splits over dp only.
+        dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        self._dataloader = build_dataloader(
+            dataset,
             batch_size=cfg.batch_size,
+            shuffle=cfg.shuffle,
             collate_fn=cfg.collate_fn,
-            dataloader_state_dict=(
-                ckpt_dict.get(training.DATALOADER_KEY) if self._resume_from_checkpoint else None
-            ),
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
+            state_dict=resume.dataloader_state(ckpt_dict),
         )
-        self._steps_per_epoch = self._normalizer.num_windows(len(self._dataloader))
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if resume is None:
-            self.global_step = self.epochs_run * self._steps_per_epoch
+        self._progress.start(
+            self._normalizer.num_windows(len(self._dataloader)),
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
         )
         # Traces and memory snapshots from rank 0 only; the others only time their phases.
         cfg_profiler = cfg.copy()
@@ -258,25 +224,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._log_dir = (
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
-        if resume is not None:  # last: model and data setup above draw from the RNGs
-            restore_rng_state(resume.rank_state["rng"], self._device)
-
-    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
-        try:
-            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
-            if self.seed != ckpt_dict[training.SEED_KEY]:
-                warn("config seed differs from the checkpoint's; using the latter.", stacklevel=2)
-                self.seed = ckpt_dict[training.SEED_KEY]
-            if self.max_steps_per_epoch != ckpt_dict[training.MAX_STEPS_KEY]:
-                warn(
-                    "config max_steps_per_epoch differs from the checkpoint's; using the latter.",
-                    stacklevel=2,
-                )
-                self.max_steps_per_epoch = ckpt_dict[training.MAX_STEPS_KEY]
-        except KeyError as err:
-            raise KeyError(
-                f"checkpoint has no recipe state ({err}); is it a checkpoint of this recipe?"
-            ) from err
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 
     def _setup_model(
         self, cfg: DictConfig, model_state_dict: dict[str, Any], source: str
@@ -348,8 +296,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
     def _setup_optimizer(
         self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
     ) -> Optimizer | None:
-        if not self._resume_from_checkpoint:
-            opt_state_dict = None
         if not self._optimizer_in_bwd:
             optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
             if opt_state_dict:
@@ -386,68 +332,16 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             last_epoch=last_epoch,
         )
         if self._optimizer_in_bwd:
-            self._optim_ckpt_wrapper.set_lr_scheduler(lr_scheduler)
+            # See [optimizer in backward lr] in exactga.training.
+            attach_lr_scheduler_in_backward(self._optim_ckpt_wrapper, lr_scheduler)
         return lr_scheduler
-
-    def _setup_data(
-        self,
-        cfg_dataset: DictConfig,
-        shuffle: bool,
-        batch_size: int,
-        collate_fn: str,
-        dataloader_state_dict: dict[str, Any] | None,
-    ) -> StatefulDataLoader:
-        if isinstance(cfg_dataset, ListConfig):
-            datasets = [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            ds = ConcatDataset(datasets=datasets)
-            packed = getattr(ds, "packed", False)
-        else:
-            ds = config.instantiate(cfg_dataset, self._tokenizer)
-            packed = cfg_dataset.get("packed", False)
-        # Bad rows and out-of-vocabulary ids fail naming the row; see exactga.data.
-        ds = checked_dataset(
-            ds, vocab_size=model_vocab_size(self._model), source=dataset_source(cfg_dataset)
-        )
-        if "left_pad_sequence" in collate_fn:
-            raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
-        collate = _get_component_from_path(collate_fn)
-        # Ranks of one tensor-parallel group read the same data: the sampler splits over dp.
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=0
-        )
-        dataloader = StatefulDataLoader(
-            dataset=ds,
-            batch_size=batch_size,
-            sampler=sampler,
-            collate_fn=(
-                padded_collate_packed
-                if packed
-                else partial(
-                    collate,
-                    padding_idx=self._tokenizer.pad_id,
-                    ignore_idx=self._loss_fn.ignore_index,
-                )
-            ),
-            # Dropping the last short batch avoids shape issues with compile + flex attention.
-            drop_last=True,
-        )
-        if dataloader_state_dict is not None:
-            dataloader.load_state_dict(dataloader_state_dict)
-        return dataloader
 
     def save_checkpoint(self, epoch: int) -> None:
         """Gather the full state on rank 0 and write it there (all ranks must call this)."""
         self._checkpoint_client.save_checkpoint(
             model=self._model,
             optimizer=self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer,
-            training_progress=TrainingProgress(
-                seed=self.seed,
-                epochs_run=self.epochs_run,
-                total_epochs=self.total_epochs,
-                max_steps_per_epoch=self.max_steps_per_epoch,
-                # See [loader position at epoch ends] in exactga.checkpointing.
-                dataloader_state_dict=None,
-            ),
+            training_progress=self._progress.for_checkpoint_client(),
             epoch=epoch,
         )
 
@@ -471,16 +365,14 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             optimizer_state = training.get_full_optimizer_state_dict(
                 self._model, self._optimizer, self._is_rank_zero, device=self._device
             )
-        return self._step_checkpointer.save(
-            self.global_step,
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
             model_state=model_state if self._is_rank_zero else None,
             optimizer_state=optimizer_state if self._is_rank_zero else None,
-            trainer_state=progress_state(self, self._fingerprint),
-            rank_state=step_rank_state(
-                self._device,
-                self._dataloader,
-                at_epoch_start=self.global_step == self.epochs_run * self._steps_per_epoch,
-            ),
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -495,19 +387,18 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             self._optimizer.zero_grad()
         num_tokens_since_log, t_last_log = 0, time.perf_counter()
 
+        progress = self._progress
         with self._profiler:
-            for curr_epoch in range(self.epochs_run, self.total_epochs):
+            for curr_epoch in progress.epochs():
                 self._dataloader.sampler.set_epoch(curr_epoch)
-                # Non-zero only when resuming from a step checkpoint taken mid-epoch.
-                steps_done = self.global_step - curr_epoch * self._steps_per_epoch
                 pbar = tqdm(
-                    total=self._steps_per_epoch,
-                    initial=steps_done,
+                    total=progress.steps_per_epoch,
+                    initial=progress.steps_done_in(curr_epoch),  # > 0 after a mid-epoch resume
                     desc=f"epoch {curr_epoch + 1}",
                     disable=not self._is_rank_zero,
                 )
                 windows = self._normalizer.windows(
-                    self._dataloader, self._steps_per_epoch - steps_done
+                    self._dataloader, progress.windows_left_in(curr_epoch)
                 )
                 for window in self._profiler.timed(windows):
                     outcome = train_window(
@@ -517,22 +408,20 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                         optimizer=None if self._optimizer_in_bwd else self._optimizer,
                         profiler=self._profiler,
                         device=self._device,
-                        step=self.global_step + 1,
+                        step=progress.global_step + 1,
                         clip_grad_norm=self._clip_grad_norm,
                         micro_batch_context=partial(
                             distributed.gradient_sync, self._model, self._gradient_sync
                         ),
                         announce_skip=self._is_rank_zero,
                     )
-                    self.num_skipped_steps += outcome.skipped
-                    self.num_nonfinite_steps += outcome.nonfinite
+                    progress.record_step(outcome.skipped, outcome.nonfinite)
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
-                    self.global_step += 1
                     if outcome.nonfinite:  # the same on every rank: the flag was reduced
                         handle_nonfinite_loss(
                             self._nonfinite_policy,
-                            self.global_step,
+                            progress.global_step,
                             weights_updated=self._optimizer_in_bwd,
                             save_checkpoint=self.save_step_checkpoint,
                         )
@@ -540,49 +429,35 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                     self._profiler.step(window.num_input_tokens)
                     pbar.update(1)
 
-                    if self.global_step % self._log_every_n_steps == 0:
+                    if progress.global_step % self._log_every_n_steps == 0:
                         # Every rank takes part in the loss reduction; rank 0 writes.
                         elapsed = time.perf_counter() - t_last_log
-                        metrics = self._step_metrics(window, outcome.grad_norm)
-                        metrics["tokens_per_second_per_gpu"] = (
-                            num_tokens_since_log / elapsed / self.world_size
+                        metrics = step_metrics(
+                            window,
+                            optimizer=self._optim_ckpt_wrapper
+                            if self._optimizer_in_bwd
+                            else self._optimizer,
+                            grad_norm=outcome.grad_norm,
+                            progress=progress,
+                            tokens_per_second_per_gpu=num_tokens_since_log
+                            / elapsed
+                            / self.world_size,
+                            memory_device=self._device if self._log_peak_memory_stats else None,
                         )
                         metrics.update(self._profiler.metrics())
                         if self._is_rank_zero:
-                            self._metric_logger.log_dict(metrics, step=self.global_step)
+                            self._metric_logger.log_dict(metrics, step=progress.global_step)
                         if "loss" in metrics:
                             pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
-                    # The epoch's last step is saved below, once the epoch is closed.
-                    if should_save_step_checkpoint(
-                        self.global_step,
-                        self._save_every_n_steps,
-                        epoch_end_step=(curr_epoch + 1) * self._steps_per_epoch,
-                    ):
+                    if progress.should_save_step_checkpoint(self._save_every_n_steps, curr_epoch):
                         self.save_step_checkpoint()
                 pbar.close()
-                self.epochs_run += 1
+                progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
                 self.save_checkpoint(epoch=curr_epoch)
                 if self._save_every_n_steps:
                     self.save_step_checkpoint()
         self._report_outputs()
-
-    def _step_metrics(self, window: Window, grad_norm: torch.Tensor | None) -> dict[str, float]:
-        """The logged metrics; the only host read-backs of the step happen here."""
-        optimizer = self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer
-        metrics = {
-            "lr": get_lr(optimizer),
-            "loss_tokens": float(window.num_global_tokens),
-            "skipped_steps": float(self.num_skipped_steps),
-            "nonfinite_steps": float(self.num_nonfinite_steps),
-        }
-        if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
-            metrics["loss"] = window.global_mean_loss()
-        if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
-        if self._log_peak_memory_stats:
-            metrics.update(distributed.memory_stats(self._device))
-        return metrics
 
     def _report_outputs(self) -> None:
         distributed.log_rank_zero(self._profiler.summary())
@@ -594,28 +469,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         if self._is_rank_zero:
             self._metric_logger.close()
         distributed.destroy()
-
-
-def _check_flag_combinations(cfg: DictConfig, device: torch.device) -> None:
-    """Reject settings that cannot work together, naming the keys."""
-    if cfg.optimizer_in_bwd and cfg.gradient_accumulation_steps > 1:
-        raise ValueError(
-            "config keys 'optimizer_in_bwd' and 'gradient_accumulation_steps': the optimizer "
-            "steps inside backward, so gradients cannot accumulate; set one of them off/1."
-        )
-    if cfg.optimizer_in_bwd and cfg.clip_grad_norm is not None:
-        raise ValueError(
-            "config keys 'optimizer_in_bwd' and 'clip_grad_norm': gradients are consumed inside "
-            "backward and cannot be clipped; set clip_grad_norm to null."
-        )
-    if cfg.optimizer_in_bwd and cfg.loss_normalization != "exact":
-        raise ValueError("config key 'loss_normalization' must be exact with optimizer_in_bwd.")
-    if cfg.enable_activation_offloading and device.type != "cuda":
-        raise ValueError("config key 'enable_activation_offloading' needs device: cuda.")
-    if cfg.enable_activation_offloading and not cfg.enable_activation_checkpointing:
-        raise ValueError(
-            "config key 'enable_activation_offloading' needs enable_activation_checkpointing."
-        )
 
 
 @config.parse

@@ -17,47 +17,32 @@ Copy this file to change the loop; the numerics stay in ``exactga``. docs/ has a
 
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
-from warnings import warn
 
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 from torch import nn
 from torch.optim import Optimizer
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
-from exactga.checkpointing import (
-    MODEL_FILE,
-    StepCheckpoint,
-    find_resume_checkpoint,
-    load_model_state,
-    progress_state,
-    restore_progress,
-    restore_rng_state,
-    run_fingerprint,
-    should_save_step_checkpoint,
-    step_checkpointer_for,
-    step_rank_state,
-)
+from exactga.checkpointing import step_checkpointer_for
 from exactga.config import validate_config
-from exactga.data import checked_dataset, dataset_source, model_vocab_size
-from exactga.normalization import LossNormalizer, Window, parse_mode
+from exactga.data import build_dataloader, load_dataset, model_vocab_size
+from exactga.model_state import load_model_state
+from exactga.normalization import LossNormalizer, parse_mode
 from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
 from exactga.schemas import FullFinetuneSingleDeviceConfig
 from exactga.training import (
+    attach_lr_scheduler_in_backward,
     causal_lm_loss,
     handle_nonfinite_loss,
     parse_nonfinite_policy,
+    step_metrics,
     train_window,
 )
 
@@ -96,21 +81,18 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         cfg: the validated config (see ``recipe_main``).
 
     Raises:
-        ValueError: fp16 ``dtype``; ``optimizer_in_bwd`` with accumulation or clipping;
-            ``enable_activation_offloading`` off CUDA or without activation checkpointing.
+        ValueError: bad values and impossible combinations of config keys, at start-up
+            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        if self._dtype == torch.float16:
-            raise ValueError("config key 'dtype': fp16 is not supported; use bf16 or fp32.")
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
-        self._resume_from_checkpoint = cfg.resume_from_checkpoint
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._clip_grad_norm = cfg.clip_grad_norm
@@ -121,37 +103,39 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._enable_activation_offloading = cfg.enable_activation_offloading
         self._save_every_n_steps = cfg.save_every_n_steps
         self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
-        _check_flag_combinations(cfg, self._device)
 
-        # Public state, updated by the checkpoint loader when resuming.
-        self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode)
-        self.epochs_run = 0
-        self.total_epochs = cfg.epochs
-        self.max_steps_per_epoch = cfg.max_steps_per_epoch
-        self.global_step = 0
-        self.num_skipped_steps = 0
-        self.num_nonfinite_steps = 0
+        # Epochs, steps and their outcomes; a resume sets them in setup.
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
 
     def setup(self, cfg: DictConfig) -> None:
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
+        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
         self._fingerprint = run_fingerprint(cfg, world_size=1)
-        resume = find_resume_checkpoint(self._step_checkpointer, cfg, self._fingerprint)
-        ckpt_dict = self.load_checkpoint(cfg.checkpointer, from_step_checkpoint=resume)
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._checkpointer = config.instantiate(
+            cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+        )
+        # Read even when a step checkpoint replaces its weights: the HF checkpointer learns
+        # there the layout it writes the epoch checkpoints in.
+        ckpt_dict = self._checkpointer.load_checkpoint()
+        resume.restore_progress(self._progress, ckpt_dict)
+
         self._model = self._setup_model(
-            cfg.model, ckpt_dict[training.MODEL_KEY], ckpt_dict["source"]
+            cfg.model, resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(
-            cfg.optimizer,
-            ckpt_dict.get(training.OPT_KEY) if self._resume_from_checkpoint else None,
-        )
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._compile:
-            training.compile_loss(self._loss_fn)
+            self._loss_fn = training.compile_loss(self._loss_fn)
         if hasattr(self._loss_fn, "num_output_chunks"):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         self._normalizer = LossNormalizer(
@@ -161,77 +145,31 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             drop_partial_window=self._drop_partial_window,
         )
 
-        self._dataloader = self._setup_data(
-            cfg.dataset,
-            shuffle=cfg.shuffle,
+        # Data order, row checks and loader position: see [data order] in exactga.data.
+        dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        self._dataloader = build_dataloader(
+            dataset,
             batch_size=cfg.batch_size,
+            shuffle=cfg.shuffle,
             collate_fn=cfg.collate_fn,
-            dataloader_state_dict=(
-                ckpt_dict.get(training.DATALOADER_KEY) if self._resume_from_checkpoint else None
-            ),
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
+            state_dict=resume.dataloader_state(ckpt_dict),
         )
-        self._steps_per_epoch = self._normalizer.num_windows(len(self._dataloader))
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if resume is None:
-            self.global_step = self.epochs_run * self._steps_per_epoch
+        self._progress.start(
+            self._normalizer.num_windows(len(self._dataloader)),
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
         )
         self._profiler = setup_profiler(cfg, self._device, self._model)
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
-        if resume is not None:  # last: model and data setup above draw from the RNGs
-            restore_rng_state(resume.rank_state["rng"], self._device)
-
-    def load_checkpoint(
-        self, cfg_checkpointer: DictConfig, from_step_checkpoint: StepCheckpoint | None
-    ) -> dict[str, Any]:
-        """Weights and state to start from: a step checkpoint when resuming from one, else
-        torchtune's checkpointer (the base model, or an epoch checkpoint when resuming)."""
-        self._checkpointer = config.instantiate(
-            cfg_checkpointer,
-            should_load_recipe_state=self._resume_from_checkpoint and from_step_checkpoint is None,
-        )
-        # Read even when a step checkpoint replaces its weights: the HF checkpointer learns
-        # there the layout it writes the epoch checkpoints in.
-        ckpt_dict = self._checkpointer.load_checkpoint()
-        if from_step_checkpoint is not None:
-            log.info(f"Resuming from step checkpoint {from_step_checkpoint.path}")
-            restore_progress(self, from_step_checkpoint.trainer_state)
-            return {
-                training.MODEL_KEY: from_step_checkpoint.model_state,
-                training.OPT_KEY: from_step_checkpoint.optimizer_state,
-                training.DATALOADER_KEY: from_step_checkpoint.rank_state["dataloader"],
-                "source": str(from_step_checkpoint.path / MODEL_FILE),
-            }
-        if self._resume_from_checkpoint:
-            self._update_recipe_state(ckpt_dict)
-        ckpt_dict["source"] = f"checkpointer.checkpoint_dir ({cfg_checkpointer.checkpoint_dir})"
-        return ckpt_dict
-
-    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
-        try:
-            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
-            if self.seed != ckpt_dict[training.SEED_KEY]:
-                warn(
-                    f"config seed differs from the checkpoint's; using {ckpt_dict['seed']}.",
-                    stacklevel=2,
-                )
-                self.seed = ckpt_dict[training.SEED_KEY]
-            if self.max_steps_per_epoch != ckpt_dict[training.MAX_STEPS_KEY]:
-                warn(
-                    "config max_steps_per_epoch differs from the checkpoint's; using the latter.",
-                    stacklevel=2,
-                )
-                self.max_steps_per_epoch = ckpt_dict[training.MAX_STEPS_KEY]
-        except KeyError as err:
-            raise KeyError(
-                f"checkpoint has no recipe state ({err}); is it a checkpoint of this recipe?"
-            ) from err
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 
     def _setup_model(
         self, cfg_model: DictConfig, model_state_dict: dict[str, Any], source: str
@@ -289,92 +227,36 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             last_epoch=last_epoch,
         )
         if self._optimizer_in_bwd:
-            self._optim_ckpt_wrapper.set_lr_scheduler(lr_scheduler)
+            # See [optimizer in backward lr] in exactga.training.
+            attach_lr_scheduler_in_backward(self._optim_ckpt_wrapper, lr_scheduler)
         return lr_scheduler
-
-    def _setup_data(
-        self,
-        cfg_dataset: DictConfig,
-        shuffle: bool,
-        batch_size: int,
-        collate_fn: str,
-        dataloader_state_dict: dict[str, Any] | None,
-    ) -> StatefulDataLoader:
-        if isinstance(cfg_dataset, ListConfig):
-            datasets = [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            ds = ConcatDataset(datasets=datasets)
-            packed = getattr(ds, "packed", False)
-        else:
-            ds = config.instantiate(cfg_dataset, self._tokenizer)
-            packed = cfg_dataset.get("packed", False)
-        # Bad rows and out-of-vocabulary ids fail naming the row; see exactga.data.
-        ds = checked_dataset(
-            ds, vocab_size=model_vocab_size(self._model), source=dataset_source(cfg_dataset)
-        )
-        if "left_pad_sequence" in collate_fn:
-            raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
-        collate = _get_component_from_path(collate_fn)
-        sampler = StatefulDistributedSampler(ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0)
-        dataloader = StatefulDataLoader(
-            dataset=ds,
-            batch_size=batch_size,
-            sampler=sampler,
-            collate_fn=(
-                padded_collate_packed
-                if packed
-                else partial(
-                    collate,
-                    padding_idx=self._tokenizer.pad_id,
-                    ignore_idx=self._loss_fn.ignore_index,
-                )
-            ),
-            # Dropping the last short batch avoids shape issues with compile + flex attention.
-            drop_last=True,
-        )
-        if dataloader_state_dict is not None:
-            dataloader.load_state_dict(dataloader_state_dict)
-        return dataloader
 
     def save_checkpoint(self, epoch: int) -> None:
         ckpt_dict: dict[str, Any] = {training.MODEL_KEY: self._model.state_dict()}
-        intermediate = epoch + 1 < self.total_epochs
+        intermediate = not self._progress.is_last_epoch(epoch)
         if intermediate:
-            ckpt_dict.update(
-                {
-                    training.SEED_KEY: self.seed,
-                    training.EPOCHS_KEY: self.epochs_run,
-                    training.TOTAL_EPOCHS_KEY: self.total_epochs,
-                    training.MAX_STEPS_KEY: self.max_steps_per_epoch,
-                    # See [loader position at epoch ends] in exactga.checkpointing.
-                    training.DATALOADER_KEY: None,
-                    training.OPT_KEY: (
-                        self._optim_ckpt_wrapper.state_dict()
-                        if self._optimizer_in_bwd
-                        else self._optimizer.state_dict()
-                    ),
-                }
-            )
+            ckpt_dict.update(self._progress.epoch_checkpoint_state())
+            ckpt_dict[training.OPT_KEY] = self._optimizer_state()
         self._checkpointer.save_checkpoint(
             ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate
         )
 
     def save_step_checkpoint(self) -> Path:
         """Everything a resumed run needs to go on with the next window; atomic."""
-        return self._step_checkpointer.save(
-            self.global_step,
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
             model_state=self._model.state_dict(),
-            optimizer_state=(
-                self._optim_ckpt_wrapper.state_dict()
-                if self._optimizer_in_bwd
-                else self._optimizer.state_dict()
-            ),
-            trainer_state=progress_state(self, self._fingerprint),
-            rank_state=step_rank_state(
-                self._device,
-                self._dataloader,
-                at_epoch_start=self.global_step == self.epochs_run * self._steps_per_epoch,
-            ),
+            optimizer_state=self._optimizer_state(),
         )
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self._optimizer_in_bwd:
+            return self._optim_ckpt_wrapper.state_dict()
+        return self._optimizer.state_dict()
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
@@ -387,16 +269,17 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._optimizer.zero_grad()
         num_tokens_since_log, t_last_log = 0, time.perf_counter()
 
+        progress = self._progress
         with self._profiler:
-            for curr_epoch in range(self.epochs_run, self.total_epochs):
+            for curr_epoch in progress.epochs():
                 self._dataloader.sampler.set_epoch(curr_epoch)
-                # Non-zero only when resuming from a step checkpoint taken mid-epoch.
-                steps_done = self.global_step - curr_epoch * self._steps_per_epoch
                 pbar = tqdm(
-                    total=self._steps_per_epoch, initial=steps_done, desc=f"epoch {curr_epoch + 1}"
+                    total=progress.steps_per_epoch,
+                    initial=progress.steps_done_in(curr_epoch),  # > 0 after a mid-epoch resume
+                    desc=f"epoch {curr_epoch + 1}",
                 )
                 windows = self._normalizer.windows(
-                    self._dataloader, self._steps_per_epoch - steps_done
+                    self._dataloader, progress.windows_left_in(curr_epoch)
                 )
                 for window in self._profiler.timed(windows):
                     outcome = train_window(
@@ -406,18 +289,16 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         optimizer=None if self._optimizer_in_bwd else self._optimizer,
                         profiler=self._profiler,
                         device=self._device,
-                        step=self.global_step + 1,
+                        step=progress.global_step + 1,
                         clip_grad_norm=self._clip_grad_norm,
                     )
-                    self.num_skipped_steps += outcome.skipped
-                    self.num_nonfinite_steps += outcome.nonfinite
+                    progress.record_step(outcome.skipped, outcome.nonfinite)
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
-                    self.global_step += 1
                     if outcome.nonfinite:
                         handle_nonfinite_loss(
                             self._nonfinite_policy,
-                            self.global_step,
+                            progress.global_step,
                             weights_updated=self._optimizer_in_bwd,
                             save_checkpoint=self.save_step_checkpoint,
                         )
@@ -425,45 +306,31 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     self._profiler.step(window.num_input_tokens)
                     pbar.update(1)
 
-                    if self.global_step % self._log_every_n_steps == 0:
+                    if progress.global_step % self._log_every_n_steps == 0:
                         elapsed = time.perf_counter() - t_last_log
-                        metrics = self._step_metrics(window, outcome.grad_norm)
-                        metrics["tokens_per_second_per_gpu"] = num_tokens_since_log / elapsed
+                        metrics = step_metrics(
+                            window,
+                            optimizer=self._optim_ckpt_wrapper
+                            if self._optimizer_in_bwd
+                            else self._optimizer,
+                            grad_norm=outcome.grad_norm,
+                            progress=progress,
+                            tokens_per_second_per_gpu=num_tokens_since_log / elapsed,
+                            memory_device=self._device if self._log_peak_memory_stats else None,
+                        )
                         metrics.update(self._profiler.metrics())
-                        self._metric_logger.log_dict(metrics, step=self.global_step)
+                        self._metric_logger.log_dict(metrics, step=progress.global_step)
                         if "loss" in metrics:
                             pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
-                    # The epoch's last step is saved below, once the epoch is closed.
-                    if should_save_step_checkpoint(
-                        self.global_step,
-                        self._save_every_n_steps,
-                        epoch_end_step=(curr_epoch + 1) * self._steps_per_epoch,
-                    ):
+                    if progress.should_save_step_checkpoint(self._save_every_n_steps, curr_epoch):
                         self.save_step_checkpoint()
                 pbar.close()
-                self.epochs_run += 1
+                progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
                 self.save_checkpoint(epoch=curr_epoch)
                 if self._save_every_n_steps:
                     self.save_step_checkpoint()
         self._report_outputs()
-
-    def _step_metrics(self, window: Window, grad_norm: torch.Tensor | None) -> dict[str, float]:
-        """The logged metrics; the only host read-backs of the step happen here."""
-        optimizer = self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer
-        metrics = {
-            "lr": get_lr(optimizer),
-            "loss_tokens": float(window.num_global_tokens),
-            "skipped_steps": float(self.num_skipped_steps),
-            "nonfinite_steps": float(self.num_nonfinite_steps),
-        }
-        if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
-            metrics["loss"] = window.mean_loss()
-        if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
-        if self._log_peak_memory_stats:
-            metrics.update(training.get_memory_stats(device=self._device))
-        return metrics
 
     def _report_outputs(self) -> None:
         log.info(self._profiler.summary())
@@ -473,28 +340,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def cleanup(self) -> None:
         self._metric_logger.close()
-
-
-def _check_flag_combinations(cfg: DictConfig, device: torch.device) -> None:
-    """Reject settings that cannot work together, naming the keys."""
-    if cfg.optimizer_in_bwd and cfg.gradient_accumulation_steps > 1:
-        raise ValueError(
-            "config keys 'optimizer_in_bwd' and 'gradient_accumulation_steps': the optimizer "
-            "steps inside backward, so gradients cannot accumulate; set one of them off/1."
-        )
-    if cfg.optimizer_in_bwd and cfg.clip_grad_norm is not None:
-        raise ValueError(
-            "config keys 'optimizer_in_bwd' and 'clip_grad_norm': gradients are consumed inside "
-            "backward and cannot be clipped; set clip_grad_norm to null."
-        )
-    if cfg.optimizer_in_bwd and cfg.loss_normalization != "exact":
-        raise ValueError("config key 'loss_normalization' must be exact with optimizer_in_bwd.")
-    if cfg.enable_activation_offloading and device.type != "cuda":
-        raise ValueError("config key 'enable_activation_offloading' needs device: cuda.")
-    if cfg.enable_activation_offloading and not cfg.enable_activation_checkpointing:
-        raise ValueError(
-            "config key 'enable_activation_offloading' needs enable_activation_checkpointing."
-        )
 
 
 @config.parse

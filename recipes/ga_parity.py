@@ -41,7 +41,6 @@ import copy
 import os
 import random
 import sys
-import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,25 +48,24 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.datasets import ConcatDataset
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga import distributed
 from exactga.config import validate_config
+from exactga.data import build_dataloader, load_dataset, model_vocab_size
+from exactga.lora import LoraSettings, load_lora_weights
 from exactga.normalization import LossNormalizer, NormMode, parse_mode
-from exactga.parity_report import (
+from exactga.parity.report import write_report
+from exactga.parity.scoring import (
     ParityRun,
     RunSummary,
     Split,
     parse_splits,
     summarize,
-    write_report,
 )
 from exactga.profiling import setup_profiler
 from exactga.schemas import GaParityConfig
@@ -76,23 +74,6 @@ from exactga.training import causal_lm_loss, train_window
 log = utils.get_logger("INFO")
 
 RECIPE_NAME = "ga_parity"
-
-
-# Keys of the training recipes' configs that change nothing in a parity report: it trains a
-# few steps from the initial weights, in memory, in the config's precision, without compile.
-_IGNORED_KEYS = {
-    "save_every_n_steps": None,
-    "resume_from_checkpoint": False,
-    "compile": False,
-    "enable_activation_checkpointing": False,
-    "enable_activation_offloading": False,
-}
-
-
-def _warn_ignored_keys(cfg: DictConfig) -> None:
-    for key, default in _IGNORED_KEYS.items():
-        if cfg.get(key, default) != default:
-            warnings.warn(f"config key '{key}' is ignored by the parity report.", stacklevel=2)
 
 
 class GaParityRecipe:
@@ -114,16 +95,13 @@ class GaParityRecipe:
         cfg: the validated config (see ``recipe_main``).
 
     Raises:
-        ValueError: a bad ``parity.splits`` (see ``exactga.parity_report.parse_splits``),
+        ValueError: a bad ``parity.splits`` (see ``exactga.parity.scoring.parse_splits``),
             ``parity.num_steps`` beyond one epoch, ``optimizer_in_bwd``, a packed dataset.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        if cfg.optimizer_in_bwd:
-            raise ValueError("config key 'optimizer_in_bwd' must be False for the parity report.")
-        _warn_ignored_keys(cfg)
         # torchrun sets WORLD_SIZE; a plain ``tune run`` is one process and starts no group.
         launched_world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._splits = parse_splits(cfg.parity.splits, launched_world_size)
@@ -172,7 +150,20 @@ class GaParityRecipe:
     def _initial_model_state(self, cfg_model: DictConfig, base_state: dict) -> dict[str, Any]:
         """Every run starts from these tensors: base weights plus (seeded) fresh adapters."""
         model = self._build_model(cfg_model)
-        model.load_state_dict(base_state, strict=not self._is_lora)
+        if self._is_lora:  # the adapters the LoRA recipes start from; see [adapter init]
+            load_lora_weights(
+                model,
+                LoraSettings.from_config(cfg_model),
+                base_state=base_state,
+                base_source="checkpointer.checkpoint_dir",
+                adapters=None,
+                load=partial(nn.Module.load_state_dict, strict=False),
+                seed=self._seed,
+                dtype=self._dtype,
+            )
+        else:
+            model.load_state_dict(base_state)
+        self._vocab_size = model_vocab_size(model)
         return copy.deepcopy(model.state_dict())
 
     def _build_model(self, cfg_model: DictConfig) -> nn.Module:
@@ -207,11 +198,7 @@ class GaParityRecipe:
         return model
 
     def _setup_dataset(self, cfg_dataset: DictConfig) -> Any:
-        if isinstance(cfg_dataset, ListConfig):
-            return ConcatDataset([config.instantiate(c, self._tokenizer) for c in cfg_dataset])
-        if cfg_dataset.get("packed", False):
-            raise ValueError("config key 'dataset.packed' is not supported by the parity report.")
-        return config.instantiate(cfg_dataset, self._tokenizer)
+        return load_dataset(cfg_dataset, self._tokenizer, self._vocab_size)
 
     def _dataloader(self, split: Split) -> StatefulDataLoader:
         """The same sample order for every split: the sampler's permutation depends on its
@@ -220,20 +207,15 @@ class GaParityRecipe:
         num_replicas, rank = 1, 0
         if split.num_ranks > 1:
             num_replicas, rank = split.num_ranks, self._mesh["dp"].get_local_rank()
-        sampler = StatefulDistributedSampler(
-            self._dataset, num_replicas=num_replicas, rank=rank, shuffle=self._cfg.shuffle, seed=0
-        )
-        collate = _get_component_from_path(self._cfg.collate_fn)
-        return StatefulDataLoader(
+        return build_dataloader(
             self._dataset,
             batch_size=split.batch_size,
-            sampler=sampler,
-            collate_fn=partial(
-                collate,
-                padding_idx=self._tokenizer.pad_id,
-                ignore_idx=self._loss_fn.ignore_index,
-            ),
-            drop_last=True,
+            shuffle=self._cfg.shuffle,
+            collate_fn=self._cfg.collate_fn,
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
+            num_replicas=num_replicas,
+            rank=rank,
         )
 
     def train(self) -> None:
@@ -314,7 +296,7 @@ class GaParityRecipe:
                 lr_scheduler.step()
             # The exact window loss over every rank of the run (one all-reduce when sharded).
             loss_tokens.append(window.num_global_tokens)
-            losses.append(float("nan") if window.skip_step() else window.global_mean_loss())
+            losses.append(float("nan") if window.should_skip_step() else window.global_mean_loss())
         return ParityRun(
             mode=mode.value,
             split=str(split),

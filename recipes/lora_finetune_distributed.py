@@ -28,62 +28,38 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import Any
-from warnings import warn
 
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 from torch import nn
 from torch.optim import Optimizer
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
-from torchtune.modules.peft import (
-    get_adapter_params,
-    get_adapter_state_dict,
-    get_lora_module_names,
-    get_merged_lora_ckpt,
-    set_trainable_params,
-    validate_missing_and_unexpected_for_lora,
-)
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training import PROFILER_KEY
-from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 from exactga import distributed
-from exactga.checkpointing import (
-    StepCheckpoint,
-    find_resume_checkpoint,
-    load_model_state,
-    progress_state,
-    restore_progress,
-    restore_rng_state,
-    run_fingerprint,
-    should_save_step_checkpoint,
-    step_checkpointer_for,
-    step_rank_state,
-)
+from exactga.checkpointing import step_checkpointer_for
 from exactga.config import validate_config
-from exactga.data import checked_dataset, dataset_source, model_vocab_size
-from exactga.normalization import LossNormalizer, Window, parse_mode
+from exactga.data import build_dataloader, load_dataset, model_vocab_size
+from exactga.lora import LoraSettings, epoch_checkpoint_weights, load_lora_weights
+from exactga.normalization import LossNormalizer, parse_mode
 from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
 from exactga.schemas import LoraFinetuneDistributedConfig
 from exactga.training import (
     causal_lm_loss,
     handle_nonfinite_loss,
     parse_nonfinite_policy,
+    step_metrics,
     train_window,
 )
 
 log = utils.get_logger("INFO")
 
 RECIPE_NAME = "lora_finetune_distributed"
-
-# The model-section keys the recipe reads besides instantiating it (stock reads the same).
-LORA_MODEL_KEYS = ("lora_rank", "lora_alpha", "lora_attn_modules", "apply_lora_to_mlp")
 
 
 class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
@@ -119,19 +95,16 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         cfg: the validated config (see ``recipe_main``).
 
     Raises:
-        ValueError: fp16 ``dtype``; a ``model`` section without LoRA keys;
-            ``enable_activation_offloading`` off CUDA or without activation checkpointing.
+        ValueError: bad values and impossible combinations of config keys, at start-up
+            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        if self._dtype == torch.float16:
-            raise ValueError("config key 'dtype': fp16 is not supported; use bf16 or fp32.")
-        _check_flag_combinations(cfg, self._device)
         self._gradient_sync = distributed.parse_gradient_sync(cfg.gradient_sync)
 
-        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload
+        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
         distributed.init_distributed(self._device, offload_ops_to_cpu=self._fsdp_cpu_offload)
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
@@ -139,18 +112,11 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
         self.dp_size = self._mesh["dp"].size()
         self.dp_rank = self._mesh["dp"].get_local_rank()
-        if cfg.fsdp is not None:
-            distributed.log_rank_zero(
-                "config key 'fsdp' is ignored (as by stock torchtune); use fsdp_cpu_offload."
-            )
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
-        if cfg.log_peak_memory_stats and not self._log_peak_memory_stats:
-            distributed.log_rank_zero("log_peak_memory_stats is ignored on CPU.")
 
-        self._resume_from_checkpoint = cfg.resume_from_checkpoint
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
@@ -161,20 +127,15 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._enable_activation_offloading = cfg.enable_activation_offloading
 
         # LoRA settings, read from the model section as stock does.
-        self._lora_rank = cfg.model.lora_rank
-        self._lora_alpha = cfg.model.lora_alpha
-        self._lora_attn_modules = list(cfg.model.lora_attn_modules)
-        self._apply_lora_to_mlp = cfg.model.apply_lora_to_mlp
-        self._apply_lora_to_output = cfg.model.get("apply_lora_to_output", False)
+        self._lora = LoraSettings.from_config(cfg.model)
 
-        # Public state, updated by the checkpoint loader when resuming.
-        self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode)
-        self.epochs_run = 0
-        self.total_epochs = cfg.epochs
-        self.max_steps_per_epoch = cfg.max_steps_per_epoch
-        self.global_step = 0
-        self.num_skipped_steps = 0
-        self.num_nonfinite_steps = 0
+        # Epochs, steps and their outcomes; a resume sets them in setup. The seed is the
+        # config's on every rank (torchtune seeds ``seed + rank`` for the global RNG).
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
         self._save_every_n_steps = cfg.save_every_n_steps
         self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
 
@@ -189,25 +150,26 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
         )
         self._fingerprint = run_fingerprint(cfg, world_size=self.world_size)
-        resume = find_resume_checkpoint(self._step_checkpointer, cfg, self._fingerprint)
-        ckpt_dict = self.load_checkpoint(cfg.checkpointer, from_step_checkpoint=resume)
+        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._checkpointer = config.instantiate(
+            cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+        )
+        ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
+        resume.restore_progress(self._progress, ckpt_dict)
+
         self._model = self._setup_model(
             cfg,
             base_model_state_dict=ckpt_dict[training.MODEL_KEY],
             base_source=f"checkpointer.checkpoint_dir ({cfg.checkpointer.checkpoint_dir})",
-            lora_weights_state_dict=(
-                ckpt_dict[training.ADAPTER_KEY] if self._resume_from_checkpoint else None
-            ),
+            lora_weights_state_dict=resume.adapter_weights(ckpt_dict),
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(
-            cfg.optimizer,
-            ckpt_dict.get(training.OPT_KEY) if self._resume_from_checkpoint else None,
-        )
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._compile:
-            training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+            self._loss_fn = training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
         if hasattr(self._loss_fn, "num_output_chunks"):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         self._normalizer = LossNormalizer(
@@ -218,25 +180,28 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             dp_group=distributed.dp_group(self._mesh),
         )
 
-        self._dataloader = self._setup_data(
-            cfg.dataset,
-            shuffle=cfg.shuffle,
+        # Data order, row checks and loader position: see [data order] in exactga.data.
+        dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        self._dataloader = build_dataloader(
+            dataset,
             batch_size=cfg.batch_size,
+            shuffle=cfg.shuffle,
             collate_fn=cfg.collate_fn,
-            dataloader_state_dict=(
-                ckpt_dict.get(training.DATALOADER_KEY) if self._resume_from_checkpoint else None
-            ),
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
+            state_dict=resume.dataloader_state(ckpt_dict),
         )
-        self._steps_per_epoch = self._normalizer.num_windows(len(self._dataloader))
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if resume is None:
-            self.global_step = self.epochs_run * self._steps_per_epoch
+        self._progress.start(
+            self._normalizer.num_windows(len(self._dataloader)),
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
         )
         # Traces and memory snapshots from rank 0 only; the others only time their phases.
         cfg_profiler = cfg.copy()
@@ -247,50 +212,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._log_dir = (
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
-        if resume is not None:  # last: model and data setup above draw from the RNGs
-            restore_rng_state(resume.rank_state["rng"], self._device)
-
-    def load_checkpoint(
-        self, cfg_checkpointer: DictConfig, from_step_checkpoint: StepCheckpoint | None
-    ) -> dict[str, Any]:
-        """The base weights from torchtune's checkpointer, plus the adapters and state to go on
-        from: a step checkpoint's when resuming from one, else an epoch checkpoint's."""
-        self._checkpointer = config.instantiate(
-            cfg_checkpointer,
-            should_load_recipe_state=self._resume_from_checkpoint and from_step_checkpoint is None,
-        )
-        ckpt_dict = self._checkpointer.load_checkpoint()
-        if from_step_checkpoint is not None:
-            distributed.log_rank_zero(f"Resuming from step checkpoint {from_step_checkpoint.path}")
-            restore_progress(self, from_step_checkpoint.trainer_state)
-            ckpt_dict[training.ADAPTER_KEY] = from_step_checkpoint.model_state
-            ckpt_dict[training.OPT_KEY] = from_step_checkpoint.optimizer_state
-            ckpt_dict[training.DATALOADER_KEY] = from_step_checkpoint.rank_state["dataloader"]
-        elif self._resume_from_checkpoint:
-            if training.ADAPTER_KEY not in ckpt_dict:
-                raise ValueError(
-                    "config key 'resume_from_checkpoint': no adapter weights found in the "
-                    "checkpoint; resume needs the adapter_model.pt of an earlier epoch."
-                )
-            self._update_recipe_state(ckpt_dict)
-        return ckpt_dict
-
-    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
-        try:
-            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
-            if self.seed != ckpt_dict[training.SEED_KEY]:
-                warn("config seed differs from the checkpoint's; using the latter.", stacklevel=2)
-                self.seed = ckpt_dict[training.SEED_KEY]
-            if self.max_steps_per_epoch != ckpt_dict[training.MAX_STEPS_KEY]:
-                warn(
-                    "config max_steps_per_epoch differs from the checkpoint's; using the latter.",
-                    stacklevel=2,
-                )
-                self.max_steps_per_epoch = ckpt_dict[training.MAX_STEPS_KEY]
-        except KeyError as err:
-            raise KeyError(
-                f"checkpoint has no recipe state ({err}); is it a checkpoint of this recipe?"
-            ) from err
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 
     def _setup_model(
         self,
@@ -323,47 +245,25 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             dp_mesh=self._mesh["dp"],
         )
 
-        lora_missing = lora_unexpected = None
-        if lora_weights_state_dict:
-            lora_missing, lora_unexpected = training.load_from_full_model_state_dict(
-                model, lora_weights_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
-            )
-        else:
-            distributed.initialize_adapters(
-                model, self._device, self._dtype, self.seed, cpu_offload=self._fsdp_cpu_offload
-            )
         with training.set_default_dtype(self._dtype), self._device:
             for m in model.modules():
                 if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
                     m.rope_init()
-        base_missing, base_unexpected = load_model_state(
+        # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
+        # the same on any number of ranks; see [adapter init] in exactga.lora.
+        load_lora_weights(
             model,
-            base_model_state_dict,
-            base_source,
+            self._lora,
+            base_state=base_model_state_dict,
+            base_source=base_source,
+            adapters=lora_weights_state_dict,
             load=partial(
                 training.load_from_full_model_state_dict,
                 device=self._device,
                 cpu_offload=self._fsdp_cpu_offload,
             ),
-        )
-        # DoRA magnitudes are initialised from the loaded base weights.
-        is_dora = False
-        for m in model.modules():
-            if hasattr(m, "initialize_dora_magnitude"):
-                is_dora = True
-                m.initialize_dora_magnitude()
-        if is_dora and lora_weights_state_dict:  # a resumed run keeps its trained magnitudes
-            training.load_from_full_model_state_dict(
-                model, lora_weights_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
-            )
-        validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=self._lora_attn_modules,
-            apply_lora_to_mlp=self._apply_lora_to_mlp,
-            apply_lora_to_output=self._apply_lora_to_output,
-            base_missing=base_missing,
-            base_unexpected=base_unexpected,
-            lora_missing=lora_missing,
-            lora_unexpected=lora_unexpected,
+            seed=self._progress.seed,
+            dtype=self._dtype,
         )
         training.validate_no_params_on_meta_device(model)
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
@@ -403,56 +303,11 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             last_epoch=last_epoch,
         )
 
-    def _setup_data(
-        self,
-        cfg_dataset: DictConfig,
-        shuffle: bool,
-        batch_size: int,
-        collate_fn: str,
-        dataloader_state_dict: dict[str, Any] | None,
-    ) -> StatefulDataLoader:
-        if isinstance(cfg_dataset, ListConfig):
-            datasets = [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            ds = ConcatDataset(datasets=datasets)
-            packed = getattr(ds, "packed", False)
-        else:
-            ds = config.instantiate(cfg_dataset, self._tokenizer)
-            packed = cfg_dataset.get("packed", False)
-        # Bad rows and out-of-vocabulary ids fail naming the row; see exactga.data.
-        ds = checked_dataset(
-            ds, vocab_size=model_vocab_size(self._model), source=dataset_source(cfg_dataset)
-        )
-        if "left_pad_sequence" in collate_fn:
-            raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
-        collate = _get_component_from_path(collate_fn)
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=0
-        )
-        dataloader = StatefulDataLoader(
-            dataset=ds,
-            batch_size=batch_size,
-            sampler=sampler,
-            collate_fn=(
-                padded_collate_packed
-                if packed
-                else partial(
-                    collate,
-                    padding_idx=self._tokenizer.pad_id,
-                    ignore_idx=self._loss_fn.ignore_index,
-                )
-            ),
-            # Dropping the last short batch avoids shape issues with compile + flex attention.
-            drop_last=True,
-        )
-        if dataloader_state_dict is not None:
-            dataloader.load_state_dict(dataloader_state_dict)
-        return dataloader
-
     def save_checkpoint(self, epoch: int) -> None:
         """Gather on rank 0 and write there what stock writes (all ranks must call this):
         adapters and adapter config, merged weights unless adapter-only, recipe and optimizer
         state if training goes on."""
-        intermediate = epoch + 1 < self.total_epochs
+        intermediate = not self._progress.is_last_epoch(epoch)
         t0 = time.perf_counter()
         cpu_state_dict = training.gather_cpu_state_dict(
             self._model,
@@ -466,34 +321,12 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 self._model, self._optimizer, self._is_rank_zero, device=self._device
             )
         if self._is_rank_zero:
-            ckpt_dict: dict[str, Any] = {}
-            if self._save_adapter_weights_only:
-                ckpt_dict[training.ADAPTER_KEY] = cpu_state_dict
-            else:
-                ckpt_dict[training.ADAPTER_KEY] = get_adapter_state_dict(cpu_state_dict)
-                ckpt_dict[training.MODEL_KEY] = get_merged_lora_ckpt(
-                    cpu_state_dict, rank=self._lora_rank, alpha=self._lora_alpha
-                )
+            ckpt_dict = epoch_checkpoint_weights(
+                cpu_state_dict, self._lora, merge=not self._save_adapter_weights_only
+            )
             if intermediate:
-                ckpt_dict.update(
-                    {
-                        training.OPT_KEY: opt_state_dict,
-                        training.SEED_KEY: self.seed,
-                        training.EPOCHS_KEY: self.epochs_run,
-                        training.TOTAL_EPOCHS_KEY: self.total_epochs,
-                        training.MAX_STEPS_KEY: self.max_steps_per_epoch,
-                        # See [loader position at epoch ends] in exactga.checkpointing.
-                        training.DATALOADER_KEY: None,
-                    }
-                )
-            ckpt_dict[training.ADAPTER_CONFIG] = {
-                "r": self._lora_rank,
-                "lora_alpha": self._lora_alpha,
-                "target_modules": get_lora_module_names(
-                    self._lora_attn_modules, self._apply_lora_to_mlp, self._apply_lora_to_output
-                ),
-                "peft_type": "LORA",
-            }
+                ckpt_dict.update(self._progress.epoch_checkpoint_state())
+                ckpt_dict[training.OPT_KEY] = opt_state_dict
             self._checkpointer.save_checkpoint(
                 ckpt_dict,
                 epoch=epoch,
@@ -515,16 +348,14 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         optimizer_state = training.get_full_optimizer_state_dict(
             self._model, self._optimizer, self._is_rank_zero, device=self._device
         )
-        return self._step_checkpointer.save(
-            self.global_step,
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
             model_state=adapters if self._is_rank_zero else None,
             optimizer_state=optimizer_state if self._is_rank_zero else None,
-            trainer_state=progress_state(self, self._fingerprint),
-            rank_state=step_rank_state(
-                self._device,
-                self._dataloader,
-                at_epoch_start=self.global_step == self.epochs_run * self._steps_per_epoch,
-            ),
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -538,19 +369,18 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._optimizer.zero_grad()
         num_tokens_since_log, t_last_log = 0, time.perf_counter()
 
+        progress = self._progress
         with self._profiler:
-            for curr_epoch in range(self.epochs_run, self.total_epochs):
+            for curr_epoch in progress.epochs():
                 self._dataloader.sampler.set_epoch(curr_epoch)
-                # Non-zero only when resuming from a step checkpoint taken mid-epoch.
-                steps_done = self.global_step - curr_epoch * self._steps_per_epoch
                 pbar = tqdm(
-                    total=self._steps_per_epoch,
-                    initial=steps_done,
+                    total=progress.steps_per_epoch,
+                    initial=progress.steps_done_in(curr_epoch),  # > 0 after a mid-epoch resume
                     desc=f"epoch {curr_epoch + 1}",
                     disable=not self._is_rank_zero,
                 )
                 windows = self._normalizer.windows(
-                    self._dataloader, self._steps_per_epoch - steps_done
+                    self._dataloader, progress.windows_left_in(curr_epoch)
                 )
                 for window in self._profiler.timed(windows):
                     outcome = train_window(
@@ -560,22 +390,20 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         optimizer=self._optimizer,
                         profiler=self._profiler,
                         device=self._device,
-                        step=self.global_step + 1,
+                        step=progress.global_step + 1,
                         clip_grad_norm=self._clip_grad_norm,
                         micro_batch_context=partial(
                             distributed.gradient_sync, self._model, self._gradient_sync
                         ),
                         announce_skip=self._is_rank_zero,
                     )
-                    self.num_skipped_steps += outcome.skipped
-                    self.num_nonfinite_steps += outcome.nonfinite
+                    progress.record_step(outcome.skipped, outcome.nonfinite)
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
-                    self.global_step += 1
                     if outcome.nonfinite:  # the same on every rank: the flag was reduced
                         handle_nonfinite_loss(
                             self._nonfinite_policy,
-                            self.global_step,
+                            progress.global_step,
                             weights_updated=False,
                             save_checkpoint=self.save_step_checkpoint,
                         )
@@ -583,48 +411,33 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                     self._profiler.step(window.num_input_tokens)
                     pbar.update(1)
 
-                    if self.global_step % self._log_every_n_steps == 0:
+                    if progress.global_step % self._log_every_n_steps == 0:
                         # Every rank takes part in the loss reduction; rank 0 writes.
                         elapsed = time.perf_counter() - t_last_log
-                        metrics = self._step_metrics(window, outcome.grad_norm)
-                        metrics["tokens_per_second_per_gpu"] = (
-                            num_tokens_since_log / elapsed / self.world_size
+                        metrics = step_metrics(
+                            window,
+                            optimizer=self._optimizer,
+                            grad_norm=outcome.grad_norm,
+                            progress=progress,
+                            tokens_per_second_per_gpu=num_tokens_since_log
+                            / elapsed
+                            / self.world_size,
+                            memory_device=self._device if self._log_peak_memory_stats else None,
                         )
                         metrics.update(self._profiler.metrics())
                         if self._is_rank_zero:
-                            self._metric_logger.log_dict(metrics, step=self.global_step)
+                            self._metric_logger.log_dict(metrics, step=progress.global_step)
                         if "loss" in metrics:
                             pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
                         num_tokens_since_log, t_last_log = 0, time.perf_counter()
-                    # The epoch's last step is saved below, once the epoch is closed.
-                    if should_save_step_checkpoint(
-                        self.global_step,
-                        self._save_every_n_steps,
-                        epoch_end_step=(curr_epoch + 1) * self._steps_per_epoch,
-                    ):
+                    if progress.should_save_step_checkpoint(self._save_every_n_steps, curr_epoch):
                         self.save_step_checkpoint()
                 pbar.close()
-                self.epochs_run += 1
+                progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
                 self.save_checkpoint(epoch=curr_epoch)
                 if self._save_every_n_steps:
                     self.save_step_checkpoint()
         self._report_outputs()
-
-    def _step_metrics(self, window: Window, grad_norm: torch.Tensor | None) -> dict[str, float]:
-        """The logged metrics; the only host read-backs of the step happen here."""
-        metrics = {
-            "lr": get_lr(self._optimizer),
-            "loss_tokens": float(window.num_global_tokens),
-            "skipped_steps": float(self.num_skipped_steps),
-            "nonfinite_steps": float(self.num_nonfinite_steps),
-        }
-        if not window.skip_step():  # a skipped window has no loss to log, not a NaN one
-            metrics["loss"] = window.global_mean_loss()
-        if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
-        if self._log_peak_memory_stats:
-            metrics.update(distributed.memory_stats(self._device))
-        return metrics
 
     def _report_outputs(self) -> None:
         distributed.log_rank_zero(self._profiler.summary())
@@ -636,24 +449,6 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         if self._is_rank_zero:
             self._metric_logger.close()
         distributed.destroy()
-
-
-def _check_flag_combinations(cfg: DictConfig, device: torch.device) -> None:
-    """Reject settings that cannot work together, naming the keys."""
-    missing = [key for key in LORA_MODEL_KEYS if key not in cfg.model]
-    if missing:
-        raise ValueError(
-            f"config key 'model' ({cfg.model.get('_component_')}) has no "
-            f"{', '.join('model.' + key for key in missing)}: this recipe needs a LoRA or QLoRA "
-            "builder (e.g. torchtune.models.llama3_1.lora_llama3_1_8b); for full fine-tuning "
-            "use recipes/full_finetune_distributed.py."
-        )
-    if cfg.enable_activation_offloading and device.type != "cuda":
-        raise ValueError("config key 'enable_activation_offloading' needs device: cuda.")
-    if cfg.enable_activation_offloading and not cfg.enable_activation_checkpointing:
-        raise ValueError(
-            "config key 'enable_activation_offloading' needs enable_activation_checkpointing."
-        )
 
 
 @config.parse

@@ -13,10 +13,18 @@ from pathlib import Path
 
 import torch
 
+# The one relative L2 of the project, as the docs define it: ||w - w_ref|| / ||w_ref - w_init||
+# over every tensor, in float64 (see exactga.parity.scoring).
+from exactga.parity.scoring import relative_l2  # noqa: F401 - re-exported for the tests
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/full_finetune_single_device.py"
 TINY_CONFIG = "configs/tiny/full_single_device.yaml"
 TUNE = Path(sys.executable).parent / "tune"
+
+# What a full fine-tuning run writes: its initial checkpoint and the trained weights of epoch 0.
+INITIAL = "base_model/model.safetensors"
+TRAINED = "epoch_0/model-00001-of-00001.safetensors"
 
 # The tiny config's architecture shrunk further so a step costs milliseconds on CPU.
 SMALL_MODEL = {
@@ -82,24 +90,6 @@ def load_weights(path: Path | str) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def relative_l2(
-    w_a: dict[str, torch.Tensor], w_b: dict[str, torch.Tensor], w_init: dict[str, torch.Tensor]
-) -> float:
-    """``||w_a - w_b|| / ||w_a - w_init||`` over all tensors concatenated, in float64.
-
-    The distance between two trained models relative to how far training moved them, so the
-    tolerance does not depend on the learning rate or on the weights' scale.
-    """
-    assert w_a.keys() == w_b.keys() == w_init.keys(), "checkpoints hold different tensors"
-    diff_sq = update_sq = 0.0
-    for key in w_a:
-        a, b, init = (w[key].double() for w in (w_a, w_b, w_init))
-        diff_sq += float(((a - b) ** 2).sum())
-        update_sq += float(((a - init) ** 2).sum())
-    assert update_sq > 0, "training did not move the weights"
-    return (diff_sq / update_sq) ** 0.5
-
-
 def read_scalars(log_root: Path | str) -> dict[str, list[float]]:
     """Every scalar logged under ``log_root`` (TensorBoard events), by tag, in step order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -141,3 +131,29 @@ def lora_tiny_args(
 def load_adapters(path: Path | str) -> dict[str, torch.Tensor]:
     """The adapter weights of ``adapter_model.pt`` (torchtune's names and layout)."""
     return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def alpaca_row(instruction: str, output: str) -> dict[str, str]:
+    """One row in the shipped data's format (``alpaca_dataset``), without an input."""
+    return {"instruction": instruction, "input": "", "output": output}
+
+
+def rows_with_an_empty_window() -> list[dict[str, str]]:
+    """Twelve rows that, unshuffled, with ``batch_size=2``, ``gradient_accumulation_steps=2`` and
+    ``tokenizer.max_seq_len=64``, give three windows: [long long | long long] has no loss token
+    (prompts longer than max_seq_len leave every label masked), [short short | long long] has
+    one empty micro-batch, and [short short | short short] is plain."""
+    long_prompt = " ".join(["describe the weather in a very long sentence"] * 30)  # 270 words
+    long_rows = [alpaca_row(long_prompt, "It is sunny.") for _ in range(2)]
+    short_rows = [alpaca_row("Say hello.", "Hello there, friend.") for _ in range(2)]
+    return long_rows * 2 + short_rows + long_rows + short_rows * 2
+
+
+# The overrides (for tiny_args) under which rows_with_an_empty_window() gives its three windows.
+EMPTY_WINDOW_RUN = {
+    "tokenizer__max_seq_len": 64,
+    "shuffle": False,
+    "batch_size": 2,
+    "gradient_accumulation_steps": 2,
+    "max_steps_per_epoch": 3,
+}

@@ -107,6 +107,18 @@ def test_input_may_be_left_out(tokenizer, tmp_path):
     read_all(checked_alpaca(tokenizer, path))
 
 
+def sharegpt(tokenizer, path: Path):
+    """torchtune's ``chat_dataset`` over ShareGPT-style conversations in a JSON file."""
+    return chat_dataset(
+        tokenizer,
+        source="json",
+        data_files=str(path),
+        split="train",
+        conversation_column="conversations",
+        conversation_style="sharegpt",
+    )
+
+
 def chat_rows(bad_turn: dict) -> list[dict]:
     human = {"from": "human", "value": "Say hi."}
     return [
@@ -130,15 +142,7 @@ def chat_rows(bad_turn: dict) -> list[dict]:
 def test_failure_inside_a_transform_names_the_row(tokenizer, tmp_path, bad_turn, problem, cause):
     """A conversation's inside is not checked up front: the transform fails, by row."""
     path = write_rows(tmp_path, chat_rows(bad_turn))
-    ds = chat_dataset(
-        tokenizer,
-        source="json",
-        data_files=str(path),
-        split="train",
-        conversation_column="conversations",
-        conversation_style="sharegpt",
-    )
-    ds = checked_dataset(ds, vocab_size=VOCAB_SIZE, source=f"dataset (json: {path})")
+    ds = checked_dataset(sharegpt(tokenizer, path), VOCAB_SIZE, source=f"dataset (json: {path})")
     ds[0]
     with pytest.raises(ValueError) as err:
         ds[1]
@@ -149,16 +153,8 @@ def test_failure_inside_a_transform_names_the_row(tokenizer, tmp_path, bad_turn,
 def test_conversation_missing_from_a_row_is_named(tokenizer, tmp_path):
     rows = [*chat_rows({"from": "gpt", "value": "Hi."}), {"dialog": "Hi."}]
     path = write_rows(tmp_path, rows)
-    ds = chat_dataset(
-        tokenizer,
-        source="json",
-        data_files=str(path),
-        split="train",
-        conversation_column="conversations",
-        conversation_style="sharegpt",
-    )
     with pytest.raises(ValueError) as err:
-        checked_dataset(ds, vocab_size=VOCAB_SIZE, source="dataset")
+        checked_dataset(sharegpt(tokenizer, path), vocab_size=VOCAB_SIZE, source="dataset")
     assert str(err.value) == "dataset row 2 of dataset: missing column 'conversations' " + (
         "(absent or null)."
     )

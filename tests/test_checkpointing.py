@@ -5,7 +5,7 @@ A tiny Llama from torchtune's builders and an AdamW that has taken a step supply
 and optimizer state. Damage is done to the files on disk the way disks and interrupted copies do
 it (truncation, a flipped byte, a missing file, a crash mid-save), and the checkpointer must fall
 back to the previous checkpoint, naming the file at fault. See [atomic step checkpoints] and
-[what a resume may change] in ``exactga.checkpointing``.
+[what a resume may change] in ``exactga.resume``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import unit_utils
 from omegaconf import OmegaConf
 from torch import nn
-from torchtune.models.llama3_2 import llama3_2
+from unit_utils import VOCAB
 
 from exactga.checkpointing import (
     MANIFEST_FILE,
@@ -30,29 +31,25 @@ from exactga.checkpointing import (
     OPTIMIZER_FILE,
     CorruptCheckpointError,
     StepCheckpointer,
+)
+from exactga.model_state import load_model_state
+from exactga.resume import (
+    ResumeFrom,
     capture_rng_state,
     check_resume_fingerprint,
-    find_resume_checkpoint,
-    load_model_state,
+    find_resume_point,
     restore_rng_state,
     run_fingerprint,
 )
 
 CPU = torch.device("cpu")
-VOCAB = 64
 RANK_FILE = "rank_0.pt"
 
 
 def tiny_model(embed_dim: int = 16, num_layers: int = 1, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return llama3_2(
-        vocab_size=VOCAB,
-        num_layers=num_layers,
-        num_heads=2,
-        num_kv_heads=1,
-        embed_dim=embed_dim,
-        intermediate_dim=32,
-        max_seq_len=32,
+    """Smaller than the normalisation tests' model: only its tensors are saved and loaded."""
+    return unit_utils.tiny_model(
+        embed_dim=embed_dim, num_layers=num_layers, intermediate_dim=32, max_seq_len=32, seed=seed
     )
 
 
@@ -420,14 +417,17 @@ def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_pat
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same config resumes silently
-        found = find_resume_checkpoint(checkpointer, cfg, run_fingerprint(cfg, world_size=1))
-    assert found.step == 3
+        found = find_resume_point(cfg, checkpointer, run_fingerprint(cfg, world_size=1))
+    assert found.source is ResumeFrom.STEP_CHECKPOINT and found.step_checkpoint.step == 3
 
     resume_off = run_config(resume_from_checkpoint=False)
-    assert find_resume_checkpoint(checkpointer, resume_off, {}) is None
+    assert find_resume_point(resume_off, checkpointer, {}).source is ResumeFrom.START
+    no_step_checkpoints = StepCheckpointer(tmp_path / "none", keep_last_n=2)
+    fallback = find_resume_point(cfg, no_step_checkpoints, run_fingerprint(cfg, world_size=1))
+    assert fallback.source is ResumeFrom.EPOCH_CHECKPOINT  # torchtune's resume, as stock
     changed = run_config(gradient_accumulation_steps=8)
     with pytest.raises(ValueError, match="'gradient_accumulation_steps': 4 in the checkpoint"):
-        find_resume_checkpoint(checkpointer, changed, run_fingerprint(changed, world_size=1))
+        find_resume_point(changed, checkpointer, run_fingerprint(changed, world_size=1))
 
 
 # --- loading weights into the configured model ---------------------------------------------

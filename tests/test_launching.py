@@ -15,6 +15,7 @@ from recipe_utils import (
     RECIPE,
     REPO_ROOT,
     TINY_CONFIG,
+    TRAINED,
     output_of,
     read_scalars,
     run_tune,
@@ -23,7 +24,6 @@ from recipe_utils import (
 
 pytestmark = pytest.mark.slow
 
-TRAINED = "epoch_0/model-00001-of-00001.safetensors"
 MARKER = "EDITED COPY RAN"
 
 

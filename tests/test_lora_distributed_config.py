@@ -6,22 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torchtune
 from omegaconf import OmegaConf
-from torchtune._recipe_registry import get_all_recipes
+from unit_utils import CONFIGS, stock_configs, tiny_config
 
 from exactga.config import validate_config
 from exactga.schemas import LoraFinetuneDistributedConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-STOCK_CONFIGS = Path(torchtune.__file__).resolve().parents[1] / "recipes" / "configs"
 RECIPE = "lora_finetune_distributed"
-TINY = REPO_ROOT / "configs" / "tiny" / "lora_distributed.yaml"
-
-
-def stock_configs() -> list[Path]:
-    (recipe,) = [r for r in get_all_recipes() if r.name == RECIPE]
-    return [STOCK_CONFIGS / config.file_path for config in recipe.configs]
+TINY = CONFIGS / "tiny" / "lora_distributed.yaml"
 
 
 def validate(cfg) -> object:
@@ -29,10 +21,10 @@ def validate(cfg) -> object:
 
 
 def test_stock_registry_lists_the_configs() -> None:
-    assert len(stock_configs()) >= 36  # 36 in torchtune 0.6.1: LoRA, QLoRA, DoRA
+    assert len(stock_configs(RECIPE)) >= 36  # 36 in torchtune 0.6.1: LoRA, QLoRA, DoRA
 
 
-@pytest.mark.parametrize("path", stock_configs(), ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("path", stock_configs(RECIPE), ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_stock_config_is_accepted_unchanged(path: Path) -> None:
     cfg = validate(OmegaConf.load(path))
     assert cfg.gradient_sync == "every_micro_batch"  # stock behaviour unless asked
@@ -50,7 +42,7 @@ def test_tiny_config_is_known_to_its_recipe() -> None:
 
 
 def tiny_cfg(**overrides: object):
-    return OmegaConf.merge(OmegaConf.load(TINY), OmegaConf.create(overrides))
+    return tiny_config("lora_distributed", **overrides)
 
 
 def test_misspelt_key_is_named_with_a_suggestion() -> None:

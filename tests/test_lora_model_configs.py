@@ -6,19 +6,15 @@ are only resolved to their builder function, and no recipe is run.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import torchtune
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import get_adapter_params
+from unit_utils import assert_matches_stock_config, config_header, load_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/lora_finetune_single_device.py"
-STOCK_CONFIGS = Path(torchtune.__file__).resolve().parent.parent / "recipes" / "configs"
 
 # config (relative to configs/, no suffix) -> (output tag, min params, max params), base model
 MODEL_CONFIGS = {
@@ -34,33 +30,10 @@ MODEL_CONFIGS = {
 }
 NAMES = list(MODEL_CONFIGS)
 
-EXACTGA_KEYS = {"loss_normalization", "drop_partial_window"}
-CHANGED_KEYS = {"output_dir", "metric_logger"}
-
-
-def _path(name: str) -> Path:
-    return REPO_ROOT / "configs" / f"{name}.yaml"
-
-
-def _load(name: str) -> DictConfig:
-    cfg = OmegaConf.load(_path(name))
-    assert isinstance(cfg, DictConfig)
-    return cfg
-
-
-def _header(name: str) -> str:
-    header = []
-    for line in _path(name).read_text().splitlines():
-        if line.startswith("#"):
-            header.append(line)
-        elif line.strip():
-            break
-    return "\n".join(header)
-
 
 @pytest.mark.parametrize("name", NAMES)
 def test_header_has_download_and_launch_commands(name: str) -> None:
-    header = _header(name)
+    header = config_header(name)
     assert "tune download" in header
     launch = f"tune run {RECIPE} --config configs/{name}.yaml"
     assert launch in header
@@ -73,7 +46,7 @@ def test_header_has_download_and_launch_commands(name: str) -> None:
 def test_model_builds_on_meta_with_adapters(name: str) -> None:
     """Base size in range; only the adapters would train (a small fraction of the weights)."""
     _, lo, hi = MODEL_CONFIGS[name]
-    cfg = _load(name)
+    cfg = load_config(name)
     with torch.device("meta"):
         model = config.instantiate(cfg.model)
     adapters = get_adapter_params(model)
@@ -88,7 +61,7 @@ def test_model_builds_on_meta_with_adapters(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_component_paths_resolve(name: str) -> None:
-    cfg = _load(name)
+    cfg = load_config(name)
     assert callable(_get_component_from_path(cfg.tokenizer._component_))
     for key in ("dataset", "loss", "checkpointer", "metric_logger", "profiler", "optimizer"):
         assert callable(_get_component_from_path(cfg[key]._component_)), key
@@ -97,7 +70,7 @@ def test_component_paths_resolve(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_exactga_settings(name: str) -> None:
     tag, _, _ = MODEL_CONFIGS[name]
-    cfg = _load(name)
+    cfg = load_config(name)
     assert cfg.loss_normalization == "exact"
     assert cfg.drop_partial_window is False
     kind = "qlora" if "qlora" in name else "lora"
@@ -110,15 +83,4 @@ def test_exactga_settings(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_stock_config(name: str) -> None:
     """Apart from the documented changes, each config equals torchtune 0.6.1's stock one."""
-    stock_path = STOCK_CONFIGS / f"{name}.yaml"
-    if not stock_path.is_file():
-        pytest.skip(f"stock torchtune config not installed at {stock_path}")
-    ours = OmegaConf.to_container(_load(name), resolve=False)
-    stock = OmegaConf.to_container(OmegaConf.load(stock_path), resolve=False)
-    assert set(ours) == set(stock) | EXACTGA_KEYS
-    for key in stock:
-        if key not in CHANGED_KEYS:
-            assert ours[key] == stock[key], key
-    ours_logger = {k: v for k, v in ours["metric_logger"].items() if k != "_component_"}
-    stock_logger = {k: v for k, v in stock["metric_logger"].items() if k != "_component_"}
-    assert ours_logger == stock_logger
+    assert_matches_stock_config(name)

@@ -7,18 +7,14 @@ recipe is run.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import torchtune
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
+from unit_utils import assert_matches_stock_config, config_header, load_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/full_finetune_single_device.py"
-STOCK_CONFIGS = Path(torchtune.__file__).resolve().parent.parent / "recipes" / "configs"
 
 # config (relative to configs/, no suffix) -> (output tag, min params, max params)
 MODEL_CONFIGS = {
@@ -31,35 +27,10 @@ MODEL_CONFIGS = {
 }
 NAMES = list(MODEL_CONFIGS)
 
-# Top-level keys our configs add or change relative to torchtune 0.6.1's stock config.
-EXACTGA_KEYS = {"loss_normalization", "drop_partial_window"}
-CHANGED_KEYS = {"output_dir", "metric_logger"}
-
-
-def _path(name: str) -> Path:
-    return REPO_ROOT / "configs" / f"{name}.yaml"
-
-
-def _load(name: str) -> DictConfig:
-    cfg = OmegaConf.load(_path(name))
-    assert isinstance(cfg, DictConfig)
-    return cfg
-
-
-def _header(name: str) -> str:
-    """The comment block the file opens with (leading '#' lines, blank lines allowed)."""
-    header = []
-    for line in _path(name).read_text().splitlines():
-        if line.startswith("#"):
-            header.append(line)
-        elif line.strip():
-            break
-    return "\n".join(header)
-
 
 @pytest.mark.parametrize("name", NAMES)
 def test_header_has_download_and_launch_commands(name: str) -> None:
-    header = _header(name)
+    header = config_header(name)
     assert "tune download" in header
     launch = f"tune run {RECIPE} --config configs/{name}.yaml"
     assert launch in header
@@ -67,14 +38,14 @@ def test_header_has_download_and_launch_commands(name: str) -> None:
     assert any(
         line.strip().startswith(f"#   {launch} ") and "=" in line for line in header.splitlines()
     )
-    if "bitsandbytes" in _load(name).optimizer._component_:
+    if "bitsandbytes" in load_config(name).optimizer._component_:
         assert "pip install bitsandbytes" in header
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_model_param_count(name: str) -> None:
     _, lo, hi = MODEL_CONFIGS[name]
-    cfg = _load(name)
+    cfg = load_config(name)
     with torch.device("meta"):
         model = config.instantiate(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
@@ -84,7 +55,7 @@ def test_model_param_count(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_component_paths_resolve(name: str) -> None:
     """Tokenizer (not instantiated: its files are absent) and other builders are importable."""
-    cfg = _load(name)
+    cfg = load_config(name)
     tokenizer = _get_component_from_path(cfg.tokenizer._component_)
     assert callable(tokenizer)
     for key in ("dataset", "loss", "checkpointer", "metric_logger", "profiler"):
@@ -94,7 +65,7 @@ def test_component_paths_resolve(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_exactga_settings(name: str) -> None:
     tag, _, _ = MODEL_CONFIGS[name]
-    cfg = _load(name)
+    cfg = load_config(name)
     assert cfg.loss_normalization == "exact"
     assert cfg.drop_partial_window is False
     assert cfg.output_dir == f"/tmp/exactga/{tag}/full_single_device"
@@ -107,15 +78,4 @@ def test_exactga_settings(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_stock_config(name: str) -> None:
     """Apart from the documented changes, each config equals torchtune 0.6.1's stock one."""
-    stock_path = STOCK_CONFIGS / f"{name}.yaml"
-    if not stock_path.is_file():
-        pytest.skip(f"stock torchtune config not installed at {stock_path}")
-    ours = OmegaConf.to_container(_load(name), resolve=False)
-    stock = OmegaConf.to_container(OmegaConf.load(stock_path), resolve=False)
-    assert set(ours) == set(stock) | EXACTGA_KEYS
-    for key in stock:
-        if key not in CHANGED_KEYS:
-            assert ours[key] == stock[key], key
-    ours_logger = {k: v for k, v in ours["metric_logger"].items() if k != "_component_"}
-    stock_logger = {k: v for k, v in stock["metric_logger"].items() if k != "_component_"}
-    assert ours_logger == stock_logger
+    assert_matches_stock_config(name)

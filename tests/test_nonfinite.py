@@ -9,16 +9,14 @@ loss] in ``exactga.training``.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_normalization import make_rows, micro_batch_loss, split, tiny_model
 from torch import nn
+from unit_utils import make_rows, micro_batch_loss, split, tiny_model
 
 from exactga.normalization import LossNormalizer, Window
 from exactga.profiling import ProfilerSettings, TrainingProfiler
@@ -33,7 +31,6 @@ from exactga.training import (
 
 CPU = torch.device("cpu")
 GA = 2
-WORLD_SIZE = 2
 
 
 def quiet_profiler(model: nn.Module) -> TrainingProfiler:
@@ -198,63 +195,49 @@ def test_without_optimizer_nonfinite_is_reported_and_grads_are_left_alone() -> N
 # --- two ranks ---------------------------------------------------------------------------------
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int) -> list[dict]:
     torch.set_num_threads(1)  # two ranks on a small machine
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        loss_fn = nn.CrossEntropyLoss()
-        model = tiny_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loss_step = PoisonedLossStep(model, loss_fn)
-        if rank == 1:
-            loss_step.poison(1)  # the second micro-batch of the first window, on rank 1 only
-        rows = make_rows(0)[4 * rank : 4 * rank + 4] + make_rows(1)[4 * rank : 4 * rank + 4]
-        windows = make_windows(loss_fn, rows, dp_group=dist.group.WORLD)
-        results = []
-        for step, window in enumerate(windows, start=1):
-            before = weights(model)
-            reductions = []
-            all_reduce = dist.all_reduce
+    loss_fn = nn.CrossEntropyLoss()
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_step = PoisonedLossStep(model, loss_fn)
+    if rank == 1:
+        loss_step.poison(1)  # the second micro-batch of the first window, on rank 1 only
+    rows = make_rows(0)[4 * rank : 4 * rank + 4] + make_rows(1)[4 * rank : 4 * rank + 4]
+    windows = make_windows(loss_fn, rows, dp_group=dist.group.WORLD)
+    results = []
+    for step, window in enumerate(windows, start=1):
+        before = weights(model)
+        reductions = []
+        all_reduce = dist.all_reduce
 
-            def recording(tensor, *args, _all_reduce=all_reduce, _seen=reductions, **kwargs):
-                _seen.append([str(tensor.dtype), kwargs.get("op") == dist.ReduceOp.MIN])
-                return _all_reduce(tensor, *args, **kwargs)
+        def recording(tensor, *args, _all_reduce=all_reduce, _seen=reductions, **kwargs):
+            _seen.append([str(tensor.dtype), kwargs.get("op") == dist.ReduceOp.MIN])
+            return _all_reduce(tensor, *args, **kwargs)
 
-            dist.all_reduce = recording
-            try:
-                outcome = run(window, model, loss_step, optimizer, step)
-            finally:
-                dist.all_reduce = all_reduce
-            results.append(
-                {
-                    "nonfinite": outcome.nonfinite,
-                    "skipped": outcome.skipped,
-                    "weights_changed": any(
-                        not torch.equal(a, b) for a, b in zip(weights(model), before, strict=True)
-                    ),
-                    "grads_dropped": all(p.grad is None for p in model.parameters()),
-                    "reductions": reductions,
-                }
-            )
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+        dist.all_reduce = recording
+        try:
+            outcome = run(window, model, loss_step, optimizer, step)
+        finally:
+            dist.all_reduce = all_reduce
+        results.append(
+            {
+                "nonfinite": outcome.nonfinite,
+                "skipped": outcome.skipped,
+                "weights_changed": any(
+                    not torch.equal(a, b) for a, b in zip(weights(model), before, strict=True)
+                ),
+                "grads_dropped": all(p.grad is None for p in model.parameters()),
+                "reductions": reductions,
+            }
+        )
+    return results
 
 
-def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+def test_nan_on_one_rank_skips_the_step_on_every_rank(two_ranks) -> None:
     # Forked, not spawned: the children inherit the imported torch and torchtune instead of
-    # importing them again, which is most of a spawned test's time. Safe here: CPU only, and
-    # each child creates its own process group after the fork.
-    mp.start_processes(
-        _worker,
-        args=(str(tmp_path / "init"), str(tmp_path)),
-        nprocs=WORLD_SIZE,
-        join=True,
-        start_method="fork",
-    )
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    # importing them again, which is most of a spawned test's time.
+    results = two_ranks(_worker, start_method="fork")
     for rank_results in results:
         bad, good = rank_results
         assert bad["nonfinite"] and bad["skipped"]

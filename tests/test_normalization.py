@@ -12,8 +12,21 @@ import math
 import pytest
 import torch
 from torch import nn
-from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
+from unit_utils import (
+    EXACT_TOL,
+    collate,
+    flat_grad,
+    full_batch_grad,
+    make_loss,
+    make_rows,
+    masked,
+    micro_batch_loss,
+    reference_window_loss,
+    rel_err,
+    split,
+    tiny_model,
+)
 
 from exactga.normalization import (
     IGNORE_INDEX,
@@ -26,104 +39,6 @@ from exactga.normalization import (
     shift_labels,
     verify_loss_denominator,
 )
-
-VOCAB = 64
-EXACT_TOL = 1e-6  # relative, fp32
-
-
-def tiny_model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    model = llama3_2(
-        vocab_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        embed_dim=32,
-        max_seq_len=64,
-        intermediate_dim=64,
-    )
-    return model.to(dtype)
-
-
-def make_rows(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Eight (tokens, labels) rows: lengths 3..40, prompts masked or not, one fully masked."""
-    gen = torch.Generator().manual_seed(seed)
-    specs = [  # (length, number of masked prompt tokens)
-        (40, 0),  # first label unmasked, as with train_on_input: True
-        (5, 2),
-        (23, 20),
-        (12, 12),  # every label masked: a zero-token row
-        (31, 0),
-        (3, 1),
-        (17, 4),
-        (9, 0),
-    ]
-    rows = []
-    for length, num_masked in specs:
-        tokens = torch.randint(1, VOCAB, (length,), generator=gen)
-        labels = tokens.clone()
-        labels[:num_masked] = IGNORE_INDEX
-        rows.append((tokens, labels))
-    return rows
-
-
-def collate(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row, as torchtune's padded_collate_sft does."""
-    width = max(len(tokens) for tokens, _ in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for i, (row_tokens, row_labels) in enumerate(rows):
-        tokens[i, : len(row_tokens)] = row_tokens
-        labels[i, : len(row_labels)] = row_labels
-    return {"tokens": tokens, "labels": labels}
-
-
-def split(rows: list, batch_size: int) -> list[dict[str, torch.Tensor]]:
-    return [collate(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
-
-
-def micro_batch_loss(model: nn.Module, loss_fn: nn.Module, batch: dict) -> torch.Tensor:
-    """What the recipes' loss step does: forward, shift, mean loss."""
-    logits = model(batch["tokens"])
-    labels = shift_labels(batch["labels"], loss_fn.ignore_index)
-    if not isinstance(logits, list):
-        labels = labels.reshape(-1)
-        logits = logits.reshape(-1, logits.size(-1))
-    return loss_fn(logits, labels)
-
-
-def reference_window_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The full-batch loss written out: token-loss sum over the window's loss tokens."""
-    shifted = labels[..., 1:].reshape(-1)
-    logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
-    token_losses = nn.functional.cross_entropy(
-        logits, shifted, ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    return token_losses.sum() / (shifted != IGNORE_INDEX).sum()
-
-
-def make_loss(kind: str, model: nn.Module) -> nn.Module:
-    if kind == "chunked":
-        loss_fn = CEWithChunkedOutputLoss(num_output_chunks=4)
-        model.set_num_output_chunks(4)
-        return loss_fn
-    return nn.CrossEntropyLoss()
-
-
-def flat_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
-
-
-def full_batch_grad(model: nn.Module, rows: list) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    batch = collate(rows)
-    logits = model(batch["tokens"])
-    if isinstance(logits, list):
-        logits = torch.cat(logits, dim=1)
-    reference_window_loss(logits, batch["labels"]).backward()
-    grad = flat_grad(model)
-    model.zero_grad(set_to_none=True)
-    return grad
 
 
 def accumulated_grads(
@@ -144,10 +59,6 @@ def accumulated_grads(
         grads.append(flat_grad(model))
     model.zero_grad(set_to_none=True)
     return grads
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("loss_kind", ["chunked", "cross_entropy"])
@@ -217,19 +128,19 @@ def test_zero_token_micro_batch_is_skipped_inside_a_window() -> None:
     counts = [mb.num_tokens for mb in window.micro_batches]
     assert counts[3] == 0
     assert [mb.num_tokens for mb in window.nonempty_micro_batches()] == counts[:3] + counts[4:]
-    assert not window.skip_step()
+    assert not window.should_skip_step()
 
 
 def test_zero_token_window_skips_the_step_and_leaves_weights_unchanged() -> None:
     model = tiny_model()
     loss_fn = make_loss("chunked", model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    masked = [(t, torch.full_like(t, IGNORE_INDEX)) for t, _ in make_rows()[:4]]
+    empty = masked(make_rows()[:4])
     normalizer = LossNormalizer(loss_fn, 2)
-    batches = split(make_rows()[:4], 2) + split(masked, 2)
+    batches = split(make_rows()[:4], 2) + split(empty, 2)
     snapshots = []
     for window in normalizer.windows(batches):
-        if not window.skip_step():
+        if not window.should_skip_step():
             for mb in window.nonempty_micro_batches():
                 window.scale(micro_batch_loss(model, loss_fn, mb.batch), mb).backward()
             optimizer.step()
@@ -237,7 +148,7 @@ def test_zero_token_window_skips_the_step_and_leaves_weights_unchanged() -> None
         snapshots.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
     assert torch.isfinite(snapshots[-1]).all()
     assert torch.equal(snapshots[0], snapshots[1])
-    assert math.isnan(list(normalizer.windows(split(masked, 2)))[0].mean_loss())
+    assert math.isnan(list(normalizer.windows(split(empty, 2)))[0].local_mean_loss())
 
 
 def test_single_micro_batch_on_one_rank_applies_no_scaling_op() -> None:
@@ -263,7 +174,7 @@ def test_logged_loss_is_the_exact_window_loss() -> None:
         (window,) = LossNormalizer(loss_fn, 4).windows(split(rows, 2))
         for mb in window.nonempty_micro_batches():
             window.scale(micro_batch_loss(model, loss_fn, mb.batch), mb)
-    assert window.mean_loss() == pytest.approx(expected, rel=1e-6)
+    assert window.local_mean_loss() == pytest.approx(expected, rel=1e-6)
 
 
 def test_bf16_accumulation_matches_full_batch_to_bf16_precision() -> None:

@@ -6,20 +6,16 @@ DDP/FSDP do, and the result must equal the full-batch gradient of all rows on on
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_normalization import (
+from unit_utils import (
     EXACT_TOL,
-    IGNORE_INDEX,
     flat_grad,
     full_batch_grad,
     make_loss,
     make_rows,
+    masked,
     micro_batch_loss,
     rel_err,
     split,
@@ -36,41 +32,33 @@ def rank_rows(layout: str, rank: int) -> list:
     if layout == "ragged":  # rank 0: six rows, most of the tokens; rank 1: two short rows
         return rows[:6] if rank == 0 else rows[6:]
     # "empty_rank": rank 1 holds only fully masked rows
-    masked = [(tokens, torch.full_like(tokens, IGNORE_INDEX)) for tokens, _ in rows[6:]]
-    return rows[:6] if rank == 0 else masked
+    return rows[:6] if rank == 0 else masked(rows[6:])
 
 
-def _worker(rank: int, layout: str, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        model = tiny_model()
-        loss_fn = make_loss("chunked", model)
-        all_rows = rank_rows(layout, 0) + rank_rows(layout, 1)
-        reference = full_batch_grad(model, all_rows)
+def _worker(rank: int, layout: str) -> dict:
+    model = tiny_model()
+    loss_fn = make_loss("chunked", model)
+    all_rows = rank_rows(layout, 0) + rank_rows(layout, 1)
+    reference = full_batch_grad(model, all_rows)
 
-        rows = rank_rows(layout, rank)
-        normalizer = LossNormalizer(loss_fn, 2, dp_group=dist.group.WORLD)
-        calls = _count_all_reduces()
-        (window,) = normalizer.windows(split(rows, len(rows) // 2))
-        for mb in window.nonempty_micro_batches():
-            window.scale(micro_batch_loss(model, loss_fn, mb.batch), mb).backward()
-        skipped = window.skip_step()
-        num_count_reductions = calls()
-        for param in model.parameters():  # what DDP/FSDP do: average over ranks
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
-        result = {
-            "rel_err": rel_err(flat_grad(model), reference),
-            "global_tokens": window.num_global_tokens,
-            "skipped": skipped,
-            "count_reductions": num_count_reductions,
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    rows = rank_rows(layout, rank)
+    normalizer = LossNormalizer(loss_fn, 2, dp_group=dist.group.WORLD)
+    calls = _count_all_reduces()
+    (window,) = normalizer.windows(split(rows, len(rows) // 2))
+    for mb in window.nonempty_micro_batches():
+        window.scale(micro_batch_loss(model, loss_fn, mb.batch), mb).backward()
+    skipped = window.should_skip_step()
+    num_count_reductions = calls()
+    for param in model.parameters():  # what DDP/FSDP do: average over ranks
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+    return {
+        "rel_err": rel_err(flat_grad(model), reference),
+        "global_tokens": window.num_global_tokens,
+        "skipped": skipped,
+        "count_reductions": num_count_reductions,
+    }
 
 
 def _count_all_reduces():
@@ -87,14 +75,8 @@ def _count_all_reduces():
 
 
 @pytest.mark.parametrize("layout", ["ragged", "empty_rank"])
-def test_two_ranks_accumulate_the_full_batch_gradient(layout: str, tmp_path: Path) -> None:
-    mp.spawn(
-        _worker,
-        args=(layout, str(tmp_path / "init"), str(tmp_path)),
-        nprocs=WORLD_SIZE,
-        join=True,
-    )
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+def test_two_ranks_accumulate_the_full_batch_gradient(layout: str, two_ranks) -> None:
+    results = two_ranks(_worker, layout)
     expected_tokens = sum(
         mb.num_tokens
         for rank in range(WORLD_SIZE)

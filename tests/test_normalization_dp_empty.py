@@ -9,95 +9,70 @@ with the full-batch gradient of every rank's rows on one process.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_normalization import (
+from unit_utils import (
     EXACT_TOL,
-    IGNORE_INDEX,
     flat_grad,
     full_batch_grad,
     make_loss,
     make_rows,
+    masked,
     micro_batch_loss,
     rel_err,
     split,
     tiny_model,
 )
 
-from exactga.normalization import LossNormalizer, plant_dummy_label
-
-WORLD_SIZE = 2
-
-
-def _masked(rows: list) -> list:
-    return [(tokens, torch.full_like(tokens, IGNORE_INDEX)) for tokens, _ in rows]
+from exactga.normalization import IGNORE_INDEX, LossNormalizer, plant_dummy_label
 
 
 def rank_rows(layout: str, rank: int) -> list:
     """Four rows per rank, two micro-batches of two."""
     rows = make_rows()
     if layout == "one_empty_micro_batch":  # rank 1's first micro-batch has no loss token
-        return rows[:4] if rank == 0 else _masked(rows[4:6]) + rows[6:]
+        return rows[:4] if rank == 0 else masked(rows[4:6]) + rows[6:]
     if layout == "empty_rank":  # rank 1 has no loss token in the whole window
-        return rows[:4] if rank == 0 else _masked(rows[4:])
+        return rows[:4] if rank == 0 else masked(rows[4:])
     assert layout == "empty_everywhere"
-    return _masked(rows[:4]) if rank == 0 else _masked(rows[4:])
+    return masked(rows[:4]) if rank == 0 else masked(rows[4:])
 
 
-def _worker(rank: int, layout: str, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        model = tiny_model()
-        loss_fn = make_loss("chunked", model)
-        normalizer = LossNormalizer(loss_fn, 2, dp_group=dist.group.WORLD)
-        (window,) = normalizer.windows(split(rank_rows(layout, rank), 2))
-        skipped = window.skip_step()
-        num_run, losses = 0, []
-        if not skipped:
-            for mb in window.micro_batches_to_run():
-                loss = micro_batch_loss(model, loss_fn, mb.batch)
-                losses.append(float(loss))
-                window.scale(loss, mb).backward()
-                num_run += 1
-            for param in model.parameters():  # what FSDP does: average over ranks
-                dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
-        result = {
-            "skipped": skipped,
-            "num_run": num_run,
-            "num_nonempty": len(list(window.nonempty_micro_batches())),
-            "losses_finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
-            "global_tokens": window.num_global_tokens,
-        }
-        if not skipped:
-            all_rows = rank_rows(layout, 0) + rank_rows(layout, 1)
-            grad = flat_grad(model)
-            result["grad_finite"] = bool(torch.isfinite(grad).all())
-            result["rel_err"] = rel_err(grad, full_batch_grad(model, all_rows))
-            result["global_loss_finite"] = bool(
-                torch.isfinite(torch.tensor(window.global_mean_loss()))
-            )
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(layout: str, tmp_path: Path) -> list[dict]:
-    mp.spawn(
-        _worker, args=(layout, str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD_SIZE, join=True
-    )
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+def _worker(rank: int, layout: str) -> dict:
+    model = tiny_model()
+    loss_fn = make_loss("chunked", model)
+    normalizer = LossNormalizer(loss_fn, 2, dp_group=dist.group.WORLD)
+    (window,) = normalizer.windows(split(rank_rows(layout, rank), 2))
+    skipped = window.should_skip_step()
+    num_run, losses = 0, []
+    if not skipped:
+        for mb in window.micro_batches_to_run():
+            loss = micro_batch_loss(model, loss_fn, mb.batch)
+            losses.append(float(loss))
+            window.scale(loss, mb).backward()
+            num_run += 1
+        for param in model.parameters():  # what FSDP does: average over ranks
+            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+    result = {
+        "skipped": skipped,
+        "num_run": num_run,
+        "num_nonempty": len(list(window.nonempty_micro_batches())),
+        "losses_finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
+        "global_tokens": window.num_global_tokens,
+    }
+    if not skipped:
+        all_rows = rank_rows(layout, 0) + rank_rows(layout, 1)
+        grad = flat_grad(model)
+        result["grad_finite"] = bool(torch.isfinite(grad).all())
+        result["rel_err"] = rel_err(grad, full_batch_grad(model, all_rows))
+        result["global_loss_finite"] = bool(torch.isfinite(torch.tensor(window.global_mean_loss())))
+    return result
 
 
 @pytest.mark.parametrize("layout", ["one_empty_micro_batch", "empty_rank"])
-def test_empty_micro_batches_run_with_weight_zero(layout: str, tmp_path: Path) -> None:
-    results = _spawn(layout, tmp_path)
+def test_empty_micro_batches_run_with_weight_zero(layout: str, two_ranks) -> None:
+    results = two_ranks(_worker, layout)
     for rank, result in enumerate(results):
         assert result["skipped"] is False  # rank 0 has tokens, so neither rank skips
         assert result["num_run"] == 2  # every rank runs both micro-batches
@@ -107,8 +82,8 @@ def test_empty_micro_batches_run_with_weight_zero(layout: str, tmp_path: Path) -
     assert results[1]["num_nonempty"] == (1 if layout == "one_empty_micro_batch" else 0)
 
 
-def test_window_empty_on_every_rank_is_skipped_everywhere(tmp_path: Path) -> None:
-    results = _spawn("empty_everywhere", tmp_path)
+def test_window_empty_on_every_rank_is_skipped_everywhere(two_ranks) -> None:
+    results = two_ranks(_worker, "empty_everywhere")
     assert [r["skipped"] for r in results] == [True, True]
     assert [r["global_tokens"] for r in results] == [0, 0]
 
@@ -124,7 +99,7 @@ def test_planted_label_leaves_the_callers_labels_and_count_alone() -> None:
 def test_one_rank_still_skips_empty_micro_batches() -> None:
     model = tiny_model()
     normalizer = LossNormalizer(make_loss("cross_entropy", model), 2)
-    (window,) = normalizer.windows(split(_masked(make_rows()[:2]) + make_rows()[4:6], 2))
+    (window,) = normalizer.windows(split(masked(make_rows()[:2]) + make_rows()[4:6], 2))
     assert len(list(window.micro_batches_to_run())) == 1
     assert list(window.micro_batches_to_run()) == list(window.nonempty_micro_batches())
     assert (window.micro_batches[0].batch["labels"] == IGNORE_INDEX).all()  # nothing planted

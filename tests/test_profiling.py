@@ -1,17 +1,19 @@
-"""The profiler hook in one process: settings, timings, the saved latency, FLOPs."""
+"""The profiler hook in one process: settings, timings, the saved latency, FLOPs.
+
+Durations come from an injected clock (the ``clock`` fixture), never from the machine's: these
+tests check what is timed and how it is averaged, which a busy CPU must not change.
+"""
 
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_normalization import make_loss, make_rows, micro_batch_loss, split, tiny_model
-from torchtune.models.llama3_2 import llama3_2
+from unit_utils import make_loss, make_rows, micro_batch_loss, split, tiny_model
 
+from exactga import profiling
 from exactga.normalization import LossNormalizer
 from exactga.profiling import (
     PHASES,
@@ -31,6 +33,27 @@ def hook(model: torch.nn.Module, settings: dict, output_dir: str = "/tmp/unused"
     section = {k: v for k, v in settings.items() if k not in TOP_LEVEL_KEYS}
     cfg = OmegaConf.create({"output_dir": output_dir, "profiler": section, **top_level})
     return setup_profiler(cfg, CPU, model)
+
+
+class FakeClock:
+    """Stands in for the ``time`` module of ``exactga.profiling``: its ``perf_counter`` moves
+    only when a test advances it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance_ms(self, ms: float) -> None:
+        self.now += ms / 1e3
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(profiling, "time", fake)
+    return fake
 
 
 def backward_once(model: torch.nn.Module) -> None:
@@ -62,29 +85,31 @@ def test_gradient_pass_measurement_changes_no_gradient_bit() -> None:
     assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters(), strict=True))
 
 
-def independent_scaling_pass_ms(model: torch.nn.Module) -> float:
-    """The pass, timed here without the library: multiply every gradient by a tensor 1."""
-    one = torch.tensor(1.0)
-    t0 = time.perf_counter()
-    for param in model.parameters():
-        param.grad *= one
-    return (time.perf_counter() - t0) * 1e3
-
-
-def test_saved_ms_matches_an_independently_timed_scaling_pass() -> None:
+def test_saved_ms_is_the_time_of_the_scaling_pass(clock, monkeypatch) -> None:
+    """What is timed is the gradient-scaling pass exact mode skips, and nothing else: the
+    pass moves the injected clock by 2.5 ms, and every sample is those 2.5 ms."""
     model = tiny_model()
     backward_once(model)
+    calls = []
+    real_pass = profiling.gradient_scaling_pass
+
+    def scaling_pass_taking_2_5_ms(model: torch.nn.Module, factor: float) -> None:
+        calls.append(factor)
+        real_pass(model, factor)
+        clock.advance_ms(2.5)
+
+    monkeypatch.setattr(profiling, "gradient_scaling_pass", scaling_pass_taking_2_5_ms)
     profiler = hook(model, {"saved_latency_every_n_steps": 1})
     with profiler:
-        for _ in range(15):
+        for _ in range(3):
             profiler.sample_gradient_pass(model)
+            clock.advance_ms(10.0)  # the rest of the step
             profiler.step(num_tokens=100)
-        saved = profiler.metrics()["normalization/saved_ms"]
-    independent = statistics.median(independent_scaling_pass_ms(model) for _ in range(15))
-    measured = statistics.median(profiler.saved_ms_samples)
-    assert saved > 0
-    # Same pass, same gradients: the medians agree to within timer noise on a shared CPU.
-    assert independent / 3 <= measured <= independent * 3
+        metrics = profiler.metrics()
+    assert calls == [1.0, 1.0, 1.0]  # factor 1: the gradients are left as they are
+    assert profiler.saved_ms_samples == pytest.approx([2.5, 2.5, 2.5])
+    assert metrics["normalization/saved_ms"] == pytest.approx(2.5)
+    assert metrics["normalization/saved_fraction"] == pytest.approx(2.5 / 12.5)
 
 
 def test_saved_latency_is_sampled_on_step_2_and_every_n() -> None:
@@ -107,13 +132,14 @@ def test_saved_latency_is_sampled_on_step_2_and_every_n() -> None:
     assert off.saved_ms_samples == []
 
 
-def test_metrics_average_phases_per_step_and_reset() -> None:
+def test_metrics_average_phases_per_step_and_reset(clock) -> None:
     model = tiny_model()
     profiler = hook(model, {"peak_flops": 1e12})
     with profiler:
         for item in profiler.timed([1, 2]):
             with profiler.phase("forward"):
-                time.sleep(0.01 * item)
+                clock.advance_ms(10.0 * item)
+            clock.advance_ms(1.0)  # outside any phase
             profiler.step(num_tokens=50)
         metrics = profiler.metrics()
     assert set(metrics) >= {f"time/{p}_ms" for p in PHASES} | {
@@ -121,9 +147,12 @@ def test_metrics_average_phases_per_step_and_reset() -> None:
         "throughput/tokens_per_second",
         "throughput/mfu",
     }
-    assert metrics["time/forward_ms"] == pytest.approx(15.0, rel=0.5)  # (10 + 20) / 2 steps
-    assert metrics["time/step_ms"] >= metrics["time/forward_ms"]
-    assert 0 < metrics["throughput/mfu"] < 1
+    assert metrics["time/forward_ms"] == pytest.approx(15.0)  # (10 + 20) / 2 steps
+    assert metrics["time/data_ms"] == 0.0
+    assert metrics["time/step_ms"] == pytest.approx(16.0)  # (11 + 21) / 2
+    assert metrics["throughput/tokens_per_second"] == pytest.approx(100 / 0.032)
+    flops = model_flops_per_token(model)
+    assert metrics["throughput/mfu"] == pytest.approx(100 / 0.032 * flops / 1e12)
     assert profiler.metrics() == {}  # nothing new since the last read
 
 
@@ -164,16 +193,7 @@ def test_exceptions_pass_through_the_hook() -> None:
 
 
 def test_flops_leave_out_an_untied_embedding_and_frozen_weight_gradients() -> None:
-    model = llama3_2(
-        vocab_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        embed_dim=32,
-        max_seq_len=64,
-        intermediate_dim=64,
-        tie_word_embeddings=False,
-    )
+    model = tiny_model(seed=None, tie_word_embeddings=False)
     attention = 12 * 2 * 32 * 64
     matmul_params = sum(p.numel() for p in model.parameters()) - 64 * 32  # minus the lookup
     assert model_flops_per_token(model) == 6 * matmul_params + attention

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 from recipe_utils import (
+    INITIAL,
     SMALL_MODEL,
+    TRAINED,
     load_weights,
     output_of,
     read_scalars,
@@ -27,8 +29,6 @@ pytestmark = pytest.mark.slow
 
 DISTRIBUTED = "recipes/full_finetune_distributed.py"
 DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
-TRAINED = "epoch_0/model-00001-of-00001.safetensors"
-INITIAL = "base_model/model.safetensors"
 TOLERANCE = 1e-5
 
 # 2 ranks x 4 sequences x ga 1, the tiny config's AdamW(lr=1e-3, weight_decay=0.01), no warm-up

@@ -18,21 +18,23 @@ import torch
 import torchtune
 from omegaconf import OmegaConf
 from recipe_utils import (
+    EMPTY_WINDOW_RUN,
+    INITIAL,
     RECIPE,
     REPO_ROOT,
     TINY_CONFIG,
+    TRAINED,
     load_weights,
     output_of,
     read_scalars,
     relative_l2,
+    rows_with_an_empty_window,
     run_tune,
     tiny_args,
 )
 
 pytestmark = pytest.mark.slow
 
-TRAINED = "epoch_0/model-00001-of-00001.safetensors"
-INITIAL = "base_model/model.safetensors"
 STOCK_CONFIG = (
     Path(torchtune.__file__).resolve().parent.parent
     / "recipes/configs/llama3_2/1B_full_single_device.yaml"
@@ -120,30 +122,12 @@ def test_naive_normalization_breaks_parity(tmp_path):
     assert rel > 1e-4
 
 
-def _alpaca_row(instruction: str, output: str) -> dict[str, str]:
-    return {"instruction": instruction, "input": "", "output": output}
-
-
 def test_windows_without_loss_tokens_are_skipped(tmp_path):
     """Prompts longer than max_seq_len leave every label masked; such a window skips its step."""
-    long_prompt = " ".join(["describe the weather in a very long sentence"] * 30)  # 270 words
-    long_rows = [_alpaca_row(long_prompt, "It is sunny.") for _ in range(2)]
-    short_rows = [_alpaca_row("Say hello.", "Hello there, friend.") for _ in range(2)]
-    # Micro-batches of 2, windows of 2: [long long | long long] is a window with no loss token;
-    # [short short | long long] has one empty micro-batch; [short short | short short] is plain.
-    rows = long_rows * 2 + short_rows + long_rows + short_rows * 2
     data = tmp_path / "data.json"
-    data.write_text(json.dumps(rows))
+    data.write_text(json.dumps(rows_with_an_empty_window()))
 
-    args = tiny_args(
-        tmp_path / "out",
-        dataset__data_files=data,
-        tokenizer__max_seq_len=64,
-        shuffle=False,
-        batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps_per_epoch=3,
-    )
+    args = tiny_args(tmp_path / "out", dataset__data_files=data, **EMPTY_WINDOW_RUN)
     proc = run_tune(args)
     out = output_of(proc)
     assert proc.returncode == 0, out[-4000:]
@@ -177,7 +161,7 @@ def test_default_run_writes_checkpoint_and_metrics(tmp_path):
 
 def test_stock_torchtune_config_runs_unchanged(tmp_path):
     """torchtune 0.6.1's own llama3_2/1B config file, only overridden from the command line."""
-    from exactga.tiny import write_initial_checkpoint
+    from exactga.random_init_checkpointer import write_initial_checkpoint
 
     model = {
         "_component_": "torchtune.models.llama3_2.llama3_2",
@@ -225,7 +209,7 @@ def test_stock_torchtune_config_runs_unchanged(tmp_path):
                 "Did you mean 'gradient_accumulation_steps'?",
             ],
         ),
-        ("loss_normalization=bogus", ["loss_normalization='bogus'"]),
+        ("loss_normalization=bogus", ["config key 'loss_normalization'='bogus'", "exact"]),
     ],
     ids=["misspelt_key", "bad_mode"],
 )

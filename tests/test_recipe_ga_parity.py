@@ -8,7 +8,7 @@ import json
 import pytest
 from recipe_utils import SMALL_MODEL, output_of, read_scalars, run_tune
 
-from exactga.parity_report import Split, parse_splits
+from exactga.parity.scoring import Split, parse_splits
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 CONFIGS = {

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
 from recipe_utils import (
     SMALL_MODEL,
     load_adapters,
@@ -37,6 +36,8 @@ pytestmark = pytest.mark.slow
 
 RECIPE = "recipes/lora_finetune_distributed.py"
 CONFIG = "configs/tiny/lora_distributed.yaml"
+SINGLE_RECIPE = "recipes/lora_finetune_single_device.py"
+SINGLE_CONFIG = "configs/tiny/lora_single_device.yaml"
 ADAPTERS = "epoch_0/adapter_model.pt"
 PEFT_ADAPTERS = "epoch_0/adapter_model.safetensors"
 ADAPTER_CONFIG = "epoch_0/adapter_config.json"
@@ -84,10 +85,14 @@ def empty_rank_rows() -> list[dict[str, str]]:
 
 
 def _launch(name: str, nproc: int, settings: dict[str, object], root: Path) -> Path:
+    """``nproc`` ranks of this recipe; 0 launches the single-device recipe instead."""
     out = root / name
     merged = {**SMALL_MODEL, "output_dir": out, **settings}
     overrides = [k if v is None else f"{k}={v}" for k, v in merged.items()]
-    args = ["--nproc_per_node", str(nproc), RECIPE, "--config", CONFIG, *overrides]
+    if nproc == 0:
+        args = [SINGLE_RECIPE, "--config", SINGLE_CONFIG, *overrides]
+    else:
+        args = ["--nproc_per_node", str(nproc), RECIPE, "--config", CONFIG, *overrides]
     proc = run_tune(args, timeout=600)
     assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
     (out / "output.txt").write_text(output_of(proc))
@@ -108,6 +113,8 @@ def _launch_all(root: Path) -> None:
     launches = {
         # name: (ranks, overrides); bs x ga per rank, 8 sequences per step in all
         "1rank_8x1": (1, {**PARITY, "batch_size": 8, "gradient_accumulation_steps": 1}),
+        # The single-device recipe on the same run: adapters start and train the same.
+        "single_device_8x1": (0, {**PARITY, "batch_size": 8, "gradient_accumulation_steps": 1}),
         "2ranks_4x1": (2, {**PARITY, "batch_size": 4, "gradient_accumulation_steps": 1}),
         "2ranks_1x4": (
             2,
@@ -156,15 +163,9 @@ def _launch_all(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """The launches' output folders, under one root shared by every xdist worker."""
-    shared = tmp_path_factory.getbasetemp().parent / "lora_distributed_runs"
-    shared.mkdir(exist_ok=True)
-    with FileLock(str(shared) + ".lock"):
-        if not (shared / "done").exists():
-            _launch_all(shared)
-            (shared / "done").write_text("ok")
-    return shared
+def runs(run_once) -> Path:
+    """The launches' output folders, made once per test session for every xdist worker."""
+    return run_once("lora_distributed_runs", _launch_all)
 
 
 @pytest.mark.parametrize("name", ["2ranks_4x1", "2ranks_1x4", "2ranks_2x2", "2ranks_2x2_ac"])
@@ -198,6 +199,18 @@ def test_activation_checkpointing_changes_no_number(runs):
     assert rel <= PARITY_TOLERANCE
     losses = read_scalars(checkpointed / "logs")["loss"]
     assert losses == pytest.approx(read_scalars(plain / "logs")["loss"], rel=1e-12)
+
+
+def test_one_rank_trains_bit_identically_to_the_single_device_recipe(runs):
+    """The same config on one rank of this recipe and on the single-device recipe: the same
+    initial adapters (drawn from the seed alone, see [adapter init] in exactga.lora), the same
+    logged losses and the same trained adapters, to the bit."""
+    one_rank, single = runs / "1rank_8x1", runs / "single_device_8x1"
+    adapters, single_adapters = load_adapters(one_rank / ADAPTERS), load_adapters(single / ADAPTERS)
+    assert adapters.keys() == single_adapters.keys()
+    for key, tensor in adapters.items():
+        assert torch.equal(tensor, single_adapters[key]), key
+    assert read_scalars(one_rank / "logs")["loss"] == read_scalars(single / "logs")["loss"]
 
 
 def test_initial_adapters_are_lora_init(runs):

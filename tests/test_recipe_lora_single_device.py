@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from recipe_utils import (
+    EMPTY_WINDOW_RUN,
     QLORA_TINY_CONFIG,
     load_adapters,
     load_weights,
     lora_tiny_args,
     output_of,
     read_scalars,
+    rows_with_an_empty_window,
     run_tune,
 )
 
@@ -86,14 +89,16 @@ def _initial_adapters(out: Path, extra: list[str]) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def initial_adapters_at(tmp_path_factory):
-    """``precision -> initial adapters``, each trained once per test worker."""
+def initial_adapters_at(run_once):
+    """``precision -> initial adapters``, each trained once per session (the test workers of
+    ``pytest -n`` share them)."""
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def get(precision: str) -> dict[str, torch.Tensor]:
         if precision not in cache:
-            out = tmp_path_factory.mktemp(f"init-{precision}")
-            cache[precision] = _initial_adapters(out, PRECISIONS[precision][0])
+            extra = PRECISIONS[precision][0]
+            out = run_once(f"lora_init_{precision}", lambda out: _initial_adapters(out, extra))
+            cache[precision] = load_adapters(out / ADAPTERS)
         return cache[precision]
 
     return get
@@ -104,12 +109,27 @@ def initial_adapters(initial_adapters_at) -> dict[str, torch.Tensor]:
     return initial_adapters_at("fp32")
 
 
-def test_adapter_init_is_seeded_and_b_starts_at_zero(initial_adapters):
-    lora_b = {k: v for k, v in initial_adapters.items() if "lora_b" in k}
-    lora_a = {k: v for k, v in initial_adapters.items() if "lora_a" in k}
-    assert lora_a and lora_b and len(lora_a) == len(lora_b)
-    assert all(float(v.abs().max()) == 0.0 for v in lora_b.values())
-    assert all(float(v.abs().max()) > 0.0 for v in lora_a.values())
+def test_adapter_init_is_seeded_and_b_starts_at_zero(tmp_path, initial_adapters):
+    """The config's ``seed`` draws the adapters: a second launch with it draws them again bit
+    for bit, another seed draws other A matrices. B starts at zero whatever the seed."""
+    launches = {"same_seed": [], "other_seed": ["seed=4321"]}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(_initial_adapters, tmp_path / name, extra)
+            for name, extra in launches.items()
+        }
+        drawn = {name: future.result() for name, future in futures.items()}
+    assert drawn["same_seed"].keys() == initial_adapters.keys()
+    for key, tensor in initial_adapters.items():
+        assert torch.equal(drawn["same_seed"][key], tensor), key
+    for adapters in (initial_adapters, drawn["other_seed"]):
+        lora_b = {k: v for k, v in adapters.items() if "lora_b" in k}
+        lora_a = {k: v for k, v in adapters.items() if "lora_a" in k}
+        assert lora_a and lora_b and len(lora_a) == len(lora_b)
+        assert all(float(v.abs().max()) == 0.0 for v in lora_b.values())
+        assert all(float(v.abs().max()) > 0.0 for v in lora_a.values())
+    other = drawn["other_seed"]
+    assert all(not torch.equal(other[k], v) for k, v in initial_adapters.items() if "lora_a" in k)
 
 
 @pytest.mark.parametrize(
@@ -168,27 +188,15 @@ def test_naive_normalization_breaks_parity(tmp_path, initial_adapters):
     assert rel > 1e-4
 
 
-def _alpaca_row(instruction: str, output: str) -> dict[str, str]:
-    return {"instruction": instruction, "input": "", "output": output}
-
-
 def test_windows_without_loss_tokens_leave_adapters_finite(tmp_path):
     """Prompts longer than max_seq_len leave every label masked; such a window skips its step."""
-    long_prompt = " ".join(["describe the weather in a very long sentence"] * 30)
-    long_rows = [_alpaca_row(long_prompt, "It is sunny.") for _ in range(2)]
-    short_rows = [_alpaca_row("Say hello.", "Hello there, friend.") for _ in range(2)]
-    rows = long_rows * 2 + short_rows + long_rows + short_rows * 2
     data = tmp_path / "data.json"
-    data.write_text(json.dumps(rows))
+    data.write_text(json.dumps(rows_with_an_empty_window()))
     args = lora_tiny_args(
         tmp_path / "out",
         dataset__data_files=data,
-        tokenizer__max_seq_len=64,
-        shuffle=False,
-        batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps_per_epoch=3,
         save_adapter_weights_only=True,
+        **EMPTY_WINDOW_RUN,
     )
     proc = run_tune(args)
     out = output_of(proc)

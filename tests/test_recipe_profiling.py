@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-from recipe_utils import load_weights, output_of, read_scalars, run_tune, tiny_args
+from recipe_utils import TRAINED, load_weights, output_of, read_scalars, run_tune, tiny_args
 
-TRAINED = "epoch_0/model-00001-of-00001.safetensors"
 STEPS = 6
 
 PHASE_SCALARS = [f"time/{phase}_ms" for phase in ("data", "forward", "backward", "optimizer")]

@@ -36,8 +36,7 @@ from recipe_utils import (
     tune_env,
 )
 
-# One worker runs the whole module, so the uninterrupted runs are made once and shared.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
+pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-6
 STEPS_PER_EPOCH = 6
@@ -114,18 +113,16 @@ def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, Path]:
-    """Each scenario's run without interruption, made once on first use."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    made: dict[str, Path] = {}
+def uninterrupted(run_once):
+    """Each scenario's run without interruption, made on first use, once per session (under
+    ``pytest -n`` the module's tests run on several workers; they share these runs)."""
+
+    def make(out: Path, scenario: str) -> None:
+        proc = run_tune(_args(scenario, out), timeout=600)
+        assert proc.returncode == 0, output_of(proc)[-4000:]
 
     def get(scenario: str) -> Path:
-        if scenario not in made:
-            out = root / scenario
-            proc = run_tune(_args(scenario, out), timeout=600)
-            assert proc.returncode == 0, output_of(proc)[-4000:]
-            made[scenario] = out
-        return made[scenario]
+        return run_once(f"resume_uninterrupted_{scenario}", lambda out: make(out, scenario))
 
     return get
 
@@ -208,7 +205,7 @@ def test_nonfinite_loss_stops_with_a_checkpoint_then_skips(tmp_path):
     assert all(torch.isfinite(w).all() for w in final.values())
 
 
-def test_checkpoint_of_another_model_is_named(uninterrupted):
+def test_checkpoint_of_another_model_is_named(tmp_path, uninterrupted):
     """The tiny config's own sizes (embed_dim 256) pointed at the small model's weights (64)."""
     small = uninterrupted("full")
     proc = run_tune(
@@ -216,7 +213,7 @@ def test_checkpoint_of_another_model_is_named(uninterrupted):
             RECIPE,
             "--config",
             TINY_CONFIG,
-            f"output_dir={small.parent / 'other'}",
+            f"output_dir={tmp_path / 'other'}",
             f"checkpointer.checkpoint_dir={small / 'base_model'}",
             "max_steps_per_epoch=1",
         ]

@@ -10,7 +10,7 @@ fails on CUDA as a device-side assert, far from the tokenizer that produced it.
 
 :func:`checked_dataset` wraps the dataset a recipe instantiates. See [checked rows].
 
-[checked rows]
+Note [checked rows]
 Two kinds of check, chosen so that a good dataset pays next to nothing:
 
 - At start-up, the columns of the datasets whose columns we know (the Alpaca, input/output,
@@ -30,16 +30,22 @@ for a JSON file without a filter that is the position in the file.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config
+from torchtune.config._utils import _get_component_from_path
 from torchtune.data import (
     AlpacaToMessages,
     InputOutputToMessages,
     OpenAIToMessages,
     ShareGPTToMessages,
+    padded_collate_packed,
 )
 from torchtune.datasets import ConcatDataset, PackedDataset, SFTDataset
 
@@ -53,6 +59,84 @@ _COLUMNS: dict[type, dict[str, tuple[type, bool]]] = {
     ShareGPTToMessages: {"conversations": (list, False)},
     OpenAIToMessages: {"messages": (list, False)},
 }
+
+
+# Note [data order]
+# What a run trains on, and in which order, is decided here for every recipe: the dataset (one
+# section, or a list concatenated in order), wrapped so bad rows are named; a
+# ``StatefulDistributedSampler`` with seed 0 (torchtune's choice; the epoch is mixed in by
+# ``sampler.set_epoch``), over which data-parallel rank ``r`` of ``n`` reads every n-th sample of
+# the one shuffled order, so the ranks together see exactly what one device sees; batches of
+# ``batch_size`` with the last short batch dropped (torchtune's choice, which keeps compiled and
+# flex-attention shapes fixed); padding with the tokenizer's pad id and labels padded with the
+# loss's ignore index, or packed samples collated as packs. A resumed run hands the loader's
+# saved position back here.
+
+
+def load_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any, vocab_size: int) -> Dataset:
+    """The configured dataset (a list of sections is concatenated), with its rows checked.
+
+    See [data order] and [checked rows].
+    """
+    if isinstance(cfg_dataset, ListConfig):
+        dataset: Dataset = ConcatDataset(
+            datasets=[config.instantiate(section, tokenizer) for section in cfg_dataset]
+        )
+    else:
+        dataset = config.instantiate(cfg_dataset, tokenizer)
+    return checked_dataset(dataset, vocab_size=vocab_size, source=dataset_source(cfg_dataset))
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    collate_fn: str,
+    padding_idx: int,
+    ignore_idx: int,
+    num_replicas: int = 1,
+    rank: int = 0,
+    state_dict: Mapping[str, Any] | None = None,
+) -> StatefulDataLoader:
+    """The loader of this data-parallel ``rank`` of ``num_replicas``; see [data order].
+
+    Args:
+        dataset: from :func:`load_dataset`.
+        batch_size: samples per micro-batch on this rank.
+        shuffle: the config's ``shuffle``.
+        collate_fn: the config's ``collate_fn`` (dotted path), used unless the data is packed.
+        padding_idx: the tokenizer's pad id.
+        ignore_idx: the loss's ignore index, which padded labels take.
+        num_replicas: data-parallel ranks reading the dataset.
+        rank: this process's data-parallel rank.
+        state_dict: a saved loader position to go on from (resume), or ``None``.
+
+    Raises:
+        ValueError: ``collate_fn`` is torchtune's inference-only left-padding collate.
+    """
+    if "left_pad_sequence" in collate_fn:
+        raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
+    if _is_packed(dataset):
+        collate = padded_collate_packed
+    else:
+        collate = partial(
+            _get_component_from_path(collate_fn), padding_idx=padding_idx, ignore_idx=ignore_idx
+        )
+    sampler = StatefulDistributedSampler(
+        dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=0
+    )
+    dataloader = StatefulDataLoader(
+        dataset=dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True
+    )
+    if state_dict is not None:
+        dataloader.load_state_dict(state_dict)
+    return dataloader
+
+
+def _is_packed(dataset: Dataset) -> bool:
+    """Whether samples are packs (``packed: True``); :class:`CheckedDataset` says so."""
+    return isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False) is True
 
 
 def checked_dataset(dataset: Dataset, vocab_size: int, source: str) -> Dataset:
@@ -101,7 +185,8 @@ def model_vocab_size(model: torch.nn.Module) -> int:
 class CheckedDataset(Dataset):
     """Forwards to the wrapped dataset; see :func:`checked_dataset`.
 
-    Attributes the recipes read (``packed``) are forwarded, so the wrapper is a drop-in.
+    Attributes the recipes read are forwarded, so the wrapper is a drop-in; ``packed`` says
+    whether a sample is a pack of rows (a ``PackedDataset``, or a concatenation of them).
     """
 
     def __init__(self, dataset: Dataset, vocab_size: int, source: str) -> None:
@@ -109,8 +194,8 @@ class CheckedDataset(Dataset):
         self._vocab_size = vocab_size
         self._source = source
         # A packed dataset's index is a pack of several rows, not a row of the file.
-        packed = isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False) is True
-        self._unit = "packed sample" if packed else "dataset row"
+        self.packed = _is_packed(dataset)
+        self._unit = "packed sample" if self.packed else "dataset row"
 
     def __len__(self) -> int:
         return len(self._dataset)

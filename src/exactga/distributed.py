@@ -6,7 +6,7 @@ recipe and could drift: how the backend is chosen (gloo on CPU, NCCL on CUDA), t
 ``("dp", "tp")`` device mesh and its data-parallel group, rank-0-only helpers, CPU-safe memory
 statistics, and the gradient-synchronisation policy under accumulation.
 
-# See [gradient sync policy]
+Note [gradient sync policy]
 FSDP2 reduce-scatters a module's gradients at the end of each of its backwards. Under
 accumulation that is ``ga`` reduce-scatters per parameter group per step
 (``every_micro_batch``, what stock torchtune does); each micro-batch's gradients are then
@@ -24,7 +24,7 @@ import contextlib
 import enum
 import gc
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,8 +33,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torchtune import training, utils
-
-from exactga.checkpointing import state_dict_name
 
 log = utils.get_logger("INFO")
 
@@ -64,7 +62,11 @@ def init_distributed(device: torch.device, offload_ops_to_cpu: bool = False) -> 
     """
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = training.get_distributed_backend(device.type, offload_ops_to_cpu=offload_ops_to_cpu)
+    # On CPU the default backend is gloo already; torchtune would add a second "cpu:gloo",
+    # which init_process_group refuses (stock 70B configs set fsdp_cpu_offload).
+    backend = training.get_distributed_backend(
+        device.type, offload_ops_to_cpu=offload_ops_to_cpu and device.type != "cpu"
+    )
     if not dist.is_initialized():
         dist.init_process_group(backend)
     return backend
@@ -145,67 +147,6 @@ def gradient_sync(
         model.set_requires_gradient_sync(True)
 
 
-def initialize_adapters(
-    model: nn.Module,
-    device: torch.device,
-    dtype: torch.dtype,
-    seed: int,
-    cpu_offload: bool = False,
-) -> None:
-    """Give every LoRA/DoRA adapter its fresh initial value, the same whatever the sharding.
-
-    Stock torchtune initialises the adapters of a model built on the meta device *after*
-    sharding, shard by shard; on CPU, DTensor has no random-number tracker, so each rank draws
-    its shard from its own generator and the initial adapters (and so every trained adapter)
-    change with the number of ranks. Here the full tensors are drawn on the host, in module
-    order, with torchtune's own initialisers from ``seed`` (the run's seed, not torchtune's
-    per-rank ``seed + rank``), then loaded as any full state dict; the global generator is
-    left as it was. Runs on 1 and on N ranks start equal.
-
-    The drawn tensors are keyed as ``model.state_dict()`` keys them. See [state-dict keys].
-
-    Raises:
-        ValueError: a drawn adapter has no parameter of that name to land in.
-    """
-    full_state_dict: dict[str, torch.Tensor] = {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        _draw_adapters(model, dtype, full_state_dict)
-    _check_keys_exist(full_state_dict, model.state_dict().keys())
-    training.load_from_full_model_state_dict(
-        model, full_state_dict, device, strict=False, cpu_offload=cpu_offload
-    )
-
-
-def _check_keys_exist(drawn: dict[str, torch.Tensor], model_keys: Iterable[str]) -> None:
-    known = set(model_keys)
-    missing = [key for key in drawn if key not in known]
-    if missing:
-        raise ValueError(
-            f"initial LoRA adapter '{missing[0]}' has no parameter of that name in the model's "
-            f"state dict ({len(missing)} such keys); the model section's LoRA builder and its "
-            "wrappers disagree. Please report this with your config."
-        )
-
-
-def _draw_adapters(model: nn.Module, dtype: torch.dtype, out: dict[str, torch.Tensor]) -> None:
-    from torchtune.modules.peft import DoRALinear, LoRALinear
-    from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
-
-    for module_name, module in model.named_modules():
-        if not isinstance(module, (LoRALinear, DoRALinear)):
-            continue
-        name = state_dict_name(module_name)
-        for part, init in (("lora_a", _lora_a_init_params), ("lora_b", _lora_b_init_params)):
-            shape = getattr(module, part).weight.shape
-            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=dtype)
-            linear = linear.to_empty(device="cpu")
-            init(linear)
-            out[f"{name}.{part}.weight"] = linear.weight.detach()
-        if isinstance(module, DoRALinear):  # a placeholder: set from the base weights later
-            out[f"{name}.magnitude"] = torch.ones(module.out_dim, dtype=dtype)
-
-
 def full_tensor(value: Any) -> Any:
     """A DTensor's full value (a clipped gradient norm under FSDP), anything else as is."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
@@ -217,5 +158,13 @@ def barrier() -> None:
 
 
 def destroy() -> None:
+    """End the process group once every rank is done with it.
+
+    The barrier first: without it a rank that finished early tore down its gloo transport
+    while its peer was still on the pair, and a rank occasionally aborted at exit with
+    "terminate called without an active exception" (seen twice in a few hundred CPU launches,
+    always after training and checkpoints had finished).
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

@@ -7,7 +7,7 @@ The loss of one optimizer step is the sum of per-token losses over the whole acc
 window, on every data-parallel rank, divided by the number of loss tokens in that window.
 The notes below are referred to from the code (and from the recipes) by name.
 
-# See [shifted token count]
+Note [shifted token count]
 A causal LM predicts label t+1 at position t, so the loss sees ``labels[:, 1:]`` (torchtune
 pads the last column with the ignore index). The token count must be taken on those shifted
 labels: counted before the shift it also includes each row's first label, which the loss never
@@ -15,21 +15,21 @@ sees. Stock torchtune 0.6.1 counts before the shift, so its normaliser disagrees
 loss's own denominator whenever a first label is not masked (``train_on_input: True``, text
 completion) and accumulation is then not exact.
 
-# See [loss scaled before backward]
+Note [loss scaled before backward]
 Backward is linear, so scaling each micro-batch's mean loss by
 ``dp_size * batch_tokens / window_tokens`` before ``backward()`` leaves exactly the gradient of
 the window loss in ``.grad``: no gradient-scaling pass afterwards (a read and write of every
 gradient). ``dp_size`` undoes the averaging that FSDP/DDP apply across data-parallel ranks.
 With one micro-batch on one rank the factor is exactly 1 and no op is applied at all.
 
-# See [empty windows]
+Note [empty windows]
 A micro-batch with no loss token has a mean loss of 0/0. It contributes nothing to the window
 gradient, so on one rank it is skipped outright. A window with no loss token on any rank
 carries no learning signal; stepping an optimizer on zero gradients would still move weights
 (momentum, weight decay), so the step is skipped and counted instead. Every rank reaches the
 same decision: a rank with a token of its own knows N > 0, one without waits for N.
 
-# See [empty micro-batches under FSDP]
+Note [empty micro-batches under FSDP]
 Under FSDP every data-parallel rank must run the same forwards and backwards, or the ranks'
 all-gathers and reduce-scatters pair up wrongly and hang. So with dp_size > 1 an empty
 micro-batch still runs, with weight exactly 0. Its mean loss would be 0/0 = NaN (the loss
@@ -39,7 +39,7 @@ position the loss scores): the loss is then a finite mean over that one token, w
 micro-batch's recorded count stays 0, so its factor is exactly 0 and its gradient exactly
 zero. Nothing else reads the planted label.
 
-# See [baseline modes]
+Note [baseline modes]
 ``post_scale`` reproduces stock torchtune 0.6.1 (loss times the token count taken before the
 shift, gradients scaled by the inverse window count after the last backward) and ``naive``
 the mean of micro-batch means divided by ga (the pre-fix Hugging Face Trainer). They exist so
@@ -230,7 +230,7 @@ class Window:
         """Loss tokens of the window over every data-parallel rank (waits for the reduction)."""
         return self._pending.wait()
 
-    def skip_step(self) -> bool:
+    def should_skip_step(self) -> bool:
         """True when no rank has a loss token in this window; see [empty windows].
 
         Only waits for the reduction when this rank has no token itself: otherwise the
@@ -256,8 +256,8 @@ class Window:
     def scale(self, loss: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
         """The micro-batch's mean loss weighted for backward; see [loss scaled before backward].
 
-        Also keeps a detached reference to the loss for :meth:`mean_loss`; nothing is read back
-        to the host here.
+        Also keeps a detached reference to the loss for :meth:`local_mean_loss`; nothing is
+        read back to the host here.
         """
         self._losses.append(loss.detach())
         self._loss_tokens.append(micro_batch.num_tokens)
@@ -282,7 +282,7 @@ class Window:
                 num_unshifted = int(count.item())
             gradient_scaling_pass(model, self.dp_size / num_unshifted)
 
-    def mean_loss(self) -> float:
+    def local_mean_loss(self) -> float:
         """The exact window loss on this rank: token-loss sum over its loss tokens.
 
         Reads one value back from the device; call it only on steps that are logged.
@@ -297,10 +297,11 @@ class Window:
         """The exact window loss over every data-parallel rank (what the step optimised).
 
         One all-reduce of one number over the data-parallel group, so call it on every rank,
-        and only on logged steps. Without a group it is :meth:`mean_loss`.
+        and only on logged steps. Without a group, or on a group of one rank, it is
+        :meth:`local_mean_loss`, so a one-rank distributed run logs exactly the single-device loss.
         """
-        if self.dp_group is None:
-            return self.mean_loss()
+        if self.dp_group is None or self.dp_size == 1:
+            return self.local_mean_loss()
         local_sum = torch.zeros((), dtype=torch.float64)
         if self._losses:
             weights = torch.tensor(self._loss_tokens, dtype=torch.float64)

@@ -20,7 +20,7 @@ off, so the training loop carries no ``if profiling:`` branches):
   snapshots (``memory_snapshot_step_<n>.pickle``, open at https://pytorch.org/memory_viz),
   and a snapshot dump when training runs out of memory, before the error is re-raised.
 
-# See [saved latency]
+Note [saved latency]
 The measurement sits between the last backward and the optimizer step, synchronises the device
 around the pass, and only on sampled steps (``saved_latency_every_n_steps``); those steps run
 a little slower, the others not at all. Multiplying by exactly 1 changes no bit, so trained
@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -61,12 +61,15 @@ PEAK_FLOPS_BF16 = {
 
 
 @dataclasses.dataclass
-class ProfilerSettings:
-    """The ``profiler`` config section: torchtune's keys, plus exactga's at the end."""
+class ProfilerSection:
+    """The ``profiler`` config section: torchtune 0.6.1's keys, with their one default.
+
+    It is also the section's schema (``exactga.schemas``), so a misspelt key fails at start-up.
+    """
 
     _component_: str = "torchtune.training.setup_torch_profiler"  # accepted, not used
     enabled: bool = False  # torch.profiler traces (and CUDA memory snapshots) on the schedule
-    output_dir: str | None = None
+    output_dir: Optional[str] = None  # default: <output_dir>/profiling_outputs
     cpu: bool = True
     cuda: bool = True
     xpu: bool = True
@@ -78,11 +81,17 @@ class ProfilerSettings:
     warmup_steps: int = 3
     active_steps: int = 2
     num_cycles: int = 1
-    # exactga's scalars, set by the top-level keys of the same names (stock torchtune passes the
-    # profiler section to its own profiler, which would reject extra keys there)
+
+
+@dataclasses.dataclass
+class ProfilerSettings(ProfilerSection):
+    """What the profiler hook reads: the section, plus exactga's scalar knobs, which are
+    top-level config keys (stock torchtune passes the section to its own profiler, which
+    would reject extra keys there). Their defaults here are the schema's."""
+
     log_timings: bool = True  # time/*, throughput/* and normalization/* scalars
     saved_latency_every_n_steps: int = 10  # 0: never time the gradient-scaling pass
-    peak_flops: float | None = None  # per-device peak FLOP/s for throughput/mfu
+    peak_flops: Optional[float] = None  # per-device peak FLOP/s for throughput/mfu
 
 
 # The top-level config keys that feed ProfilerSettings' exactga fields.
@@ -94,7 +103,7 @@ def parse_settings(
 ) -> ProfilerSettings:
     """Read the ``profiler`` section (torchtune's keys only), naming any key it does not know."""
     values = {} if cfg_profiler is None else OmegaConf.to_container(cfg_profiler, resolve=True)
-    known = {f.name for f in dataclasses.fields(ProfilerSettings)} - set(TOP_LEVEL_KEYS)
+    known = {f.name for f in dataclasses.fields(ProfilerSection)}
     for key in values:
         if key not in known:
             raise ValueError(f"unknown config key 'profiler.{key}'.")

@@ -1,8 +1,11 @@
-"""The keys each recipe reads, with their one default (see :mod:`exactga.config`).
+"""The keys each recipe reads, with their one default and their checks (see exactga.config).
 
 The stock keys are those torchtune 0.6.1's recipe of the same name reads, so its configs run
 unchanged. Sections with a ``_component_`` are typed ``Any``: their keys are the keyword
-arguments of the component and are checked when it is instantiated.
+arguments of the component and are checked when it is instantiated; the ``profiler`` section
+has a schema of its own. A key with a fixed set of values declares it next to its default
+(``choices``), and each schema's ``check_flags`` rejects settings that cannot work together.
+``validate_config`` runs both at start-up, before the config is printed or a model is built.
 
 To add a knob to a recipe you copied, subclass its schema in the recipe file::
 
@@ -13,10 +16,50 @@ To add a knob to a recipe you copied, subclass its schema in the recipe file::
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from enum import Enum
+from typing import Any, ClassVar, Optional
 
-from omegaconf import MISSING
+import torch
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from exactga.distributed import GradientSync
+from exactga.lora import LoraSettings
+from exactga.normalization import NormMode
+from exactga.profiling import ProfilerSection, ProfilerSettings
+from exactga.training import NonFinitePolicy
+
+# One source for the defaults the profiler hook and the schemas share.
+_PROFILER = ProfilerSettings()
+# Precisions the recipes train in (torchtune's names); fp16 needs loss scaling, which they lack.
+PRECISIONS = ("bf16", "fp32", "fp64")
+
+
+def choice(values: type[Enum] | tuple[str, ...], default: str) -> Any:
+    """A string field whose value must be one of ``values`` (checked by ``validate_config``)."""
+    allowed = tuple(v.value for v in values) if isinstance(values, type) else tuple(values)
+    assert default in allowed, f"default {default!r} is not one of {allowed}"
+    return field(default=default, metadata={"choices": allowed})
+
+
+def _device_type(cfg: DictConfig) -> str:
+    return torch.device(cfg.device).type
+
+
+def _warn_cpu_offload_ignored(cfg: DictConfig) -> None:
+    if cfg.fsdp_cpu_offload and _device_type(cfg) == "cpu":
+        _warn_once(
+            "config key 'fsdp_cpu_offload' is ignored on CPU: the parameters are in host memory "
+            "already (and FSDP2's offload pins memory, which needs an accelerator)."
+        )
+
+
+def _warn_once(message: str) -> None:
+    """A warning from rank 0 only: every rank validates the config."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        warnings.warn(message, stacklevel=3)
 
 
 @dataclass
@@ -32,12 +75,12 @@ class SingleDeviceRecipeConfig:
     loss: Any = MISSING
     metric_logger: Any = MISSING
     lr_scheduler: Any = None
-    profiler: Any = None
+    profiler: Optional[ProfilerSection] = None
 
     # Run.
     output_dir: str = MISSING
     device: str = "cuda"
-    dtype: str = "bf16"
+    dtype: str = choice(PRECISIONS, "bf16")
     seed: Optional[int] = None
     cudnn_deterministic_mode: Optional[bool] = None
     compile: bool = False
@@ -59,19 +102,35 @@ class SingleDeviceRecipeConfig:
     # Logging.
     log_every_n_steps: int = 1
     log_peak_memory_stats: bool = False
-    log_timings: bool = True  # exactga: time/*, throughput/*, normalization/* scalars
-    saved_latency_every_n_steps: int = 10  # exactga: 0 never times the skipped gradient pass
-    peak_flops: Optional[float] = None  # exactga: device peak FLOP/s for throughput/mfu
+    # exactga: the profiler hook's scalars (docs/profiling.md).
+    log_timings: bool = _PROFILER.log_timings  # time/*, throughput/*, normalization/*
+    saved_latency_every_n_steps: int = _PROFILER.saved_latency_every_n_steps  # 0: never
+    peak_flops: Optional[float] = _PROFILER.peak_flops  # device peak FLOP/s for throughput/mfu
 
     # exactga (see docs/math.md).
-    loss_normalization: str = "exact"  # exact | post_scale | naive
+    loss_normalization: str = choice(NormMode, "exact")
     drop_partial_window: bool = False
 
     # exactga: step checkpoints and failures (see docs/reliability.md).
     save_every_n_steps: Optional[int] = None  # null: epoch-end checkpoints only, as stock
     keep_last_n_checkpoints: int = 2  # step checkpoints kept; 2 or more
     resume_allow_changed_keys: list[str] = field(default_factory=list)
-    nonfinite_loss: str = "skip"  # skip | stop
+    nonfinite_loss: str = choice(NonFinitePolicy, "skip")
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        """Reject settings that cannot work together, naming the keys; warn about ignored ones."""
+        device_type = _device_type(cfg)
+        if cfg.enable_activation_offloading and device_type != "cuda":
+            raise ValueError("config key 'enable_activation_offloading' needs device: cuda.")
+        if cfg.enable_activation_offloading and not cfg.enable_activation_checkpointing:
+            raise ValueError(
+                "config key 'enable_activation_offloading' needs enable_activation_checkpointing."
+            )
+        if cfg.compile and device_type == "npu":
+            raise ValueError("config key 'compile': NPU does not support compilation; set False.")
+        if cfg.log_peak_memory_stats and device_type == "cpu":
+            _warn_once("config key 'log_peak_memory_stats' is ignored on CPU.")
 
 
 @dataclass
@@ -79,6 +138,27 @@ class FullFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
     """``full_finetune_single_device``."""
 
     optimizer_in_bwd: bool = False
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        if not cfg.optimizer_in_bwd:
+            return
+        if cfg.gradient_accumulation_steps > 1:
+            raise ValueError(
+                "config keys 'optimizer_in_bwd' and 'gradient_accumulation_steps': the optimizer "
+                "steps inside backward, so gradients cannot accumulate; set one of them off/1."
+            )
+        if cfg.clip_grad_norm is not None:
+            raise ValueError(
+                "config keys 'optimizer_in_bwd' and 'clip_grad_norm': gradients are consumed "
+                "inside backward and cannot be clipped; set clip_grad_norm to null."
+            )
+        if cfg.loss_normalization != NormMode.EXACT.value:
+            raise ValueError(
+                "config keys 'optimizer_in_bwd' and 'loss_normalization': the baselines scale "
+                "gradients after backward; optimizer_in_bwd needs loss_normalization: exact."
+            )
 
 
 @dataclass
@@ -89,6 +169,11 @@ class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
 
     save_adapter_weights_only: bool = False
     low_cpu_ram: bool = False  # torchtune's low-CPU-RAM NF4 state-dict hook (QLoRA)
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        LoraSettings.from_config(cfg.model)  # raises naming the LoRA keys a builder would have
 
 
 @dataclass
@@ -109,28 +194,18 @@ class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
     # every_micro_batch is stock torchtune's behaviour and never needs more memory than stock;
     # once_per_window is faster but holds an unsharded gradient copy per rank, which stock
     # configs with ga = 8 (up to the 90B vision model) could not afford.
-    gradient_sync: str = "every_micro_batch"  # every_micro_batch | once_per_window
+    gradient_sync: str = choice(GradientSync, "every_micro_batch")
 
-
-@dataclass
-class ParitySettings:
-    """The ``parity`` section of ``ga_parity``: what to compare, for how long."""
-
-    # batch_size x gradient_accumulation_steps, "BxG", or x data-parallel ranks, "BxGxN" (N = the
-    # launch's process count); all with the same global batch. The full batch (global x 1) on
-    # one device is always trained as the reference.
-    splits: list[str] = field(default_factory=lambda: ["1x8", "2x4", "4x2"])
-    modes: list[str] = field(default_factory=lambda: ["naive", "post_scale", "exact"])
-    num_steps: int = 12
-    noise_floor: float = 1e-5  # relative L2 an exact split may differ by in fp32
-
-
-@dataclass
-class GaParityConfig(LoraFinetuneSingleDeviceConfig):
-    """``ga_parity``: a full or LoRA single-device config plus a ``parity`` section."""
-
-    optimizer_in_bwd: bool = False  # read by full configs; must stay False here
-    parity: ParitySettings = field(default_factory=ParitySettings)
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        if cfg.tensor_parallel_dim > 1 and cfg.tensor_parallel_plan is None:
+            raise ValueError(
+                "config key 'tensor_parallel_plan' is needed when tensor_parallel_dim > 1."
+            )
+        if cfg.tensor_parallel_dim > 1 and cfg.optimizer.get("fused", False):
+            raise ValueError("config key 'optimizer.fused' does not work with tensor parallelism.")
+        _warn_cpu_offload_ignored(cfg)
 
 
 @dataclass
@@ -146,4 +221,69 @@ class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
     fsdp: Any = None
 
     # exactga: when FSDP reduces gradients under accumulation; see FullFinetuneDistributedConfig.
-    gradient_sync: str = "every_micro_batch"  # every_micro_batch | once_per_window
+    gradient_sync: str = choice(GradientSync, "every_micro_batch")
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        _warn_cpu_offload_ignored(cfg)
+        if cfg.fsdp is not None:
+            _warn_once("config key 'fsdp' is ignored, as by stock torchtune; use fsdp_cpu_offload.")
+
+
+@dataclass
+class ParitySettings:
+    """The ``parity`` section of ``ga_parity``: what to compare, for how long."""
+
+    # batch_size x gradient_accumulation_steps, "BxG", or x data-parallel ranks, "BxGxN" (N = the
+    # launch's process count); all with the same global batch. The full batch (global x 1) on
+    # one device is always trained as the reference.
+    splits: list[str] = field(default_factory=lambda: ["1x8", "2x4", "4x2"])
+    modes: list[str] = field(
+        default_factory=lambda: ["naive", "post_scale", "exact"],
+        metadata={"choices": tuple(mode.value for mode in NormMode)},
+    )
+    num_steps: int = 12
+    noise_floor: float = 1e-5  # relative L2 an exact split may differ by in fp32
+
+
+@dataclass
+class GaParityConfig:
+    """``ga_parity``: the keys of a full or LoRA single-device config it reads, plus ``parity``.
+
+    The other keys of those recipes are accepted, so a training config runs with a ``parity``
+    section added, and named in one warning: the report trains ``parity.num_steps`` steps of
+    each split in memory from the initial weights, so batching, epochs, checkpoints, logging,
+    compile and memory settings change nothing in it.
+    """
+
+    model: Any = MISSING
+    tokenizer: Any = MISSING
+    dataset: Any = MISSING
+    checkpointer: Any = MISSING
+    optimizer: Any = MISSING
+    loss: Any = MISSING
+    lr_scheduler: Any = None
+    output_dir: str = MISSING
+    device: str = "cuda"
+    dtype: str = choice(PRECISIONS, "bf16")
+    seed: Optional[int] = None
+    shuffle: bool = True
+    collate_fn: str = "torchtune.data.padded_collate_sft"
+    clip_grad_norm: Optional[float] = None
+    optimizer_in_bwd: bool = False  # read by full configs; must stay False here
+    parity: ParitySettings = field(default_factory=ParitySettings)
+
+    # Schemas whose other keys are accepted and ignored with a warning (see the docstring).
+    accepts_unread_keys_of: ClassVar[tuple[type, ...]] = (
+        FullFinetuneSingleDeviceConfig,
+        LoraFinetuneSingleDeviceConfig,
+    )
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        if cfg.optimizer_in_bwd:
+            raise ValueError("config key 'optimizer_in_bwd' must be False for the parity report.")
+        dataset_sections = cfg.dataset if OmegaConf.is_list(cfg.dataset) else [cfg.dataset]
+        if any(section.get("packed", False) for section in dataset_sections):
+            raise ValueError("config key 'dataset.packed' is not supported by the parity report.")

@@ -20,9 +20,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torchtune import utils
+from torchtune.training.lr_schedulers import get_lr
 
+from exactga.distributed import memory_stats
 from exactga.normalization import Window, shift_labels, warn_skipped_step
 from exactga.profiling import TrainingProfiler
+from exactga.progress import TrainingProgress
 
 LossStep = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 MicroBatchContext = Callable[[bool], contextlib.AbstractContextManager[Any]]
@@ -49,7 +52,7 @@ class NonFiniteLossError(RuntimeError):
     """Training stopped on a non-finite loss (``nonfinite_loss: stop``)."""
 
 
-# [non-finite loss]
+# Note [non-finite loss]
 # Each micro-batch's loss is tested with ``isfinite`` on the device and the flags are and-ed
 # there, so no micro-batch waits for the host. Once per step, before the optimizer runs, the flag
 # is reduced over the data-parallel group (one 1-byte all-reduce; every rank must take the same
@@ -108,6 +111,26 @@ def handle_nonfinite_loss(
     )
 
 
+# Note [optimizer in backward lr]
+# With ``optimizer_in_bwd`` every parameter has its own optimizer, and torchtune builds the
+# learning-rate scheduler on the first of them; ``OptimizerInBackwardWrapper.set_lr_scheduler``
+# then copies the scheduler's lr to all of them, but only from its next ``step()`` on. The
+# scheduler's constructor has already set its first lr (0 under a warm-up) on that first
+# optimizer alone, so the first step trained every other parameter at the config's base lr
+# while a normal optimizer step used the schedule's. Copying the first lr at attach time makes
+# the two modes train the same weights (tests/gpu/test_gpu_exactness.py checks it).
+
+
+def attach_lr_scheduler_in_backward(wrapper: Any, lr_scheduler: Any) -> None:
+    """Drive every in-backward optimizer of ``wrapper`` by ``lr_scheduler``, from the first
+    step on. See [optimizer in backward lr]."""
+    wrapper.set_lr_scheduler(lr_scheduler)
+    lr = lr_scheduler.get_last_lr()[0]
+    for optimizer in wrapper.optim_map.values():
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+
+
 def causal_lm_loss(
     model: nn.Module,
     loss_fn: nn.Module,
@@ -159,7 +182,7 @@ def train_window(
             micro-batch's forward and backward (the distributed recipes' gradient-sync policy).
         announce_skip: warn about a skipped window here (rank 0 only, under data parallelism).
     """
-    if window.skip_step():  # the same answer on every rank; see [empty windows]
+    if window.should_skip_step():  # the same answer on every rank; see [empty windows]
         if announce_skip:
             warn_skipped_step(step)
         return StepOutcome(skipped=True)
@@ -216,3 +239,34 @@ def _all_finite(
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=window.dp_group)
         return bool(flag.item())
     return bool(finite.item())
+
+
+def step_metrics(
+    window: Window,
+    *,
+    optimizer: Any,
+    grad_norm: torch.Tensor | None,
+    progress: TrainingProgress,
+    tokens_per_second_per_gpu: float,
+    memory_device: torch.device | None = None,
+) -> dict[str, float]:
+    """The scalars every recipe logs on a logged step: stock torchtune's names and ours.
+
+    ``loss`` is the exact window loss over every data-parallel rank (one all-reduce of one
+    number, so every rank calls this); a skipped window logs no loss rather than a NaN one.
+    These are the only host read-backs of the step. ``memory_device`` adds peak-memory
+    statistics (``log_peak_memory_stats``; nothing on CPU).
+    """
+    metrics = {
+        "lr": get_lr(optimizer),
+        "tokens_per_second_per_gpu": tokens_per_second_per_gpu,
+        "loss_tokens": float(window.num_global_tokens),
+        **progress.metrics(),
+    }
+    if not window.should_skip_step():
+        metrics["loss"] = window.global_mean_loss()
+    if grad_norm is not None:
+        metrics["grad_norm"] = float(grad_norm)
+    if memory_device is not None:
+        metrics.update(memory_stats(memory_device))
+    return metrics

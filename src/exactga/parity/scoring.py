@@ -1,8 +1,9 @@
-"""The GA parity report: splits, distances to the full-batch run, a figure, a table, a verdict.
+"""Scoring a GA parity run: the splits it trains, and how far each lands from the full batch.
 
-Used by ``recipes/ga_parity.py``. Distances are relative L2: ``||w - w_full|| / ||w_full - w_0||``
-over every compared tensor, so they measure the difference against how far training moved the
-weights, whatever the learning rate or the weights' scale.
+Distances are relative L2, ``||w - w_ref|| / ||w_ref - w_0||`` over every compared tensor
+(:func:`relative_l2`): the difference between two trained models against how far training moved
+the reference, so it does not depend on the learning rate or on the weights' scale. The test
+suite measures its parity bounds with the same function.
 
 A run is scored (:func:`summarize`) as soon as it has trained, on the rank that trained it, so
 only its numbers travel to rank 0 and no rank holds more than two sets of trained weights (the
@@ -11,12 +12,9 @@ full-batch run's and the current run's).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -132,19 +130,24 @@ class RunSummary:
 
 
 def relative_l2(
-    weights: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    initial: dict[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    initial: Mapping[str, torch.Tensor],
 ) -> float:
-    """``||w - w_ref|| / ||w_ref - w_init||`` over all tensors, in float64."""
-    assert weights.keys() == reference.keys(), "the runs compare different tensors"
+    """``||w - w_ref|| / ||w_ref - w_init||`` over all tensors, in float64.
+
+    Raises:
+        ValueError: the runs hold different tensors, or the reference did not move.
+    """
+    if weights.keys() != reference.keys() or reference.keys() - initial.keys():
+        raise ValueError("the runs compare different tensors")
     diff_sq = moved_sq = 0.0
     for name, ref in reference.items():
         ref = ref.double()
         diff_sq += float(((weights[name].double() - ref) ** 2).sum())
         moved_sq += float(((ref - initial[name].double()) ** 2).sum())
     if moved_sq == 0.0:
-        raise ValueError("the full-batch run did not move the weights; raise the learning rate.")
+        raise ValueError("the reference run did not move the weights; raise the learning rate.")
     return math.sqrt(diff_sq / moved_sq)
 
 
@@ -210,142 +213,5 @@ def verdict(summaries: list[RunSummary], noise_floor: float) -> str:
     )
 
 
-def _sorted(summaries: list[RunSummary]) -> list[RunSummary]:
+def sorted_by_mode(summaries: list[RunSummary]) -> list[RunSummary]:
     return sorted(summaries, key=lambda s: MODE_ORDER.index(s.mode))  # stable: splits as listed
-
-
-def markdown_table(summaries: list[RunSummary], noise_floor: float, what: str) -> str:
-    lines = [
-        f"| mode | split ({split_legend(summaries)}) | relative L2 of {what} to full batch "
-        "| max loss gap |",
-        "|---|---|---|---|",
-    ]
-    for s in _sorted(summaries):
-        flag = "" if s.relative_l2 <= noise_floor else " (above floor)"
-        row = f"| {s.mode} | {s.split} | {s.relative_l2:.3e}{flag} | {s.max_loss_gap:.3e} |"
-        lines.append(row)
-    return "\n".join(lines)
-
-
-def plot(
-    path: Path,
-    reference: ParityRun,
-    summaries: list[RunSummary],
-    noise_floor: float,
-    what: str,
-) -> None:
-    """Loss curves per mode (top row), their gap to the full batch (middle), L2 bars (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summaries = _sorted(summaries)
-    legend = split_legend(summaries)
-    modes = [m for m in MODE_ORDER if any(s.mode == m for s in summaries)]
-    fig = plt.figure(figsize=(5 * max(len(modes), 2), 12), layout="constrained")
-    grid = fig.add_gridspec(3, len(modes))
-    steps = list(range(1, len(reference.losses) + 1))
-    gap_axes = []
-    for column, mode in enumerate(modes):
-        mode_runs = [s for s in summaries if s.mode == mode]
-        ax = fig.add_subplot(grid[0, column])
-        ax.plot(steps, reference.losses, color="black", linewidth=2.5, label="full batch")
-        for run in mode_runs:
-            ax.plot(steps, run.losses, linestyle="--", marker=".", label=run.split)
-        ax.set_title(MODE_LABELS.get(mode, mode))
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("window loss")
-        ax.legend(title=legend, fontsize="small")
-        ax.grid(alpha=0.3)
-        gap_ax = fig.add_subplot(grid[1, column], sharey=gap_axes[0] if gap_axes else None)
-        gap_axes.append(gap_ax)
-        for run in mode_runs:
-            # Equal losses are drawn at 1e-12 so the log axis can show them.
-            gaps = [
-                max(abs(a - b), 1e-12) for a, b in zip(run.losses, reference.losses, strict=True)
-            ]
-            gap_ax.plot(steps, gaps, marker=".", label=run.split)
-        gap_ax.set_yscale("log")
-        gap_ax.set_xlabel("optimizer step")
-        gap_ax.set_ylabel("|loss - full-batch loss| (log)")
-        gap_ax.set_title(f"{mode}: loss-curve gap")
-        gap_ax.legend(title=legend, fontsize="small")
-        gap_ax.grid(alpha=0.3)
-    ax = fig.add_subplot(grid[2, :])
-    labels = [f"{s.mode}\n{s.split}" for s in summaries]
-    colors = [f"C{MODE_ORDER.index(s.mode)}" for s in summaries]
-    values = [max(s.relative_l2, 1e-12) for s in summaries]
-    ax.bar(range(len(values)), values, color=colors)
-    ax.axhline(noise_floor, color="red", linestyle=":", label=f"fp32 floor ({noise_floor:.0e})")
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(values)), labels, fontsize="small")
-    ax.set_ylabel(f"relative L2 of {what}\nto the full-batch run (log)")
-    ax.set_xlabel(f"normalisation mode and split ({legend})")
-    ax.set_title(f"Distance to the full-batch run after {len(steps)} steps")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i, _ in enumerate(MODE_ORDER)]
-    ax.legend(
-        [*handles, ax.get_lines()[0]],
-        [*(MODE_LABELS[m] for m in MODE_ORDER), f"fp32 floor ({noise_floor:.0e})"],
-        fontsize="small",
-    )
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_tensorboard(log_root: Path, summaries: list[RunSummary]) -> None:
-    """One TensorBoard run per mode and split, ``<log_root>/<mode>_<split>``, with its losses.
-
-    Written after training, from the recorded losses, so that rank 0 writes every run whichever
-    rank trained it.
-    """
-    from torchtune.training.metric_logging import TensorBoardLogger
-
-    for summary in summaries:
-        logger = TensorBoardLogger(
-            str(log_root / f"{summary.mode}_{summary.split}"), organize_logs=False
-        )
-        for step, loss in enumerate(summary.losses, start=1):
-            logger.log("loss", loss, step)
-        logger.close()
-
-
-def write_report(
-    out_dir: Path,
-    *,
-    reference: ParityRun,
-    summaries: list[RunSummary],
-    noise_floor: float,
-    what: str = "weights",
-) -> Path:
-    """Write ``report.md``, ``parity.png``, ``summary.json`` and ``tensorboard/`` into ``out_dir``.
-
-    Returns the report's path.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_tensorboard(out_dir / "tensorboard", summaries)
-    plot(out_dir / "parity.png", reference, summaries, noise_floor, what)
-    where = ""
-    if split_legend(summaries).endswith("ranks"):
-        where = " A split BxGxN trains data-parallel over N ranks (FSDP2), BxG on one device."
-    text = "\n\n".join(
-        [
-            "# GA parity report",
-            f"Full-batch reference: {reference.split} on one device, {len(reference.losses)} "
-            f"optimizer steps.{where} Relative L2 = ||w - w_full|| / ||w_full - w_0|| over the "
-            f"{what}; max loss gap = largest per-step difference of the logged window loss.",
-            markdown_table(summaries, noise_floor, what),
-            f"**Verdict:** {verdict(summaries, noise_floor)}",
-            "![parity](parity.png)",
-        ]
-    )
-    report = out_dir / "report.md"
-    report.write_text(text + "\n")
-    numbers = {
-        "reference": reference.split,
-        "reference_losses": reference.losses,
-        "noise_floor": noise_floor,
-        "runs": [dataclasses.asdict(summary) for summary in _sorted(summaries)],
-    }
-    (out_dir / "summary.json").write_text(json.dumps(numbers, indent=2) + "\n")
-    return report

@@ -1,4 +1,7 @@
-"""The embedded default's initial checkpoint, made on first use if absent.
+"""A checkpointer that writes seeded random initial weights on first use, then reads them.
+
+Named for what it is: the embedded default's (and the tests') initial checkpoint, made on first
+use if absent.
 
 The tiny model has no published weights, so its config points torchtune's
 ``FullModelHFCheckpointer`` at a folder that :func:`initialized_hf_checkpointer` fills the first
@@ -39,19 +42,36 @@ def initialized_hf_checkpointer(
         raise ValueError("config key 'checkpointer.checkpoint_files' must name one file here.")
     if not (checkpoint_dir / files[0]).exists():
         # torchtune hands sections over as plain dicts.
-        write_initial_checkpoint(OmegaConf.create(model), checkpoint_dir, files[0], init_seed)
+        write_initial_checkpoint(
+            OmegaConf.create(model),
+            checkpoint_dir,
+            files[0],
+            init_seed,
+            model_type=checkpointer_kwargs["model_type"],
+        )
     return FullModelHFCheckpointer(**checkpointer_kwargs)
 
 
 def write_initial_checkpoint(
-    model_cfg: DictConfig, checkpoint_dir: Path, file_name: str, init_seed: int
+    model_cfg: DictConfig,
+    checkpoint_dir: Path,
+    file_name: str,
+    init_seed: int,
+    model_type: str = "LLAMA3_2",
 ) -> None:
     """Seeded weights of ``model_cfg`` in HF format; atomic, so parallel first runs agree.
 
     ``model_cfg`` is a plain model: a LoRA builder's state dict has adapter keys that no HF
     checkpoint holds (configs/tiny/lora_single_device.yaml gives the checkpointer the plain
-    builder with the LoRA model's sizes).
+    builder with the LoRA model's sizes). ``model_type`` is the checkpointer's: the weights are
+    written in the layout its loader converts from (Phi-3's fused projections, Qwen2's tied
+    output, ...), so any family of torchtune's builders round-trips.
     """
+    if model_type not in _HF_ARCHITECTURES:
+        raise ValueError(
+            f"config key 'checkpointer.model_type'={model_type!r}: the initial checkpoint can be "
+            f"written for {', '.join(_HF_ARCHITECTURES)} only."
+        )
     if "lora_rank" in model_cfg:
         raise ValueError(
             f"config key 'checkpointer.model' is a LoRA model ({model_cfg.get('_component_')}); "
@@ -63,13 +83,8 @@ def write_initial_checkpoint(
         with torch.device("cpu"):
             model = config.instantiate(model_cfg)
         _init_like_pretraining(model)
-    hf_config = _hf_llama_config(model_cfg)
-    state_dict = convert_weights.tune_to_hf(
-        model.state_dict(),
-        num_heads=hf_config["num_attention_heads"],
-        num_kv_heads=hf_config["num_key_value_heads"],
-        dim=hf_config["hidden_size"],
-    )
+    hf_config = _hf_config(model_cfg, model, model_type)
+    state_dict = _tune_to_hf(model.state_dict(), hf_config, model_type)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     weights = {key: value.contiguous() for key, value in state_dict.items()}
     _atomic_write(checkpoint_dir / "config.json", lambda p: p.write_text(json.dumps(hf_config)))
@@ -86,23 +101,71 @@ def _init_like_pretraining(model: torch.nn.Module, std: float = 0.02) -> None:
                 torch.nn.init.zeros_(module.bias)
 
 
-def _hf_llama_config(model_cfg: DictConfig) -> dict[str, Any]:
-    """The ``config.json`` fields torchtune's HF checkpointer reads for a Llama model."""
+# checkpointer.model_type -> (HF architecture, HF model_type) written to config.json.
+_HF_ARCHITECTURES = {
+    "LLAMA2": ("LlamaForCausalLM", "llama"),
+    "LLAMA3": ("LlamaForCausalLM", "llama"),
+    "LLAMA3_2": ("LlamaForCausalLM", "llama"),
+    "MISTRAL": ("MistralForCausalLM", "mistral"),
+    "GEMMA": ("GemmaForCausalLM", "gemma"),
+    "GEMMA2": ("Gemma2ForCausalLM", "gemma2"),
+    "PHI3_MINI": ("Phi3ForCausalLM", "phi3"),
+    "PHI4": ("Phi3ForCausalLM", "phi3"),
+    "QWEN2": ("Qwen2ForCausalLM", "qwen2"),
+}
+
+
+def _hf_config(model_cfg: DictConfig, model: torch.nn.Module, model_type: str) -> dict[str, Any]:
+    """The ``config.json`` fields torchtune's HF checkpointer reads, taken from the built model
+    (a builder may derive ``intermediate_dim`` or ``head_dim`` from the others)."""
+    from torchtune.modules import TiedLinear
+
+    attn = model.layers[0].attn
+    architecture, hf_model_type = _HF_ARCHITECTURES[model_type]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": model_cfg.vocab_size,
-        "hidden_size": model_cfg.embed_dim,
-        "intermediate_size": model_cfg.intermediate_dim,
-        "num_hidden_layers": model_cfg.num_layers,
-        "num_attention_heads": model_cfg.num_heads,
-        "num_key_value_heads": model_cfg.num_kv_heads,
+        "architectures": [architecture],
+        "model_type": hf_model_type,
+        "vocab_size": model.tok_embeddings.num_embeddings,
+        "hidden_size": model.tok_embeddings.embedding_dim,
+        "intermediate_size": model.layers[0].mlp.w1.out_features,
+        "num_hidden_layers": len(model.layers),
+        "num_attention_heads": attn.num_heads,
+        "num_key_value_heads": attn.num_kv_heads,
+        "head_dim": attn.head_dim,
         "max_position_embeddings": model_cfg.max_seq_len,
         "rms_norm_eps": model_cfg.get("norm_eps", 1e-5),
         "rope_theta": model_cfg.get("rope_base", 500_000),
-        "tie_word_embeddings": model_cfg.get("tie_word_embeddings", True),
+        "tie_word_embeddings": isinstance(model.output, TiedLinear),
         "torch_dtype": "float32",
     }
+
+
+def _tune_to_hf(
+    state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], model_type: str
+) -> dict[str, torch.Tensor]:
+    """torchtune's names and layout to HF's, dispatched on ``model_type`` exactly as
+    ``FullModelHFCheckpointer.save_checkpoint`` does, so its ``load_checkpoint`` inverts it."""
+    sizes = {
+        "num_heads": hf_config["num_attention_heads"],
+        "num_kv_heads": hf_config["num_key_value_heads"],
+        "dim": hf_config["hidden_size"],
+        "head_dim": hf_config["head_dim"],
+    }
+    if model_type in ("PHI3_MINI", "PHI4"):
+        from torchtune.models.phi3 import phi3_tune_to_hf
+
+        return phi3_tune_to_hf(state_dict)
+    if model_type == "QWEN2":
+        from torchtune.models.qwen2 import qwen2_tune_to_hf
+
+        return qwen2_tune_to_hf(
+            state_dict, **sizes, tie_word_embeddings=hf_config["tie_word_embeddings"]
+        )
+    if model_type == "GEMMA2":
+        from torchtune.models.gemma2._convert_weights import gemma2_tune_to_hf
+
+        return gemma2_tune_to_hf(state_dict, **sizes)
+    return convert_weights.tune_to_hf(state_dict, **sizes)
 
 
 def _atomic_write(path: Path, write: Any) -> None:

@@ -1,0 +1,87 @@
+"""Fixtures shared by the test modules, and one rule about the ``slow`` marker.
+
+The plain helpers are modules of their own, imported by name: tests/recipe_utils.py (launch
+``tune run`` and read what it wrote) and tests/unit_utils.py (a tiny model, hand-made rows, the
+2-rank harness, config files). Nothing here is imported by a test: pytest hands these fixtures
+to the tests that name them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from filelock import FileLock
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path) -> Callable[..., list[Any]]:
+    """The 2-rank gloo harness: ``two_ranks(worker, *args)`` runs ``worker(rank, *args)`` on
+    ranks 0 and 1 of one process group (CPU, gloo) and returns the two results, in rank order.
+    ``start_method`` (default ``"forkserver"``) is ``unit_utils.run_on_ranks``'s."""
+
+    from unit_utils import run_on_ranks  # here: a session that uses no harness never imports it
+
+    def run(worker: Callable[..., Any], *args: Any, start_method: str = "forkserver") -> list[Any]:
+        return run_on_ranks(worker, args, tmp_path, world_size=2, start_method=start_method)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable], Path]:
+    """``run_once(name, make)``: the folder ``name``, filled by ``make(folder)`` once per test
+    session, whichever ``pytest -n`` worker asks first; the others wait for it (a file lock)
+    and reuse it. For the recipe launches of a module fixture: ``pytest -n`` spreads the
+    module's tests over its workers, and each worker sets up module fixtures of its own.
+
+    The folder is the session's own (under this session's base temporary directory), so a
+    later session never reuses a stale one. If ``make`` fails, the folder is marked failed and
+    every worker's fixture fails with the first error instead of launching again.
+    """
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' base folders are siblings in the session's folder
+
+    def get(name: str, make: Callable[[Path], None]) -> Path:
+        folder = base / name
+        with FileLock(f"{folder}.lock"):
+            failed = folder.with_name(f"{name}.failed")
+            if failed.exists():
+                pytest.fail(f"{name} failed in another test worker:\n{failed.read_text()}")
+            if not (folder / ".done").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir(parents=True)
+                try:
+                    make(folder)
+                except BaseException:
+                    failed.write_text(traceback.format_exc()[-8000:])
+                    raise
+                (folder / ".done").touch()
+        return folder
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _tune_run_needs_the_slow_marker(request: pytest.FixtureRequest, monkeypatch) -> None:
+    """A test that launches ``tune run`` carries ``pytest.mark.slow``: ``make test-fast``
+    (``-m "not slow"``) must never launch one. Any test without the marker that starts a
+    process named ``tune`` fails here, naming itself."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def refuse_tune(self, args, *rest, **kwargs):
+        first = args if isinstance(args, str | bytes | os.PathLike) else args[0]
+        if Path(os.fsdecode(first).split()[0]).name == "tune":
+            raise AssertionError(f"{request.node.nodeid} launches tune: mark it pytest.mark.slow")
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_tune)

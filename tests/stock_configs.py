@@ -1,0 +1,275 @@
+"""torchtune 0.6.1's stock distributed configs, adapted to run on CPU with tiny local assets.
+
+Shared by tests/test_stock_distributed_configs.py and tools/stock_config_sweep.py; nothing here
+is a test. An adapted config is the shipped YAML with only these sections replaced:
+
+- ``model``: a tiny model of the same family, built with the family's own component builder
+  (``torchtune.models.gemma2.lora_gemma2``, ``torchtune.models.qwen2.qwen2``, ...) and every
+  argument the stock builder passes it (RoPE base and scaling, norm eps, tied embeddings,
+  soft-capping, the config's LoRA keys, ``use_dora``, ``quantize_base`` of ``qlora_*``) except
+  the sizes: 2 layers, width 64, vocabulary 2048. Families without a component builder of their
+  own use the one their stock builders call (llama3_3 -> llama3_1, phi4 -> phi3,
+  qwen2_5 -> qwen2).
+- ``checkpointer``: ``exactga.random_init_checkpointer.initialized_hf_checkpointer`` with the
+  stock ``model_type``, which writes seeded random weights of the plain model in that family's
+  HF layout on first use (``llama3/8B_full``'s Meta-format checkpointer becomes this HF one
+  too).
+- ``tokenizer``: configs/tiny/tokenizer.model through ``llama2_tokenizer``, 64 tokens.
+- ``dataset``: configs/tiny/data.json through ``alpaca_dataset``; the stock section's other keys
+  (``packed``) are kept.
+- ``device: cpu``, ``output_dir``, ``epochs: 1``, ``max_steps_per_epoch: 2``.
+
+Everything else (dtype, optimizer with ``fused``, compile, activation checkpointing,
+``custom_sharded_layers``, ``fsdp_cpu_offload``, clipping, loss, scheduler, profiler, metric
+logger, batch size, accumulation) stays as shipped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torchtune
+from omegaconf import DictConfig, OmegaConf
+from torchtune._recipe_registry import get_all_recipes
+from torchtune.config._utils import _get_component_from_path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STOCK_CONFIGS = Path(torchtune.__file__).resolve().parents[1] / "recipes" / "configs"
+RECIPES = ("full_finetune_distributed", "lora_finetune_distributed")
+TOKENIZER = REPO_ROOT / "configs" / "tiny" / "tokenizer.model"
+DATA = REPO_ROOT / "configs" / "tiny" / "data.json"
+TOKENIZER_MAX_SEQ_LEN = 64
+MAX_STEPS_PER_EPOCH = 2
+
+# The tiny sizes. NF4 quantises in blocks of 64 values with scalers in blocks of 256, so a
+# QLoRA model's quantised weights need multiples of 16384 elements: width 256 there.
+WIDTH, QLORA_WIDTH = 64, 256
+NUM_HEADS = 4
+TINY_SIZES = {"vocab_size": 2048, "num_layers": 2, "max_seq_len": 2 * TOKENIZER_MAX_SEQ_LEN}
+
+# Arguments of a LoRA component builder that its plain counterpart does not take.
+LORA_KEYS = (
+    "lora_attn_modules",
+    "apply_lora_to_mlp",
+    "apply_lora_to_output",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "use_dora",
+    "quantize_base",
+)
+
+
+def stock_config_names(recipe: str) -> list[str]:
+    """The stock configs of ``recipe`` in torchtune's registry, vision models left out."""
+    (entry,) = [r for r in get_all_recipes() if r.name == recipe]
+    return [c.name for c in entry.configs if "vision" not in c.name]
+
+
+def all_stock_configs() -> list[tuple[str, str]]:
+    """Every ``(recipe, config name)`` pair of both distributed recipes."""
+    return [(recipe, name) for recipe in RECIPES for name in stock_config_names(recipe)]
+
+
+def stock_config(name: str) -> DictConfig:
+    cfg = OmegaConf.load(STOCK_CONFIGS / f"{name}.yaml")
+    assert isinstance(cfg, DictConfig)
+    return cfg
+
+
+def stock_component_call(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
+    """The component builder a stock model section ends in, and the arguments it gets.
+
+    The stock builder (``lora_llama3_1_70b``, ``qlora_llama2_7b`` = ``partial(lora_llama2_7b,
+    quantize_base=True)``, ...) is called with the section's keys while every component
+    builder it can see is replaced by a recorder, so nothing is built.
+    """
+    kwargs = OmegaConf.to_container(model_cfg, resolve=True)
+    assert isinstance(kwargs, dict)
+    builder = _get_component_from_path(kwargs.pop("_component_"))
+    func = builder.func if isinstance(builder, partial) else builder
+    calls: list[tuple[Callable, dict[str, Any]]] = []
+
+    def recorder(component: Callable) -> Callable:
+        def record(*args: Any, **kw: Any) -> None:
+            bound = inspect.signature(component).bind(*args, **kw)
+            calls.append((component, dict(bound.arguments)))
+
+        return record
+
+    recorders = {
+        name: recorder(value)
+        for name, value in func.__globals__.items()
+        if inspect.isfunction(value) and value.__module__.endswith("._component_builders")
+    }
+    with mock.patch.dict(func.__globals__, recorders):
+        builder(**kwargs)
+    ((component, arguments),) = calls
+    return _public_path(component), arguments
+
+
+def _public_path(component: Callable) -> str:
+    """``torchtune.models.qwen2._component_builders.qwen2`` -> ``torchtune.models.qwen2.qwen2``."""
+    package = component.__module__.rsplit(".", 1)[0]
+    path = f"{package}.{component.__name__}"
+    assert _get_component_from_path(path) is component, path
+    return path
+
+
+def tiny_model(stock_model: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tiny ``model`` section for ``stock_model`` and its plain base model (the same as the
+    model for full fine-tuning; without the LoRA keys for a LoRA builder)."""
+    path, arguments = stock_component_call(stock_model)
+    width = QLORA_WIDTH if arguments.get("quantize_base") else WIDTH
+    head_dim = width // NUM_HEADS
+    stock_heads, stock_kv_heads = arguments["num_heads"], arguments["num_kv_heads"]
+    sizes: dict[str, Any] = {
+        **TINY_SIZES,
+        "embed_dim": width,
+        "num_heads": NUM_HEADS,
+        # Multi-head, multi-query or grouped-query attention, as the stock model.
+        "num_kv_heads": NUM_HEADS if stock_kv_heads == stock_heads else min(stock_kv_heads, 2),
+    }
+    if arguments.get("intermediate_dim") is not None:
+        sizes["intermediate_dim"] = 2 * width
+    if "head_dim" in arguments:  # gemma, gemma2
+        sizes["head_dim"] = head_dim
+    if arguments.get("query_pre_attn_scalar") is not None:  # gemma2 27B: scaled by width / heads
+        sizes["query_pre_attn_scalar"] = head_dim
+    if "sliding_window_size" in arguments:  # gemma2: a window shorter than the sequences
+        sizes["sliding_window_size"] = TOKENIZER_MAX_SEQ_LEN // 2
+    model = {"_component_": path, **arguments, **sizes}
+
+    base_path = path.replace(".lora_", ".")
+    base_params = inspect.signature(_get_component_from_path(base_path)).parameters
+    base = {k: v for k, v in model.items() if k in base_params and k not in LORA_KEYS}
+    return model, {"_component_": base_path, **base}
+
+
+def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig:
+    """Stock config ``name`` with tiny model, tokenizer, data and checkpointer, on CPU."""
+    assert recipe in RECIPES, recipe
+    cfg = stock_config(name)
+    model, base_model = tiny_model(cfg.model)
+    is_lora = recipe.startswith("lora")
+    assert is_lora == any(k in model for k in LORA_KEYS), (name, recipe)
+
+    cfg.output_dir = str(output_dir)
+    cfg.device = "cpu"
+    cfg.epochs = 1
+    cfg.max_steps_per_epoch = MAX_STEPS_PER_EPOCH
+    cfg.model = model
+    cfg.tokenizer = {
+        "_component_": "torchtune.models.llama2.llama2_tokenizer",
+        "path": str(TOKENIZER),
+        "max_seq_len": TOKENIZER_MAX_SEQ_LEN,
+        "prompt_template": None,
+    }
+    dataset = OmegaConf.to_container(cfg.dataset)
+    assert isinstance(dataset, dict), f"{name}: one dataset section expected"
+    dataset.update(
+        _component_="torchtune.datasets.alpaca_dataset",
+        source="json",
+        data_files=str(DATA),
+        split="train",
+    )
+    cfg.dataset = dataset
+    cfg.checkpointer = {
+        "_component_": "exactga.random_init_checkpointer.initialized_hf_checkpointer",
+        # The base model the weights are drawn for: the plain builder for a LoRA model.
+        "model": base_model if is_lora else "${model}",
+        "init_seed": 0,
+        "checkpoint_dir": "${output_dir}/base_model",
+        "checkpoint_files": ["model.safetensors"],
+        "recipe_checkpoint": None,
+        "output_dir": "${output_dir}",
+        "model_type": cfg.checkpointer.model_type,
+    }
+    leftover = _paths_outside(cfg, Path(output_dir))
+    assert not leftover, f"{name}: paths left outside output_dir: {leftover}"
+    return cfg
+
+
+def _paths_outside(cfg: DictConfig, output_dir: Path) -> list[str]:
+    """Absolute paths in ``cfg`` that are neither under ``output_dir`` nor tiny assets."""
+    allowed = (str(output_dir), str(TOKENIZER), str(DATA))
+    found: list[str] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+        elif isinstance(node, str) and node.startswith("/") and not node.startswith(allowed):
+            found.append(node)
+
+    visit(OmegaConf.to_container(cfg, resolve=True))
+    return found
+
+
+def launch_args(
+    name: str, recipe: str, output_dir: Path | str, nproc_per_node: int = 2
+) -> list[str]:
+    """``tune run`` arguments for the adapted config, written to ``output_dir/config.yaml``."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config_path = output_dir / "config.yaml"
+    OmegaConf.save(adapted_config(name, recipe, output_dir), config_path)
+    return [
+        "--nproc_per_node",
+        str(nproc_per_node),
+        f"recipes/{recipe}.py",
+        "--config",
+        str(config_path),
+    ]
+
+
+def logged_losses(output_dir: Path | str) -> list[float]:
+    """The ``loss`` of every logged step, from the stock ``DiskLogger`` files under ``logs``."""
+    losses = []
+    for log_file in sorted((Path(output_dir) / "logs").glob("log_*.txt")):
+        for line in log_file.read_text().splitlines():
+            match = re.search(r"\bloss:(\S+)", line)
+            if match:
+                losses.append(float(match.group(1)))
+    return losses
+
+
+def all_finite(values: list[float]) -> bool:
+    return bool(values) and all(math.isfinite(v) for v in values)
+
+
+def expected_artefacts(cfg: DictConfig) -> list[str]:
+    """Files the run must leave in ``checkpointer.output_dir``: merged or full weights, and for
+    LoRA the adapters (PEFT's format too, except for Phi, which torchtune saves only in its
+    own)."""
+    files = []
+    if not cfg.get("save_adapter_weights_only", False):
+        files.append("epoch_0/model-00001-of-00001.safetensors")
+    if "lora_rank" in cfg.model:
+        files.append("epoch_0/adapter_model.pt")
+        if cfg.checkpointer.model_type not in ("PHI3_MINI", "PHI4"):
+            files += ["epoch_0/adapter_model.safetensors", "epoch_0/adapter_config.json"]
+    return files
+
+
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
+
+
+def first_error_line(output: str) -> str:
+    """The first exception line a failed launch printed (a rank's, not torchrun's summary)."""
+    for line in output.splitlines():
+        match = _ERROR_LINE.match(line.strip())
+        if match and "ChildFailedError" not in line:
+            return match.group(1)[:200]
+    lines = [line for line in output.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "(no output)"

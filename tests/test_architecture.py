@@ -1,0 +1,110 @@
+"""The layout STYLE.md points 2, 8 and 10 ask for, checked by reading the source.
+
+Recipes are leaf scripts that call the library for everything that decides numbers, data order,
+resume position or saved artefacts; the library never imports a recipe; each named note is
+defined once and every citation finds it. A refactor that copies such logic back into a recipe
+fails here, naming the recipe and what it wrote.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.py"))
+LIBRARY = sorted((REPO / "src" / "exactga").rglob("*.py"))
+TRAINING_RECIPES = [p for p in RECIPES if p.stem != "ga_parity"]
+
+# Names whose use in a recipe means it decides, on its own, something the library decides:
+# the data order and loader, loss weighting, counters, resume, saved adapters.
+LIBRARY_ONLY_NAMES = {
+    "StatefulDistributedSampler": "the sampler (exactga.data.build_dataloader)",
+    "StatefulDataLoader": "the data loader (exactga.data.build_dataloader)",
+    "ConcatDataset": "the dataset (exactga.data.load_dataset)",
+    "checked_dataset": "the dataset (exactga.data.load_dataset)",
+    "scale_grads": "gradient scaling (exactga.normalization)",
+    "get_merged_lora_ckpt": "the saved adapters (exactga.lora.epoch_checkpoint_weights)",
+    "get_adapter_state_dict": "the saved adapters (exactga.lora.epoch_checkpoint_weights)",
+    "restore_rng_state": "resume (exactga.resume.ResumePoint)",
+    "capture_rng_state": "resume (exactga.resume.write_step_checkpoint)",
+}
+# Counters only TrainingProgress moves; see exactga.progress.
+COUNTERS = ("global_step", "epochs_run", "num_skipped_steps", "num_nonfinite_steps")
+
+
+def _names_called(path: Path) -> set[str]:
+    """The names a file calls (``f(...)``, ``obj.f(...)``, ``Class(...)``)."""
+    called = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", ""))
+    return called
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipes_leave_numbers_data_order_and_resume_to_the_library(recipe: Path) -> None:
+    called = _names_called(recipe)
+    offending = {name: what for name, what in LIBRARY_ONLY_NAMES.items() if name in called}
+    assert not offending, f"{recipe.name} decides {sorted(set(offending.values()))} itself"
+
+
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
+def test_only_training_progress_moves_the_counters(recipe: Path) -> None:
+    tree = ast.parse(recipe.read_text())
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, ast.Attribute) and target.attr in COUNTERS:
+                pytest.fail(f"{recipe.name}:{node.lineno} sets {target.attr} itself")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipes_import_no_other_recipe(recipe: Path) -> None:
+    others = {p.stem for p in RECIPES}
+    for node in ast.walk(ast.parse(recipe.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            assert node.module.split(".")[-1] not in others, f"{recipe.name} imports a recipe"
+            assert not node.module.startswith("recipes"), f"{recipe.name} imports a recipe"
+
+
+def test_the_library_imports_no_recipe() -> None:
+    for path in LIBRARY:
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            for module in modules:
+                assert not module.startswith("recipes"), f"{path.name} imports {module}"
+
+
+def _joined(path: Path) -> str:
+    """The file's text with wrapped comment and docstring lines joined, so a note's name
+    broken over two lines still reads as one."""
+    return re.sub(r"\s*\n\s*#?\s*", " ", path.read_text())
+
+
+def test_every_named_note_is_defined_once_and_every_citation_finds_it() -> None:
+    defined: dict[str, list[str]] = {}
+    cited: dict[str, list[str]] = {}
+    for path in [*LIBRARY, *RECIPES]:
+        text = _joined(path)
+        for name in re.findall(r"Note \[([^\]]+)\]", text):
+            defined.setdefault(name, []).append(path.name)
+        for name in re.findall(r"[Ss]ee \[([^\]]+)\]", text):
+            cited.setdefault(name, []).append(path.name)
+    assert defined, "no named note found: has the form changed?"
+    twice = {name: files for name, files in defined.items() if len(files) > 1}
+    assert not twice, f"notes defined more than once: {twice}"
+    dangling = {name: files for name, files in cited.items() if name not in defined}
+    assert not dangling, f"cited notes that are not defined: {dangling}"

@@ -1,0 +1,160 @@
+"""Config values and flag combinations fail at start-up, in validate_config, naming the keys.
+
+Each check lives next to its default in exactga.schemas (``choices``, ``check_flags``), so every
+recipe that uses the schema gets it, before the config is printed or a model is built.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from omegaconf import OmegaConf
+
+from exactga.config import validate_config
+from exactga.schemas import (
+    FullFinetuneDistributedConfig,
+    FullFinetuneSingleDeviceConfig,
+    GaParityConfig,
+    LoraFinetuneDistributedConfig,
+    LoraFinetuneSingleDeviceConfig,
+)
+
+FULL = "configs/tiny/full_single_device.yaml"
+LORA = "configs/tiny/lora_single_device.yaml"
+FULL_DISTRIBUTED = "configs/tiny/full_distributed.yaml"
+LORA_DISTRIBUTED = "configs/tiny/lora_distributed.yaml"
+PARITY = "configs/tiny/ga_parity_full.yaml"
+
+
+def _validate(schema: type, path: str, **overrides: object):
+    cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.create(overrides))
+    return validate_config(cfg, schema, "recipe")
+
+
+@pytest.mark.parametrize(
+    ("schema", "path", "key", "value", "choices"),
+    [
+        (FullFinetuneSingleDeviceConfig, FULL, "loss_normalization", "mean", "exact, post_scale"),
+        (FullFinetuneSingleDeviceConfig, FULL, "dtype", "fp16", "bf16, fp32, fp64"),
+        (LoraFinetuneSingleDeviceConfig, LORA, "nonfinite_loss", "halt", "skip, stop"),
+        (
+            LoraFinetuneDistributedConfig,
+            LORA_DISTRIBUTED,
+            "gradient_sync",
+            "often",
+            "every_micro_batch, once",
+        ),
+    ],
+)
+def test_a_value_outside_its_choices_names_the_key_and_the_choices(
+    schema, path, key, value, choices
+) -> None:
+    with pytest.raises(ValueError, match=f"config key '{key}'='{value}': choose one of {choices}"):
+        _validate(schema, path, **{key: value})
+
+
+def test_a_list_of_choices_names_the_bad_item() -> None:
+    with pytest.raises(ValueError, match="'parity.modes'='mean': choose one of"):
+        _validate(GaParityConfig, PARITY, parity={"modes": ["exact", "mean"]})
+
+
+def test_the_profiler_section_is_checked_against_its_schema() -> None:
+    with pytest.raises(ValueError, match="unknown config key 'profiler.wait_stepz'.*'wait_steps'"):
+        _validate(FullFinetuneSingleDeviceConfig, FULL, profiler={"wait_stepz": 1})
+    with pytest.raises(ValueError, match="config key 'profiler.enabled'"):
+        _validate(FullFinetuneSingleDeviceConfig, FULL, profiler={"enabled": "sometimes"})
+
+
+@pytest.mark.parametrize(
+    ("schema", "path", "overrides", "message"),
+    [
+        (
+            FullFinetuneSingleDeviceConfig,
+            FULL,
+            {"optimizer_in_bwd": True, "gradient_accumulation_steps": 2},
+            "'optimizer_in_bwd' and 'gradient_accumulation_steps'",
+        ),
+        (
+            FullFinetuneDistributedConfig,
+            FULL_DISTRIBUTED,
+            {"optimizer_in_bwd": True, "clip_grad_norm": 1.0, "gradient_accumulation_steps": 1},
+            "'optimizer_in_bwd' and 'clip_grad_norm'",
+        ),
+        (
+            FullFinetuneSingleDeviceConfig,
+            FULL,
+            {
+                "optimizer_in_bwd": True,
+                "loss_normalization": "naive",
+                "clip_grad_norm": None,
+                "gradient_accumulation_steps": 1,
+            },
+            "'optimizer_in_bwd' and 'loss_normalization'",
+        ),
+        (
+            LoraFinetuneSingleDeviceConfig,
+            LORA,
+            {"enable_activation_offloading": True},
+            "'enable_activation_offloading' needs device: cuda",
+        ),
+        (
+            FullFinetuneDistributedConfig,
+            FULL_DISTRIBUTED,
+            {"tensor_parallel_dim": 2},
+            "'tensor_parallel_plan' is needed",
+        ),
+        (GaParityConfig, PARITY, {"optimizer_in_bwd": True}, "'optimizer_in_bwd' must be False"),
+        (GaParityConfig, PARITY, {"dataset": {"packed": True}}, "'dataset.packed' is not"),
+    ],
+)
+def test_impossible_combinations_fail_naming_the_keys(schema, path, overrides, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        _validate(schema, path, **overrides)
+
+
+def test_a_full_model_section_in_a_lora_config_names_the_missing_lora_keys() -> None:
+    cfg = OmegaConf.load(LORA)
+    cfg.model = OmegaConf.load(FULL).model
+    with pytest.raises(ValueError, match="has no model.lora_rank, model.lora_alpha"):
+        validate_config(cfg, LoraFinetuneSingleDeviceConfig, "recipe")
+
+
+@pytest.mark.parametrize(
+    ("schema", "path", "overrides", "message"),
+    [
+        (FullFinetuneSingleDeviceConfig, FULL, {"log_peak_memory_stats": True}, "ignored on CPU"),
+        (
+            FullFinetuneDistributedConfig,
+            FULL_DISTRIBUTED,
+            {"fsdp_cpu_offload": True},
+            "'fsdp_cpu_offload' is ignored on CPU",
+        ),
+        (
+            LoraFinetuneDistributedConfig,
+            LORA_DISTRIBUTED,
+            {"fsdp": {"cpu_offload": False}},
+            "'fsdp' is ignored",
+        ),
+    ],
+)
+def test_an_ignored_setting_warns(schema, path, overrides, message) -> None:
+    with pytest.warns(UserWarning, match=message):
+        _validate(schema, path, **overrides)
+
+
+def test_the_parity_report_runs_a_training_config_and_names_the_keys_it_ignores() -> None:
+    training_config = OmegaConf.load(FULL)
+    training_config.parity = {"splits": ["1x8", "2x4"]}
+    with pytest.warns(UserWarning, match="ignored by recipe: .*batch_size.*metric_logger"):
+        cfg = validate_config(training_config, GaParityConfig, "recipe")
+    assert "batch_size" not in cfg and cfg.parity.splits == ["1x8", "2x4"]
+    with pytest.raises(ValueError, match="unknown config key 'warp_drive'"):
+        _validate(GaParityConfig, PARITY, warp_drive=9)
+
+
+def test_the_shipped_parity_configs_hold_only_keys_the_report_reads() -> None:
+    for path in (PARITY, "configs/tiny/ga_parity_lora.yaml"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _validate(GaParityConfig, path)

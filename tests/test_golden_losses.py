@@ -1,0 +1,71 @@
+"""Golden loss curves (STYLE.md point 9c): every training recipe's tiny config, 8 steps, against
+the per-step losses recorded in tests/assets/losses/<name>.json.
+
+The runs are those of tests/assets/losses/regenerate.py (imported from there, so the two cannot
+drift): the shipped tiny config with the small model, its fixed seed, 8 optimizer steps, the
+distributed recipes on 2 gloo ranks. They are launched once per session, two at a time, by one
+module fixture; a change that is meant to move the losses regenerates the files with that script
+and shows the new curves.
+
+Tolerance: relative 1e-6 per step (``pytest.approx(rel=1e-6, abs=0)``). On one machine the
+losses repeat bit for bit, and ``regenerate.py --check`` shows that; the tolerance is for other
+CPUs. Forcing other kernels on the machine that made the files (``ATEN_CPU_CAPABILITY=avx2`` or
+``default``, MKL and oneDNN held to AVX2 or SSE4, or two threads per process instead of one)
+moved the 8 losses by at most 1.3e-7 relative (9.5e-7 absolute, about 2 float32 ulps at a loss of
+7.5), so 1e-6 leaves a margin of 8. The smallest deliberate change tried stays well outside it:
+a learning rate 0.1 % higher moved the full fine-tuning curve by 2e-5 relative by step 8, another
+seed the LoRA curves by 1e-4 to 1e-3. (The first two losses are those of the initial weights,
+since warm-up gives the first step a learning rate of 0; for LoRA, whose B starts at zero, they
+are the base model's whatever the seed.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from recipe_utils import REPO_ROOT
+
+# The group would keep these tests on one xdist worker; with pytest 9.2 and xdist 3.8 it does not
+# (pytest-dev/pytest-xdist#1386), and the file lock in ``run_once`` is what launches them once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("golden_losses")]
+
+RTOL = 1e-6
+_spec = importlib.util.spec_from_file_location(
+    "regenerate_losses", REPO_ROOT / "tests/assets/losses/regenerate.py"
+)
+golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(golden)
+
+
+@pytest.fixture(scope="module")
+def curves(run_once) -> dict[str, list[float]]:
+    """Every run's losses, launched once per session (two at a time) whichever worker asks."""
+
+    def launch_all(root: Path) -> None:
+        losses = golden.run_all(list(golden.RUNS), root, jobs=2)
+        (root / "losses.json").write_text(json.dumps(losses))
+
+    return json.loads((run_once("golden_losses", launch_all) / "losses.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(golden.RUNS))
+def test_losses_match_the_golden_curve(curves, name):
+    recorded = golden.recorded(name)
+    settings = golden.run_settings(name)
+    assert {key: recorded[key] for key in settings} == settings, (
+        f"tests/assets/losses/{name}.json was made with other run settings: run "
+        "tests/assets/losses/regenerate.py"
+    )
+    losses = curves[name]
+    assert losses == pytest.approx(recorded["loss"], rel=RTOL, abs=0), (
+        f"{name}: the losses moved from tests/assets/losses/{name}.json (made with "
+        f"{recorded['made_with']}). If that is intended, run tests/assets/losses/regenerate.py "
+        "and show the new curve.\n"
+        + "\n".join(
+            f"step {step}: {new!r} recorded {old!r} ({(new - old) / old:+.2e})"
+            for step, (new, old) in enumerate(zip(losses, recorded["loss"], strict=True), 1)
+        )
+    )

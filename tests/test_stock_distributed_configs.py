@@ -1,0 +1,161 @@
+"""torchtune 0.6.1's stock distributed configs run unchanged on our two distributed recipes.
+
+Each stock config is adapted by tests/stock_configs.py (tiny model of the same family, tiny
+tokenizer, data and initial checkpoint, ``device: cpu``, 2 steps; every other key as shipped)
+and launched through the real ``tune run --nproc_per_node 2`` on gloo ranks. All 57 run in
+tools/stock_config_sweep.py; CI launches the 12 below, one per model family, which between them
+cover full and LoRA fine-tuning with activation checkpointing on and off, DoRA, QLoRA,
+``custom_sharded_layers``, ``fsdp_cpu_offload``, tied and untied embeddings and adapter-only
+saving (``test_selection_covers_families_and_flags`` keeps that true). The launches run once,
+two at a time, in a module fixture shared by the xdist workers.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import stock_configs
+import torch
+from omegaconf import DictConfig, OmegaConf
+from recipe_utils import output_of, run_tune
+
+FULL, LORA = stock_configs.RECIPES
+
+# (recipe, stock config): what each adds to the coverage.
+SELECTION = [
+    (LORA, "llama2/13B_lora"),  # multi-head attention, LoRA on the output projection, AC off
+    (LORA, "llama3/8B_dora"),  # DoRA, AC off
+    (FULL, "llama3_1/70B_full"),  # fsdp_cpu_offload, custom_sharded_layers, unfused AdamW, AC
+    (FULL, "llama3_2/1B_full"),  # tied embeddings, accumulation over 8 micro-batches, AC off
+    (LORA, "llama3_3/70B_qlora"),  # QLoRA (NF4 base), adapter weights only, AC on
+    (LORA, "mistral/7B_lora"),  # AC on
+    (FULL, "gemma/2B_full"),  # multi-query attention, tied embeddings, AC on
+    (LORA, "gemma2/27B_lora"),  # soft-capping, sliding window, query scaling, AC on
+    (LORA, "phi3/mini_lora"),  # Phi-3's fused HF layout, no PEFT export, AC off
+    (FULL, "phi4/14B_full"),  # AC on
+    (FULL, "qwen2/0.5B_full"),  # attention biases, tied embeddings, AC off
+    (LORA, "qwen2_5/72B_lora"),  # untied embeddings, AC on
+]
+FAMILIES = {
+    "llama2",
+    "llama3",
+    "llama3_1",
+    "llama3_2",
+    "llama3_3",
+    "mistral",
+    "gemma",
+    "gemma2",
+    "phi3",
+    "phi4",
+    "qwen2",
+    "qwen2_5",
+}
+
+
+def _params(launches: list[tuple[str, str]]) -> list:
+    return [pytest.param(r, n, id=f"{r.split('_')[0]}-{n}") for r, n in launches]
+
+
+def _out(root: Path, recipe: str, name: str) -> Path:
+    return root / recipe / name
+
+
+def _launch(root: Path, recipe: str, name: str) -> None:
+    """One launch; its exit status and output are kept for the test that reads them."""
+    out = _out(root, recipe, name)
+    proc = run_tune(stock_configs.launch_args(name, recipe, out), timeout=600)
+    (out / "output.txt").write_text(output_of(proc))
+    (out / "returncode").write_text(str(proc.returncode))
+
+
+def _launch_all(root: Path) -> None:
+    # Two launches at a time: each is mostly single-threaded start-up on a small machine.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [pool.submit(_launch, root, r, n) for r, n in SELECTION]:
+            future.result()
+
+
+@pytest.fixture(scope="module")
+def runs(run_once) -> Path:
+    return run_once("stock_distributed_runs", _launch_all)
+
+
+def _stock_cfg(name: str) -> DictConfig:
+    return stock_configs.stock_config(name)
+
+
+def test_selection_covers_families_and_flags() -> None:
+    """One launch per model family; between them every flag combination the brief names."""
+    assert {name.split("/")[0] for _, name in SELECTION} == FAMILIES
+    assert len(SELECTION) <= 12
+    cfgs = {(recipe, name): _stock_cfg(name) for recipe, name in SELECTION}
+    for recipe in (FULL, LORA):
+        ac = {c.enable_activation_checkpointing for (r, _), c in cfgs.items() if r == recipe}
+        assert ac == {True, False}, recipe
+    components = [c.model._component_ for c in cfgs.values()]
+    assert any(".qlora_" in c for c in components)
+    assert any(c.model.get("use_dora") for c in cfgs.values())
+    assert any(c.get("custom_sharded_layers") for c in cfgs.values())
+    assert any(c.get("fsdp_cpu_offload") for c in cfgs.values())
+    assert any(c.get("save_adapter_weights_only") for c in cfgs.values())
+    # No stock full config of torchtune 0.6.1 sets optimizer_in_bwd; if one does, cover it.
+    in_bwd = [n for n in stock_configs.stock_config_names(FULL) if _stock_cfg(n).optimizer_in_bwd]
+    assert not in_bwd or any(cfgs.get((FULL, n)) for n in in_bwd), in_bwd
+
+
+@pytest.mark.parametrize("recipe, name", _params(stock_configs.all_stock_configs()))
+def test_every_stock_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
+    """All 57 adapt: same family's builder, stock LoRA keys, only the agreed sections changed."""
+    stock = _stock_cfg(name)
+    cfg = stock_configs.adapted_config(name, recipe, tmp_path)
+    assert cfg.device == "cpu" and cfg.max_steps_per_epoch == 2 and cfg.epochs == 1
+    assert cfg.checkpointer.model_type == stock.checkpointer.model_type
+    for key in stock_configs.LORA_KEYS:
+        if key in stock.model:
+            assert cfg.model[key] == stock.model[key], key
+    assert cfg.model.get("quantize_base", False) == (".qlora_" in stock.model._component_)
+    assert cfg.model.num_layers == 2 and cfg.model.vocab_size == 2048
+    changed = {"model", "tokenizer", "dataset", "checkpointer", "device", "output_dir"}
+    changed |= {"epochs", "max_steps_per_epoch"}
+    ours, shipped = OmegaConf.to_container(cfg), OmegaConf.to_container(stock)
+    assert ours.keys() == shipped.keys()
+    for key in shipped.keys() - changed:
+        assert ours[key] == shipped[key], key
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("stock_configs")
+@pytest.mark.parametrize("recipe, name", _params(SELECTION))
+def test_stock_config_runs(runs: Path, recipe: str, name: str) -> None:
+    """Exit status 0, a finite loss on both steps, and the epoch's artefacts on disk."""
+    out = _out(runs, recipe, name)
+    output = (out / "output.txt").read_text()
+    assert (out / "returncode").read_text() == "0", output[-4000:]
+    losses = stock_configs.logged_losses(out)
+    assert len(losses) == stock_configs.MAX_STEPS_PER_EPOCH and stock_configs.all_finite(losses)
+    cfg = OmegaConf.load(out / "config.yaml")
+    for artefact in stock_configs.expected_artefacts(cfg):
+        assert (out / artefact).is_file(), artefact
+    if cfg.get("save_adapter_weights_only", False):
+        assert not (out / "epoch_0" / "model-00001-of-00001.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("stock_configs")
+def test_dora_trains_magnitudes(runs: Path) -> None:
+    adapters = torch.load(
+        _out(runs, LORA, "llama3/8B_dora") / "epoch_0" / "adapter_model.pt", weights_only=True
+    )
+    assert any(key.endswith(".magnitude") for key in adapters)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("stock_configs")
+def test_cpu_offload_is_ignored_with_a_message(runs: Path) -> None:
+    """FSDP2's CPU offload pins memory, which needs an accelerator; on CPU the recipe says it
+    ignores the key instead of failing to load the weights."""
+    output = (_out(runs, FULL, "llama3_1/70B_full") / "output.txt").read_text()
+    lines = output.splitlines()
+    assert any("fsdp_cpu_offload" in line and "ignored on CPU" in line for line in lines)
