@@ -63,8 +63,9 @@ def _warn_once(message: str) -> None:
 
 
 @dataclass
-class SingleDeviceRecipeConfig:
-    """The keys every single-device fine-tuning recipe reads (full and LoRA)."""
+class TrainingRunConfig:
+    """The keys every recipe that trains reads, the parity report included: what is trained,
+    on what, with what, where."""
 
     # Components (``_component_`` sections).
     model: Any = MISSING
@@ -73,29 +74,35 @@ class SingleDeviceRecipeConfig:
     checkpointer: Any = MISSING
     optimizer: Any = MISSING
     loss: Any = MISSING
-    metric_logger: Any = MISSING
     lr_scheduler: Any = None
-    profiler: Optional[ProfilerSection] = None
 
     # Run.
     output_dir: str = MISSING
     device: str = "cuda"
     dtype: str = choice(PRECISIONS, "bf16")
     seed: Optional[int] = None
+    shuffle: bool = True
+    collate_fn: str = "torchtune.data.padded_collate_sft"
+    clip_grad_norm: Optional[float] = None
+
+
+@dataclass
+class SingleDeviceRecipeConfig(TrainingRunConfig):
+    """The keys every single-device fine-tuning recipe reads (full and LoRA)."""
+
+    metric_logger: Any = MISSING
+    profiler: Optional[ProfilerSection] = None
     cudnn_deterministic_mode: Optional[bool] = None
     compile: bool = False
     resume_from_checkpoint: bool = False
 
     # Data and batching.
-    shuffle: bool = True
     batch_size: int = MISSING
-    collate_fn: str = "torchtune.data.padded_collate_sft"
     epochs: int = 1
     max_steps_per_epoch: Optional[int] = None
     gradient_accumulation_steps: int = 1
 
-    # Optimisation and memory.
-    clip_grad_norm: Optional[float] = None
+    # Memory.
     enable_activation_checkpointing: bool = False
     enable_activation_offloading: bool = False
 
@@ -248,7 +255,7 @@ class ParitySettings:
 
 
 @dataclass
-class GaParityConfig:
+class GaParityConfig(TrainingRunConfig):
     """``ga_parity``: the keys of a full or LoRA single-device config it reads, plus ``parity``.
 
     The other keys of those recipes are accepted, so a training config runs with a ``parity``
@@ -257,20 +264,6 @@ class GaParityConfig:
     compile and memory settings change nothing in it.
     """
 
-    model: Any = MISSING
-    tokenizer: Any = MISSING
-    dataset: Any = MISSING
-    checkpointer: Any = MISSING
-    optimizer: Any = MISSING
-    loss: Any = MISSING
-    lr_scheduler: Any = None
-    output_dir: str = MISSING
-    device: str = "cuda"
-    dtype: str = choice(PRECISIONS, "bf16")
-    seed: Optional[int] = None
-    shuffle: bool = True
-    collate_fn: str = "torchtune.data.padded_collate_sft"
-    clip_grad_norm: Optional[float] = None
     optimizer_in_bwd: bool = False  # read by full configs; must stay False here
     parity: ParitySettings = field(default_factory=ParitySettings)
 
