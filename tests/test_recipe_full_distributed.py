@@ -126,8 +126,13 @@ def _launch_two_nodes(name: str, settings: dict[str, object], root: Path) -> Pat
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("distributed")
+def runs(run_once) -> dict[str, Path]:
+    """The launches' output folders, made once per test session for every xdist worker."""
+    root = run_once("full_distributed_runs", _launch_all)
+    return {path.name: path for path in root.iterdir() if (path / "epoch_0").is_dir()}
+
+
+def _launch_all(root: Path) -> None:
     data = root / "ragged.json"
     data.write_text(json.dumps(ragged_rows()))
     ragged = {**SGD, "dataset.data_files": data}
@@ -172,10 +177,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             name: pool.submit(_launch, name, nproc, settings, root)
             for name, (nproc, settings) in launches.items()
         }
-        result = {name: future.result() for name, future in futures.items()}
+        for future in futures.values():
+            future.result()
     two_nodes = {**PARITY, "batch_size": 4, "gradient_accumulation_steps": 1}
-    result["2nodes_4x1"] = _launch_two_nodes("2nodes_4x1", two_nodes, root)
-    return result
+    _launch_two_nodes("2nodes_4x1", two_nodes, root)
 
 
 def _distance(run: Path, reference: Path) -> float:
