@@ -68,6 +68,7 @@ from exactga.parity.scoring import (
     summarize,
 )
 from exactga.profiling import setup_profiler
+from exactga.resume import checkpointer_source
 from exactga.schemas import GaParityConfig
 from exactga.training import causal_lm_loss, train_window
 
@@ -155,7 +156,7 @@ class GaParityRecipe:
                 model,
                 LoraSettings.from_config(cfg_model),
                 base_state=base_state,
-                base_source="checkpointer.checkpoint_dir",
+                base_source=checkpointer_source(self._cfg.checkpointer),
                 adapters=None,
                 load=partial(nn.Module.load_state_dict, strict=False),
                 seed=self._seed,

@@ -42,7 +42,12 @@ from exactga.lora import LoraSettings, adapter_state, epoch_checkpoint_weights, 
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
-from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
+from exactga.resume import (
+    checkpointer_source,
+    find_resume_point,
+    run_fingerprint,
+    write_step_checkpoint,
+)
 from exactga.schemas import LoraFinetuneSingleDeviceConfig
 from exactga.training import (
     causal_lm_loss,
@@ -143,7 +148,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._model = self._setup_model(
             cfg.model,
             base_model_state_dict=ckpt_dict[training.MODEL_KEY],
-            base_source=f"checkpointer.checkpoint_dir ({cfg.checkpointer.checkpoint_dir})",
+            base_source=checkpointer_source(cfg.checkpointer),
             lora_weights_state_dict=resume.adapter_weights(ckpt_dict),
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)

@@ -128,7 +128,7 @@ class ResumePoint:
         not fit the model."""
         if self.step_checkpoint is not None:
             return str(self.step_checkpoint.path / MODEL_FILE)
-        return f"checkpointer.checkpoint_dir ({cfg_checkpointer.checkpoint_dir})"
+        return checkpointer_source(cfg_checkpointer)
 
     def optimizer_state(self, ckpt_dict: Mapping[str, Any]) -> dict[str, Any] | None:
         """The optimizer state to go on from, or ``None`` for a fresh optimizer."""
@@ -151,6 +151,12 @@ class ResumePoint:
         the data draws from them."""
         if self.step_checkpoint is not None:
             restore_rng_state(self.step_checkpoint.rank_state["rng"], device)
+
+
+def checkpointer_source(cfg_checkpointer: DictConfig) -> str:
+    """Where torchtune's checkpointer reads weights from, for messages about weights that do
+    not fit the model (the base weights, or an epoch checkpoint's)."""
+    return f"checkpointer.checkpoint_dir ({cfg_checkpointer.checkpoint_dir})"
 
 
 def find_resume_point(
