@@ -44,6 +44,7 @@ from exactga import distributed
 from exactga.checkpointing import step_checkpointer_for
 from exactga.config import validate_config
 from exactga.data import build_dataloader, load_dataset, model_vocab_size
+from exactga.micro_batching import MicroBatchingSettings
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.profiling import setup_profiler
@@ -187,7 +188,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             self._loss_fn,
             self._gradient_accumulation_steps,
             mode=self._loss_normalization,
-            drop_partial_window=self._drop_partial_window,
             dp_group=distributed.dp_group(self._mesh),
         )
 
@@ -197,6 +197,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._dataloader = build_dataloader(
             dataset,
             batch_size=cfg.batch_size,
+            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            micro_batching=MicroBatchingSettings.from_config(cfg),
+            drop_partial_window=self._drop_partial_window,
             shuffle=cfg.shuffle,
             collate_fn=cfg.collate_fn,
             padding_idx=self._tokenizer.pad_id,
@@ -206,7 +209,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             state_dict=resume.dataloader_state(ckpt_dict),
         )
         self._progress.start(
-            self._normalizer.num_windows(len(self._dataloader)),
+            len(self._dataloader),  # windows per epoch
             resumed_mid_run=resume.from_step_checkpoint,
         )
 
@@ -426,7 +429,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                             save_checkpoint=self.save_step_checkpoint,
                         )
                     num_tokens_since_log += window.num_global_tokens
-                    self._profiler.step(window.num_input_tokens)
+                    self._profiler.step(window.work())
                     pbar.update(1)
 
                     if progress.global_step % self._log_every_n_steps == 0:

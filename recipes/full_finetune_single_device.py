@@ -31,6 +31,7 @@ from tqdm import tqdm
 from exactga.checkpointing import step_checkpointer_for
 from exactga.config import validate_config
 from exactga.data import build_dataloader, load_dataset, model_vocab_size
+from exactga.micro_batching import MicroBatchingSettings
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.profiling import setup_profiler
@@ -142,7 +143,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._loss_fn,
             self._gradient_accumulation_steps,
             mode=self._loss_normalization,
-            drop_partial_window=self._drop_partial_window,
         )
 
         # Data order, row checks and loader position: see [data order] in exactga.data.
@@ -150,6 +150,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._dataloader = build_dataloader(
             dataset,
             batch_size=cfg.batch_size,
+            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            micro_batching=MicroBatchingSettings.from_config(cfg),
+            drop_partial_window=self._drop_partial_window,
             shuffle=cfg.shuffle,
             collate_fn=cfg.collate_fn,
             padding_idx=self._tokenizer.pad_id,
@@ -157,7 +160,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             state_dict=resume.dataloader_state(ckpt_dict),
         )
         self._progress.start(
-            self._normalizer.num_windows(len(self._dataloader)),
+            len(self._dataloader),  # windows per epoch
             resumed_mid_run=resume.from_step_checkpoint,
         )
 
@@ -303,7 +306,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                             save_checkpoint=self.save_step_checkpoint,
                         )
                     num_tokens_since_log += window.num_global_tokens
-                    self._profiler.step(window.num_input_tokens)
+                    self._profiler.step(window.work())
                     pbar.update(1)
 
                     if progress.global_step % self._log_every_n_steps == 0:

@@ -50,13 +50,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune import config, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga import distributed
 from exactga.config import validate_config
-from exactga.data import build_dataloader, load_dataset, model_vocab_size
+from exactga.data import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, load_lora_weights
 from exactga.normalization import LossNormalizer, NormMode, parse_mode
 from exactga.parity.report import write_report
@@ -201,7 +200,7 @@ class GaParityRecipe:
     def _setup_dataset(self, cfg_dataset: DictConfig) -> Any:
         return load_dataset(cfg_dataset, self._tokenizer, self._vocab_size)
 
-    def _dataloader(self, split: Split) -> StatefulDataLoader:
+    def _dataloader(self, split: Split) -> WindowLoader:
         """The same sample order for every split: the sampler's permutation depends on its
         seed alone, and N ranks taking every N-th sample of it in batches of B hold, window by
         window, exactly the global batches of one device (see docs/ga_parity.md)."""
@@ -211,6 +210,7 @@ class GaParityRecipe:
         return build_dataloader(
             self._dataset,
             batch_size=split.batch_size,
+            gradient_accumulation_steps=split.ga,
             shuffle=self._cfg.shuffle,
             collate_fn=self._cfg.collate_fn,
             padding_idx=self._tokenizer.pad_id,

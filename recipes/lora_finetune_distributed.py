@@ -44,6 +44,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.config import validate_config
 from exactga.data import build_dataloader, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, epoch_checkpoint_weights, load_lora_weights
+from exactga.micro_batching import MicroBatchingSettings
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -181,7 +182,6 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._loss_fn,
             self._gradient_accumulation_steps,
             mode=self._loss_normalization,
-            drop_partial_window=self._drop_partial_window,
             dp_group=distributed.dp_group(self._mesh),
         )
 
@@ -190,6 +190,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._dataloader = build_dataloader(
             dataset,
             batch_size=cfg.batch_size,
+            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            micro_batching=MicroBatchingSettings.from_config(cfg),
+            drop_partial_window=self._drop_partial_window,
             shuffle=cfg.shuffle,
             collate_fn=cfg.collate_fn,
             padding_idx=self._tokenizer.pad_id,
@@ -199,7 +202,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             state_dict=resume.dataloader_state(ckpt_dict),
         )
         self._progress.start(
-            self._normalizer.num_windows(len(self._dataloader)),
+            len(self._dataloader),  # windows per epoch
             resumed_mid_run=resume.from_step_checkpoint,
         )
 
@@ -413,7 +416,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                             save_checkpoint=self.save_step_checkpoint,
                         )
                     num_tokens_since_log += window.num_global_tokens
-                    self._profiler.step(window.num_input_tokens)
+                    self._profiler.step(window.work())
                     pbar.update(1)
 
                     if progress.global_step % self._log_every_n_steps == 0:

@@ -39,6 +39,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.config import validate_config
 from exactga.data import build_dataloader, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, adapter_state, epoch_checkpoint_weights, load_lora_weights
+from exactga.micro_batching import MicroBatchingSettings
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -163,7 +164,6 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._loss_fn,
             self._gradient_accumulation_steps,
             mode=self._loss_normalization,
-            drop_partial_window=self._drop_partial_window,
         )
 
         # Data order, row checks and loader position: see [data order] in exactga.data.
@@ -171,6 +171,9 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._dataloader = build_dataloader(
             dataset,
             batch_size=cfg.batch_size,
+            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            micro_batching=MicroBatchingSettings.from_config(cfg),
+            drop_partial_window=self._drop_partial_window,
             shuffle=cfg.shuffle,
             collate_fn=cfg.collate_fn,
             padding_idx=self._tokenizer.pad_id,
@@ -178,7 +181,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             state_dict=resume.dataloader_state(ckpt_dict),
         )
         self._progress.start(
-            self._normalizer.num_windows(len(self._dataloader)),
+            len(self._dataloader),  # windows per epoch
             resumed_mid_run=resume.from_step_checkpoint,
         )
 
@@ -332,7 +335,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                             save_checkpoint=self.save_step_checkpoint,
                         )
                     num_tokens_since_log += window.num_global_tokens
-                    self._profiler.step(window.num_input_tokens)
+                    self._profiler.step(window.work())
                     pbar.update(1)
 
                     if progress.global_step % self._log_every_n_steps == 0:

@@ -39,6 +39,13 @@ def _validate(schema: type, path: str, **overrides: object):
         (FullFinetuneSingleDeviceConfig, FULL, "dtype", "fp16", "bf16, fp32, fp64"),
         (LoraFinetuneSingleDeviceConfig, LORA, "nonfinite_loss", "halt", "skip, stop"),
         (
+            FullFinetuneSingleDeviceConfig,
+            FULL,
+            "micro_batching",
+            "sorted",
+            "fixed, by_length, token_budget",
+        ),
+        (
             LoraFinetuneDistributedConfig,
             LORA_DISTRIBUTED,
             "gradient_sync",
@@ -52,6 +59,17 @@ def test_a_value_outside_its_choices_names_the_key_and_the_choices(
 ) -> None:
     with pytest.raises(ValueError, match=f"config key '{key}'='{value}': choose one of {choices}"):
         _validate(schema, path, **{key: value})
+
+
+@pytest.mark.parametrize("tokens", [0, -8])
+def test_a_token_budget_below_one_names_the_key(tokens: int) -> None:
+    with pytest.raises(ValueError, match="'micro_batch_tokens' must be null or at least 1"):
+        _validate(
+            FullFinetuneSingleDeviceConfig,
+            FULL,
+            micro_batching="token_budget",
+            micro_batch_tokens=tokens,
+        )
 
 
 def test_a_list_of_choices_names_the_bad_item() -> None:
@@ -87,10 +105,29 @@ def test_the_profiler_section_is_checked_against_its_schema() -> None:
             {
                 "optimizer_in_bwd": True,
                 "loss_normalization": "naive",
+                "micro_batching": "fixed",
                 "clip_grad_norm": None,
                 "gradient_accumulation_steps": 1,
             },
             "'optimizer_in_bwd' and 'loss_normalization'",
+        ),
+        (
+            FullFinetuneSingleDeviceConfig,
+            FULL,
+            {"loss_normalization": "post_scale", "micro_batching": "by_length"},
+            "'micro_batching' and 'loss_normalization'",
+        ),
+        (
+            LoraFinetuneDistributedConfig,
+            LORA_DISTRIBUTED,
+            {"micro_batching": "fixed", "micro_batch_tokens": 1024},
+            "'micro_batch_tokens' and 'micro_batching'",
+        ),
+        (
+            FullFinetuneDistributedConfig,
+            FULL_DISTRIBUTED,
+            {"micro_batching": "token_budget"},
+            "'micro_batch_tokens' is needed",
         ),
         (
             LoraFinetuneSingleDeviceConfig,

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from unit_utils import make_loss, make_rows, micro_batch_loss, split, tiny_model
 
 from exactga import profiling
+from exactga.micro_batching import WindowWork
 from exactga.normalization import LossNormalizer
 from exactga.profiling import (
     PHASES,
@@ -31,7 +32,9 @@ def hook(model: torch.nn.Module, settings: dict, output_dir: str = "/tmp/unused"
     """The profiler a recipe would build from these config keys (top-level or ``profiler.*``)."""
     top_level = {k: v for k, v in settings.items() if k in TOP_LEVEL_KEYS}
     section = {k: v for k, v in settings.items() if k not in TOP_LEVEL_KEYS}
-    cfg = OmegaConf.create({"output_dir": output_dir, "profiler": section, **top_level})
+    cfg = OmegaConf.create(
+        {"output_dir": output_dir, "profiler": section, "micro_batching": "by_length", **top_level}
+    )
     return setup_profiler(cfg, CPU, model)
 
 
@@ -104,7 +107,7 @@ def test_saved_ms_is_the_time_of_the_scaling_pass(clock, monkeypatch) -> None:
         for _ in range(3):
             profiler.sample_gradient_pass(model)
             clock.advance_ms(10.0)  # the rest of the step
-            profiler.step(num_tokens=100)
+            profiler.step(WindowWork(num_positions=100))
         metrics = profiler.metrics()
     assert calls == [1.0, 1.0, 1.0]  # factor 1: the gradients are left as they are
     assert profiler.saved_ms_samples == pytest.approx([2.5, 2.5, 2.5])
@@ -123,12 +126,12 @@ def test_saved_latency_is_sampled_on_step_2_and_every_n() -> None:
         profiler.sample_gradient_pass(model)
         if len(profiler.saved_ms_samples) > before:
             sampled.append(step)
-        profiler.step(num_tokens=1)
+        profiler.step(WindowWork(num_positions=1))
     assert sampled == [2, 4, 8]
     off = hook(model, {"saved_latency_every_n_steps": 0})
     for _ in range(3):
         off.sample_gradient_pass(model)
-        off.step(num_tokens=1)
+        off.step(WindowWork(num_positions=1))
     assert off.saved_ms_samples == []
 
 
@@ -140,7 +143,7 @@ def test_metrics_average_phases_per_step_and_reset(clock) -> None:
             with profiler.phase("forward"):
                 clock.advance_ms(10.0 * item)
             clock.advance_ms(1.0)  # outside any phase
-            profiler.step(num_tokens=50)
+            profiler.step(WindowWork(num_positions=50))
         metrics = profiler.metrics()
     assert set(metrics) >= {f"time/{p}_ms" for p in PHASES} | {
         "time/step_ms",
@@ -156,11 +159,35 @@ def test_metrics_average_phases_per_step_and_reset(clock) -> None:
     assert profiler.metrics() == {}  # nothing new since the last read
 
 
+def test_padding_metrics_cover_the_interval_and_the_run(clock) -> None:
+    model = tiny_model()
+    profiler = hook(model, {})
+    with profiler:
+        for positions, own, fixed in [(100, 75, 160), (300, 225, 400)]:
+            clock.advance_ms(500.0)
+            profiler.step(
+                WindowWork(
+                    num_positions=positions,
+                    num_loss_tokens=40,
+                    num_sample_positions=own,
+                    num_fixed_positions=fixed,
+                    positions_per_rank=(positions, positions // 2),
+                )
+            )
+        metrics = profiler.metrics()
+    assert metrics["throughput/padding_fraction"] == pytest.approx(1 - 300 / 400)
+    assert metrics["throughput/loss_tokens_per_second"] == pytest.approx(80 / 1.0)
+    assert metrics["throughput/rank_imbalance"] == pytest.approx(300 / 225)
+    summary = profiler.summary()
+    assert "padding was 25.0% of the 400 positions" in summary
+    assert "would have processed 560 (28.6% saved)" in summary
+
+
 def test_timings_off_make_the_hook_silent() -> None:
     model = tiny_model()
     profiler = hook(model, {"log_timings": False})
     with profiler, profiler.phase("forward"):
-        profiler.step(num_tokens=1)
+        profiler.step(WindowWork(num_positions=1))
     assert profiler.metrics() == {}
 
 
@@ -181,7 +208,7 @@ def test_trace_is_written_as_perfetto_json(tmp_path) -> None:
         for _ in range(4):
             with profiler.phase("forward"):
                 model(torch.randint(0, 64, (1, 8)))
-            profiler.step(num_tokens=8)
+            profiler.step(WindowWork(num_positions=8))
     (trace,) = (tmp_path / "profiling_outputs").glob("trace_step_*.json")
     assert "traceEvents" in json.loads(trace.read_text())
 

@@ -109,7 +109,7 @@ def _check_minimums(cfg: DictConfig) -> None:
     for key, minimum in _MINIMUMS.items():
         if key in cfg and cfg[key] < minimum:
             raise ValueError(f"config key '{key}' must be at least {minimum}, got {cfg[key]}.")
-    for key in ("max_steps_per_epoch", "save_every_n_steps"):
+    for key in ("max_steps_per_epoch", "save_every_n_steps", "micro_batch_tokens"):
         steps = cfg.get(key)
         if steps is not None and steps < 1:
             raise ValueError(f"config key '{key}' must be null or at least 1, got {steps}.")

@@ -49,6 +49,13 @@ from torchtune.data import (
 )
 from torchtune.datasets import ConcatDataset, PackedDataset, SFTDataset
 
+from exactga.micro_batching import (
+    MicroBatchingSettings,
+    SampleWindow,
+    WindowCollator,
+    whole_micro_batches,
+)
+
 # The columns each known message transform reads, by their default name (a column map may rename
 # them): the type of value it expects, and whether a row may leave the column empty (null or
 # absent). Only the columns are checked up front; what is inside a conversation is checked by
@@ -66,11 +73,13 @@ _COLUMNS: dict[type, dict[str, tuple[type, bool]]] = {
 # section, or a list concatenated in order), wrapped so bad rows are named; a
 # ``StatefulDistributedSampler`` with seed 0 (torchtune's choice; the epoch is mixed in by
 # ``sampler.set_epoch``), over which data-parallel rank ``r`` of ``n`` reads every n-th sample of
-# the one shuffled order, so the ranks together see exactly what one device sees; batches of
-# ``batch_size`` with the last short batch dropped (torchtune's choice, which keeps compiled and
-# flex-attention shapes fixed); padding with the tokenizer's pad id and labels padded with the
-# loss's ignore index, or packed samples collated as packs. A resumed run hands the loader's
-# saved position back here.
+# the one shuffled order, so the ranks together see exactly what one device sees; windows of
+# ``batch_size x gradient_accumulation_steps`` consecutive samples of that order, an epoch's last
+# window keeping only whole micro-batches of ``batch_size`` (the samples torchtune's loader, which
+# drops its last short batch, would give); each window split into micro-batches by
+# ``micro_batching`` (see [micro-batching modes] in exactga.micro_batching) and each micro-batch
+# padded with the tokenizer's pad id and labels padded with the loss's ignore index, or packed
+# samples collated as packs. A resumed run hands the loader's saved position back here.
 
 
 def load_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any, vocab_size: int) -> Dataset:
@@ -91,23 +100,30 @@ def build_dataloader(
     dataset: Dataset,
     *,
     batch_size: int,
+    gradient_accumulation_steps: int,
     shuffle: bool,
     collate_fn: str,
     padding_idx: int,
     ignore_idx: int,
+    micro_batching: MicroBatchingSettings | None = None,
+    drop_partial_window: bool = False,
     num_replicas: int = 1,
     rank: int = 0,
     state_dict: Mapping[str, Any] | None = None,
-) -> StatefulDataLoader:
-    """The loader of this data-parallel ``rank`` of ``num_replicas``; see [data order].
+) -> WindowLoader:
+    """The loader of this data-parallel ``rank`` of ``num_replicas``: one accumulation window
+    of samples at a time, split into micro-batches. See [data order] and [micro-batching modes].
 
     Args:
         dataset: from :func:`load_dataset`.
-        batch_size: samples per micro-batch on this rank.
+        batch_size: samples per micro-batch on this rank (the config's ``batch_size``).
+        gradient_accumulation_steps: micro-batches of ``batch_size`` per window.
         shuffle: the config's ``shuffle``.
         collate_fn: the config's ``collate_fn`` (dotted path), used unless the data is packed.
         padding_idx: the tokenizer's pad id.
         ignore_idx: the loss's ignore index, which padded labels take.
+        micro_batching: how a window is split; ``None`` is ``fixed`` (the loader's order).
+        drop_partial_window: drop an epoch's last, short window instead of stepping on it.
         num_replicas: data-parallel ranks reading the dataset.
         rank: this process's data-parallel rank.
         state_dict: a saved loader position to go on from (resume), or ``None``.
@@ -123,15 +139,73 @@ def build_dataloader(
         collate = partial(
             _get_component_from_path(collate_fn), padding_idx=padding_idx, ignore_idx=ignore_idx
         )
+    settings = micro_batching or MicroBatchingSettings(batch_size=batch_size)
+    assert settings.batch_size == batch_size, "micro_batching was set up for another batch_size"
+    window_size = batch_size * gradient_accumulation_steps
     sampler = StatefulDistributedSampler(
         dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=0
     )
     dataloader = StatefulDataLoader(
-        dataset=dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True
+        dataset=dataset,
+        batch_size=window_size,
+        sampler=sampler,
+        collate_fn=WindowCollator(settings, window_size, collate),
+        drop_last=False,  # the short last window keeps its whole micro-batches
     )
+    loader = WindowLoader(dataloader, batch_size, window_size, drop_partial_window)
     if state_dict is not None:
-        dataloader.load_state_dict(state_dict)
-    return dataloader
+        loader.load_state_dict(state_dict)
+    return loader
+
+
+class WindowLoader:
+    """A stateful loader of :class:`SampleWindow`s: one per optimizer step of an epoch.
+
+    Wraps torchdata's ``StatefulDataLoader`` (whose batches are windows of samples) and applies
+    the end-of-epoch rules: a last window without a whole micro-batch is not a window, and with
+    ``drop_partial_window`` nor is a short one. ``sampler``, ``state_dict`` and
+    ``load_state_dict`` are the wrapped loader's.
+    """
+
+    def __init__(
+        self,
+        dataloader: StatefulDataLoader,
+        batch_size: int,
+        window_size: int,
+        drop_partial_window: bool,
+    ) -> None:
+        self.dataloader = dataloader
+        self.sampler = dataloader.sampler
+        self.batch_size = batch_size
+        self.window_size = window_size
+        self.drop_partial_window = drop_partial_window
+
+    def __len__(self) -> int:
+        """Windows in an epoch on this rank."""
+        full, rest = divmod(len(self.sampler), self.window_size)
+        has_partial = whole_micro_batches(rest, self.batch_size) > 0
+        return full + (1 if has_partial and not self.drop_partial_window else 0)
+
+    def __iter__(self) -> Iterator[SampleWindow]:
+        for window in self.dataloader:
+            if window.num_samples == 0 or (window.is_partial and self.drop_partial_window):
+                continue  # only an epoch's last window can be short; see [micro-batching modes]
+            yield window
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window_size": self.window_size, "loader": self.dataloader.state_dict()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if "window_size" not in state_dict:
+            raise ValueError(
+                "resume_from_checkpoint: this checkpoint's data-loader position was saved by an "
+                "exactga that loaded micro-batches, not windows; resume it with that version, or "
+                "start the run again."
+            )
+        assert state_dict["window_size"] == self.window_size, (
+            "window size changed across a resume; the run fingerprint should have refused it"
+        )
+        self.dataloader.load_state_dict(state_dict["loader"])
 
 
 def _is_packed(dataset: Dataset) -> bool:

@@ -51,13 +51,16 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchtune.training import scale_grads
+
+from exactga.micro_batching import SampleWindow, WindowWork, filler_micro_batch
 
 IGNORE_INDEX = -100
 
@@ -177,44 +180,87 @@ class MicroBatch:
     num_unshifted_tokens: int  # stock torchtune's count, only for post_scale
 
 
-class _PendingCount:
-    """An all-reduce of a window's token count that may still be in flight."""
+@dataclass(frozen=True)
+class WindowCounts:
+    """What one rank contributes to a window's one collective; see [one collective per window]."""
 
-    def __init__(self, num_local_tokens: int, group: dist.ProcessGroup | None) -> None:
-        self._value: int | None = None
+    num_tokens: int  # loss tokens after the shift
+    num_micro_batches: int  # micro-batches it planned (fillers excluded)
+    num_positions: int  # positions those micro-batches process, padding included
+
+    def as_list(self) -> list[int]:
+        return [self.num_tokens, self.num_micro_batches, self.num_positions]
+
+
+# Note [one collective per window]
+# Each rank writes its WindowCounts into its own slot of a (world_size x 3) int64 tensor of
+# zeros, and one asynchronous SUM all-reduce fills every slot on every rank: an all-gather that
+# every backend runs, issued when the window is opened and read only when the first loss is
+# scaled (by then the first forward has run). From it every rank knows the window's loss tokens
+# (the sum), how many micro-batches the busiest rank runs (the max; ranks with fewer run
+# zero-weight fillers, see [empty micro-batches under FSDP]), and how unequal the ranks'
+# processed positions are. A few hundred bytes even on a thousand ranks.
+
+
+class _PendingCounts:
+    """The window's collective, possibly still in flight; see [one collective per window]."""
+
+    def __init__(self, local: WindowCounts, group: dist.ProcessGroup | None) -> None:
+        self._rows: list[list[int]] | None = None
         self.device = torch.device("cpu")
         if group is None:
-            self._value = num_local_tokens
+            self._rows = [local.as_list()]
             return
         backend = dist.get_backend(group)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         self.device = torch.device(device)
-        self._tensor = torch.tensor([num_local_tokens], dtype=torch.int64, device=device)
+        slots = torch.zeros(dist.get_world_size(group), 3, dtype=torch.int64)
+        slots[dist.get_rank(group)] = torch.tensor(local.as_list())
+        self._tensor = slots.to(self.device)
         self._work = dist.all_reduce(self._tensor, group=group, async_op=True)
 
-    def wait(self) -> int:
-        if self._value is None:
+    def rows(self) -> list[list[int]]:
+        """Every rank's counts (waits for the collective the first time)."""
+        if self._rows is None:
             self._work.wait()
-            self._value = int(self._tensor.item())
-        return self._value
+            self._rows = self._tensor.tolist()
+        return self._rows
+
+    def wait(self) -> int:
+        """The window's loss tokens over every rank."""
+        return sum(row[0] for row in self.rows())
+
+    def max_micro_batches(self) -> int:
+        return max(row[1] for row in self.rows())
+
+    def positions_per_rank(self) -> list[int]:
+        return [row[2] for row in self.rows()]
 
 
 @dataclass
 class Window:
     """The micro-batches of one optimizer step and everything needed to weight them.
 
-    Created by :meth:`LossNormalizer.windows`, which has already issued the token-count
-    reduction; the first call that needs the global count waits for it, so the reduction
-    overlaps whatever the recipe does before (the first forward).
+    Created by :meth:`LossNormalizer.windows`, which has already issued the window's collective;
+    the first call that needs the global count waits for it, so the reduction overlaps whatever
+    the recipe does before (the first forward).
     """
 
     micro_batches: list[MicroBatch]
     mode: NormMode
     dp_size: int
-    _pending: _PendingCount
+    _pending: _PendingCounts
     _losses: list[torch.Tensor] = field(default_factory=list)
     _loss_tokens: list[int] = field(default_factory=list)
     dp_group: dist.ProcessGroup | None = None
+    # A zero-weight micro-batch to run when another rank runs more micro-batches than this one.
+    filler: MicroBatch | None = None
+    # The samples' own positions and those the ``fixed`` split would process (padding metrics).
+    num_sample_positions: int = 0
+    num_fixed_positions: int = 0
+    # Whether ranks may plan different micro-batch counts (``token_budget``). Otherwise the
+    # counts are equal by construction and the collective is not waited for to know it.
+    counts_may_differ: bool = False
 
     @property
     def num_local_tokens(self) -> int:
@@ -222,13 +268,29 @@ class Window:
 
     @property
     def num_input_tokens(self) -> int:
-        """Positions the model processes on this rank, padding included (for throughput)."""
+        """Positions the model processes on this rank, padding and fillers included."""
         return sum(mb.batch["tokens"].numel() for mb in self.micro_batches_to_run())
 
     @property
     def num_global_tokens(self) -> int:
         """Loss tokens of the window over every data-parallel rank (waits for the reduction)."""
         return self._pending.wait()
+
+    def positions_per_rank(self) -> list[int]:
+        """Positions each rank's planned micro-batches process (fillers excluded)."""
+        return self._pending.positions_per_rank()
+
+    def work(self) -> WindowWork:
+        """What this step processed, for the throughput and padding metrics; call it after
+        the step (it reads the collective's result)."""
+        known = self.num_sample_positions > 0
+        return WindowWork(
+            num_positions=self.num_input_tokens,
+            num_loss_tokens=self.num_local_tokens,
+            num_sample_positions=self.num_sample_positions if known else None,
+            num_fixed_positions=self.num_fixed_positions if known else None,
+            positions_per_rank=tuple(self.positions_per_rank()) if self.dp_size > 1 else (),
+        )
 
     def should_skip_step(self) -> bool:
         """True when no rank has a loss token in this window; see [empty windows].
@@ -242,16 +304,30 @@ class Window:
         """The micro-batches that carry loss tokens; see [empty windows]."""
         return (mb for mb in self.micro_batches if mb.num_tokens > 0)
 
-    def micro_batches_to_run(self) -> Iterator[MicroBatch]:
-        """The micro-batches a recipe must forward and backward on this rank.
+    def num_filler_micro_batches(self) -> int:
+        """Zero-weight micro-batches this rank runs so that every rank runs as many as the
+        busiest (only ``token_budget`` plans unequal counts); see [one collective per window]."""
+        if self.dp_size == 1 or not self.counts_may_differ:
+            return 0
+        return self._pending.max_micro_batches() - len(self.micro_batches)
 
-        On one data-parallel rank, the non-empty ones; with several, all of them, so that every
-        rank runs the same collectives (empty ones carry a planted label and weigh exactly 0).
-        See [empty micro-batches under FSDP].
+    def micro_batches_to_run(self) -> Iterator[MicroBatch]:
+        """The micro-batches a recipe must forward and backward on this rank, lazily.
+
+        On one data-parallel rank, the non-empty ones; with several, all of them and then any
+        fillers, so that every rank runs the same collectives (empty ones carry a planted label
+        and weigh exactly 0). See [empty micro-batches under FSDP]. The filler count is read
+        only after this rank's own micro-batches, when the collective has long completed.
         """
-        if self.dp_size > 1:
-            return iter(self.micro_batches)
-        return self.nonempty_micro_batches()
+        if self.dp_size == 1:
+            yield from self.nonempty_micro_batches()
+            return
+        yield from self.micro_batches
+        num_fillers = self.num_filler_micro_batches()
+        if num_fillers:
+            assert self.filler is not None, "a rank with fewer micro-batches needs a filler"
+        for _ in range(num_fillers):  # a fresh dict each: a loss step pops its labels
+            yield replace(self.filler, batch=dict(self.filler.batch))
 
     def scale(self, loss: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
         """The micro-batch's mean loss weighted for backward; see [loss scaled before backward].
@@ -355,41 +431,51 @@ class LossNormalizer:
         self._denominator_verified = False
 
     def num_windows(self, num_batches: int) -> int:
-        """Optimizer steps in an epoch of ``num_batches`` micro-batches."""
+        """Optimizer steps in an epoch of ``num_batches`` collated micro-batches (a loader of
+        windows says its own length)."""
         full, rest = divmod(num_batches, self.gradient_accumulation_steps)
         return full + (1 if rest and not self.drop_partial_window else 0)
 
     def windows(
-        self, batches: Iterable[dict[str, torch.Tensor]], max_windows: int | None = None
+        self,
+        batches: Iterable[SampleWindow] | Iterable[dict[str, torch.Tensor]],
+        max_windows: int | None = None,
     ) -> Iterator[Window]:
-        """Prefetch one epoch of ``batches`` as windows of ``gradient_accumulation_steps``.
+        """One epoch of windows, each counted on the host with its collective issued.
 
-        Call once per epoch: a window never spans epochs. Each window's token count is counted
-        on the host and its reduction issued before the window is handed out.
+        ``batches`` is the recipes' loader of :class:`SampleWindow`s (``exactga.data``), or any
+        iterable of collated micro-batches, grouped ``gradient_accumulation_steps`` at a time in
+        their order. Call once per epoch: a window never spans epochs.
         """
         iterator = iter(batches)
         num_yielded = 0
         while max_windows is None or num_yielded < max_windows:
-            micro_batches = self._prefetch(iterator)
-            if not micro_batches:
+            window = self._next_window(iterator)
+            if window is None:
                 return
-            if len(micro_batches) < self.gradient_accumulation_steps and self.drop_partial_window:
-                return
-            yield self._open_window(micro_batches)
+            yield window
             num_yielded += 1
         # Stopped by max_windows: one more fetch lets a stateful loader that is at its end see
         # StopIteration, so a checkpoint taken now records a finished epoch and a resumed run
         # does not start with an empty one. An epoch cut short loses nothing: it ends here.
         next(iterator, None)
 
-    def _prefetch(self, iterator: Iterator[dict[str, torch.Tensor]]) -> list[MicroBatch]:
-        micro_batches = []
-        for _ in range(self.gradient_accumulation_steps):
+    def _next_window(self, iterator: Iterator[Any]) -> Window | None:
+        first = next(iterator, None)
+        if first is None:
+            return None
+        if isinstance(first, SampleWindow):
+            return self._open_window(first)
+        batches = [first]
+        for _ in range(self.gradient_accumulation_steps - 1):
             batch = next(iterator, None)
             if batch is None:
                 break
-            micro_batches.append(self._count(batch))
-        return micro_batches
+            batches.append(batch)
+        if len(batches) < self.gradient_accumulation_steps and self.drop_partial_window:
+            return None
+        # Collated elsewhere: the samples' own lengths are unknown (0 says so to work()).
+        return self._open_window(SampleWindow(batches, 0, 0, 0, False))
 
     def _count(self, batch: dict[str, torch.Tensor]) -> MicroBatch:
         labels = batch["labels"]
@@ -406,10 +492,35 @@ class LossNormalizer:
             batch = plant_dummy_label(batch, self.ignore_index)
         return MicroBatch(batch=batch, num_tokens=num_tokens, num_unshifted_tokens=unshifted)
 
-    def _open_window(self, micro_batches: list[MicroBatch]) -> Window:
-        num_local_tokens = sum(mb.num_tokens for mb in micro_batches)
-        pending = _PendingCount(num_local_tokens, self.dp_group)
-        return Window(micro_batches, self.mode, self.dp_size, pending, dp_group=self.dp_group)
+    def _open_window(self, sample_window: SampleWindow) -> Window:
+        micro_batches = [self._count(batch) for batch in sample_window.micro_batches]
+        local = WindowCounts(
+            num_tokens=sum(mb.num_tokens for mb in micro_batches),
+            num_micro_batches=len(micro_batches),
+            num_positions=sum(mb.batch["tokens"].numel() for mb in micro_batches),
+        )
+        filler = None
+        if self.dp_size > 1 and sample_window.by_budget and micro_batches:
+            filler_batch = filler_micro_batch(micro_batches[-1].batch)
+            filler = self._count(masked_labels(filler_batch, self.ignore_index))
+        return Window(
+            micro_batches,
+            self.mode,
+            self.dp_size,
+            _PendingCounts(local, self.dp_group),
+            dp_group=self.dp_group,
+            filler=filler,
+            num_sample_positions=sample_window.num_sample_positions,
+            num_fixed_positions=sample_window.num_fixed_positions,
+            counts_may_differ=sample_window.by_budget,
+        )
+
+
+def masked_labels(
+    batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX
+) -> dict[str, torch.Tensor]:
+    """A copy of ``batch`` in which every label is ignored (a zero-weight filler's)."""
+    return {**batch, "labels": torch.full_like(batch["labels"], ignore_index)}
 
 
 def plant_dummy_label(

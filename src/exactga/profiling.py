@@ -13,7 +13,11 @@ off, so the training loop carries no ``if profiling:`` branches):
   bit-identical) on this model's real gradients. See [saved latency].
 - throughput (``throughput/tokens_per_second``, ``throughput/mfu``): processed tokens,
   including padding, and model FLOPs utilisation from ``6 * params`` plus attention FLOPs per
-  token over the device's peak (a small table, or the config key ``peak_flops``).
+  token over the device's peak (a small table, or the config key ``peak_flops``); what of it
+  was padding (``throughput/padding_fraction``: padded positions over processed positions), the
+  loss tokens trained per second (``throughput/loss_tokens_per_second``), all on this rank, and
+  under data parallelism ``throughput/rank_imbalance`` (the interval's worst step's largest
+  rank's processed positions over the ranks' mean). See [micro-batching modes].
 - ``torch.profiler`` traces on torchtune's schedule keys, written as Chrome/Perfetto JSON
   (``trace_step_<n>.json``, open at https://ui.perfetto.dev), stepped once per *optimizer*
   step (stock torchtune steps per micro-batch); on CUDA with ``profile_memory`` also memory
@@ -42,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import utils
 
+from exactga.micro_batching import PaddingMeter, WindowWork
 from exactga.normalization import gradient_scaling_pass
 
 log = utils.get_logger("INFO")
@@ -152,8 +157,15 @@ class _PhaseClock:
 class TrainingProfiler:
     """The profiler hook; create with :func:`setup_profiler`, enter once around training."""
 
-    def __init__(self, settings: ProfilerSettings, device: torch.device, model: nn.Module) -> None:
+    def __init__(
+        self,
+        settings: ProfilerSettings,
+        device: torch.device,
+        model: nn.Module,
+        micro_batching: str = "fixed",
+    ) -> None:
         self.settings = settings
+        self._micro_batching = micro_batching  # named in the end-of-run padding line
         self._device = device
         self._clock = _PhaseClock(device)
         self._flops_per_token = model_flops_per_token(model)
@@ -162,6 +174,7 @@ class TrainingProfiler:
         self._step = 0
         self._steps_since_read = 0
         self._tokens_since_read = 0
+        self._padding = PaddingMeter()
         self._t_last_read = time.perf_counter()
         self._saved_ms: list[float] = []
         self._step_ms_total = 0.0
@@ -266,14 +279,16 @@ class TrainingProfiler:
             return  # optimizer_in_bwd consumed the gradients: nothing to scale
         self._saved_ms.append(time_gradient_pass(model, self._device))
 
-    def step(self, num_tokens: int) -> None:
-        """Close an optimizer step that processed ``num_tokens`` tokens (padding included)."""
+    def step(self, work: WindowWork) -> None:
+        """Close an optimizer step (``Window.work()``: its processed positions, padding included,
+        and its loss tokens)."""
         now = time.perf_counter()
         self._step_ms_total += (now - self._t_last_step) * 1e3
         self._t_last_step = now
         self._step += 1
         self._steps_since_read += 1
-        self._tokens_since_read += num_tokens
+        self._tokens_since_read += work.num_positions
+        self._padding.add(work)
         if self._trace is not None:
             self._trace.step()
 
@@ -289,6 +304,7 @@ class TrainingProfiler:
         metrics["time/step_ms"] = step_ms
         tokens_per_second = self._tokens_since_read / elapsed_s
         metrics["throughput/tokens_per_second"] = tokens_per_second
+        metrics.update(self._padding.read_interval(elapsed_s))
         if self._peak_flops:
             metrics["throughput/mfu"] = tokens_per_second * self._flops_per_token / self._peak_flops
         if self._saved_ms:
@@ -300,7 +316,11 @@ class TrainingProfiler:
         return metrics
 
     def summary(self) -> str:
-        """One line for the end of the run."""
+        """Lines for the end of the run: the saved latency, and the padding."""
+        padding = self._padding.summary(self._micro_batching)
+        return self._saved_latency_summary() + (f"\n{padding}" if padding else "")
+
+    def _saved_latency_summary(self) -> str:
         if not self._saved_ms or self._step == 0 or self._step_ms_total == 0:
             return "exactga: no gradient-scaling pass was timed in this run."
         saved = sum(self._saved_ms) / len(self._saved_ms)
@@ -380,9 +400,9 @@ def device_peak_flops(device: torch.device) -> float | None:
 def setup_profiler(cfg: DictConfig, device: torch.device, model: nn.Module) -> TrainingProfiler:
     """The recipe's profiler hook from a validated recipe config.
 
-    Reads the ``profiler`` section (may be absent), ``output_dir`` and the top-level
-    ``log_timings``, ``saved_latency_every_n_steps`` and ``peak_flops``.
+    Reads the ``profiler`` section (may be absent), ``output_dir``, ``micro_batching`` and the
+    top-level ``log_timings``, ``saved_latency_every_n_steps`` and ``peak_flops``.
     """
     top_level = {key: cfg[key] for key in TOP_LEVEL_KEYS if key in cfg}
     settings = parse_settings(cfg.get("profiler"), cfg.output_dir, **top_level)
-    return TrainingProfiler(settings, device, model)
+    return TrainingProfiler(settings, device, model, micro_batching=cfg.micro_batching)

@@ -27,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from exactga.distributed import GradientSync
 from exactga.lora import LoraSettings
+from exactga.micro_batching import MicroBatching
 from exactga.normalization import NormMode
 from exactga.profiling import ProfilerSection, ProfilerSettings
 from exactga.training import NonFinitePolicy
@@ -117,6 +118,10 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
     # exactga (see docs/math.md).
     loss_normalization: str = choice(NormMode, "exact")
     drop_partial_window: bool = False
+    # How a window's samples are split into micro-batches; exact, so only speed and memory
+    # change (see [regrouping is exact] in exactga.micro_batching and docs/math.md).
+    micro_batching: str = choice(MicroBatching, "by_length")
+    micro_batch_tokens: Optional[int] = None  # token_budget's padded positions per micro-batch
 
     # exactga: step checkpoints and failures (see docs/reliability.md).
     save_every_n_steps: Optional[int] = None  # null: epoch-end checkpoints only, as stock
@@ -138,6 +143,29 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
             raise ValueError("config key 'compile': NPU does not support compilation; set False.")
         if cfg.log_peak_memory_stats and device_type == "cpu":
             _warn_once("config key 'log_peak_memory_stats' is ignored on CPU.")
+        check_micro_batching(cfg)
+
+
+def check_micro_batching(cfg: DictConfig) -> None:
+    """``micro_batching`` with ``micro_batch_tokens`` and ``loss_normalization``; see
+    [regrouping is exact]."""
+    mode = cfg.micro_batching
+    if mode == MicroBatching.TOKEN_BUDGET.value and cfg.micro_batch_tokens is None:
+        raise ValueError(
+            "config key 'micro_batch_tokens' is needed with micro_batching: token_budget "
+            "(padded positions per micro-batch, e.g. micro_batch_tokens=4096)."
+        )
+    if mode != MicroBatching.TOKEN_BUDGET.value and cfg.micro_batch_tokens is not None:
+        raise ValueError(
+            f"config keys 'micro_batch_tokens' and 'micro_batching': a token budget needs "
+            f"micro_batching: token_budget (got {mode}); remove micro_batch_tokens or set it."
+        )
+    if mode != MicroBatching.FIXED.value and cfg.loss_normalization != NormMode.EXACT.value:
+        raise ValueError(
+            f"config keys 'micro_batching' and 'loss_normalization': the baseline "
+            f"{cfg.loss_normalization} weighs micro-batches by their split, so only "
+            f"micro_batching: fixed keeps its numbers; set micro_batching=fixed."
+        )
 
 
 @dataclass

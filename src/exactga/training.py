@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from exactga.normalization import Window, shift_labels, warn_skipped_step
 from exactga.profiling import TrainingProfiler
 from exactga.progress import TrainingProgress
 
+T = TypeVar("T")
 LossStep = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 MicroBatchContext = Callable[[bool], contextlib.AbstractContextManager[Any]]
 
@@ -187,10 +188,8 @@ def train_window(
             warn_skipped_step(step)
         return StepOutcome(skipped=True)
     # On several ranks this includes empty micro-batches; see [empty micro-batches under FSDP].
-    micro_batches = list(window.micro_batches_to_run())
     finite = None
-    for index, micro_batch in enumerate(micro_batches):
-        is_last = index == len(micro_batches) - 1
+    for micro_batch, is_last in _with_last_flag(window.micro_batches_to_run()):
         with micro_batch_context(is_last) if micro_batch_context else contextlib.nullcontext():
             with profiler.phase("forward"):
                 utils.batch_to_device(micro_batch.batch, device)
@@ -217,6 +216,19 @@ def train_window(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return StepOutcome(skipped=False, grad_norm=grad_norm)
+
+
+def _with_last_flag(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
+    """Each item with "is it the last one", looking one item ahead (so a lazy iterator is read
+    no earlier than needed)."""
+    current = next(items, _NONE)
+    while current is not _NONE:
+        following = next(items, _NONE)
+        yield current, following is _NONE  # type: ignore[misc]
+        current = following
+
+
+_NONE: Any = object()
 
 
 def _and_finite(finite: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:

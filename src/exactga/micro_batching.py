@@ -1,0 +1,273 @@
+"""How one accumulation window's samples are cut into micro-batches (``micro_batching``).
+
+The data loader hands out windows of samples (``batch_size x gradient_accumulation_steps`` of
+them on each rank), not pre-padded micro-batches; :class:`WindowCollator` decides the split and
+collates each micro-batch with the config's ``collate_fn``. The loss normaliser then counts each
+micro-batch's loss tokens on the host exactly as before. See [regrouping is exact].
+
+Note [regrouping is exact]
+With exact normalisation each micro-batch's mean loss is weighted by its share of the window's
+loss tokens, so the window's gradient is the sum of every token's gradient over the window's
+token count, whichever micro-batch a sample sits in. The split is then free to choose, and it
+matters for speed: a micro-batch is padded to its longest row, so on variable-length data
+random groups of ``batch_size`` pay for many padded positions. Sorting the window's samples by
+length before cutting it keeps similar lengths together. The window, and so the optimizer step,
+is the same set of samples as the loader's order gives; only floating-point rounding differs
+(summation order), at the floor of the precision in use. The baselines (``post_scale``,
+``naive``) weight micro-batches by something else than their token share, so for them the split
+changes the step: they accept only ``fixed``.
+
+Note [micro-batching modes]
+- ``fixed``: micro-batches of ``batch_size`` samples in the loader's order (stock torchtune).
+- ``by_length``: the window's samples sorted by length, longest first (a stable sort, so ties
+  keep the loader's order and the split is deterministic), then cut into micro-batches of
+  ``batch_size``. Longest first makes the first micro-batch of every window the largest, so a
+  run that will run out of memory does so on its first step, and under data parallelism every
+  rank runs its long micro-batches at the same time.
+- ``token_budget``: the same order, cut greedily into micro-batches of as many samples as fit
+  ``micro_batch_tokens`` padded positions (samples x longest sample); a sample longer than the
+  budget gets a micro-batch of its own. Memory per micro-batch is then flat, and a large
+  ``batch_size`` with ``gradient_accumulation_steps: 1`` is split automatically.
+An epoch's last window may hold fewer samples; it keeps whole micro-batches of ``batch_size``
+in the loader's order (the samples stock torchtune's ``drop_last`` loader would give) before
+any regrouping, so every mode steps on the same samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+Sample = Mapping[str, Any]
+Collate = Callable[[list[Any]], dict[str, Any]]
+
+
+class MicroBatching(str, Enum):
+    """``micro_batching``: how a window's samples are split; see [micro-batching modes]."""
+
+    FIXED = "fixed"
+    BY_LENGTH = "by_length"
+    TOKEN_BUDGET = "token_budget"
+
+
+@dataclass(frozen=True)
+class MicroBatchingSettings:
+    """The split of a window: its mode, micro-batch size and, for ``token_budget``, the budget."""
+
+    mode: MicroBatching = MicroBatching.FIXED
+    batch_size: int = 1
+    micro_batch_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.batch_size >= 1, f"batch_size must be positive, got {self.batch_size}"
+        if self.mode is MicroBatching.TOKEN_BUDGET:
+            assert self.micro_batch_tokens, "token_budget needs micro_batch_tokens"
+
+    @classmethod
+    def from_config(cls, cfg: Any, batch_size: int | None = None) -> MicroBatchingSettings:
+        """The settings of a validated config (``micro_batching``, ``micro_batch_tokens``)."""
+        return cls(
+            mode=MicroBatching(cfg.micro_batching),
+            batch_size=int(cfg.batch_size if batch_size is None else batch_size),
+            micro_batch_tokens=cfg.micro_batch_tokens,
+        )
+
+
+def plan_micro_batches(lengths: Sequence[int], settings: MicroBatchingSettings) -> list[list[int]]:
+    """The micro-batches of a window whose samples have these ``lengths``, as sample indices.
+
+    ``len(lengths)`` is a multiple of ``settings.batch_size`` (see :func:`whole_micro_batches`).
+    See [micro-batching modes].
+    """
+    indices = list(range(len(lengths)))
+    if settings.mode is MicroBatching.FIXED:
+        return _cut(indices, settings.batch_size)
+    longest_first = sorted(indices, key=lambda i: -lengths[i])  # stable: ties keep loader order
+    if settings.mode is MicroBatching.BY_LENGTH:
+        return _cut(longest_first, settings.batch_size)
+    assert settings.micro_batch_tokens is not None
+    return _fill_budget(longest_first, lengths, settings.micro_batch_tokens)
+
+
+def _cut(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[start : start + size] for start in range(0, len(indices), size)]
+
+
+def _fill_budget(longest_first: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Greedy packing of samples sorted longest first: a micro-batch's padded size is its
+    sample count times its first (longest) sample's length."""
+    groups: list[list[int]] = []
+    for index in longest_first:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def whole_micro_batches(num_samples: int, batch_size: int) -> int:
+    """How many of a window's ``num_samples`` samples are trained: whole micro-batches of
+    ``batch_size`` (an epoch's last window may be short; see [micro-batching modes])."""
+    return num_samples - num_samples % batch_size
+
+
+def padded_positions(lengths: Sequence[int], groups: list[list[int]]) -> int:
+    """Positions the model processes for these micro-batches (each padded to its longest)."""
+    return sum(len(group) * max(lengths[i] for i in group) for group in groups)
+
+
+def sample_length(sample: Sample) -> int:
+    """Positions one sample takes before padding."""
+    return len(sample["tokens"])
+
+
+@dataclass
+class SampleWindow:
+    """One accumulation window on this rank, split and collated, still on the host.
+
+    ``num_sample_positions`` are the samples' own positions, ``num_fixed_positions`` those the
+    ``fixed`` split would process: with the positions actually processed they give the padding
+    metrics. ``is_partial`` marks an epoch's last, short window. ``by_budget`` says the number of
+    micro-batches depends on the lengths (``token_budget``), so ranks may plan different counts.
+    """
+
+    micro_batches: list[dict[str, Any]]
+    num_samples: int
+    num_sample_positions: int
+    num_fixed_positions: int
+    is_partial: bool
+    by_budget: bool = False
+
+
+class WindowCollator:
+    """The data loader's ``collate_fn``: a window's samples in, a :class:`SampleWindow` out.
+
+    Runs where the loader collates (in its worker processes, if any), so the split costs the
+    training loop nothing.
+
+    Args:
+        settings: the split; see [micro-batching modes].
+        window_size: samples in a full window on this rank (``batch_size x ga``).
+        collate: the config's ``collate_fn`` with its padding arguments bound.
+    """
+
+    def __init__(self, settings: MicroBatchingSettings, window_size: int, collate: Collate):
+        self.settings = settings
+        self.window_size = window_size
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> SampleWindow:
+        num_kept = whole_micro_batches(len(samples), self.settings.batch_size)
+        samples = samples[:num_kept]
+        lengths = [sample_length(sample) for sample in samples]
+        groups = plan_micro_batches(lengths, self.settings)
+        fixed = _cut(list(range(num_kept)), self.settings.batch_size)
+        return SampleWindow(
+            micro_batches=[self.collate([samples[i] for i in group]) for group in groups],
+            num_samples=num_kept,
+            num_sample_positions=sum(lengths),
+            num_fixed_positions=padded_positions(lengths, fixed),
+            is_partial=num_kept < self.window_size,
+            by_budget=self.settings.mode is MicroBatching.TOKEN_BUDGET,
+        )
+
+
+def filler_micro_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A one-sample slice of ``batch`` to run as a zero-weight micro-batch.
+
+    Under data parallelism a rank with fewer ``token_budget`` micro-batches than another runs
+    fillers so that every rank runs as many forwards and backwards; the normaliser masks its
+    labels and weighs it 0 (see [empty micro-batches under FSDP]). A batch whose entries do not
+    all share the sample dimension (some packed layouts) is used whole.
+    """
+    num_rows = len(batch["tokens"])
+    if all(isinstance(v, torch.Tensor) and v.dim() and len(v) == num_rows for v in batch.values()):
+        return {key: value[-1:] for key, value in batch.items()}
+    return dict(batch)
+
+
+@dataclass(frozen=True)
+class WindowWork:
+    """What one optimizer step processed on this rank, for the throughput and padding metrics.
+
+    ``num_positions`` are processed positions (padding and fillers included); the samples' own
+    positions and those the ``fixed`` split would have processed are ``None`` where unknown
+    (micro-batches collated outside exactga's loader).
+    """
+
+    num_positions: int
+    num_loss_tokens: int = 0
+    num_sample_positions: int | None = None
+    num_fixed_positions: int | None = None
+    positions_per_rank: tuple[int, ...] = ()
+
+
+class PaddingMeter:
+    """Sums :class:`WindowWork` over a logging interval and over the run."""
+
+    def __init__(self) -> None:
+        self.interval = _PaddingTotals()
+        self.run = _PaddingTotals()
+
+    def add(self, work: WindowWork) -> None:
+        self.interval.add(work)
+        self.run.add(work)
+
+    def read_interval(self, elapsed_s: float) -> dict[str, float]:
+        """``throughput/padding_fraction``, ``throughput/loss_tokens_per_second`` and, under
+        data parallelism, ``throughput/rank_imbalance`` since the last read; then resets."""
+        totals, self.interval = self.interval, _PaddingTotals()
+        metrics = {"throughput/loss_tokens_per_second": totals.num_loss_tokens / elapsed_s}
+        if totals.known and totals.num_positions:
+            metrics["throughput/padding_fraction"] = totals.padding_fraction
+        if totals.imbalance:
+            metrics["throughput/rank_imbalance"] = max(totals.imbalance)
+        return metrics
+
+    def summary(self, mode: str) -> str | None:
+        """One line for the end of the run: padding, and the positions saved against fixed."""
+        totals = self.run
+        if not totals.known or not totals.num_positions:
+            return None
+        line = (
+            f"exactga: padding was {100 * totals.padding_fraction:.1f}% of the "
+            f"{totals.num_positions:,} positions processed on this rank (micro_batching: {mode})"
+        )
+        if mode != MicroBatching.FIXED.value and totals.num_fixed_positions:
+            saved = 1 - totals.num_positions / totals.num_fixed_positions
+            line += (
+                f"; fixed micro-batches would have processed {totals.num_fixed_positions:,} "
+                f"({100 * saved:.1f}% saved)"
+            )
+        return line + "."
+
+
+@dataclass
+class _PaddingTotals:
+    num_positions: int = 0
+    num_loss_tokens: int = 0
+    num_sample_positions: int = 0
+    num_fixed_positions: int = 0
+    known: bool = True  # every window said its sample positions
+    imbalance: list[float] = dataclasses.field(default_factory=list)  # max/mean per step
+
+    def add(self, work: WindowWork) -> None:
+        self.num_positions += work.num_positions
+        self.num_loss_tokens += work.num_loss_tokens
+        if work.num_sample_positions is None or work.num_fixed_positions is None:
+            self.known = False
+        else:
+            self.num_sample_positions += work.num_sample_positions
+            self.num_fixed_positions += work.num_fixed_positions
+        ranks = work.positions_per_rank
+        if len(ranks) > 1 and sum(ranks):
+            self.imbalance.append(max(ranks) * len(ranks) / sum(ranks))
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1 - self.num_sample_positions / self.num_positions
