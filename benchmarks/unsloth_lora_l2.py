@@ -55,7 +55,8 @@ def train(output_dir: Path, mode: str, batch_size: int, ga: int, steps: int, lr:
     tune = Path(sys.executable).with_name("tune")
     cmd = [
         str(tune), "run", RECIPE, "--config", CONFIG, *SETTINGS,
-        f"output_dir={output_dir}", f"loss_normalization={mode}", f"batch_size={batch_size}",
+        f"output_dir={output_dir}", f"loss_normalization={mode}", "micro_batching=fixed",
+        f"batch_size={batch_size}",
         f"gradient_accumulation_steps={ga}", f"max_steps_per_epoch={steps}", f"optimizer.lr={lr}",
     ]  # fmt: skip
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")

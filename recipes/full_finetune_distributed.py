@@ -47,6 +47,7 @@ from exactga.data import build_dataloader, load_dataset, model_vocab_size
 from exactga.micro_batching import MicroBatchingSettings
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer, parse_mode
+from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
 from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
@@ -84,9 +85,13 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
           docs/full_finetune_distributed.md.
         - FSDP2 through torchtune's ``shard_model``: ``fsdp_cpu_offload``,
           ``fsdp_reshard_after_forward``, ``custom_sharded_layers``.
+        - ``micro_batching`` per rank (with ``token_budget``, ranks with fewer micro-batches run
+          zero-weight fillers so FSDP's collectives pair up; ``throughput/rank_imbalance``).
         - ``loss_normalization``, precision, activation checkpointing (also selective with
           ``ac_mode``/``ac_option``) and offloading, ``compile``, ``optimizer_in_bwd`` (ga = 1),
-          ``clip_grad_norm``, schedulers: as in the single-device recipe.
+          ``clip_grad_norm``, schedulers: as in the single-device recipe. ``master_weights:
+          fp32`` shards fp32 weights under FSDP2's bf16 ``MixedPrecisionPolicy`` with fp32
+          gradient reduction (docs/precision.md).
         - Checkpointing through torchtune's checkpoint client at each epoch's end, written by
           rank 0 (``enable_async_checkpointing`` for intermediate distributed checkpoints), and
           with ``save_every_n_steps`` atomic step checkpoints (full weights and optimizer state
@@ -108,6 +113,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
         self._gradient_sync = distributed.parse_gradient_sync(cfg.gradient_sync)
 
         self._enable_async_checkpointing = cfg.enable_async_checkpointing
@@ -162,8 +168,10 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
         # torchtune's client reads the base weights, or with an epoch resume the epoch's.
-        self._checkpoint_client = CheckpointClient(
-            OmegaConf.merge(cfg, {"resume_from_checkpoint": resume.from_epoch_checkpoint})
+        self._checkpoint_client = self._precision.saving_in_dtype(  # weights for users in dtype
+            CheckpointClient(
+                OmegaConf.merge(cfg, {"resume_from_checkpoint": resume.from_epoch_checkpoint})
+            )
         )
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
         self._model = self._setup_model(
@@ -237,6 +245,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         t0 = time.perf_counter()
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
+        self._precision.cast_trainable(model)  # fp32 master weights, if asked for
         if self._compile:
             training.compile_model(model, verbose=self._is_rank_zero)
 
@@ -257,8 +266,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-        if self.dp_size > 1:
-            training.shard_model(
+        if self.dp_size > 1:  # torchtune's sharding, with a bf16 policy over fp32 master weights
+            self._precision.shard_model(
                 model=model,
                 shard_conditions=[
                     partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
@@ -289,7 +298,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         distributed.log_rank_zero(
             f"Model built, sharded over dp={self.dp_size} x tp={self._tensor_parallel_dim} and "
-            f"loaded in {time.perf_counter() - t0:.2f} s, precision {self._dtype}."
+            f"loaded in {time.perf_counter() - t0:.2f} s, {self._precision.describe()}."
         )
         if self._is_rank_zero and self._device.type != "cpu":
             training.log_memory_stats(distributed.memory_stats(self._device))
@@ -380,7 +389,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
-        return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
+        return causal_lm_loss(
+            self._model, self._loss_fn, batch, self._activations_handling_ctx, self._precision
+        )
 
     def train(self) -> None:
         distributed.cleanup_before_training(self._device)

@@ -34,6 +34,7 @@ from exactga.data import build_dataloader, load_dataset, model_vocab_size
 from exactga.micro_batching import MicroBatchingSettings
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer, parse_mode
+from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
 from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
@@ -64,9 +65,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
           the optimizer step and is counted in the ``skipped_steps`` metric.
         - ``loss_normalization``: ``exact`` (default); ``post_scale`` (stock torchtune) and
           ``naive`` (mean of micro-batch means) exist for benchmarks and parity reports.
+        - ``micro_batching``: how each window's samples are cut into micro-batches, exact in
+          every mode: ``by_length`` (default: sorted by length, least padding), ``fixed`` (the
+          loader's order, as stock), ``token_budget`` (``micro_batch_tokens`` padded positions
+          per micro-batch). Logs ``throughput/padding_fraction``; see docs/micro_batching.md.
         - Precision (``dtype``: fp32 or bf16), activation checkpointing and offloading,
           ``compile``, ``optimizer_in_bwd`` (needs ``gradient_accumulation_steps: 1``),
-          ``clip_grad_norm``, learning-rate schedulers: as in torchtune.
+          ``clip_grad_norm``, learning-rate schedulers: as in torchtune. ``master_weights:
+          fp32`` keeps weights, gradients and optimizer state in fp32 under bf16 autocast
+          (docs/precision.md); checkpoints for users are still written in ``dtype``.
         - Checkpointing through torchtune's checkpointers at each epoch's end, and with
           ``save_every_n_steps`` atomic step checkpoints (``keep_last_n_checkpoints``) holding
           weights, optimizer, counters, RNG and data-loader position: ``resume_from_checkpoint``
@@ -89,6 +96,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -120,8 +128,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
         self._fingerprint = run_fingerprint(cfg, world_size=1)
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
-        self._checkpointer = config.instantiate(
-            cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+        self._checkpointer = self._precision.saving_in_dtype(  # weights for users in dtype
+            config.instantiate(
+                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+            )
         )
         # Read even when a step checkpoint replaces its weights: the HF checkpointer learns
         # there the layout it writes the epoch checkpoints in.
@@ -179,6 +189,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     ) -> nn.Module:
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
+        self._precision.cast_trainable(model)  # fp32 master weights, if asked for
         if self._compile:
             training.compile_model(model)
         if self._enable_activation_checkpointing:
@@ -186,11 +197,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
         load_model_state(model, model_state_dict, source)
-        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
+        training.validate_expected_param_dtype(
+            model.named_parameters(), dtype=self._precision.param_dtype
+        )
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
             model, self._enable_activation_offloading
         )
-        log.info(f"Model is initialized with precision {self._dtype}.")
+        log.info(f"Model is initialized with {self._precision.describe()}.")
         if self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         return model
@@ -263,7 +276,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
-        return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
+        return causal_lm_loss(
+            self._model, self._loss_fn, batch, self._activations_handling_ctx, self._precision
+        )
 
     def train(self) -> None:
         if self._compile:

@@ -4,20 +4,30 @@ Takes a normal full or LoRA fine-tuning config and trains it several times from 
 weights on the same global batches: once as the full batch on one device (``batch_size =
 B*G*N``, ``gradient_accumulation_steps = 1``), then as every split in ``parity.splits`` under
 every normalisation mode in ``parity.modes`` (``naive``, ``post_scale`` = stock torchtune,
-``exact`` = exactga). A split ``BxG`` trains on one device; ``BxGxN`` trains data-parallel over
-the N processes of a distributed launch, sharded with FSDP2 exactly as
-recipes/full_finetune_distributed.py and recipes/lora_finetune_distributed.py shard, its window
-token count reduced over the data-parallel group, each rank reading its share of the same global
-batches. Every run takes the recipes' own step (``exactga.training.train_window``).
+``exact`` = exactga), exact runs under every ``micro_batching`` in ``parity.micro_batching``
+too (``fixed``, ``by_length``, ``token_budget``: how a window's samples are grouped into
+micro-batches, which changes no step; the baselines run ``fixed`` only). A split ``BxG`` trains
+on one device; ``BxGxN`` trains data-parallel over the N processes of a distributed launch,
+sharded with FSDP2 exactly as recipes/full_finetune_distributed.py and
+recipes/lora_finetune_distributed.py shard, its window token count reduced over the
+data-parallel group, each rank reading its share of the same global batches. Every run takes
+the recipes' own step (``exactga.training.train_window``).
 Rank 0 writes into ``<output_dir>/parity/``:
 
-- ``tensorboard/<mode>_<split>/``: one TensorBoard run per mode and split, so the loss curves
-  overlay (``tensorboard --logdir <output_dir>/parity/tensorboard``); written at the end;
-- ``parity.png``: loss curves per mode, their gap to the full batch, and the L2 distance of each
-  run's trained weights (the adapters, for LoRA) to the full-batch run's, relative to how far
-  training moved them, on a log scale;
-- ``report.md`` and ``summary.json``: the same numbers as a table, and a one-line verdict
-  against the fp32 floor.
+- ``tensorboard/<mode>/<micro_batching>/<split>/``: one TensorBoard run per run, so the loss
+  curves overlay (``tensorboard --logdir <output_dir>/parity/tensorboard``); written at the end;
+- ``parity.png``: loss curves per mode and micro-batching, their gap to the full batch, and the
+  L2 distance of each run's trained weights (the adapters, for LoRA) to the full-batch run's,
+  relative to how far training moved them, on a log scale;
+- ``report.md`` and ``summary.json``: the same numbers as a table, a one-line verdict against
+  the fp32 floor, and exact mode's micro-batchings side by side with the positions each
+  processed (padding included).
+
+Every run trains in the config's ``dtype`` and ``master_weights``, as the training recipes
+would. Below fp32 (``dtype: bf16``) the full batch is also trained in fp32 from the same
+initial weights, and every run shows its distance to both full batches: what its split costs at
+this precision, and what split and precision cost together; the verdict's floor is then the
+precision's own (see [parity floor below fp32] in exactga.parity.scoring).
 
 Launch from the repository root::
 
@@ -25,6 +35,11 @@ Launch from the repository root::
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_lora.yaml
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml \\
         'parity.splits=[16x1,4x4,1x16]' parity.num_steps=20
+    tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml \\
+        'parity.micro_batching=[fixed,token_budget]' parity.micro_batch_tokens=512
+    # bf16 over fp32 master weights, beside an fp32 full batch
+    tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml \\
+        dtype=bf16 master_weights=fp32
     # splits across data-parallel ranks: N of BxGxN is the number of processes (gloo on CPU)
     tune run --nproc_per_node 2 recipes/ga_parity.py \\
         --config configs/tiny/ga_parity_full.yaml 'parity.splits=[1x8,2x2x2,1x4x2]'
@@ -57,15 +72,20 @@ from exactga import distributed
 from exactga.config import validate_config
 from exactga.data import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, load_lora_weights
+from exactga.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.normalization import LossNormalizer, NormMode, parse_mode
 from exactga.parity.report import write_report
 from exactga.parity.scoring import (
     ParityRun,
+    PrecisionView,
     RunSummary,
     Split,
     parse_splits,
+    plan_runs,
+    relative_l2,
     summarize,
 )
+from exactga.precision import MasterWeights, Precision
 from exactga.profiling import setup_profiler
 from exactga.resume import checkpointer_source
 from exactga.schemas import GaParityConfig
@@ -86,10 +106,19 @@ class GaParityRecipe:
         - ``parity.modes``: the normalisation modes to compare; ``parity.num_steps`` optimizer
           steps each, from the same initial weights (the same fresh adapters, for LoRA) and the
           same sample order; ``parity.noise_floor`` decides the verdict.
+        - ``parity.micro_batching``: exact runs every split under each listed grouping of a
+          window's samples (``token_budget`` cuts at ``parity.micro_batch_tokens`` padded
+          positions); the baselines and the reference group ``fixed``. The report sets them
+          side by side with the positions each processed. See exactga.parity.scoring.plan_runs.
         - The model, tokenizer, dataset, optimizer, scheduler, loss, ``clip_grad_norm``,
-          ``shuffle``, ``seed``, ``device`` and ``dtype`` are read as the recipes read them.
+          ``shuffle``, ``seed``, ``device``, ``dtype`` and ``master_weights`` (null: the
+          recipes' default, fp32 for LoRA, none for full) are read as the recipes read them.
           Under data parallelism gradients are reduced after every micro-batch (the
           distributed recipes' default ``gradient_sync``).
+        - Below fp32 (``dtype: bf16``), an fp32 full batch from the same initial weights cast
+          to fp32: each run's distance to it stands beside its distance to the bf16 full
+          batch, and the verdict's floor is twice the bf16 full batch's own distance to it
+          (see [parity floor below fp32] in exactga.parity.scoring).
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -102,10 +131,23 @@ class GaParityRecipe:
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._dtype_name = str(cfg.dtype)  # as the report names it
+        self._is_lora = "lora" in str(cfg.model._component_)
+        self._master_weights = GaParityConfig.master_weights_for(cfg, is_lora=self._is_lora)
+        self._precision = Precision.from_config(self._dtype, self._master_weights, self._device)
+        # Below fp32 an fp32 full batch shows what the precision costs; see
+        # [parity floor below fp32] in exactga.parity.scoring.
+        self._fp32_precision = None
+        if torch.finfo(self._dtype).bits < 32:
+            self._fp32_precision = Precision.from_config(
+                torch.float32, MasterWeights.NONE.value, self._device
+            )
         # torchrun sets WORLD_SIZE; a plain ``tune run`` is one process and starts no group.
         launched_world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._splits = parse_splits(cfg.parity.splits, launched_world_size)
         self._modes = [parse_mode(mode, "parity.modes") for mode in cfg.parity.modes]
+        self._micro_batchings = [MicroBatching(m) for m in cfg.parity.micro_batching]
+        self._micro_batch_tokens = cfg.parity.micro_batch_tokens
         self._num_steps = cfg.parity.num_steps
         self._noise_floor = cfg.parity.noise_floor
         self._clip_grad_norm = cfg.clip_grad_norm
@@ -124,6 +166,8 @@ class GaParityRecipe:
 
         # Filled by setup and train.
         self._reference: ParityRun | None = None
+        self._fp32_reference: ParityRun | None = None
+        self._reference_to_fp32: float | None = None  # relative L2, below fp32 only
         self._summaries: list[RunSummary] = []
 
     def setup(self, cfg: DictConfig) -> None:
@@ -131,7 +175,6 @@ class GaParityRecipe:
         _reseed(self._seed)
         checkpointer = config.instantiate(cfg.checkpointer)
         base_state = checkpointer.load_checkpoint()[training.MODEL_KEY]
-        self._is_lora = "lora" in str(cfg.model._component_)
         self._initial_state = self._initial_model_state(cfg.model, base_state)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
@@ -148,8 +191,10 @@ class GaParityRecipe:
         self._profiler_cfg = OmegaConf.merge(cfg, {"log_timings": False, "profiler": None})
 
     def _initial_model_state(self, cfg_model: DictConfig, base_state: dict) -> dict[str, Any]:
-        """Every run starts from these tensors: base weights plus (seeded) fresh adapters."""
-        model = self._build_model(cfg_model)
+        """Every run starts from these tensors: base weights plus (seeded) fresh adapters, in
+        the run's precision (trainable ones in fp32 over fp32 master weights). The fp32 full
+        batch loads them cast to fp32."""
+        model = self._build_model(cfg_model, self._precision)
         if self._is_lora:  # the adapters the LoRA recipes start from; see [adapter init]
             load_lora_weights(
                 model,
@@ -159,35 +204,38 @@ class GaParityRecipe:
                 adapters=None,
                 load=partial(nn.Module.load_state_dict, strict=False),
                 seed=self._seed,
-                dtype=self._dtype,
+                dtype=self._precision.param_dtype,
             )
         else:
             model.load_state_dict(base_state)
         self._vocab_size = model_vocab_size(model)
         return copy.deepcopy(model.state_dict())
 
-    def _build_model(self, cfg_model: DictConfig) -> nn.Module:
-        with training.set_default_dtype(self._dtype), self._device:
+    def _build_model(self, cfg_model: DictConfig, precision: Precision) -> nn.Module:
+        with training.set_default_dtype(precision.compute_dtype), self._device:
             model = config.instantiate(cfg_model)
         if self._is_lora:
             set_trainable_params(model, get_adapter_params(model))
+        precision.cast_trainable(model)  # fp32 master weights, if asked for
         return model
 
-    def _build_sharded_model(self, cfg_model: DictConfig) -> nn.Module:
+    def _build_sharded_model(self, cfg_model: DictConfig, precision: Precision) -> nn.Module:
         """The model on the meta device, sharded with FSDP2 over the ``dp`` mesh as the
-        distributed recipes shard it, then loaded with the shared initial state."""
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
+        distributed recipes shard it (a bf16 policy over fp32 master weights), then loaded
+        with the shared initial state."""
+        with training.set_default_dtype(precision.compute_dtype), torch.device("meta"):
             model = config.instantiate(cfg_model)
         if self._is_lora:
             set_trainable_params(model, get_adapter_params(model))
-        training.shard_model(
+        precision.cast_trainable(model)
+        precision.shard_model(
             model=model,
             shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
             cpu_offload=False,
             reshard_after_forward=True,
             dp_mesh=self._mesh["dp"],
         )
-        with training.set_default_dtype(self._dtype), self._device:
+        with training.set_default_dtype(precision.compute_dtype), self._device:
             for module in model.modules():
                 if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
                     module.rope_init()
@@ -200,17 +248,25 @@ class GaParityRecipe:
     def _setup_dataset(self, cfg_dataset: DictConfig) -> Any:
         return load_dataset(cfg_dataset, self._tokenizer, self._vocab_size)
 
-    def _dataloader(self, split: Split) -> WindowLoader:
+    def _dataloader(self, split: Split, micro_batching: MicroBatching) -> WindowLoader:
         """The same sample order for every split: the sampler's permutation depends on its
-        seed alone, and N ranks taking every N-th sample of it in batches of B hold, window by
-        window, exactly the global batches of one device (see docs/ga_parity.md)."""
+        seed alone, and N ranks taking every N-th sample of it in windows of B*G hold, window by
+        window, exactly the global batches of one device (see docs/ga_parity.md). How each
+        rank's window is then cut is ``micro_batching``'s; ``token_budget`` cuts by the budget
+        whatever B."""
         num_replicas, rank = 1, 0
         if split.num_ranks > 1:
             num_replicas, rank = split.num_ranks, self._mesh["dp"].get_local_rank()
+        by_budget = micro_batching is MicroBatching.TOKEN_BUDGET
         return build_dataloader(
             self._dataset,
             batch_size=split.batch_size,
             gradient_accumulation_steps=split.ga,
+            micro_batching=MicroBatchingSettings(
+                mode=micro_batching,
+                batch_size=split.batch_size,
+                micro_batch_tokens=self._micro_batch_tokens if by_budget else None,
+            ),
             shuffle=self._cfg.shuffle,
             collate_fn=self._cfg.collate_fn,
             padding_idx=self._tokenizer.pad_id,
@@ -220,43 +276,57 @@ class GaParityRecipe:
         )
 
     def train(self) -> None:
-        """Train the full-batch reference, then every split and mode, and gather the scores."""
+        """Train the full-batch reference (and below fp32 the fp32 one), then every planned
+        run, and gather the scores."""
         reference_split = Split(self._global_batch, 1)
         distributed.log_rank_zero(
-            f"Full-batch reference: {reference_split} for {self._num_steps} steps"
+            f"Full-batch reference: {reference_split} for {self._num_steps} steps, "
+            f"{self._precision.describe()}"
         )
-        self._reference = self._train(reference_split, NormMode.EXACT)
+        self._reference = self._train(
+            reference_split, NormMode.EXACT, MicroBatching.FIXED, self._precision
+        )
+        # Every run, the fp32 one included, starts from these (cast to fp32 there).
         initial = {n: self._initial_state[n].float().cpu() for n in self._reference.weights}
-        plan = [
-            (mode, split)
-            for mode in self._modes
-            for split in self._splits
-            if split != reference_split
-        ]
+        if self._fp32_precision is not None:
+            distributed.log_rank_zero(f"fp32 full-batch reference: {reference_split}")
+            self._fp32_reference = self._train(
+                reference_split, NormMode.EXACT, MicroBatching.FIXED, self._fp32_precision
+            )
+            self._reference_to_fp32 = relative_l2(
+                self._reference.weights, self._fp32_reference.weights, initial
+            )
+        plan = plan_runs(self._modes, self._micro_batchings, self._splits, reference_split)
         # Runs over all ranks first, all together; then the one-device runs, dealt out in
         # turn, so a rank waits for the others at most one run's time, at the final gather.
-        sharded = [i for i, (_, split) in enumerate(plan) if split.num_ranks > 1]
-        single = [i for i, (_, split) in enumerate(plan) if split.num_ranks == 1]
+        sharded = [i for i, (_, _, split) in enumerate(plan) if split.num_ranks > 1]
+        single = [i for i, (_, _, split) in enumerate(plan) if split.num_ranks == 1]
         local: dict[int, RunSummary] = {}
         for index in sharded + single[self._rank :: self._world_size]:
-            mode, split = plan[index]
-            run = self._train(split, mode)
+            mode, micro_batching, split = plan[index]
+            run = self._train(split, mode, micro_batching, self._precision)
             if run.weights:  # a sharded run's weights are gathered on rank 0 only
-                local[index] = summarize(run, self._reference, initial)
+                local[index] = summarize(run, self._reference, initial, self._fp32_reference)
         self._summaries = [summary for _, summary in sorted(self._gather(local).items())]
 
-    def _train(self, split: Split, mode: NormMode) -> ParityRun:
-        """Train one split under one mode from the shared initial state."""
+    def _train(
+        self, split: Split, mode: NormMode, micro_batching: MicroBatching, precision: Precision
+    ) -> ParityRun:
+        """Train one split under one mode, micro-batching and precision from the shared initial
+        state, as the training recipes would (their Precision calls)."""
         _reseed(self._seed)  # dropout and any other randomness start equal
         sharded = split.num_ranks > 1
+        what = (
+            f"{split} with loss_normalization={mode.value}, micro_batching={micro_batching.value}"
+        )
         if sharded:
-            distributed.log_rank_zero(f"Training {split} with loss_normalization={mode.value}")
-            model = self._build_sharded_model(self._cfg.model)
+            distributed.log_rank_zero(f"Training {what}")
+            model = self._build_sharded_model(self._cfg.model, precision)
         else:
             prefix = f"rank {self._rank}: " if self._world_size > 1 else ""
-            log.info(f"{prefix}training {split} with loss_normalization={mode.value}")
-            model = self._build_model(self._cfg.model)
-            model.load_state_dict(self._initial_state)
+            log.info(f"{prefix}training {what}")
+            model = self._build_model(self._cfg.model, precision)
+            model.load_state_dict(self._initial_state)  # cast to the model's dtypes
         if hasattr(self._loss_fn, "num_output_chunks"):
             model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -277,14 +347,16 @@ class GaParityRecipe:
             micro_batch_context = partial(
                 distributed.gradient_sync, model, distributed.GradientSync.EVERY_MICRO_BATCH
             )
-        profiler = setup_profiler(self._profiler_cfg, self._device, model)
+        profiler_cfg = OmegaConf.merge(self._profiler_cfg, {"micro_batching": micro_batching.value})
+        profiler = setup_profiler(profiler_cfg, self._device, model)
         losses, loss_tokens = [], []
-        windows = normalizer.windows(self._dataloader(split), self._num_steps)
+        num_micro_batches = num_positions = num_sample_positions = 0
+        windows = normalizer.windows(self._dataloader(split, micro_batching), self._num_steps)
         for step, window in enumerate(windows, start=1):
             train_window(
                 window,
                 model=model,
-                loss_step=partial(causal_lm_loss, model, self._loss_fn),
+                loss_step=partial(causal_lm_loss, model, self._loss_fn, precision=precision),
                 optimizer=optimizer,
                 profiler=profiler,
                 device=self._device,
@@ -298,12 +370,26 @@ class GaParityRecipe:
             # The exact window loss over every rank of the run (one all-reduce when sharded).
             loss_tokens.append(window.num_global_tokens)
             losses.append(float("nan") if window.should_skip_step() else window.global_mean_loss())
+            # What this rank ran: padding and token_budget's fillers included.
+            num_micro_batches += sum(1 for _ in window.micro_batches_to_run())
+            work = window.work()
+            num_positions += work.num_positions
+            num_sample_positions += work.num_sample_positions or 0
+        counts = [num_micro_batches, num_positions, num_sample_positions]
+        if sharded:  # summed over the run's ranks: one reduction per run
+            summed = torch.tensor(counts, device=self._device)
+            dist.all_reduce(summed, group=distributed.dp_group(self._mesh))
+            counts = [int(n) for n in summed.tolist()]
         return ParityRun(
             mode=mode.value,
+            micro_batching=micro_batching.value,
             split=str(split),
             losses=losses,
             loss_tokens=loss_tokens,
             weights=self._trained_weights(model, sharded),
+            num_micro_batches=counts[0],
+            num_positions=counts[1],
+            num_sample_positions=counts[2],
         )
 
     def _trained_weights(self, model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
@@ -333,12 +419,20 @@ class GaParityRecipe:
         """Rank 0 writes the report, figure, summary and TensorBoard runs."""
         if not self._is_rank_zero:
             return None
+        precision = PrecisionView(
+            dtype=self._dtype_name,
+            master_weights=self._master_weights,
+            noise_floor=self._noise_floor,
+            reference_to_fp32=self._reference_to_fp32,
+        )
         report = write_report(
             self._report_dir,
             reference=self._reference,
             summaries=self._summaries,
-            noise_floor=self._noise_floor,
+            precision=precision,
             what="adapter weights" if self._is_lora else "weights",
+            micro_batch_tokens=self._micro_batch_tokens,
+            fp32_reference=self._fp32_reference,
         )
         log.info(f"Parity report: {report} (figure: {self._report_dir / 'parity.png'})")
         return report
@@ -358,7 +452,7 @@ def _reseed(seed: int) -> None:
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Entry point: validates the config strictly, then trains every split and mode."""
+    """Entry point: validates the config strictly, then trains every planned run."""
     cfg = validate_config(cfg, GaParityConfig, RECIPE_NAME)
     recipe = GaParityRecipe(cfg)
     recipe.setup(cfg)

@@ -46,6 +46,7 @@ from exactga.data import build_dataloader, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, epoch_checkpoint_weights, load_lora_weights
 from exactga.micro_batching import MicroBatchingSettings
 from exactga.normalization import LossNormalizer, parse_mode
+from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
 from exactga.resume import (
@@ -84,8 +85,11 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
           (one reduce-scatter of the adapter gradients per step).
         - FSDP2 through torchtune's ``shard_model`` over the data-parallel mesh:
           ``fsdp_cpu_offload``, ``fsdp_reshard_after_forward``, ``custom_sharded_layers``.
+        - ``micro_batching`` per rank, as in the full distributed recipe.
         - ``loss_normalization``, precision, activation checkpointing and offloading,
-          ``compile``, ``clip_grad_norm``, schedulers: as in the single-device LoRA recipe.
+          ``compile``, ``clip_grad_norm``, schedulers: as in the single-device LoRA recipe;
+          with ``master_weights: fp32`` (default) the fp32 adapter shards are gathered in bf16
+          and their gradients reduced in fp32 (docs/precision.md).
         - Checkpointing at each epoch's end, gathered to and written by rank 0: adapter weights
           and adapter config, merged weights unless ``save_adapter_weights_only``, recipe and
           optimizer state between epochs. With ``save_every_n_steps``, atomic step checkpoints
@@ -108,6 +112,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
         self._gradient_sync = distributed.parse_gradient_sync(cfg.gradient_sync)
 
         self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
@@ -158,8 +163,10 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._fingerprint = run_fingerprint(cfg, world_size=self.world_size)
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
-        self._checkpointer = config.instantiate(
-            cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+        self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
+            config.instantiate(
+                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+            )
         )
         ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
         resume.restore_progress(self._progress, ckpt_dict)
@@ -235,6 +242,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
         set_trainable_params(model, get_adapter_params(model))
+        self._precision.cast_trainable(model)  # fp32 adapters over the base, if asked for
         if self._compile:
             training.compile_model(model, verbose=self._is_rank_zero)
         if self._enable_activation_checkpointing:
@@ -242,8 +250,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
         # torchtune's LoRA-aware sharding, as stock: each layer is its own FSDP unit, so frozen
-        # and trainable parameters share units and only the adapters' gradients are reduced.
-        training.shard_model(
+        # and trainable parameters share units and only the adapters' gradients are reduced
+        # (in fp32 under fp32 master weights).
+        self._precision.shard_model(
             model=model,
             shard_conditions=[
                 partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
@@ -271,7 +280,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 cpu_offload=self._fsdp_cpu_offload,
             ),
             seed=self._progress.seed,
-            dtype=self._dtype,
+            dtype=self._precision.param_dtype,
         )
         training.validate_no_params_on_meta_device(model)
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
@@ -280,7 +289,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         distributed.log_rank_zero(
             f"Model built, sharded over dp={self.dp_size} and loaded in "
-            f"{time.perf_counter() - t0:.2f} s, precision {self._dtype}; "
+            f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}; "
             f"{num_trainable:,} trainable adapter parameters (sharded count)."
         )
         if self._is_rank_zero and self._device.type != "cpu":
@@ -368,7 +377,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
-        return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
+        return causal_lm_loss(
+            self._model, self._loss_fn, batch, self._activations_handling_ctx, self._precision
+        )
 
     def train(self) -> None:
         distributed.cleanup_before_training(self._device)

@@ -41,6 +41,7 @@ from exactga.data import build_dataloader, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, adapter_state, epoch_checkpoint_weights, load_lora_weights
 from exactga.micro_batching import MicroBatchingSettings
 from exactga.normalization import LossNormalizer, parse_mode
+from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
 from exactga.resume import (
@@ -78,9 +79,16 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
           the optimizer step and is counted in the ``skipped_steps`` metric.
         - ``loss_normalization``: ``exact`` (default); ``post_scale`` (stock torchtune) and
           ``naive`` (mean of micro-batch means) exist for benchmarks and parity reports.
+        - ``micro_batching``: how each window's samples are cut into micro-batches, exact in
+          every mode: ``by_length`` (default: sorted by length, least padding), ``fixed`` (the
+          loader's order, as stock), ``token_budget`` (``micro_batch_tokens`` padded positions
+          per micro-batch). Logs ``throughput/padding_fraction``; see docs/micro_batching.md.
         - Precision (``dtype``: fp32 or bf16), activation checkpointing and offloading,
           ``compile``, ``clip_grad_norm``, learning-rate schedulers, low-bit optimizers
-          (``torchao.optim.AdamW8bit``, bitsandbytes): as in torchtune.
+          (``torchao.optim.AdamW8bit``, bitsandbytes): as in torchtune. Under bf16 the
+          adapters, their gradients and optimizer state are fp32 over the bf16 base
+          (``master_weights: fp32``, the default; ``none`` is stock's pure bf16), and are
+          written in the base's dtype (docs/precision.md).
         - Checkpointing at each epoch's end: adapter weights and adapter config, plus merged
           full weights unless ``save_adapter_weights_only``. With ``save_every_n_steps``, atomic
           step checkpoints (adapters, optimizer, counters, RNG, data-loader position;
@@ -104,6 +112,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -138,8 +147,10 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
         self._fingerprint = run_fingerprint(cfg, world_size=1)
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
-        self._checkpointer = config.instantiate(
-            cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+        self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
+            config.instantiate(
+                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+            )
         )
         ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
         resume.restore_progress(self._progress, ckpt_dict)
@@ -206,6 +217,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             model = config.instantiate(cfg_model)
         self.adapter_params = get_adapter_params(model)
         set_trainable_params(model, self.adapter_params)
+        self._precision.cast_trainable(model)  # fp32 adapters over the base, if asked for
         if self._compile:
             training.compile_model(model)
         if self._enable_activation_checkpointing:
@@ -223,15 +235,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             adapters=lora_weights_state_dict,
             load=partial(nn.Module.load_state_dict, strict=False),
             seed=self._progress.seed,
-            dtype=self._dtype,
+            dtype=self._precision.param_dtype,
         )
-        training.validate_expected_param_dtype(self.adapter_params.items(), dtype=self._dtype)
+        training.validate_expected_param_dtype(
+            self.adapter_params.items(), dtype=self._precision.param_dtype
+        )
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
             model, self._enable_activation_offloading
         )
         num_trainable = sum(p.numel() for p in self.adapter_params.values())
         log.info(
-            f"Model is initialized with precision {self._dtype}; "
+            f"Model is initialized with {self._precision.describe()}; "
             f"{num_trainable:,} trainable adapter parameters."
         )
         if self._device.type != "cpu":
@@ -293,7 +307,9 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
-        return causal_lm_loss(self._model, self._loss_fn, batch, self._activations_handling_ctx)
+        return causal_lm_loss(
+            self._model, self._loss_fn, batch, self._activations_handling_ctx, self._precision
+        )
 
     def train(self) -> None:
         if self._compile:

@@ -6,9 +6,13 @@ a recipe. Every launch is offline.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -157,3 +161,78 @@ EMPTY_WINDOW_RUN = {
     "gradient_accumulation_steps": 2,
     "max_steps_per_epoch": 3,
 }
+
+
+# --- killing a launch ------------------------------------------------------------------------
+
+
+def launch_and_kill(
+    args: list[str],
+    log_path: Path,
+    ready: Callable[[], bool],
+    timeout_s: float = 300.0,
+    delay_s: float = 0.0,
+) -> None:
+    """Launch ``tune run args`` (output into ``log_path``), and SIGKILL it and its ranks
+    ``delay_s`` after ``ready()`` first holds; fail if it ends by itself before."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(TUNE), "run", *args],
+            cwd=REPO_ROOT,
+            env=tune_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not ready() and proc.poll() is None:
+                assert time.monotonic() < deadline, "the run did not reach its kill point"
+                time.sleep(0.02)
+            time.sleep(delay_s)
+            ended = proc.poll() is not None
+        finally:
+            kill_launch(proc)
+    assert not ended, f"the run ended before its kill:\n{log_path.read_text()[-3000:]}"
+
+
+def kill_launch(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGKILL a ``tune run`` launch and every process it started, and wait until all are gone.
+
+    torchrun starts each rank in a session of its own (``start_new_session=True`` in torch's
+    elastic subprocess handler), so killing the launcher's process group would leave the ranks
+    training on to the end, writing into the folder a resumed run then works in. The ranks are
+    found under the launcher in /proc and killed by their ids.
+    """
+    descendants = _descendants(proc.pid)
+    for pid in [proc.pid, *descendants]:
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + timeout_s
+    while any(_is_running(pid) for pid in descendants):
+        assert time.monotonic() < deadline, f"processes {descendants} outlived SIGKILL"
+        time.sleep(0.02)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs (Linux: read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):  # a process that ended meanwhile
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        started = children.get(todo.pop(), [])
+        found += started
+        todo += started
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

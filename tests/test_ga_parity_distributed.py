@@ -1,9 +1,12 @@
 """The GA parity report across data-parallel ranks: ``tune run --nproc_per_node 2`` on CPU.
 
 One launch (gloo, offline): the full-batch reference and a one-device ``1x8`` split next to two
-splits over both ranks, ``2x2x2`` and ``1x4x2``, under every normalisation mode. Exact stays at
-the fp32 floor across ranks (measured 4.4e-6 and 5.2e-6 relative L2 after 4 steps, the
-one-device split 5.5e-6; docs/ga_parity.md), naive lands about 0.1 to 0.2 away.
+splits over both ranks, ``2x2x2`` and ``1x4x2``, under every normalisation mode, exact also under
+``by_length`` and ``token_budget`` micro-batches (each rank regroups its own window;
+``token_budget`` may plan unequal counts, evened out with zero-weight fillers). Exact stays at the
+fp32 floor across ranks under every micro-batching (docs/ga_parity.md), naive lands about 0.1 to
+0.2 away. A second, short launch trains a split over both ranks in bf16 over fp32 master weights
+(FSDP2's bf16 policy, as the distributed recipes shard), beside the fp32 full batch.
 """
 
 from __future__ import annotations
@@ -18,8 +21,16 @@ pytestmark = pytest.mark.slow
 PARITY_RECIPE = "recipes/ga_parity.py"
 CONFIG = "configs/tiny/ga_parity_full.yaml"
 MODES = ("naive", "post_scale", "exact")
+MICRO_BATCHINGS = ("fixed", "by_length", "token_budget")  # the shipped config lists all three
 SPLITS = ("1x8", "2x2x2", "1x4x2")
 NUM_STEPS = 4
+# The baselines run fixed micro-batches only, exact each micro-batching.
+RUNS = {
+    (mode, micro_batching, split)
+    for mode in MODES
+    for micro_batching in (MICRO_BATCHINGS if mode == "exact" else ("fixed",))
+    for split in SPLITS
+}
 
 
 def test_splits_across_two_ranks_match_the_full_batch(tmp_path):
@@ -39,36 +50,75 @@ def test_splits_across_two_ranks_match_the_full_batch(tmp_path):
 
     report_dir = tmp_path / "parity"
     summary = json.loads((report_dir / "summary.json").read_text())
-    runs = {(r["mode"], r["split"]): r for r in summary["runs"]}
-    assert set(runs) == {(mode, split) for mode in MODES for split in SPLITS}
+    runs = {(r["mode"], r["micro_batching"], r["split"]): r for r in summary["runs"]}
+    assert set(runs) == RUNS
     assert summary["reference"] == "8x1"
 
     floor = summary["noise_floor"]
-    worst_exact_l2 = max(runs["exact", split]["relative_l2"] for split in SPLITS)
-    for split in ("2x2x2", "1x4x2"):  # exact over two ranks sits at the fp32 floor
-        print(f"exact {split}: relative L2 {runs['exact', split]['relative_l2']:.3e}")
-        assert runs["exact", split]["relative_l2"] <= floor
-    assert runs["exact", "1x8"]["relative_l2"] <= floor
+    exact = {key: run for key, run in runs.items() if key[0] == "exact"}
+    worst_exact_l2 = max(run["relative_l2"] for run in exact.values())
+    for (_, micro_batching, split), run in sorted(exact.items()):  # over two ranks too
+        print(f"exact/{micro_batching} {split}: relative L2 {run['relative_l2']:.3e}")
+        assert run["relative_l2"] <= floor
     for split in SPLITS:  # naive is orders of magnitude away; train_on_input: stock too
-        assert runs["naive", split]["relative_l2"] > 100 * worst_exact_l2
-        assert runs["post_scale", split]["relative_l2"] > 10 * worst_exact_l2
+        assert runs["naive", "fixed", split]["relative_l2"] > 100 * worst_exact_l2
+        assert runs["post_scale", "fixed", split]["relative_l2"] > 10 * worst_exact_l2
     # Naive weights each micro-batch mean 1/(ga*ranks): 1x4x2 and 1x8 optimise the same
     # objective on the same one-sequence micro-batches, so they land together (measured: the
     # distances agree to 1.5e-8 relative).
-    assert runs["naive", "1x4x2"]["relative_l2"] == pytest.approx(
-        runs["naive", "1x8"]["relative_l2"], rel=1e-5
+    assert runs["naive", "fixed", "1x4x2"]["relative_l2"] == pytest.approx(
+        runs["naive", "fixed", "1x8"]["relative_l2"], rel=1e-5
     )
+    # Every run, fillers or not, trained the reference's samples, counted over both ranks.
+    for run in summary["runs"]:
+        assert run["num_sample_positions"] == summary["reference_num_sample_positions"]
 
     report = (report_dir / "report.md").read_text()
     assert "**Verdict:** EXACT" in report
     assert "split (bsz x ga x ranks)" in report
-    for split in SPLITS:
-        assert f"| exact | {split} |" in report
+    for micro_batching in MICRO_BATCHINGS:
+        for split in SPLITS:
+            assert f"| exact | {micro_batching} | {split} |" in report
+    assert "| 2x2x2 | token_budget (512) |" in report  # the comparison section
     png = (report_dir / "parity.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
-    # Rank 0 alone writes: one TensorBoard run per mode and split, one events file each.
-    runs_logged = sorted(path.name for path in (report_dir / "tensorboard").iterdir())
-    assert runs_logged == sorted(f"{mode}_{split}" for mode in MODES for split in SPLITS)
-    for name in runs_logged:
-        assert len(list((report_dir / "tensorboard" / name).iterdir())) == 1
-        assert len(read_scalars(report_dir / "tensorboard" / name)["loss"]) == NUM_STEPS
+    # Rank 0 alone writes: one TensorBoard run per run, one events file each.
+    tensorboard = report_dir / "tensorboard"
+    runs_logged = {tuple(path.relative_to(tensorboard).parts) for path in tensorboard.glob("*/*/*")}
+    assert runs_logged == RUNS
+    for mode, micro_batching, split in RUNS:
+        folder = tensorboard / mode / micro_batching / split
+        assert len(list(folder.iterdir())) == 1
+        assert len(read_scalars(folder)["loss"]) == NUM_STEPS
+
+
+def test_a_bf16_split_across_two_ranks_sits_within_the_precisions_floor(tmp_path):
+    args = [
+        "--nproc_per_node",
+        "2",
+        PARITY_RECIPE,
+        "--config",
+        CONFIG,
+        f"output_dir={tmp_path}",
+        *(f"{key}={value}" for key, value in SMALL_MODEL.items()),
+        "dtype=bf16",
+        "master_weights=fp32",
+        f"parity.num_steps={NUM_STEPS}",
+        "parity.splits=[1x2x2]",
+        "parity.modes=[exact]",
+        "parity.micro_batching=[fixed]",
+    ]
+    proc = run_tune(args, timeout=600)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+
+    summary = json.loads((tmp_path / "parity" / "summary.json").read_text())
+    (run,) = summary["runs"]
+    precision_cost = summary["reference_relative_l2_to_fp32"]
+    print(
+        f"bf16 4x1 to fp32 4x1: {precision_cost:.3e}; 1x2x2 to bf16 4x1: "
+        f"{run['relative_l2']:.3e}, to fp32 4x1: {run['relative_l2_to_fp32']:.3e}"
+    )
+    assert precision_cost > 0
+    # Trained in bf16 on both ranks (far above fp32's floor), within bf16's own.
+    assert summary["noise_floor"] < run["relative_l2"] <= summary["floor"]
+    assert run["relative_l2_to_fp32"] > 0

@@ -110,7 +110,12 @@ def test_accumulation_splits_match_full_batch(tmp_path, optimizer, train_on_inpu
 def test_naive_normalization_breaks_parity(tmp_path):
     """Negative control: the check above has teeth. The mean of micro-batch means (naive)
     weighs short sequences up, so 1x8 moves away from 8x1 by far more than the tolerance."""
-    extra = [*OPTIMIZERS["sgd"], "loss_normalization=naive", "dataset.train_on_input=True"]
+    extra = [
+        *OPTIMIZERS["sgd"],
+        "loss_normalization=naive",
+        "micro_batching=fixed",
+        "dataset.train_on_input=True",
+    ]
     full = _train(tmp_path / "8x1", 8, 1, extra)
     accumulated = _train(tmp_path / "1x8", 1, 8, extra)
     rel = relative_l2(

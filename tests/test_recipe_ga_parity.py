@@ -1,14 +1,28 @@
-"""The GA parity report: its split parsing, and through ``tune run`` the numbers it shows and
-that it is drawn. Splits across ranks: tests/test_ga_parity_distributed.py."""
+"""The GA parity report: its split parsing, its run plan and its ``parity`` keys, and through
+``tune run`` the numbers it shows and that it is drawn, in fp32 and in bf16 beside an fp32 full
+batch. Splits across ranks: tests/test_ga_parity_distributed.py."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from omegaconf import OmegaConf
 from recipe_utils import SMALL_MODEL, output_of, read_scalars, run_tune
 
-from exactga.parity.scoring import Split, parse_splits
+from exactga.config import validate_config
+from exactga.micro_batching import MicroBatching
+from exactga.normalization import NormMode
+from exactga.parity.scoring import (
+    PRECISION_FLOOR_FACTOR,
+    PrecisionView,
+    RunSummary,
+    Split,
+    parse_splits,
+    plan_runs,
+    verdict,
+)
+from exactga.schemas import GaParityConfig
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 CONFIGS = {
@@ -16,7 +30,15 @@ CONFIGS = {
     "lora": "configs/tiny/ga_parity_lora.yaml",
 }
 MODES = ("naive", "post_scale", "exact")
+MICRO_BATCHINGS = ("fixed", "by_length", "token_budget")  # the shipped configs list all three
 SPLITS = ("1x8", "2x4")
+# The runs of one launch: the baselines under fixed micro-batches only, exact under each.
+RUNS = {
+    (mode, micro_batching, split)
+    for mode in MODES
+    for micro_batching in (MICRO_BATCHINGS if mode == "exact" else ("fixed",))
+    for split in SPLITS
+}
 
 
 @pytest.mark.slow
@@ -36,26 +58,153 @@ def test_report_separates_the_modes_and_draws_them(tmp_path, kind):
 
     report_dir = tmp_path / "parity"
     summary = json.loads((report_dir / "summary.json").read_text())
-    by_mode = {mode: [r for r in summary["runs"] if r["mode"] == mode] for mode in MODES}
-    assert {r["split"] for r in summary["runs"]} == set(SPLITS)
+    runs = {(r["mode"], r["micro_batching"], r["split"]): r for r in summary["runs"]}
+    assert set(runs) == RUNS
 
-    worst_exact_l2 = max(r["relative_l2"] for r in by_mode["exact"])
-    worst_exact_gap = max(r["max_loss_gap"] for r in by_mode["exact"])
-    assert worst_exact_l2 <= summary["noise_floor"]  # exact sits at the fp32 floor
-    for naive in by_mode["naive"]:  # naive is orders of magnitude away, in weights and loss
+    exact = [r for r in summary["runs"] if r["mode"] == "exact"]
+    worst_exact_l2 = max(r["relative_l2"] for r in exact)
+    worst_exact_gap = max(r["max_loss_gap"] for r in exact)
+    for run in exact:  # exact sits at the fp32 floor under every micro-batching
+        assert run["relative_l2"] <= summary["noise_floor"], run
+    for split in SPLITS:  # naive is orders of magnitude away, in weights and loss
+        naive = runs["naive", "fixed", split]
         assert naive["relative_l2"] > 100 * worst_exact_l2
         assert naive["max_loss_gap"] > 10 * max(worst_exact_gap, 1e-7)
-    for stock in by_mode["post_scale"]:  # train_on_input: stock's count is off too
+        stock = runs["post_scale", "fixed", split]  # train_on_input: stock's count is off too
         assert stock["relative_l2"] > 10 * worst_exact_l2
 
+    # Every run trained the reference's samples; only the padding around them differs.
+    for run in summary["runs"]:
+        assert run["num_sample_positions"] == summary["reference_num_sample_positions"]
+    for split in SPLITS:  # sorting before cutting every B never pads more
+        fixed, by_length = runs["exact", "fixed", split], runs["exact", "by_length", split]
+        assert by_length["num_positions"] <= fixed["num_positions"]
+    assert runs["exact", "fixed", "2x4"]["padding_fraction"] > 0
+    # token_budget cuts each window by the budget whatever B: on one device every split
+    # trains the same micro-batches, to the last bit.
+    budget_1x8, budget_2x4 = (runs["exact", "token_budget", s] for s in SPLITS)
+    assert budget_1x8["relative_l2"] == budget_2x4["relative_l2"]
+    assert budget_1x8["num_positions"] == budget_2x4["num_positions"]
+    assert summary["micro_batch_tokens"] == 512
+
     report = (report_dir / "report.md").read_text()
-    assert "**Verdict:** EXACT" in report
-    assert report.count("| exact |") == len(SPLITS)
+    assert "**Verdict:** EXACT: every exact-mode run (fixed, by_length, token_budget" in report
+    assert report.count("| exact |") == len(MICRO_BATCHINGS) * len(SPLITS)
+    comparison = report.split("## Micro-batching (exact mode)")[1]
+    assert "| 8x1 (full batch) | fixed | (reference) | 1.0 |" in comparison
+    for split in SPLITS:  # the three groupings side by side, split by split
+        for name in ("fixed", "by_length", "token_budget (512)"):
+            assert f"| {split} | {name} |" in comparison
     png = (report_dir / "parity.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
-    for mode in MODES:  # one TensorBoard run per mode and split, each with every step's loss
-        for split in SPLITS:
-            assert len(read_scalars(report_dir / "tensorboard" / f"{mode}_{split}")["loss"]) == 4
+    for mode, micro_batching, split in RUNS:  # one TensorBoard run each, every step's loss
+        scalars = read_scalars(report_dir / "tensorboard" / mode / micro_batching / split)
+        assert len(scalars["loss"]) == 4
+
+
+# bf16 over fp32 master weights: one launch of 4 steps shared by the tests below (run_once), the
+# two full batches (bf16 and fp32) and four runs.
+BF16_SPLITS = ("1x4", "2x2")
+BF16_MODES = ("naive", "exact")
+
+
+@pytest.fixture(scope="module")
+def bf16_report(run_once):
+    """``report.md`` and ``summary.json`` of the bf16 launch, as (text, dict)."""
+
+    def make(out):
+        args = [
+            PARITY_RECIPE,
+            "--config",
+            CONFIGS["full"],
+            f"output_dir={out}",
+            *(f"{key}={value}" for key, value in SMALL_MODEL.items()),
+            "dtype=bf16",
+            "master_weights=fp32",
+            "parity.num_steps=4",
+            f"parity.splits=[{','.join(BF16_SPLITS)}]",
+            f"parity.modes=[{','.join(BF16_MODES)}]",
+            "parity.micro_batching=[fixed]",
+        ]
+        proc = run_tune(args)
+        assert proc.returncode == 0, output_of(proc)[-4000:]
+
+    report_dir = run_once("ga_parity_bf16", make) / "parity"
+    summary = json.loads((report_dir / "summary.json").read_text())
+    return (report_dir / "report.md").read_text(), summary
+
+
+@pytest.mark.slow
+def test_bf16_report_shows_what_the_split_and_the_precision_cost(bf16_report):
+    report, summary = bf16_report
+    assert (summary["dtype"], summary["master_weights"]) == ("bf16", "fp32")
+    precision_cost = summary["reference_relative_l2_to_fp32"]
+    print(f"bf16 full batch to fp32 full batch: {precision_cost:.3e}")
+    assert 0 < precision_cost < 0.1  # bf16 rounding, not another model
+    assert len(summary["fp32_reference_losses"]) == 4
+    runs = {(r["mode"], r["split"]): r for r in summary["runs"]}
+    assert set(runs) == {(mode, split) for mode in BF16_MODES for split in BF16_SPLITS}
+    for run in runs.values():  # both distances, every run
+        print(
+            f"{run['mode']} {run['split']}: to bf16 full batch {run['relative_l2']:.3e}, to fp32 "
+            f"full batch {run['relative_l2_to_fp32']:.3e}"
+        )
+        assert run["relative_l2"] > 0 and run["relative_l2_to_fp32"] > 0
+
+    table = report.split("**Verdict:**")[0]
+    assert "to fp32 full batch" in table
+    assert f"| full batch | fixed | 4x1 | (reference) | {precision_cost:.3e}" in table
+    for split in BF16_SPLITS:
+        run = runs["exact", split]
+        assert f"| exact | fixed | {split} | {run['relative_l2']:.3e} " in table
+        assert f"| {run['relative_l2_to_fp32']:.3e} |" in table
+
+
+@pytest.mark.slow
+def test_bf16_exact_splits_sit_within_the_precisions_floor_and_naive_above(bf16_report):
+    report, summary = bf16_report
+    floor = summary["floor"]  # see [parity floor below fp32]
+    precision_cost = summary["reference_relative_l2_to_fp32"]
+    assert floor == max(summary["noise_floor"], PRECISION_FLOOR_FACTOR * precision_cost)
+    for split in BF16_SPLITS:
+        exact, naive = (
+            next(r for r in summary["runs"] if (r["mode"], r["split"]) == (mode, split))
+            for mode in ("exact", "naive")
+        )
+        # Trained in bf16 (far above fp32's 1e-5), within bf16's floor; naive's weighting
+        # still shows above it.
+        assert summary["noise_floor"] < exact["relative_l2"] <= floor
+        assert naive["relative_l2"] > floor
+    assert "**Verdict:** EXACT: every exact-mode run (fixed micro-batches) is within the bf16 " in (
+        report
+    )
+
+
+def test_the_floor_below_fp32_is_twice_the_precisions_own_distance():
+    def run(mode: str, relative_l2: float) -> RunSummary:
+        return RunSummary(mode, "fixed", "1x8", relative_l2, 0.0, (), 1, 1, 1, 2e-2)
+
+    fp32 = PrecisionView("fp32", "none", noise_floor=1e-5)
+    bf16 = PrecisionView("bf16", "fp32", noise_floor=1e-5, reference_to_fp32=1.5e-2)
+    assert (fp32.floor, fp32.floor_name) == (1e-5, "fp32 floor")
+    assert bf16.floor == PRECISION_FLOOR_FACTOR * 1.5e-2 and bf16.floor_name == "bf16 floor"
+    assert PrecisionView("bf16", "fp32", noise_floor=1.0, reference_to_fp32=1e-2).floor == 1.0
+    assert verdict([run("exact", 2.9e-2)], bf16).startswith("EXACT: ")
+    assert "the split costs less than the precision" in verdict([run("exact", 2.9e-2)], bf16)
+    assert verdict([run("exact", 3.1e-2)], bf16).startswith("NOT EXACT: ")
+    assert verdict([run("exact", 2e-5)], fp32).startswith("NOT EXACT: ")
+
+
+def test_master_weights_is_the_training_recipes_and_a_bad_one_is_named():
+    cfg = _validate()
+    assert cfg.master_weights is None  # the shipped configs: each recipe's own default
+    assert GaParityConfig.master_weights_for(cfg, is_lora=False) == "none"
+    assert GaParityConfig.master_weights_for(cfg, is_lora=True) == "fp32"
+    cfg.master_weights = "fp32"
+    assert GaParityConfig.master_weights_for(cfg, is_lora=False) == "fp32"
+    bad = OmegaConf.merge(OmegaConf.load(CONFIGS["full"]), {"master_weights": "fp16"})
+    with pytest.raises(ValueError, match="config key 'master_weights'='fp16': choose one of fp32"):
+        validate_config(bad, GaParityConfig, "ga_parity")
 
 
 def test_splits_parse_with_and_without_ranks():
@@ -86,3 +235,53 @@ def test_splits_parse_with_and_without_ranks():
 def test_bad_splits_name_the_key(splits, world_size, message):
     with pytest.raises(ValueError, match=f"config key 'parity.splits'.*{message}"):
         parse_splits(splits, world_size)
+
+
+def test_the_baselines_run_fixed_only_and_exact_every_micro_batching():
+    modes = [NormMode.NAIVE, NormMode.POST_SCALE, NormMode.EXACT]
+    splits = [Split(8, 1), Split(2, 4), Split(2, 2, 2)]
+    plan = plan_runs(modes, list(MicroBatching), splits, reference=Split(8, 1))
+    # The reference split under fixed is the reference itself; regrouped, it is a run.
+    assert [(mode.value, mb.value, str(split)) for mode, mb, split in plan] == [
+        ("naive", "fixed", "2x4"),
+        ("naive", "fixed", "2x2x2"),
+        ("post_scale", "fixed", "2x4"),
+        ("post_scale", "fixed", "2x2x2"),
+        ("exact", "fixed", "2x4"),
+        ("exact", "fixed", "2x2x2"),
+        ("exact", "by_length", "8x1"),
+        ("exact", "by_length", "2x4"),
+        ("exact", "by_length", "2x2x2"),
+        ("exact", "token_budget", "8x1"),
+        ("exact", "token_budget", "2x4"),
+        ("exact", "token_budget", "2x2x2"),
+    ]
+
+
+def _validate(**parity: object):
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIGS["full"]), {"parity": parity})
+    return validate_config(cfg, GaParityConfig, "ga_parity")
+
+
+@pytest.mark.parametrize(
+    ("parity", "message"),
+    [
+        (
+            {"micro_batching": ["fixed", "sorted"]},
+            "'parity.micro_batching'='sorted': choose one of",
+        ),
+        ({"micro_batching": []}, "'parity.micro_batching' is empty"),
+        ({"micro_batching": ["by_length", "by_length"]}, "lists by_length twice"),
+        ({"micro_batch_tokens": 0}, "'parity.micro_batch_tokens' must be at least 1, got 0"),
+    ],
+)
+def test_bad_micro_batching_keys_are_named(parity, message):
+    with pytest.raises(ValueError, match=message):
+        _validate(**parity)
+
+
+def test_micro_batching_without_exact_mode_warns_that_it_is_ignored():
+    with pytest.warns(UserWarning, match="by_length, token_budget is ignored: only exact runs"):
+        _validate(modes=["naive", "post_scale"])
+    cfg = _validate()
+    assert list(cfg.parity.micro_batching) == list(MICRO_BATCHINGS)

@@ -178,7 +178,12 @@ def test_naive_normalization_breaks_parity(tmp_path, initial_adapters):
     """Negative control: the mean of micro-batch means moves 1x8 far from 8x1."""
     from recipe_utils import relative_l2
 
-    extra = [*OPTIMIZERS["sgd"], "loss_normalization=naive", "dataset.train_on_input=True"]
+    extra = [
+        *OPTIMIZERS["sgd"],
+        "loss_normalization=naive",
+        "micro_batching=fixed",
+        "dataset.train_on_input=True",
+    ]
     full = _train(tmp_path / "8x1", 8, 1, extra)
     accumulated = _train(tmp_path / "1x8", 1, 8, extra)
     rel = relative_l2(

@@ -10,11 +10,9 @@ they are bit-identical). The draw is printed (``-rP``); ``EXACTGA_KILL_SEED`` re
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -25,15 +23,13 @@ from recipe_utils import (
     LORA_RECIPE,
     LORA_TINY_CONFIG,
     RECIPE,
-    REPO_ROOT,
     SMALL_MODEL,
     TINY_CONFIG,
-    TUNE,
+    launch_and_kill,
     load_weights,
     output_of,
     relative_l2,
     run_tune,
-    tune_env,
 )
 
 pytestmark = pytest.mark.slow
@@ -57,6 +53,13 @@ RESUMABLE = {
 SCENARIOS = {
     "full": ([RECIPE, "--config", TINY_CONFIG], {}),
     "lora": ([LORA_RECIPE, "--config", LORA_TINY_CONFIG], {}),
+    # fp32 master weights under bf16 (docs/precision.md): the step checkpoints hold the fp32
+    # weights and optimizer state, so the resumed run ends bit for bit where this one ends.
+    "full_bf16_master": (
+        [RECIPE, "--config", TINY_CONFIG],
+        {"dtype": "bf16", "master_weights": "fp32"},
+    ),
+    "lora_bf16_master": ([LORA_RECIPE, "--config", LORA_TINY_CONFIG], {"dtype": "bf16"}),
     "full_2ranks": (
         [
             *("--nproc_per_node", "2", "recipes/full_finetune_distributed.py"),
@@ -84,31 +87,16 @@ def _latest_step(out: Path) -> int:
 
 
 def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int = 1) -> None:
-    """Launch, and SIGKILL its process group once a random step's checkpoint exists."""
+    """Launch, and SIGKILL it (every rank) once a random step's checkpoint exists."""
     kill_after = rng.randint(first_step, STEPS_PER_EPOCH * EPOCHS - 4)
     delay = rng.uniform(0.0, 0.2)
-    log_path = out.parent / f"{out.name}_killed.txt"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [str(TUNE), "run", *_args(scenario, out)],
-            cwd=REPO_ROOT,
-            env=tune_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the kill takes every rank with it
-        )
-        try:
-            deadline = time.monotonic() + KILL_TIMEOUT_S
-            while _latest_step(out) < kill_after and proc.poll() is None:
-                assert time.monotonic() < deadline, "the run did not reach its kill step"
-                time.sleep(0.02)
-            time.sleep(delay)
-            ended = proc.poll() is not None
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # already gone
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert not ended, f"the run ended before its kill:\n{log_path.read_text()[-3000:]}"
+    launch_and_kill(
+        _args(scenario, out),
+        out.parent / f"{out.name}_killed.txt",
+        ready=lambda: _latest_step(out) >= kill_after,
+        timeout_s=KILL_TIMEOUT_S,
+        delay_s=delay,
+    )
     print(f"{scenario}: killed after step {kill_after} + {delay:.2f} s")
 
 

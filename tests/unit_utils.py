@@ -241,7 +241,7 @@ def config_header(name: str) -> str:
 
 
 # Top-level keys our per-model configs add or change relative to torchtune 0.6.1's stock config.
-EXACTGA_KEYS = {"loss_normalization", "drop_partial_window"}
+EXACTGA_KEYS = {"loss_normalization", "drop_partial_window", "micro_batching", "master_weights"}
 CHANGED_KEYS = {"output_dir", "metric_logger"}
 
 

@@ -151,6 +151,10 @@ def build_dataloader(
         sampler=sampler,
         collate_fn=WindowCollator(settings, window_size, collate),
         drop_last=False,  # the short last window keeps its whole micro-batches
+        # Each new iterator draws a worker seed from this generator; from the global RNG (the
+        # default) that draw came after a resume's RNG restore, so a run that draws from it
+        # while training (bf16 stochastic rounding, dropout) went on from a shifted stream.
+        generator=torch.Generator(),
     )
     loader = WindowLoader(dataloader, batch_size, window_size, drop_partial_window)
     if state_dict is not None:
@@ -202,9 +206,8 @@ class WindowLoader:
                 "exactga that loaded micro-batches, not windows; resume it with that version, or "
                 "start the run again."
             )
-        assert state_dict["window_size"] == self.window_size, (
-            "window size changed across a resume; the run fingerprint should have refused it"
-        )
+        # A window size changed across a resume (batch_size or gradient_accumulation_steps, in
+        # resume_allow_changed_keys) is fine: the sampler's position counts samples.
         self.dataloader.load_state_dict(state_dict["loader"])
 
 

@@ -12,6 +12,9 @@ GPU to two starts from the same adapters and writes the same files. See [adapter
 # alone, module by module in ``named_modules()`` order, with torchtune's own initialisers
 # (Kaiming-uniform ``lora_a``, zero ``lora_b``), and loaded like any state dict; the global
 # RNG is left as it was. A run starts from the same adapters on one device and on N ranks.
+# They are drawn in fp32 (or fp64) and then cast: torch draws another stream for a bf16
+# tensor, so a bf16 run would start from adapters unrelated to the fp32 run's, and no
+# comparison of the precisions (docs/precision.md) would mean anything.
 """
 
 from __future__ import annotations
@@ -158,10 +161,11 @@ def _draw_adapters(model: nn.Module, dtype: torch.dtype, out: dict[str, torch.Te
         name = state_dict_name(module_name)
         for part, init in (("lora_a", _lora_a_init_params), ("lora_b", _lora_b_init_params)):
             shape = getattr(module, part).weight.shape
-            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=dtype)
+            draw_dtype = torch.promote_types(dtype, torch.float32)  # see [adapter init]
+            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=draw_dtype)
             linear = linear.to_empty(device="cpu")
             init(linear)
-            out[f"{name}.{part}.weight"] = linear.weight.detach()
+            out[f"{name}.{part}.weight"] = linear.weight.detach().to(dtype)
         if isinstance(module, DoRALinear):
             out[f"{name}.magnitude"] = torch.ones(module.out_dim, dtype=dtype)
 

@@ -21,9 +21,10 @@ Note [micro-batching modes]
 - ``fixed``: micro-batches of ``batch_size`` samples in the loader's order (stock torchtune).
 - ``by_length``: the window's samples sorted by length, longest first (a stable sort, so ties
   keep the loader's order and the split is deterministic), then cut into micro-batches of
-  ``batch_size``. Longest first makes the first micro-batch of every window the largest, so a
-  run that will run out of memory does so on its first step, and under data parallelism every
-  rank runs its long micro-batches at the same time.
+  ``batch_size``. Longest first makes the first micro-batch of every window its largest, so a
+  setting that does not fit fails at the first window holding a long sample (not whenever a
+  random group happens to collect several), and under data parallelism every rank runs its long
+  micro-batches at the same time.
 - ``token_budget``: the same order, cut greedily into micro-batches of as many samples as fit
   ``micro_batch_tokens`` padded positions (samples x longest sample); a sample longer than the
   budget gets a micro-batch of its own. Memory per micro-batch is then flat, and a large

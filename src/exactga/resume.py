@@ -58,7 +58,10 @@ FINGERPRINT_KEYS = (
 # would continue is not the run that was checkpointed: the data order, the window boundaries or
 # the weights' shapes change. ``resume_allow_changed_keys: [key, ...]`` accepts named changes
 # (say, a tokenizer moved to another path) with a warning. Everything else (learning rate,
-# epochs, logging, output folders) may change freely.
+# epochs, logging, output folders) may change freely, and so may ``micro_batching`` and
+# ``micro_batch_tokens``: they regroup a window's samples without changing which samples it
+# holds (see [regrouping is exact]), so a run that ran out of memory can go on with a token
+# budget. It then stays exact, though no longer bit-identical to an uninterrupted run.
 
 # Note [loader position at epoch ends]
 # With ``max_steps_per_epoch`` an epoch ends before its data does, and the loader's position is

@@ -29,6 +29,7 @@ from exactga.distributed import GradientSync
 from exactga.lora import LoraSettings
 from exactga.micro_batching import MicroBatching
 from exactga.normalization import NormMode
+from exactga.precision import MasterWeights
 from exactga.profiling import ProfilerSection, ProfilerSettings
 from exactga.training import NonFinitePolicy
 
@@ -122,6 +123,9 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
     # change (see [regrouping is exact] in exactga.micro_batching and docs/math.md).
     micro_batching: str = choice(MicroBatching, "by_length")
     micro_batch_tokens: Optional[int] = None  # token_budget's padded positions per micro-batch
+    # Trainable weights, their gradients and optimizer state in fp32 under dtype: bf16 (see
+    # [fp32 master weights] in exactga.precision and docs/precision.md); none: as stock.
+    master_weights: str = choice(MasterWeights, "none")
 
     # exactga: step checkpoints and failures (see docs/reliability.md).
     save_every_n_steps: Optional[int] = None  # null: epoch-end checkpoints only, as stock
@@ -144,6 +148,23 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
         if cfg.log_peak_memory_stats and device_type == "cpu":
             _warn_once("config key 'log_peak_memory_stats' is ignored on CPU.")
         check_micro_batching(cfg)
+        check_master_weights(cfg)
+
+
+def check_master_weights(cfg: DictConfig) -> None:
+    """Warn where bf16 stochastic rounding cannot act: over fp32 master weights there is no
+    bf16 weight to round to (see [fp32 master weights] in exactga.precision)."""
+    optimizer = cfg.optimizer if isinstance(cfg.optimizer, DictConfig) else {}
+    if (
+        optimizer.get("bf16_stochastic_round", False)
+        and cfg.master_weights == MasterWeights.FP32.value
+        and cfg.dtype == "bf16"
+    ):
+        _warn_once(
+            "config key 'optimizer.bf16_stochastic_round' is ignored with master_weights: fp32: "
+            "the trainable weights are fp32, so nothing is rounded to bf16. Set "
+            "master_weights=none for pure bf16 with stochastic rounding."
+        )
 
 
 def check_micro_batching(cfg: DictConfig) -> None:
@@ -204,6 +225,9 @@ class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
 
     save_adapter_weights_only: bool = False
     low_cpu_ram: bool = False  # torchtune's low-CPU-RAM NF4 state-dict hook (QLoRA)
+    # fp32 adapters over the bf16 base: a few MB, and 10x closer to fp32 LoRA with SGD
+    # (docs/precision.md). Full fine-tuning defaults to none: there it doubles weight memory.
+    master_weights: str = choice(MasterWeights, "fp32")
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -279,7 +303,18 @@ class ParitySettings:
         metadata={"choices": tuple(mode.value for mode in NormMode)},
     )
     num_steps: int = 12
-    noise_floor: float = 1e-5  # relative L2 an exact split may differ by in fp32
+    # Relative L2 an exact split may differ by in fp32. Below fp32 (dtype: bf16) the floor is
+    # the larger of this and twice the bf16 full batch's distance to an fp32 full batch, which
+    # the report then also trains; see [parity floor below fp32] in exactga.parity.scoring.
+    noise_floor: float = 1e-5
+    # How a window's samples are split into micro-batches (see [micro-batching modes] in
+    # exactga.micro_batching): exact runs every split under each of these, the baselines under
+    # fixed only (see [regrouping is exact]). The full-batch reference is fixed.
+    micro_batching: list[str] = field(
+        default_factory=lambda: [m.value for m in MicroBatching],
+        metadata={"choices": tuple(m.value for m in MicroBatching)},
+    )
+    micro_batch_tokens: int = 1024  # token_budget's padded positions per micro-batch
 
 
 @dataclass
@@ -293,6 +328,10 @@ class GaParityConfig(TrainingRunConfig):
     """
 
     optimizer_in_bwd: bool = False  # read by full configs; must stay False here
+    # As the training recipes read it (see [fp32 master weights] in exactga.precision); null:
+    # the default of the recipe the config is for, fp32 for LoRA and none for full
+    # (master_weights_for). One schema covers both kinds, so its default cannot be either.
+    master_weights: Optional[str] = None
     parity: ParitySettings = field(default_factory=ParitySettings)
 
     # Schemas whose other keys are accepted and ignored with a warning (see the docstring).
@@ -308,3 +347,45 @@ class GaParityConfig(TrainingRunConfig):
         dataset_sections = cfg.dataset if OmegaConf.is_list(cfg.dataset) else [cfg.dataset]
         if any(section.get("packed", False) for section in dataset_sections):
             raise ValueError("config key 'dataset.packed' is not supported by the parity report.")
+        choices = tuple(m.value for m in MasterWeights)
+        if cfg.master_weights is not None and cfg.master_weights not in choices:
+            raise ValueError(
+                f"config key 'master_weights'={cfg.master_weights!r}: choose one of "
+                f"{', '.join(choices)}, or null for the recipe's default (fp32 for LoRA, none "
+                "for full)."
+            )
+        cls._check_micro_batching(cfg.parity)
+
+    @staticmethod
+    def master_weights_for(cfg: DictConfig, *, is_lora: bool) -> str:
+        """``master_weights``, or where it is null the default of the training recipe the
+        config is for: the LoRA recipes' (fp32) or the full recipes' (none)."""
+        if cfg.master_weights is not None:
+            return str(cfg.master_weights)
+        recipe = LoraFinetuneSingleDeviceConfig if is_lora else FullFinetuneSingleDeviceConfig
+        return recipe.master_weights
+
+    @staticmethod
+    def _check_micro_batching(parity: DictConfig) -> None:
+        listed = list(parity.micro_batching)
+        if not listed:
+            raise ValueError(
+                "config key 'parity.micro_batching' is empty; list at least one of "
+                f"{', '.join(m.value for m in MicroBatching)}."
+            )
+        duplicates = sorted({m for m in listed if listed.count(m) > 1})
+        if duplicates:
+            raise ValueError(
+                f"config key 'parity.micro_batching' lists {', '.join(duplicates)} twice."
+            )
+        if parity.micro_batch_tokens < 1:
+            raise ValueError(
+                "config key 'parity.micro_batch_tokens' must be at least 1, got "
+                f"{parity.micro_batch_tokens}."
+            )
+        regrouped = [m for m in listed if m != MicroBatching.FIXED.value]
+        if regrouped and NormMode.EXACT.value not in parity.modes:
+            _warn_once(
+                f"config key 'parity.micro_batching': {', '.join(regrouped)} is ignored: only "
+                "exact runs regroup, and 'parity.modes' lists no exact."
+            )

@@ -24,6 +24,7 @@ from torchtune.training.lr_schedulers import get_lr
 
 from exactga.distributed import memory_stats
 from exactga.normalization import Window, shift_labels, warn_skipped_step
+from exactga.precision import Precision
 from exactga.profiling import TrainingProfiler
 from exactga.progress import TrainingProgress
 
@@ -137,14 +138,18 @@ def causal_lm_loss(
     loss_fn: nn.Module,
     batch: dict[str, torch.Tensor],
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+    precision: Precision | None = None,
 ) -> torch.Tensor:
     """Forward and mean loss of one micro-batch already on the device.
 
     See [shifted token count] in ``exactga.normalization``: the count that weights this loss
-    was taken on exactly these shifted labels.
+    was taken on exactly these shifted labels. ``precision`` runs the forward under its
+    autocast (bf16 compute over fp32 master weights; see [fp32 master weights] in
+    ``exactga.precision``), the loss outside it.
     """
     labels = batch.pop("labels")
-    with activations_ctx or contextlib.nullcontext():
+    autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
+    with activations_ctx or contextlib.nullcontext(), autocast:
         logits = model(**batch)
     labels = shift_labels(labels, loss_fn.ignore_index)
     if not isinstance(logits, list):  # chunked losses take the list as it is

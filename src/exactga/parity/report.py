@@ -1,4 +1,4 @@
-"""The GA parity report's outputs: a table, a verdict, a figure, TensorBoard runs, JSON.
+"""The GA parity report's outputs: tables, a verdict, a figure, TensorBoard runs, JSON.
 
 Used by ``recipes/ga_parity.py``; the scores come from :mod:`exactga.parity.scoring`. The
 figure needs matplotlib (``pip install exactga[parity]``); without it the report is written
@@ -14,62 +14,161 @@ from pathlib import Path
 
 from exactga.parity.scoring import (
     MODE_LABELS,
-    MODE_ORDER,
+    PRECISION_FLOOR_FACTOR,
     ParityRun,
+    PrecisionView,
     RunSummary,
-    sorted_by_mode,
+    sorted_runs,
     split_legend,
     verdict,
 )
 
 
-def markdown_table(summaries: list[RunSummary], noise_floor: float, what: str) -> str:
-    lines = [
-        f"| mode | split ({split_legend(summaries)}) | relative L2 of {what} to full batch "
-        "| max loss gap |",
-        "|---|---|---|---|",
-    ]
-    for s in sorted_by_mode(summaries):
-        flag = "" if s.relative_l2 <= noise_floor else " (above floor)"
-        row = f"| {s.mode} | {s.split} | {s.relative_l2:.3e}{flag} | {s.max_loss_gap:.3e} |"
-        lines.append(row)
+def markdown_table(
+    summaries: list[RunSummary], reference: ParityRun, precision: PrecisionView, what: str
+) -> str:
+    """Every run's distance to the full batch; below fp32 also to the fp32 full batch, next to
+    it, with the full batch's own as the first row (see [parity floor below fp32])."""
+    floor = precision.floor
+    legend = split_legend(summaries)
+    if not precision.below_fp32:
+        lines = [
+            f"| mode | micro_batching | split ({legend}) | relative L2 of {what} "
+            "to full batch | max loss gap |",
+            "|---|---|---|---|---|",
+        ]
+    else:
+        lines = [
+            f"| mode | micro_batching | split ({legend}) | relative L2 of {what} to "
+            f"{precision.dtype} full batch (what the split costs) | to fp32 full batch (what "
+            "split and precision cost) | max loss gap |",
+            "|---|---|---|---|---|---|",
+            f"| full batch | fixed | {reference.split} | (reference) "
+            f"| {precision.reference_to_fp32:.3e} (what the precision costs) | |",
+        ]
+    for s in sorted_runs(summaries):
+        flag = "" if s.relative_l2 <= floor else " (above floor)"
+        to_fp32 = ""
+        if precision.below_fp32:
+            to_fp32 = f"| {s.relative_l2_to_fp32:.3e} "
+        lines.append(
+            f"| {s.mode} | {s.micro_batching} | {s.split} | {s.relative_l2:.3e}{flag} "
+            f"{to_fp32}| {s.max_loss_gap:.3e} |"
+        )
     return "\n".join(lines)
+
+
+def precision_section(precision: PrecisionView, what: str) -> str:
+    """Below fp32: what was trained, and how the two distances and the floor read."""
+    name = precision.dtype
+    return (
+        f"**Precision:** {precision.describe()}. The full batch was also trained in fp32, "
+        f"from the same initial weights cast to fp32 and on the same data: the {name} full "
+        f"batch lands {precision.reference_to_fp32:.2e} from it (relative L2 of the {what}), "
+        f"what {name} costs on this config. Each run's first distance is to the {name} full "
+        f"batch, what its split costs at this precision; the second to the fp32 full batch, "
+        f"what split and precision cost together. Two {name} runs of the same objective differ "
+        f"by their rounding, so the floor is {PRECISION_FLOOR_FACTOR:g}x the full batch's own "
+        f"distance to fp32 ({precision.floor:.2e}; at least the fp32 floor "
+        f"{precision.noise_floor:.0e}): below it the split costs less than the precision."
+    )
+
+
+def micro_batching_section(
+    summaries: list[RunSummary],
+    reference: ParityRun,
+    micro_batch_tokens: int | None,
+    what: str,
+) -> str | None:
+    """Exact mode's micro-batchings side by side, split by split: where each lands and what it
+    processed. ``None`` unless exact mode ran under two or more micro-batchings."""
+    exact = sorted_runs([s for s in summaries if s.mode == "exact"])
+    if len({s.micro_batching for s in exact}) < 2:
+        return None
+    fixed = {s.split: s for s in exact if s.micro_batching == "fixed"}
+    num_steps = max(len(reference.losses), 1)
+    reference_padding = 1 - reference.num_sample_positions / reference.num_positions
+    lines = [
+        f"| split ({split_legend(exact)}) | micro_batching | relative L2 of {what} "
+        "| micro-batches per step | positions processed | vs fixed | padding |",
+        "|---|---|---|---|---|---|---|",
+        f"| {reference.split} (full batch) | fixed | (reference) "
+        f"| {reference.num_micro_batches / num_steps:.1f} | {reference.num_positions:,} | "
+        f"| {100 * reference_padding:.1f}% |",
+    ]
+    splits = list(dict.fromkeys(s.split for s in exact))  # as listed
+    for split in splits:
+        for run in [s for s in exact if s.split == split]:
+            name = run.micro_batching
+            if name == "token_budget":
+                name = f"token_budget ({micro_batch_tokens})"
+            versus = ""
+            if split in fixed and run.micro_batching != "fixed":
+                versus = f"{100 * (run.num_positions / fixed[split].num_positions - 1):+.1f}%"
+            lines.append(
+                f"| {split} | {name} | {run.relative_l2:.3e} | {run.micro_batches_per_step:.1f} "
+                f"| {run.num_positions:,} | {versus} | {100 * run.padding_fraction:.1f}% |"
+            )
+    return "\n\n".join(
+        [
+            "## Micro-batching (exact mode)",
+            "The same samples and optimizer steps, each window's samples grouped into "
+            "micro-batches as listed: `fixed` cuts every B samples in the loader's order, "
+            "`by_length` sorts them longest first and then cuts every B, `token_budget` sorts "
+            "them and cuts at the budget of padded positions whatever B (so splits over the "
+            "same number of ranks share its micro-batches). Positions are those the model "
+            "processed over all steps and ranks, padding included; padding is their share "
+            "that was padding. The verdict above covers every row; the micro-batches and "
+            "positions are what the grouping changes.",
+            "\n".join(lines),
+        ]
+    )
 
 
 def plot(
     path: Path,
     reference: ParityRun,
     summaries: list[RunSummary],
-    noise_floor: float,
+    precision: PrecisionView,
     what: str,
+    fp32_reference: ParityRun | None = None,
 ) -> None:
-    """Loss curves per mode (top row), their gap to the full batch (middle), L2 bars (bottom)."""
+    """Loss curves per mode and micro-batching (top row), their gap to the full batch (middle),
+    L2 bars (bottom). Below fp32 the fp32 full batch's loss curve is drawn too, and each bar
+    (to the same-precision full batch: what the split costs) gets a marker for its distance to
+    the fp32 full batch and a line for the full batch's own (what the precision costs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summaries = sorted_by_mode(summaries)
+    summaries = sorted_runs(summaries)
     legend = split_legend(summaries)
-    modes = [m for m in MODE_ORDER if any(s.mode == m for s in summaries)]
-    fig = plt.figure(figsize=(5 * max(len(modes), 2), 12), layout="constrained")
-    grid = fig.add_gridspec(3, len(modes))
+    labels = list(dict.fromkeys(s.label for s in summaries))  # naive/fixed, ..., exact/...
+    full_batch = f"{precision.dtype} full batch" if precision.below_fp32 else "full batch"
+    fig = plt.figure(figsize=(4.5 * max(len(labels), 2), 12), layout="constrained")
+    grid = fig.add_gridspec(3, len(labels))
     steps = list(range(1, len(reference.losses) + 1))
     gap_axes = []
-    for column, mode in enumerate(modes):
-        mode_runs = [s for s in summaries if s.mode == mode]
+    for column, label in enumerate(labels):
+        runs = [s for s in summaries if s.label == label]
+        mode, micro_batching = runs[0].mode, runs[0].micro_batching
         ax = fig.add_subplot(grid[0, column])
-        ax.plot(steps, reference.losses, color="black", linewidth=2.5, label="full batch")
-        for run in mode_runs:
+        ax.plot(steps, reference.losses, color="black", linewidth=2.5, label=full_batch)
+        if fp32_reference is not None:
+            ax.plot(
+                steps, fp32_reference.losses, color="grey", linewidth=1.5, label="fp32 full batch"
+            )
+        for run in runs:
             ax.plot(steps, run.losses, linestyle="--", marker=".", label=run.split)
-        ax.set_title(MODE_LABELS.get(mode, mode))
+        ax.set_title(f"{MODE_LABELS.get(mode, mode)}, {micro_batching}")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("window loss")
         ax.legend(title=legend, fontsize="small")
         ax.grid(alpha=0.3)
         gap_ax = fig.add_subplot(grid[1, column], sharey=gap_axes[0] if gap_axes else None)
         gap_axes.append(gap_ax)
-        for run in mode_runs:
+        for run in runs:
             # Equal losses are drawn at 1e-12 so the log axis can show them.
             gaps = [
                 max(abs(a - b), 1e-12) for a, b in zip(run.losses, reference.losses, strict=True)
@@ -77,33 +176,49 @@ def plot(
             gap_ax.plot(steps, gaps, marker=".", label=run.split)
         gap_ax.set_yscale("log")
         gap_ax.set_xlabel("optimizer step")
-        gap_ax.set_ylabel("|loss - full-batch loss| (log)")
-        gap_ax.set_title(f"{mode}: loss-curve gap")
+        gap_ax.set_ylabel(f"|loss - {full_batch} loss| (log)")
+        gap_ax.set_title(f"{label}: loss-curve gap")
         gap_ax.legend(title=legend, fontsize="small")
         gap_ax.grid(alpha=0.3)
     ax = fig.add_subplot(grid[2, :])
-    labels = [f"{s.mode}\n{s.split}" for s in summaries]
-    colors = [f"C{MODE_ORDER.index(s.mode)}" for s in summaries]
+    colors = [f"C{labels.index(s.label)}" for s in summaries]
     values = [max(s.relative_l2, 1e-12) for s in summaries]
     ax.bar(range(len(values)), values, color=colors)
-    ax.axhline(noise_floor, color="red", linestyle=":", label=f"fp32 floor ({noise_floor:.0e})")
+    floor_label = f"{precision.floor_name} ({precision.floor:.1e})"
+    extra_handles = [ax.axhline(precision.floor, color="red", linestyle=":")]
+    extra_labels = [floor_label]
+    if precision.below_fp32:
+        extra_handles.append(
+            ax.axhline(precision.reference_to_fp32, color="black", linestyle="--", linewidth=1)
+        )
+        extra_labels.append(
+            f"{full_batch} to fp32 full batch ({precision.reference_to_fp32:.1e}): "
+            "what the precision costs"
+        )
+        to_fp32 = [max(s.relative_l2_to_fp32 or 0.0, 1e-12) for s in summaries]
+        extra_handles.append(
+            ax.scatter(range(len(to_fp32)), to_fp32, marker="D", color="black", zorder=3, s=24)
+        )
+        extra_labels.append("each run to fp32 full batch")
     ax.set_yscale("log")
-    ax.set_xticks(range(len(values)), labels, fontsize="small")
-    ax.set_ylabel(f"relative L2 of {what}\nto the full-batch run (log)")
-    ax.set_xlabel(f"normalisation mode and split ({legend})")
-    ax.set_title(f"Distance to the full-batch run after {len(steps)} steps")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i, _ in enumerate(MODE_ORDER)]
-    ax.legend(
-        [*handles, ax.get_lines()[0]],
-        [*(MODE_LABELS[m] for m in MODE_ORDER), f"fp32 floor ({noise_floor:.0e})"],
-        fontsize="small",
-    )
+    ticks = [f"{s.label}\n{s.split}" for s in summaries]
+    ax.set_xticks(range(len(values)), ticks, fontsize="x-small")
+    ax.set_ylabel(f"relative L2 of {what}\nto the {full_batch} run (bars, log)")
+    ax.set_xlabel(f"normalisation mode / micro-batching and split ({legend})")
+    title = f"Distance to the {full_batch} run after {len(steps)} steps"
+    if precision.below_fp32:
+        title += f" ({precision.describe().replace('`', '')})"
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i, _ in enumerate(labels)]
+    ax.legend([*handles, *extra_handles], [*labels, *extra_labels], fontsize="small")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_tensorboard(log_root: Path, summaries: list[RunSummary]) -> None:
-    """One TensorBoard run per mode and split, ``<log_root>/<mode>_<split>``, with its losses.
+    """One TensorBoard run per mode, micro-batching and split, with its losses, in
+    ``<log_root>/<mode>/<micro_batching>/<split>`` (TensorBoard names it
+    ``exact/by_length/2x4``).
 
     Written after training, from the recorded losses, so that rank 0 writes every run whichever
     rank trained it.
@@ -112,7 +227,8 @@ def write_tensorboard(log_root: Path, summaries: list[RunSummary]) -> None:
 
     for summary in summaries:
         logger = TensorBoardLogger(
-            str(log_root / f"{summary.mode}_{summary.split}"), organize_logs=False
+            str(log_root / summary.mode / summary.micro_batching / summary.split),
+            organize_logs=False,
         )
         for step, loss in enumerate(summary.losses, start=1):
             logger.log("loss", loss, step)
@@ -132,32 +248,40 @@ def write_report(
     *,
     reference: ParityRun,
     summaries: list[RunSummary],
-    noise_floor: float,
+    precision: PrecisionView,
     what: str = "weights",
+    micro_batch_tokens: int | None = None,
+    fp32_reference: ParityRun | None = None,
 ) -> Path:
     """Write ``report.md``, ``parity.png``, ``summary.json`` and ``tensorboard/`` into ``out_dir``.
 
+    ``micro_batch_tokens`` is the budget of the ``token_budget`` runs, for the report to name;
+    ``fp32_reference`` the fp32 full-batch run below fp32 (``precision.below_fp32``).
     Returns the report's path.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tensorboard(out_dir / "tensorboard", summaries)
     figure = "![parity](parity.png)"
     if _has_matplotlib():
-        plot(out_dir / "parity.png", reference, summaries, noise_floor, what)
+        plot(out_dir / "parity.png", reference, summaries, precision, what, fp32_reference)
     else:
         figure = "(No figure: matplotlib is not installed; `pip install exactga[parity]`.)"
         warnings.warn(f"parity report without its figure: {figure}", stacklevel=2)
     where = ""
     if split_legend(summaries).endswith("ranks"):
         where = " A split BxGxN trains data-parallel over N ranks (FSDP2), BxG on one device."
+    comparison = micro_batching_section(summaries, reference, micro_batch_tokens, what)
     text = "\n\n".join(
         [
             "# GA parity report",
             f"Full-batch reference: {reference.split} on one device, {len(reference.losses)} "
             f"optimizer steps.{where} Relative L2 = ||w - w_full|| / ||w_full - w_0|| over the "
-            f"{what}; max loss gap = largest per-step difference of the logged window loss.",
-            markdown_table(summaries, noise_floor, what),
-            f"**Verdict:** {verdict(summaries, noise_floor)}",
+            f"{what}; max loss gap = largest per-step difference of the logged window loss. "
+            "The baselines run fixed micro-batches only (regrouping changes what they optimise).",
+            *([precision_section(precision, what)] if precision.below_fp32 else []),
+            markdown_table(summaries, reference, precision, what),
+            f"**Verdict:** {verdict(summaries, precision)}",
+            *([comparison] if comparison else []),
             figure,
         ]
     )
@@ -166,8 +290,20 @@ def write_report(
     numbers = {
         "reference": reference.split,
         "reference_losses": reference.losses,
-        "noise_floor": noise_floor,
-        "runs": [dataclasses.asdict(summary) for summary in sorted_by_mode(summaries)],
+        "reference_num_positions": reference.num_positions,
+        "reference_num_sample_positions": reference.num_sample_positions,
+        "dtype": precision.dtype,
+        "master_weights": precision.master_weights,
+        "noise_floor": precision.noise_floor,
+        "floor": precision.floor,  # the verdict's: noise_floor, or below fp32 see the report
+        # Below fp32: the full batch's relative L2 to the fp32 full batch, and its losses.
+        "reference_relative_l2_to_fp32": precision.reference_to_fp32,
+        "fp32_reference_losses": fp32_reference.losses if fp32_reference is not None else None,
+        "micro_batch_tokens": micro_batch_tokens,
+        "runs": [
+            {**dataclasses.asdict(s), "padding_fraction": s.padding_fraction}
+            for s in sorted_runs(summaries)
+        ],
     }
     (out_dir / "summary.json").write_text(json.dumps(numbers, indent=2) + "\n")
     return report

@@ -6,8 +6,30 @@ the reference, so it does not depend on the learning rate or on the weights' sca
 suite measures its parity bounds with the same function.
 
 A run is scored (:func:`summarize`) as soon as it has trained, on the rank that trained it, so
-only its numbers travel to rank 0 and no rank holds more than two sets of trained weights (the
-full-batch run's and the current run's).
+only its numbers travel to rank 0 and no rank holds more than three sets of trained weights (the
+full-batch run's, below fp32 the fp32 full-batch run's, and the current run's).
+
+Note [parity floor below fp32]
+In fp32 an exact split differs from the full batch only in the order of its sums: about 1e-6
+after 12 steps on the tiny configs, so ``parity.noise_floor`` (1e-5) separates it from any
+weighting error (stock's ``post_scale`` lands 2e-3 to 1e-2 away there). In bf16 every run
+carries its own rounding, and two runs of the same objective land 2.4e-3 (SGD) to 1.3e-2
+(AdamW) apart (docs/precision.md): a fixed fp32 floor would call every bf16 run inexact, and a
+fixed bf16 floor would hold for one optimizer, learning rate and length only. So below fp32 the
+report also trains the full batch in fp32, from the same initial weights cast to fp32 and on the
+same data, and takes the bf16 full batch's relative L2 to it, ``d``, as the size of bf16's
+rounding on *this* config and run length. An exact split and the bf16 full batch are two
+roundings of the same trajectory; were they independent, they would land ``sqrt(2) d`` apart.
+The floor is ``2 d`` (:data:`PRECISION_FLOOR_FACTOR`; at least ``parity.noise_floor``): an
+exact split under it costs less than the precision does. A weighting error larger than the
+precision's rounding still shows above it (naive, 0.05 to 0.2, always does); one smaller
+(``post_scale`` on a short run) may not, and that is the answer to "what does the split cost
+in bf16": less than bf16 itself. Measured on the tiny config: docs/ga_parity.md, "Precision".
+
+Which runs train is :func:`plan_runs`: every normalisation mode under ``fixed`` micro-batches,
+and ``exact`` also under every other listed ``micro_batching`` (see [regrouping is exact] in
+:mod:`exactga.micro_batching`: the baselines weight micro-batches by their split, so regrouping
+would change what they optimise, and only ``fixed`` is theirs).
 """
 
 from __future__ import annotations
@@ -18,13 +40,20 @@ from dataclasses import dataclass
 
 import torch
 
+from exactga.micro_batching import MicroBatching
+from exactga.normalization import NormMode
+
 MODE_ORDER = ("naive", "post_scale", "exact")
 MODE_LABELS = {
     "naive": "naive (mean of means)",
     "post_scale": "post_scale (stock)",
     "exact": "exact",
 }
+MICRO_BATCHING_ORDER = tuple(m.value for m in MicroBatching)  # fixed, by_length, token_budget
 SPLITS_KEY = "parity.splits"
+# Below fp32, the verdict's floor over the full batch's distance to fp32; see
+# [parity floor below fp32].
+PRECISION_FLOOR_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -104,18 +133,50 @@ def parse_splits(texts: Iterable[str], world_size: int) -> list[Split]:
     return splits
 
 
+def plan_runs(
+    modes: Iterable[NormMode],
+    micro_batchings: Iterable[MicroBatching],
+    splits: Iterable[Split],
+    reference: Split,
+) -> list[tuple[NormMode, MicroBatching, Split]]:
+    """The runs besides the full-batch ``reference``, as (mode, micro_batching, split).
+
+    Baselines train ``fixed`` only, ``exact`` each listed ``micro_batching``, every split each.
+    The reference split under ``fixed`` is the reference itself and is not trained again; under
+    ``by_length`` or ``token_budget`` it is a run of its own (``token_budget`` cuts the one
+    large micro-batch by the budget).
+    """
+    micro_batchings = list(micro_batchings)
+    splits = list(splits)
+    plan = []
+    for mode in modes:
+        listed = micro_batchings if mode is NormMode.EXACT else [MicroBatching.FIXED]
+        for micro_batching in listed:
+            for split in splits:
+                if split == reference and micro_batching is MicroBatching.FIXED:
+                    continue
+                plan.append((mode, micro_batching, split))
+    return plan
+
+
 @dataclass
 class ParityRun:
-    """One trained run: its per-step window losses and loss-token counts, its final weights.
+    """One trained run: its per-step window losses and loss-token counts, its final weights,
+    and what it processed, summed over its steps and ranks: micro-batches (fillers included),
+    positions (padding and fillers included) and the samples' own positions.
 
     ``weights`` is empty on the ranks that did not gather a sharded run's weights.
     """
 
     mode: str
+    micro_batching: str
     split: str
     losses: list[float]
     loss_tokens: list[int]
     weights: dict[str, torch.Tensor]
+    num_micro_batches: int
+    num_positions: int
+    num_sample_positions: int
 
 
 @dataclass(frozen=True)
@@ -123,10 +184,31 @@ class RunSummary:
     """What the report shows of one run; small enough to send between ranks."""
 
     mode: str
+    micro_batching: str
     split: str
     relative_l2: float
     max_loss_gap: float
     losses: tuple[float, ...]
+    num_micro_batches: int
+    num_positions: int
+    num_sample_positions: int
+    relative_l2_to_fp32: float | None = None  # below fp32: to the fp32 full batch
+
+    @property
+    def label(self) -> str:
+        """``mode/micro_batching``, e.g. ``exact/by_length``: a run is this and its split."""
+        return f"{self.mode}/{self.micro_batching}"
+
+    @property
+    def micro_batches_per_step(self) -> float:
+        """Forwards and backwards one rank runs per optimizer step, on average."""
+        num_ranks = Split.parse(self.split).num_ranks
+        return self.num_micro_batches / (max(len(self.losses), 1) * num_ranks)
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the processed positions that were padding (or fillers)."""
+        return 1 - self.num_sample_positions / self.num_positions if self.num_positions else 0.0
 
 
 def relative_l2(
@@ -164,20 +246,77 @@ def max_loss_gap(losses: list[float], reference: list[float]) -> float:
     return max(gaps, default=0.0)
 
 
-def summarize(run: ParityRun, reference: ParityRun, initial: dict[str, torch.Tensor]) -> RunSummary:
-    """Score ``run`` against the full-batch ``reference``, both started from ``initial``."""
+@dataclass(frozen=True)
+class PrecisionView:
+    """What the runs trained in, and the floor that sets for the verdict.
+
+    ``reference_to_fp32`` is the relative L2 of the full-batch run to the fp32 full-batch run
+    (both from the same initial weights), what the precision costs; ``None`` when the runs are
+    fp32 or wider and no fp32 reference was trained. See [parity floor below fp32].
+    """
+
+    dtype: str
+    master_weights: str
+    noise_floor: float
+    reference_to_fp32: float | None = None
+
+    @property
+    def below_fp32(self) -> bool:
+        return self.reference_to_fp32 is not None
+
+    @property
+    def floor(self) -> float:
+        """Relative L2 to the same-precision full batch an exact run may land at."""
+        if self.reference_to_fp32 is None:
+            return self.noise_floor
+        return max(self.noise_floor, PRECISION_FLOOR_FACTOR * self.reference_to_fp32)
+
+    @property
+    def floor_name(self) -> str:
+        return f"{self.dtype} floor" if self.below_fp32 else "fp32 floor"
+
+    def describe(self) -> str:
+        """For the report: ``dtype`` and what ``master_weights`` made of it."""
+        if not self.below_fp32:
+            return f"`dtype: {self.dtype}`"
+        kept = (
+            f"trainable weights, gradients and optimizer state in fp32, compute in {self.dtype}"
+            if self.master_weights == "fp32"
+            else f"everything in {self.dtype}"
+        )
+        return f"`dtype: {self.dtype}`, `master_weights: {self.master_weights}` ({kept})"
+
+
+def summarize(
+    run: ParityRun,
+    reference: ParityRun,
+    initial: dict[str, torch.Tensor],
+    fp32_reference: ParityRun | None = None,
+) -> RunSummary:
+    """Score ``run`` against the full-batch ``reference``, and the fp32 full batch
+    ``fp32_reference`` where there is one, all started from ``initial``."""
     # Equal counts per step mean every split saw the same global batches as the reference;
     # a difference is a bug in how the data was split, not a numerical effect.
     assert run.loss_tokens == reference.loss_tokens, (
-        f"{run.mode} {run.split} saw loss tokens {run.loss_tokens} per step, the full batch "
-        f"{reference.loss_tokens}: the runs did not train on the same global batches."
+        f"{run.mode}/{run.micro_batching} {run.split} saw loss tokens {run.loss_tokens} per "
+        f"step, the full batch {reference.loss_tokens}: the runs did not train on the same "
+        "global batches."
     )
     return RunSummary(
         mode=run.mode,
+        micro_batching=run.micro_batching,
         split=run.split,
         relative_l2=relative_l2(run.weights, reference.weights, initial),
         max_loss_gap=max_loss_gap(run.losses, reference.losses),
         losses=tuple(run.losses),
+        num_micro_batches=run.num_micro_batches,
+        num_positions=run.num_positions,
+        num_sample_positions=run.num_sample_positions,
+        relative_l2_to_fp32=(
+            relative_l2(run.weights, fp32_reference.weights, initial)
+            if fp32_reference is not None
+            else None
+        ),
     )
 
 
@@ -188,30 +327,52 @@ def split_legend(summaries: Iterable[RunSummary]) -> str:
     return "bsz x ga"
 
 
-def verdict(summaries: list[RunSummary], noise_floor: float) -> str:
-    """One line: is every exact-mode split within the fp32 floor, and how far are the others."""
+def verdict(summaries: list[RunSummary], precision: PrecisionView) -> str:
+    """One line: is every exact-mode run, under every micro-batching, within the floor of
+    ``precision`` (see [parity floor below fp32]), and how far are the others."""
     exact = [s for s in summaries if s.mode == "exact"]
     if not exact:
         return "No exact-mode run was requested, so no verdict on exactness."
-    worst = max(s.relative_l2 for s in exact)
+    worst = max(exact, key=lambda s: s.relative_l2)
+    micro_batchings = ", ".join(
+        m for m in MICRO_BATCHING_ORDER if any(s.micro_batching == m for s in exact)
+    )
+    scope = f"every exact-mode run ({micro_batchings} micro-batches)"
     others = [s for s in summaries if s.mode != "exact"]
     contrast = ""
     if others:
         far = max(others, key=lambda s: s.relative_l2)
         contrast = (
-            f"; {far.mode} {far.split} is {far.relative_l2:.2e} "
-            f"({far.relative_l2 / max(worst, 1e-30):.0f}x further)"
+            f"; {far.label} {far.split} is {far.relative_l2:.2e} "
+            f"({far.relative_l2 / max(worst.relative_l2, 1e-30):.0f}x further)"
         )
-    if worst <= noise_floor:
+    floor, name = precision.floor, precision.floor_name
+    bound = f"{floor:.0e}"
+    if precision.below_fp32:
+        bound = (
+            f"{floor:.2e}, {PRECISION_FLOOR_FACTOR:g}x the {precision.dtype} full batch's own "
+            f"distance to the fp32 full batch, {precision.reference_to_fp32:.2e}"
+        )
+    full_batch = "the full-batch run"
+    if precision.below_fp32:
+        full_batch = f"the {precision.dtype} full-batch run"
+    if worst.relative_l2 <= floor:
+        tail = ": the split costs less than the precision" if precision.below_fp32 else ""
         return (
-            f"EXACT: every exact-mode split is within the fp32 floor of the full-batch run "
-            f"(worst relative L2 {worst:.2e} <= {noise_floor:.0e}){contrast}."
+            f"EXACT: {scope} is within the {name} of {full_batch} (worst relative L2 "
+            f"{worst.relative_l2:.2e}, {worst.label} {worst.split}, <= {bound}){tail}"
+            f"{contrast}."
         )
     return (
-        f"NOT EXACT: an exact-mode split is {worst:.2e} from the full-batch run, above the fp32 "
-        f"floor {noise_floor:.0e}{contrast}. Check the loss, the dataset's masking and the config."
+        f"NOT EXACT: {worst.label} {worst.split} is {worst.relative_l2:.2e} from {full_batch}, "
+        f"above the {name} {bound}{contrast}. Check the loss, the dataset's masking and the "
+        "config."
     )
 
 
-def sorted_by_mode(summaries: list[RunSummary]) -> list[RunSummary]:
-    return sorted(summaries, key=lambda s: MODE_ORDER.index(s.mode))  # stable: splits as listed
+def sorted_runs(summaries: list[RunSummary]) -> list[RunSummary]:
+    """By mode, then micro-batching; stable, so the splits stay as listed."""
+    return sorted(
+        summaries,
+        key=lambda s: (MODE_ORDER.index(s.mode), MICRO_BATCHING_ORDER.index(s.micro_batching)),
+    )

@@ -1,0 +1,404 @@
+"""Length-aware micro-batching (issue #12) through the real ``tune run`` on CPU.
+
+Tier (b) of STYLE.md point 9. Every run steps on the same 64 sequences per step (same seed,
+same sampler order); only ``micro_batching`` and the split differ:
+
+- ``fixed`` 64x1, ``by_length`` 8x8 and ``token_budget`` 64x1 (1024 padded positions per
+  micro-batch) end within the parity bound of each other, full fine-tuning (SGD, AdamW) and
+  LoRA (fp32, and fp64 for one pair), because the split is exact (see [regrouping is exact] in
+  exactga.micro_batching); the logged padding shows that the split really changed;
+- on 2 gloo ranks, 4x8 ``by_length`` and 32x1 ``token_budget`` end at the one-device weights,
+  and under ``token_budget`` the ranks plan different micro-batch counts, so the one with fewer
+  runs zero-weight fillers (see [one collective per window] in exactga.normalization);
+- a run killed with SIGKILL after a mid-epoch step checkpoint resumes, in every mode (and on 2
+  ranks with ``token_budget``), to the uninterrupted run's weights bit for bit, with the same
+  losses. tests/test_resume.py kills at random steps under the default mode.
+
+Each set of launches runs once per session (``run_once``), two at a time; the AdamW runs are
+also the resume tests' uninterrupted runs. Run with ``-rP`` to see the measured distances.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_utils import (
+    INITIAL,
+    REPO_ROOT,
+    SMALL_MODEL,
+    TRAINED,
+    launch_and_kill,
+    load_adapters,
+    load_weights,
+    lora_tiny_args,
+    output_of,
+    read_scalars,
+    relative_l2,
+    run_tune,
+    tiny_args,
+)
+
+pytestmark = pytest.mark.slow
+
+DISTRIBUTED = "recipes/full_finetune_distributed.py"
+DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
+COUNTER = REPO_ROOT / "tests/collective_counter"
+ADAPTERS = "epoch_0/adapter_model.pt"
+
+STEPS = 3
+BUDGET = 1024  # token_budget's padded positions per micro-batch: 4 sequences of max_seq_len 256
+# The modes on one device, 64 sequences per step: (batch_size, gradient_accumulation_steps, mode).
+MODES = {
+    "fixed": (64, 1, {"micro_batching": "fixed"}),
+    "by_length": (8, 8, {"micro_batching": "by_length"}),
+    "token_budget": (64, 1, {"micro_batching": "token_budget", "micro_batch_tokens": BUDGET}),
+}
+# Two ranks, 64 sequences per step in all. On the shipped data a budget of 1024 plans the same
+# count on both ranks in the first five windows, 512 plans different counts in each of the
+# first three (in both directions), so the filler path runs. The token_budget run syncs
+# gradients every micro-batch: the collective counter then sees how many micro-batches each
+# rank ran (one reduce-scatter per FSDP unit per micro-batch).
+TWO_RANKS = {
+    "by_length": (4, 8, {"micro_batching": "by_length"}),  # the config's once_per_window
+    "token_budget": (
+        32,
+        1,
+        {
+            "micro_batching": "token_budget",
+            "micro_batch_tokens": 512,
+            "gradient_sync": "every_micro_batch",
+        },
+    ),
+}
+FSDP_UNITS = SMALL_MODEL["model.num_layers"] + 1  # the layers and the root
+
+# No clipping and no warm-up, so the comparison is about the gradient alone and the first step
+# moves the weights; fp32 whatever the config's default.
+PARITY = {
+    "max_steps_per_epoch": STEPS,
+    "clip_grad_norm": "null",
+    "lr_scheduler.num_warmup_steps": 0,
+    "dtype": "fp32",
+}
+OPTIMIZERS = {
+    # Plain gradient descent: weight decay removed (a value of None removes the key); the lr
+    # is large so the update dwarfs rounding.
+    "sgd": {
+        "optimizer._component_": "torch.optim.SGD",
+        "optimizer.lr": 0.5,
+        "~optimizer.weight_decay": None,
+    },
+    # The tiny config's AdamW(lr=1e-3, weight_decay=0.01) with eps 1e-6 instead of 1e-8. AdamW
+    # divides each element's update by that element's own gradient scale, so in its first steps
+    # an element whose gradient is near eps turns fp32 rounding into lr-sized differences: after
+    # 3 steps the modes measured 0.9e-5 to 1.8e-5 apart with eps 1e-8 (1.2e-5 after 6 steps), and
+    # 1.1e-6 with eps 1e-6. The larger eps keeps the check on the normalisation, not on that
+    # amplification (tests/test_recipe_lora_single_device.py does the same in fp64).
+    "adamw": {"optimizer.eps": 1e-6},
+}
+TOLERANCE = 1e-5
+# The AdamW runs also write a step checkpoint after every step: the resume tests go on from one.
+RESUMABLE = {"save_every_n_steps": 1}
+
+# LoRA with plain SGD (as above). Its B matrices start at zero, so AdamW's amplification of
+# rounding is at its worst on the adapters: with the config's AdamW the fp32 modes measured
+# 0.5e-6 to 2.2e-6 apart after 3 steps (at the bound), with SGD 1.7e-7. fp64 uses torch's
+# CrossEntropyLoss (the chunked loss upcasts to fp32 only). Each fp64 launch is the slowest of
+# the module, so fp64 compares one pair.
+LORA_PRECISIONS = {  # precision: (overrides, tolerance, modes)
+    "fp32": ({}, 2e-6, tuple(MODES)),
+    "fp64": (
+        {"dtype": "fp64", "loss._component_": "torch.nn.CrossEntropyLoss"},
+        1e-7,
+        ("fixed", "by_length"),
+    ),
+}
+
+
+def _cli(settings: dict[str, object]) -> list[str]:
+    """Command-line overrides; a value of None removes the key (``~key``)."""
+    return [key if value is None else f"{key}={value}" for key, value in settings.items()]
+
+
+def _settings(split: tuple[int, int, dict[str, object]], optimizer: str) -> dict[str, object]:
+    batch_size, ga, micro_batching = split
+    settings = {
+        **PARITY,
+        "batch_size": batch_size,
+        "gradient_accumulation_steps": ga,
+        **micro_batching,
+        **OPTIMIZERS[optimizer],
+    }
+    if optimizer == "adamw":
+        settings.update(RESUMABLE)
+    return settings
+
+
+def _full_args(out: Path, mode: str, optimizer: str = "adamw") -> list[str]:
+    """Full fine-tuning on one device in ``mode``."""
+    return tiny_args(out) + _cli(_settings(MODES[mode], optimizer))
+
+
+def _two_rank_args(out: Path, mode: str) -> list[str]:
+    """The distributed recipe on 2 ranks in ``mode`` (AdamW, as the one-device reference)."""
+    head = ["--nproc_per_node", "2", DISTRIBUTED, "--config", DISTRIBUTED_CONFIG]
+    return head + tiny_args(out)[3:] + _cli(_settings(TWO_RANKS[mode], "adamw"))
+
+
+def _check(proc: subprocess.CompletedProcess, name: str) -> None:
+    assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
+
+
+def _launch_side_by_side(launches: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+    """``name: (args, extra_env)``, two at a time; each is mostly single-threaded."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(run_tune, args, extra_env=env, timeout=600)
+            for name, (args, env) in launches.items()
+        }
+        for name, future in futures.items():
+            _check(future.result(), name)
+
+
+@pytest.fixture(scope="module")
+def full_runs(run_once) -> Path:
+    """Full fine-tuning on one device, ``<optimizer>_<mode>``, once per session."""
+
+    def make(root: Path) -> None:
+        _launch_side_by_side(
+            {
+                f"{opt}_{mode}": (_full_args(root / f"{opt}_{mode}", mode, opt), {})
+                for opt in OPTIMIZERS
+                for mode in MODES
+            }
+        )
+
+    return run_once("micro_batching_full", make)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(run_once) -> Path:
+    """The distributed recipe on 2 ranks in each mode of TWO_RANKS, collectives counted
+    (``<mode>_collectives/rank<r>.json``, see tests/collective_counter)."""
+
+    def make(root: Path) -> None:
+        launches = {}
+        for mode in TWO_RANKS:
+            counts = root / f"{mode}_collectives"
+            counts.mkdir()
+            env = {"PYTHONPATH": str(COUNTER), "EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)}
+            launches[mode] = (_two_rank_args(root / mode, mode), env)
+        _launch_side_by_side(launches)
+
+    return run_once("micro_batching_two_ranks", make)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(run_once) -> Path:
+    """LoRA on one device with SGD: ``<precision>_<mode>``, and ``<precision>_init``, the
+    seeded adapter initialisation (one step at learning rate 0 leaves it untouched)."""
+
+    def make(root: Path) -> None:
+        launches = {}
+        for precision, (overrides, _, modes) in LORA_PRECISIONS.items():
+            runs = {mode: _settings(MODES[mode], "sgd") for mode in modes}
+            runs["init"] = {
+                **runs["fixed"],
+                "batch_size": 1,
+                "max_steps_per_epoch": 1,
+                "optimizer.lr": 0,
+            }
+            for name, settings in runs.items():
+                out = root / f"{precision}_{name}"
+                launches[out.name] = (lora_tiny_args(out) + _cli({**settings, **overrides}), {})
+        _launch_side_by_side(launches)
+
+    return run_once("micro_batching_lora", make)
+
+
+# --- full fine-tuning, one device ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_modes_end_at_the_same_weights(full_runs, optimizer):
+    """by_length 8x8 and token_budget 64x1 train to the weights of fixed 64x1 (relative
+    L2 <= 1e-5) on the same 64 sequences per step, with the same losses."""
+    reference = full_runs / f"{optimizer}_fixed"
+    w_ref, w_init = load_weights(reference / TRAINED), load_weights(reference / INITIAL)
+    ref_scalars = read_scalars(reference / "logs")
+    assert len(ref_scalars["loss"]) == STEPS
+    for mode in ("by_length", "token_budget"):
+        run = full_runs / f"{optimizer}_{mode}"
+        scalars = read_scalars(run / "logs")
+        assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]  # the same sequences
+        rel = relative_l2(load_weights(run / TRAINED), w_ref, w_init)
+        print(f"full {optimizer} {mode} vs fixed 64x1: relative L2 {rel:.3e}")
+        assert rel <= TOLERANCE, f"{mode} differs from fixed by {rel:.3e}"
+        assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
+
+
+def test_regrouping_lowers_the_logged_padding(full_runs):
+    """The modes really split differently: ``throughput/padding_fraction`` is lower under
+    by_length and token_budget than under fixed at every step, and each run logs it and
+    ``throughput/loss_tokens_per_second`` at every step."""
+    padding = {}
+    for mode in MODES:
+        scalars = read_scalars(full_runs / f"adamw_{mode}" / "logs")
+        for tag in ("throughput/padding_fraction", "throughput/loss_tokens_per_second"):
+            assert len(scalars.get(tag, [])) == STEPS, (mode, tag, scalars.get(tag))
+        assert min(scalars["throughput/loss_tokens_per_second"]) > 0
+        padding[mode] = scalars["throughput/padding_fraction"]
+        assert all(0 <= p < 1 for p in padding[mode]), (mode, padding[mode])
+    print(f"padding fraction per step: {padding}")
+    for mode in ("by_length", "token_budget"):
+        assert all(p < f for p, f in zip(padding[mode], padding["fixed"], strict=True)), mode
+
+
+# --- LoRA, one device ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", list(LORA_PRECISIONS))
+def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
+    """The modes train to the adapters of fixed 64x1: fp32 within 2e-6 (by_length 8x8 and
+    token_budget 64x1), fp64 within 1e-7 (by_length 8x8)."""
+    _, tolerance, modes = LORA_PRECISIONS[precision]
+    reference = lora_runs / f"{precision}_fixed"
+    a_ref = load_adapters(reference / ADAPTERS)
+    a_init = load_adapters(lora_runs / f"{precision}_init" / ADAPTERS)
+    assert a_ref.keys() == a_init.keys()
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}[precision]
+    assert all(tensor.dtype == dtype for tensor in a_ref.values())
+    ref_scalars = read_scalars(reference / "logs")
+    assert len(ref_scalars["loss"]) == STEPS
+    for mode in (mode for mode in modes if mode != "fixed"):
+        run = lora_runs / f"{precision}_{mode}"
+        assert read_scalars(run / "logs")["loss_tokens"] == ref_scalars["loss_tokens"]
+        rel = relative_l2(load_adapters(run / ADAPTERS), a_ref, a_init)
+        print(f"lora sgd {precision} {mode} vs fixed 64x1: relative L2 {rel:.3e}")
+        assert rel <= tolerance, f"{mode} differs from fixed by {rel:.3e}"
+
+
+# --- two ranks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(TWO_RANKS))
+def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode):
+    """2 ranks x (4x8 by_length, 32x1 token_budget) train to the weights of one device's fixed
+    64x1 AdamW run: the same sampler order, initial checkpoint and optimizer, as in
+    tests/test_recipe_full_distributed.py (relative L2 <= 1e-5)."""
+    reference, run = full_runs / "adamw_fixed", two_rank_runs / mode
+    scalars, ref_scalars = read_scalars(run / "logs"), read_scalars(reference / "logs")
+    assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]
+    rel = relative_l2(
+        load_weights(run / TRAINED),
+        load_weights(reference / TRAINED),
+        load_weights(reference / INITIAL),
+    )
+    print(f"2 ranks {mode} vs 1 device fixed 64x1: relative L2 {rel:.3e}")
+    assert rel <= TOLERANCE
+    assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
+
+
+def _planned_micro_batches(rank: int) -> list[int]:
+    """How many micro-batches ``rank``'s first STEPS windows of the 2-rank token_budget run
+    split into, from the loader every recipe builds (exactga.data) on the config's data."""
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    from exactga.data import build_dataloader, load_dataset
+    from exactga.micro_batching import MicroBatching, MicroBatchingSettings
+
+    batch_size, ga, settings = TWO_RANKS["token_budget"]
+    cfg = OmegaConf.load(REPO_ROOT / DISTRIBUTED_CONFIG)
+    cfg.tokenizer.path = str(REPO_ROOT / cfg.tokenizer.path)
+    cfg.dataset.data_files = str(REPO_ROOT / cfg.dataset.data_files)
+    tokenizer = config.instantiate(cfg.tokenizer)
+    budget = MicroBatchingSettings(
+        MicroBatching.TOKEN_BUDGET, batch_size, settings["micro_batch_tokens"]
+    )
+    loader = build_dataloader(
+        load_dataset(cfg.dataset, tokenizer, cfg.model.vocab_size),
+        batch_size=batch_size,
+        gradient_accumulation_steps=ga,
+        micro_batching=budget,
+        shuffle=cfg.shuffle,
+        collate_fn="torchtune.data.padded_collate_sft",
+        padding_idx=tokenizer.pad_id,
+        ignore_idx=-100,
+        num_replicas=2,
+        rank=rank,
+    )
+    loader.sampler.set_epoch(0)
+    return [len(window.micro_batches) for window in itertools.islice(loader, STEPS)]
+
+
+def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
+    """Under token_budget the ranks plan different micro-batch counts; every rank then runs as
+    many as the busiest (the counter sees one reduce-scatter per FSDP unit per micro-batch
+    run), so the other runs zero-weight fillers, and the parity test above shows they weigh
+    nothing. The ranks' positions differ too: ``throughput/rank_imbalance`` > 1."""
+    planned = [_planned_micro_batches(rank) for rank in range(2)]
+    print(f"micro-batches planned per step: rank 0 {planned[0]}, rank 1 {planned[1]}")
+    busiest = [max(counts) for counts in zip(*planned, strict=True)]
+    assert planned[0] != planned[1], "no window with fillers: the test would not test them"
+    counts = two_rank_runs / "token_budget_collectives"
+    for rank in range(2):
+        steps = json.loads((counts / f"rank{rank}.json").read_text())
+        ran = [step.get("reduce_scatter", 0) / FSDP_UNITS for step in steps]
+        assert ran == busiest, f"rank {rank} ran {ran} micro-batches per step"
+    imbalance = read_scalars(two_rank_runs / "token_budget" / "logs")["throughput/rank_imbalance"]
+    print(f"token_budget throughput/rank_imbalance per step: {imbalance}")
+    assert len(imbalance) == STEPS and max(imbalance) > 1
+
+
+# --- resume --------------------------------------------------------------------------------
+
+
+def _launch_and_kill(args: list[str], out: Path, after_step: int) -> None:
+    """Launch, and SIGKILL every process of it once step ``after_step``'s checkpoint exists
+    (the checkpointer renames a complete folder into place, so that one is complete).
+
+    ``kill_launch`` takes the ranks too, and returns once every one is gone.
+    """
+    checkpoint = out / "step_checkpoints" / f"step_{after_step:06d}"
+    launch_and_kill(args, out.parent / f"{out.name}_killed.txt", ready=checkpoint.is_dir)
+    assert not (out / "epoch_0").exists(), "the run was killed too late to test a resume"
+
+
+RESUME_CASES = [*((1, mode) for mode in MODES), (2, "token_budget")]  # (ranks, mode)
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "mode"), RESUME_CASES, ids=[f"{n}rank-{m}" for n, m in RESUME_CASES]
+)
+def test_killed_run_resumes_bit_identical(tmp_path, request, num_ranks, mode):
+    """Killed after step 1 of 3, resumed from that mid-epoch step checkpoint: the next windows
+    are regrouped as in the uninterrupted AdamW run (on 2 ranks with token_budget, fillers
+    included), so the weights are equal bit for bit and the resumed steps log the same losses."""
+    if num_ranks == 1:  # only the launches this case needs
+        uninterrupted, args = request.getfixturevalue("full_runs") / f"adamw_{mode}", _full_args
+    else:
+        uninterrupted, args = request.getfixturevalue("two_rank_runs") / mode, _two_rank_args
+    out = tmp_path / "run"
+    _launch_and_kill(args(out, mode), out, after_step=1)
+    resumed_logs = tmp_path / "resumed_logs"
+    resume = ["resume_from_checkpoint=True", f"metric_logger.log_dir={resumed_logs}"]
+    proc = run_tune(args(out, mode) + resume, timeout=600)
+    _check(proc, f"resumed {num_ranks} rank {mode}")
+    assert "Resuming from step checkpoint" in output_of(proc)
+
+    losses = read_scalars(resumed_logs)["loss"]
+    expected = read_scalars(uninterrupted / "logs")["loss"]
+    assert 1 <= len(losses) < STEPS, losses  # went on mid-epoch, from step 1 or 2
+    print(f"{num_ranks} rank {mode}: resumed after step {STEPS - len(losses)}; losses {losses}")
+    assert losses == expected[-len(losses) :]
+    final, reference = load_weights(out / TRAINED), load_weights(uninterrupted / TRAINED)
+    assert final.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(final[key], tensor), key

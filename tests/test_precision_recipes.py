@@ -1,0 +1,129 @@
+"""bf16 with fp32 master weights through the real ``tune run`` (issue #13), on CPU.
+
+Tier (b) of STYLE.md point 9. The runs are those of benchmarks/precision_table.py (imported from
+there, so the docs' table and these bounds measure the same runs): the tiny configs with the
+small model, 12 steps of 8 shuffled variable-length sequences of the bundled data, SGD or AdamW
+(learning rates in ``LEARNING_RATES`` there), the trained weights read from the last step
+checkpoint as the run holds them (fp32 master weights in fp32). Each run is launched once per
+session, whichever test worker asks first (``run_once``). Distances are relative L2
+(``||w - w_ref|| / ||w_ref - w_init||``) to the fp32 8x1 run on one device; run with ``-rP`` to
+see them.
+
+Bounds (issue #13): full fine-tuning with ``dtype: bf16, master_weights: fp32`` within 3e-3
+(SGD) and 3e-2 (AdamW) for the splits 8x1 and 1x8 on one device, and 4x1 and 1x4 on 2 gloo
+ranks. LoRA from a bf16 base against fp32 LoRA: fp32 adapters at least 10x closer than pure
+bf16 with SGD, and no further with AdamW (there the bf16 base itself dominates).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_utils import (
+    REPO_ROOT,
+    load_adapters,
+    lora_tiny_args,
+    output_of,
+    relative_l2,
+    run_tune,
+)
+
+pytestmark = pytest.mark.slow
+
+_spec = importlib.util.spec_from_file_location(
+    "precision_table", REPO_ROOT / "benchmarks/precision_table.py"
+)
+table = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = table  # its dataclass looks its module up there
+_spec.loader.exec_module(table)
+
+BOUND = {"sgd": 3e-3, "adamw": 3e-2}
+
+
+@pytest.fixture(scope="module")
+def trained(run_once):
+    """``trained(name) -> weights``: the final weights of run ``name`` of
+    benchmarks/precision_table.py, trained once per session (``"init"`` of ``full`` or
+    ``lora``: the weights training starts from)."""
+
+    def folder(name: str) -> Path:
+        return run_once(f"precision_{name}", lambda out: table.launch(name, out)) / name
+
+    def get(name: str) -> dict[str, torch.Tensor]:
+        if name == "full-init":  # the fp32 checkpoint every full run starts from
+            return table.initial_full_weights(folder("full-fp32-sgd-8x1"))
+        return table.trained_weights(folder(name), table.RUNS[name].steps)
+
+    return get
+
+
+def _distance(trained, run: str, reference: str) -> float:
+    initial = trained(f"{run.split('-')[0]}-init")
+    return relative_l2(trained(run), trained(reference), initial)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_full_bf16_master_weights_land_near_fp32_on_one_device(trained, optimizer):
+    reference = f"full-fp32-{optimizer}-8x1"
+    splits = [f"full-bf16_master-{optimizer}-{split}" for split in ("8x1", "1x8")]
+    for run in splits:
+        rel = _distance(trained, run, reference)
+        print(f"{run}: relative L2 to fp32 8x1 {rel:.2e} (bound {BOUND[optimizer]:.0e})")
+        assert rel <= BOUND[optimizer], run
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_full_bf16_master_weights_land_near_fp32_on_two_ranks(trained, optimizer):
+    reference = f"full-fp32-{optimizer}-8x1"
+    splits = [f"full-bf16_master-{optimizer}-2x{split}" for split in ("4x1", "1x4")]
+    for run in splits:
+        rel = _distance(trained, run, reference)
+        print(f"{run}: relative L2 to 1-rank fp32 8x1 {rel:.2e} (bound {BOUND[optimizer]:.0e})")
+        assert rel <= BOUND[optimizer], run
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_lora_fp32_adapters_are_closer_to_fp32_lora_than_pure_bf16(trained, optimizer):
+    reference = f"lora-fp32-{optimizer}-8x1"
+    pure, master = (f"lora-{p}-{optimizer}-8x1" for p in ("bf16", "bf16_master"))
+    rel_pure = _distance(trained, pure, reference)
+    rel_master = _distance(trained, master, reference)
+    print(f"LoRA {optimizer}: pure bf16 {rel_pure:.2e}, fp32 adapters {rel_master:.2e}")
+    if optimizer == "sgd":
+        assert rel_master * 10 <= rel_pure
+    else:
+        assert rel_master <= rel_pure
+
+
+def test_bf16_stochastic_rounding_optimizer_trains_and_resumes_bit_identically(tmp_path):
+    """Pure bf16 LoRA (``master_weights: none``) with torchao's AdamW rounding stochastically:
+    it trains from config, and a run resumed from its step-2 checkpoint ends on the adapters of
+    the uninterrupted run, bit for bit (the rounding draws from the RNG the checkpoint holds)."""
+    out = tmp_path / "run"
+    steps = 3
+    args = [
+        *lora_tiny_args(out, max_steps_per_epoch=steps, save_every_n_steps=1, dtype="bf16"),
+        *table.PRECISIONS["bf16_sr"],
+    ]
+    proc = run_tune(args, extra_env=table.EAGER)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    adapters = "epoch_0/adapter_model.pt"
+    uninterrupted = load_adapters(out / adapters)
+    assert {t.dtype for t in uninterrupted.values()} == {torch.bfloat16}
+    assert any(float(t.abs().max()) > 0 for k, t in uninterrupted.items() if "lora_b" in k)
+
+    checkpoints = out / "step_checkpoints"
+    for path in sorted((checkpoints / f"step_{steps:06d}").iterdir()):
+        path.unlink()
+    (checkpoints / f"step_{steps:06d}").rmdir()
+    (out / adapters).unlink()
+    proc = run_tune([*args, "resume_from_checkpoint=True"], extra_env=table.EAGER)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert "Resuming from step checkpoint" in output_of(proc)
+    resumed = load_adapters(out / adapters)
+    for key, tensor in uninterrupted.items():
+        assert torch.equal(resumed[key], tensor), key
