@@ -423,11 +423,27 @@ def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_pat
     resume_off = run_config(resume_from_checkpoint=False)
     assert find_resume_point(resume_off, checkpointer, {}).source is ResumeFrom.START
     no_step_checkpoints = StepCheckpointer(tmp_path / "none", keep_last_n=2)
+    epoch_run = tmp_path / "epoch_run"
+    (epoch_run / "recipe_state").mkdir(parents=True)
+    (epoch_run / "recipe_state" / "recipe_state.pt").write_bytes(b"state")
+    cfg.checkpointer = {"output_dir": str(epoch_run), "recipe_checkpoint": None}
     fallback = find_resume_point(cfg, no_step_checkpoints, run_fingerprint(cfg, world_size=1))
     assert fallback.source is ResumeFrom.EPOCH_CHECKPOINT  # torchtune's resume, as stock
     changed = run_config(gradient_accumulation_steps=8)
     with pytest.raises(ValueError, match="'gradient_accumulation_steps': 4 in the checkpoint"):
         find_resume_point(changed, checkpointer, run_fingerprint(changed, world_size=1))
+
+
+def test_nothing_to_resume_names_both_folders_and_the_keys_that_write_one(tmp_path) -> None:
+    cfg = run_config()
+    cfg.checkpointer = {"output_dir": str(tmp_path / "run"), "recipe_checkpoint": None}
+    empty = StepCheckpointer(tmp_path / "run" / "step_checkpoints", keep_last_n=2)
+    with pytest.raises(ValueError) as err:
+        find_resume_point(cfg, empty, run_fingerprint(cfg, world_size=1))
+    message = str(err.value)
+    assert str(tmp_path / "run" / "step_checkpoints") in message
+    assert str(tmp_path / "run" / "recipe_state" / "recipe_state.pt") in message
+    assert "save_every_n_steps" in message and "checkpointer.output_dir" in message
 
 
 # --- loading weights into the configured model ---------------------------------------------

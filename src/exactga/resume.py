@@ -175,6 +175,7 @@ def find_resume_point(
         return ResumePoint(ResumeFrom.START)
     found = checkpointer.load_latest()
     if found is None:
+        check_epoch_checkpoint_exists(cfg.checkpointer, checkpointer.root)
         return ResumePoint(ResumeFrom.EPOCH_CHECKPOINT)
     check_resume_fingerprint(
         found.trainer_state["fingerprint"],
@@ -185,6 +186,31 @@ def find_resume_point(
     if checkpointer.rank == 0:
         log.info(f"Resuming from step checkpoint {found.path}")
     return ResumePoint(ResumeFrom.STEP_CHECKPOINT, found)
+
+
+def check_epoch_checkpoint_exists(cfg_checkpointer: DictConfig, step_checkpoint_dir: Path) -> None:
+    """Fail naming what is missing when neither a step nor an epoch checkpoint can be resumed.
+
+    torchtune's checkpointer would fail later with ``join() argument must be str ... not
+    'NoneType'`` (no epoch folder) or "recipe_checkpoint file must be provided" (no recipe
+    state), neither saying where it looked or which key writes one.
+
+    Raises:
+        ValueError: naming both folders searched and the keys that create a checkpoint.
+    """
+    output_dir = Path(cfg_checkpointer.output_dir)
+    recipe_checkpoint = cfg_checkpointer.get("recipe_checkpoint")
+    recipe_state = output_dir / (recipe_checkpoint or "recipe_state/recipe_state.pt")
+    if recipe_state.is_file():
+        return
+    raise ValueError(
+        f"resume_from_checkpoint=True, but there is nothing to resume: no step checkpoint in "
+        f"{step_checkpoint_dir} and no epoch checkpoint's recipe state at {recipe_state}. Step "
+        f"checkpoints are written with save_every_n_steps=N under output_dir; torchtune's epoch "
+        f"checkpoints at the end of every epoch but the last, under checkpointer.output_dir "
+        f"(recipe_checkpoint names its recipe state). Check output_dir, or start the run "
+        f"without resume_from_checkpoint."
+    )
 
 
 def write_step_checkpoint(
