@@ -95,6 +95,8 @@ def _launch(name: str, nproc: int, settings: dict[str, object], root: Path) -> P
     counts.mkdir(parents=True)
     if nproc == 1:
         args = _args(SINGLE, SINGLE_CONFIG, out, settings)
+    elif nproc == 0:  # the distributed recipe without torchrun
+        args = _args(DISTRIBUTED, DISTRIBUTED_CONFIG, out, settings)
     else:
         args = [
             "--nproc_per_node",
@@ -168,6 +170,8 @@ def _launch_all(root: Path) -> None:
                 "enable_activation_checkpointing": True,
             },
         ),
+        # tune run without --nproc_per_node: the distributed recipe trains as one rank.
+        "no_torchrun_8x1": (0, {**PARITY, "batch_size": 8, "gradient_accumulation_steps": 1}),
         "ragged_1rank_8x1": (1, {**ragged, "batch_size": 8, "gradient_accumulation_steps": 1}),
         "ragged_2ranks_2x2": (2, {**ragged, "batch_size": 2, "gradient_accumulation_steps": 2}),
     }
@@ -207,6 +211,21 @@ def test_rank_and_accumulation_splits_match_one_rank(runs, name):
     for tag in ("time/step_ms", "time/backward_ms", "throughput/tokens_per_second"):
         assert len(scalars[tag]) == len(scalars["loss"]) and min(scalars[tag]) > 0, tag
     assert scalars["normalization/saved_ms"][-1] > 0
+
+
+def test_without_torchrun_the_recipe_trains_as_one_rank(runs):
+    """``tune run recipes/full_finetune_distributed.py`` with no ``--nproc_per_node`` says so
+    and trains the one-device weights, instead of failing on torch's missing RANK."""
+    run, reference = runs["no_torchrun_8x1"], runs["1rank_8x1"]
+    output = (run / "output.txt").read_text()
+    assert "No torchrun environment (RANK is not set): training as one rank" in output
+    assert "tune run --nproc_per_node N" in output
+    rel = _distance(run, reference)
+    print(f"without torchrun vs 1 rank 8x1: relative L2 {rel:.3e}")
+    assert rel <= PARITY_TOLERANCE
+    assert read_scalars(run / "logs")["loss"] == pytest.approx(
+        read_scalars(reference / "logs")["loss"], rel=1e-6
+    )
 
 
 def test_ragged_and_empty_ranks_match_one_rank(runs):

@@ -24,6 +24,7 @@ import contextlib
 import enum
 import gc
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,8 +69,25 @@ def init_distributed(device: torch.device, offload_ops_to_cpu: bool = False) -> 
         device.type, offload_ops_to_cpu=offload_ops_to_cpu and device.type != "cpu"
     )
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        if "RANK" in os.environ:  # started by torchrun (tune run --nproc_per_node N)
+            dist.init_process_group(backend)
+        else:
+            _init_single_rank(backend)
     return backend
+
+
+def _init_single_rank(backend: str) -> None:
+    """A process group of this process alone, for a distributed recipe started without torchrun
+    (``tune run recipes/<distributed recipe>.py`` with no ``--nproc_per_node``): it then trains
+    as one rank instead of failing with torch's "environment variable RANK expected"."""
+    log.warning(
+        "No torchrun environment (RANK is not set): training as one rank. For N processes "
+        "launch with: tune run --nproc_per_node N <recipe> --config <config>."
+    )
+    with socket.socket() as probe:  # a free port for the group's one-process rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def build_device_mesh(device: torch.device, tensor_parallel_dim: int) -> DeviceMesh:
