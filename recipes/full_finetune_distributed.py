@@ -488,7 +488,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, FullFinetuneDistributedConfig, RECIPE_NAME)
+    cfg = validate_config(cfg, FullFinetuneDistributedConfig, RECIPE_NAME, check_files=True)
     if distributed.is_rank_zero():
         config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
     recipe = FullFinetuneRecipeDistributed(cfg=cfg)

@@ -363,7 +363,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, FullFinetuneSingleDeviceConfig, RECIPE_NAME)
+    cfg = validate_config(cfg, FullFinetuneSingleDeviceConfig, RECIPE_NAME, check_files=True)
     config.log_config(recipe_name="FullFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
     recipe.setup(cfg=cfg)

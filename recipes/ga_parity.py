@@ -453,7 +453,7 @@ def _reseed(seed: int) -> None:
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains every planned run."""
-    cfg = validate_config(cfg, GaParityConfig, RECIPE_NAME)
+    cfg = validate_config(cfg, GaParityConfig, RECIPE_NAME, check_files=True)
     recipe = GaParityRecipe(cfg)
     recipe.setup(cfg)
     recipe.train()

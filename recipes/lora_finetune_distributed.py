@@ -473,7 +473,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, LoraFinetuneDistributedConfig, RECIPE_NAME)
+    cfg = validate_config(cfg, LoraFinetuneDistributedConfig, RECIPE_NAME, check_files=True)
     if distributed.is_rank_zero():
         config.log_config(recipe_name="LoRAFinetuneRecipeDistributed", cfg=cfg)
     recipe = LoRAFinetuneRecipeDistributed(cfg=cfg)

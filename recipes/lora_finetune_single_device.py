@@ -391,7 +391,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, LoraFinetuneSingleDeviceConfig, RECIPE_NAME)
+    cfg = validate_config(cfg, LoraFinetuneSingleDeviceConfig, RECIPE_NAME, check_files=True)
     config.log_config(recipe_name="LoRAFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = LoRAFinetuneRecipeSingleDevice(cfg=cfg)
     recipe.setup(cfg=cfg)

@@ -7,11 +7,12 @@ recipe that uses the schema gets it, before the config is printed or a model is 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from exactga.config import validate_config
+from exactga.config import check_input_files, validate_config
 from exactga.schemas import (
     FullFinetuneDistributedConfig,
     FullFinetuneSingleDeviceConfig,
@@ -195,3 +196,44 @@ def test_the_shipped_parity_configs_hold_only_keys_the_report_reads() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             _validate(GaParityConfig, path)
+
+
+def test_missing_input_files_name_the_key_and_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok.model").write_bytes(b"x")
+    (tmp_path / "a.json").write_text("[]")
+    cfg = OmegaConf.create(
+        {
+            "tokenizer": {"path": "tok.model"},
+            "dataset": [
+                {"source": "json", "data_files": "a.json"},
+                {"source": "json", "data_files": {"train": ["a.json", "shards/*.json"]}},
+                {"source": "tatsu-lab/alpaca"},  # a hub dataset: nothing local to check
+            ],
+        }
+    )
+    check_input_files(cfg)  # every local file is there; a glob is left to datasets
+
+    cfg.dataset[1].data_files.train.append("b.json")
+    with pytest.raises(ValueError) as err:
+        check_input_files(cfg)
+    message = str(err.value)
+    assert "config key 'dataset[1].data_files': no file at 'b.json'" in message
+    assert f"relative to the working directory {tmp_path}" in message
+
+    cfg.tokenizer.path = str(tmp_path / "missing.model")
+    with pytest.raises(ValueError, match="'tokenizer.path': no file at '/.*missing.model'\\. Fix"):
+        check_input_files(cfg)
+
+
+def test_the_shipped_tiny_configs_pass_the_file_check_from_the_repository_root(monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    for path in (FULL, LORA, FULL_DISTRIBUTED, LORA_DISTRIBUTED, PARITY):
+        schema = {
+            FULL: FullFinetuneSingleDeviceConfig,
+            LORA: LoraFinetuneSingleDeviceConfig,
+            FULL_DISTRIBUTED: FullFinetuneDistributedConfig,
+            LORA_DISTRIBUTED: LoraFinetuneDistributedConfig,
+            PARITY: GaParityConfig,
+        }[path]
+        validate_config(OmegaConf.load(path), schema, "recipe", check_files=True)

@@ -21,13 +21,19 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 
-def validate_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictConfig:
+def validate_config(
+    cfg: DictConfig, schema: type, recipe_name: str, check_files: bool = False
+) -> DictConfig:
     """Return ``cfg`` with the schema's defaults filled in, or raise naming the bad key.
+
+    ``check_files`` (the recipes set it) also checks that the local files the config names
+    exist; see :func:`check_input_files`.
 
     Raises:
         ValueError: a key the recipe does not know, a value of the wrong type or not among
             its choices, a required key left out, a count below its minimum, or settings
-            that cannot work together (``schema.check_flags``).
+            that cannot work together (``schema.check_flags``), or with ``check_files`` a
+            missing tokenizer or data file.
     """
     base = OmegaConf.structured(schema)
     OmegaConf.set_struct(base, True)
@@ -51,6 +57,8 @@ def validate_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictConf
     _check_choices(merged, schema)
     if hasattr(schema, "check_flags"):
         schema.check_flags(merged)
+    if check_files:
+        check_input_files(merged)
     # Sections are handed to torchtune, which may add keys (e.g. the profiler's _component_).
     OmegaConf.set_struct(merged, False)
     return merged
@@ -132,3 +140,48 @@ def _check_choices(cfg: DictConfig, schema: type, prefix: str = "") -> None:
 
 
 __all__ = ["validate_config", "ConfigKeyError"]
+
+
+# Dataset sources whose ``data_files`` are local files (Hugging Face ``load_dataset`` builders).
+_LOCAL_SOURCES = ("json", "csv", "parquet", "text", "arrow")
+
+
+def check_input_files(cfg: DictConfig) -> None:
+    """Fail naming the config key when the tokenizer's or a local dataset's file is missing.
+
+    Otherwise sentencepiece fails with ``NOT_FOUND`` and ``datasets`` with its own
+    ``FileNotFoundError``, neither naming the key, and only after the config is printed and
+    the model built. Relative paths resolve against the working directory, which the message
+    names (the shipped tiny configs' paths work from the repository root).
+    """
+    tokenizer = cfg.get("tokenizer")
+    if tokenizer is not None and tokenizer.get("path"):
+        _check_file("tokenizer.path", tokenizer.path)
+    sections = cfg.dataset if OmegaConf.is_list(cfg.dataset) else [cfg.dataset]
+    for index, section in enumerate(sections):
+        key = "dataset" if not OmegaConf.is_list(cfg.dataset) else f"dataset[{index}]"
+        if section.get("source") not in _LOCAL_SOURCES or not section.get("data_files"):
+            continue
+        files = section.data_files
+        if OmegaConf.is_dict(files):
+            files = [f for value in files.values() for f in _as_list(value)]
+        for path in _as_list(files):
+            if not any(char in str(path) for char in "*?["):  # a glob: datasets expands it
+                _check_file(f"{key}.data_files", path)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if OmegaConf.is_list(value) or isinstance(value, list) else [value]
+
+
+def _check_file(key: str, path: Any) -> None:
+    if "://" in str(path) or os.path.exists(str(path)):
+        return
+    where = (
+        "" if os.path.isabs(str(path)) else f" (relative to the working directory {os.getcwd()})"
+    )
+    raise ValueError(
+        f"config key '{key}': no file at '{path}'{where}. Fix the path, or launch from the "
+        "folder it is relative to (the shipped tiny configs' paths work from the repository "
+        "root)."
+    )
