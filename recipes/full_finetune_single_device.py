@@ -29,6 +29,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from exactga.checkpointing import step_checkpointer_for
+from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import build_dataloader, load_dataset, model_vocab_size
 from exactga.micro_batching import MicroBatchingSettings
@@ -372,4 +373,4 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]

@@ -69,6 +69,7 @@ from torchtune import config, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga import distributed
+from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, load_lora_weights
@@ -462,4 +463,4 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]

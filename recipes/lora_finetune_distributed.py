@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from exactga import distributed
 from exactga.checkpointing import step_checkpointer_for
+from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import build_dataloader, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, epoch_checkpoint_weights, load_lora_weights
@@ -483,4 +484,4 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]

@@ -242,7 +242,7 @@ def test_optimizer_in_bwd_with_accumulation_is_refused_naming_both_keys(tmp_path
     assert proc.returncode != 0, output[-4000:]
     # One line names both keys; the wording after them is the recipe's own.
     assert re.search(
-        r"ValueError: config keys 'optimizer_in_bwd' and 'gradient_accumulation_steps'", output
+        r"exactga: config keys 'optimizer_in_bwd' and 'gradient_accumulation_steps'", output
     ), output[-4000:]
 
 
@@ -258,3 +258,4 @@ def test_bad_row_fails_the_recipe_naming_row_and_file(tmp_path):
     assert proc.returncode != 0, output[-4000:]
     named = re.search(r"dataset row 5 of .*bad_row\.json.*missing column 'output'", output)
     assert named, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]  # see [user errors] in exactga.cli

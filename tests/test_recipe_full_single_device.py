@@ -219,9 +219,21 @@ def test_stock_torchtune_config_runs_unchanged(tmp_path):
     ids=["misspelt_key", "bad_mode"],
 )
 def test_bad_config_fails_naming_the_key(tmp_path, override, expected):
+    """One message, no traceback (see [user errors] in exactga.cli), before the resolved
+    config is printed."""
     proc = run_tune(tiny_args(tmp_path / "out") + [override])
     out = output_of(proc)
-    assert proc.returncode != 0, out[-4000:]
+    assert proc.returncode == 1, out[-4000:]
     for text in expected:
         assert text in out, out[-4000:]
+    assert "Traceback" not in out and "EXACTGA_TRACEBACK=1 shows it" in out, out[-4000:]
+    assert "Running FullFinetuneRecipeSingleDevice with resolved config" not in out
     assert not (tmp_path / "out" / TRAINED).exists()
+
+
+def test_the_traceback_switch_shows_a_user_error_traceback(tmp_path):
+    args = tiny_args(tmp_path / "out") + ["tokenizer.path=missing/tokenizer.model"]
+    proc = run_tune(args, extra_env={"EXACTGA_TRACEBACK": "1"})
+    out = output_of(proc)
+    assert proc.returncode != 0
+    assert "Traceback" in out and "config key 'tokenizer.path': no file at" in out, out[-4000:]
