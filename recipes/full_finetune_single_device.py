@@ -31,8 +31,7 @@ from tqdm import tqdm
 from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
-from exactga.data import build_dataloader, load_dataset, model_vocab_size
-from exactga.micro_batching import MicroBatchingSettings
+from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.precision import Precision
@@ -107,7 +106,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = parse_mode(cfg.loss_normalization)
-        self._drop_partial_window = cfg.drop_partial_window
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
@@ -158,14 +156,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
         # Data order, row checks and loader position: see [data order] in exactga.data.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
-        self._dataloader = build_dataloader(
+        self._dataloader = dataloader_from_config(
             dataset,
-            batch_size=cfg.batch_size,
-            gradient_accumulation_steps=self._gradient_accumulation_steps,
-            micro_batching=MicroBatchingSettings.from_config(cfg),
-            drop_partial_window=self._drop_partial_window,
-            shuffle=cfg.shuffle,
-            collate_fn=cfg.collate_fn,
+            cfg,
             padding_idx=self._tokenizer.pad_id,
             ignore_idx=self._loss_fn.ignore_index,
             state_dict=resume.dataloader_state(ckpt_dict),

@@ -162,6 +162,36 @@ def build_dataloader(
     return loader
 
 
+def dataloader_from_config(
+    dataset: Dataset,
+    cfg: DictConfig,
+    *,
+    padding_idx: int,
+    ignore_idx: int,
+    num_replicas: int = 1,
+    rank: int = 0,
+    state_dict: Mapping[str, Any] | None = None,
+) -> WindowLoader:
+    """:func:`build_dataloader` with the batching keys of a validated recipe config
+    (``batch_size``, ``gradient_accumulation_steps``, ``micro_batching``,
+    ``micro_batch_tokens``, ``drop_partial_window``, ``shuffle``, ``collate_fn``), read here
+    once for every training recipe so that no recipe can build its windows differently."""
+    return build_dataloader(
+        dataset,
+        batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        micro_batching=MicroBatchingSettings.from_config(cfg),
+        drop_partial_window=cfg.drop_partial_window,
+        shuffle=cfg.shuffle,
+        collate_fn=cfg.collate_fn,
+        padding_idx=padding_idx,
+        ignore_idx=ignore_idx,
+        num_replicas=num_replicas,
+        rank=rank,
+        state_dict=state_dict,
+    )
+
+
 class WindowLoader:
     """A stateful loader of :class:`SampleWindow`s: one per optimizer step of an epoch.
 

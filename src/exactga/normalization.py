@@ -269,7 +269,13 @@ class Window:
     @property
     def num_input_tokens(self) -> int:
         """Positions the model processes on this rank, padding and fillers included."""
-        return sum(mb.batch["tokens"].numel() for mb in self.micro_batches_to_run())
+        own = self.micro_batches if self.dp_size > 1 else self.nonempty_micro_batches()
+        positions = sum(mb.batch["tokens"].numel() for mb in own)
+        num_fillers = self.num_filler_micro_batches()
+        if num_fillers:
+            assert self.filler is not None, "a rank with fewer micro-batches needs a filler"
+            positions += num_fillers * self.filler.batch["tokens"].numel()
+        return positions
 
     @property
     def num_global_tokens(self) -> int:
