@@ -64,6 +64,8 @@ def read_events(log_root: Path) -> dict[str, list[tuple[int, float, float]]]:
         tags = accumulator.Tags()
         for tag in tags.get("tensors", []):
             for e in accumulator.Tensors(tag):
+                if e.tensor_proto.string_val:  # text and layouts, not scalars
+                    continue
                 value = float(make_ndarray(e.tensor_proto).reshape(-1)[0])
                 events.setdefault(tag, []).append((e.step, e.wall_time, value))
         for tag in tags.get("scalars", []):

@@ -225,6 +225,8 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, tuple[float, float]]]:
         # torchtune's TensorBoardLogger writes scalars as tensor summaries; older ones as scalars.
         for tag in ea.Tags().get("tensors", []):
             for e in ea.Tensors(tag):
+                if e.tensor_proto.string_val:  # text and layouts, not scalars
+                    continue
                 value = float(tensor_util.make_ndarray(e.tensor_proto))
                 series.setdefault(tag, {})[e.step] = (e.wall_time, value)
         for tag in ea.Tags().get("scalars", []):

@@ -69,8 +69,9 @@ from torchtune.models.llama2 import llama2_tokenizer
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from exactga.normalization import LossNormalizer, MicroBatch, NormMode, Window, shift_labels
+from exactga.normalization import LossNormalizer, MicroBatch, NormMode, Window
 from exactga.profiling import time_gradient_pass
+from exactga.training import causal_lm_loss
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_FILE = "configs/tiny/data.json"
@@ -167,15 +168,7 @@ def build_model(preset: dict[str, Any], max_seq_len: int, seed: int) -> nn.Modul
 
 def loss_step(arm: Arm, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Forward and mean loss of one micro-batch, as the recipe's ``_loss_step``."""
-    labels = batch.pop("labels")
-    logits = arm.model(**batch)
-    labels = shift_labels(labels, arm.normalizer.ignore_index)
-    if not isinstance(logits, list):
-        labels = labels.reshape(-1)
-        logits = logits.reshape(-1, logits.size(-1))
-    loss = arm.normalizer.loss_fn(logits, labels)
-    del logits
-    return loss
+    return causal_lm_loss(arm.model, arm.normalizer.loss_fn, batch)
 
 
 def open_window(arm: Arm, batches: list[dict[str, torch.Tensor]]) -> Window:

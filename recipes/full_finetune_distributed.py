@@ -224,7 +224,12 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         cfg_profiler = cfg.copy()
         if not self._is_rank_zero:
             cfg_profiler[PROFILER_KEY] = None
-        self._profiler = setup_profiler(cfg_profiler, self._device, self._model)
+        self._profiler = setup_profiler(
+            cfg_profiler,
+            self._device,
+            self._model,
+            self._metric_logger if self._is_rank_zero else None,  # for the report
+        )
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = (
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None

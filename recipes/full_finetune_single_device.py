@@ -173,7 +173,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             num_training_steps=self._progress.num_training_steps,
             last_epoch=self._progress.global_step - 1,
         )
-        self._profiler = setup_profiler(cfg, self._device, self._model)
+        self._profiler = setup_profiler(cfg, self._device, self._model, self._metric_logger)
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs

@@ -1,17 +1,18 @@
 """GA parity report: does accumulation give the full-batch model on *your* config and data?
 
-Takes a normal full or LoRA fine-tuning config and trains it several times from the same initial
-weights on the same global batches: once as the full batch on one device (``batch_size =
-B*G*N``, ``gradient_accumulation_steps = 1``), then as every split in ``parity.splits`` under
-every normalisation mode in ``parity.modes`` (``naive``, ``post_scale`` = stock torchtune,
-``exact`` = exactga), exact runs under every ``micro_batching`` in ``parity.micro_batching``
-too (``fixed``, ``by_length``, ``token_budget``: how a window's samples are grouped into
-micro-batches, which changes no step; the baselines run ``fixed`` only). A split ``BxG`` trains
-on one device; ``BxGxN`` trains data-parallel over the N processes of a distributed launch,
-sharded with FSDP2 exactly as recipes/full_finetune_distributed.py and
+Takes a normal full or LoRA fine-tuning config, or a knowledge-distillation one (its teacher
+built once, frozen, and every run trained with the KD recipes' loss step), and trains it several
+times from the same initial weights on the same global batches: once as the full batch on one
+device (``batch_size = B*G*N``, ``gradient_accumulation_steps = 1``), then as every split in
+``parity.splits`` under every normalisation mode in ``parity.modes`` (``naive``, ``post_scale``
+= stock torchtune, ``exact`` = exactga), exact runs under every ``micro_batching`` in
+``parity.micro_batching`` too (``fixed``, ``by_length``, ``token_budget``: how a window's
+samples are grouped into micro-batches, which changes no step; the baselines run ``fixed``
+only). A split ``BxG`` trains on one device; ``BxGxN`` trains data-parallel over the N processes
+of a distributed launch, sharded with FSDP2 exactly as recipes/full_finetune_distributed.py and
 recipes/lora_finetune_distributed.py shard, its window token count reduced over the
-data-parallel group, each rank reading its share of the same global batches. Every run takes
-the recipes' own step (``exactga.training.train_window``).
+data-parallel group, each rank reading its share of the same global batches. Every run takes the
+recipes' own step (``exactga.training.train_window``).
 Rank 0 writes into ``<output_dir>/parity/``:
 
 - ``tensorboard/<mode>/<micro_batching>/<split>/``: one TensorBoard run per run, so the loss
@@ -33,6 +34,7 @@ Launch from the repository root::
 
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_lora.yaml
+    tune run recipes/ga_parity.py --config configs/tiny/ga_parity_kd.yaml
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml \\
         'parity.splits=[16x1,4x4,1x16]' parity.num_steps=20
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml \\
@@ -49,7 +51,7 @@ runs it trains against its own copy, so only numbers travel to rank 0), the ``xN
 on all ranks together, and the one-device ``BxG`` runs are dealt out to the ranks in turn.
 
 On your own config, add a ``parity`` section (see docs/ga_parity.md); everything else is read as
-the full or LoRA recipe reads it.
+the full, LoRA or KD recipe reads it.
 """
 
 import copy
@@ -67,15 +69,17 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from tqdm import tqdm
 
 from exactga import distributed
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import WindowLoader, build_dataloader, load_dataset, model_vocab_size
+from exactga.distillation import Distiller, check_kd_losses, check_vocabularies, freeze_teacher
 from exactga.lora import LoraSettings, load_lora_weights
 from exactga.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.normalization import LossNormalizer, NormMode, parse_mode
-from exactga.parity.report import write_report
+from exactga.parity.report import DataShape, Distillation, write_report
 from exactga.parity.scoring import (
     ParityRun,
     PrecisionView,
@@ -120,6 +124,11 @@ class GaParityRecipe:
           to fp32: each run's distance to it stands beside its distance to the bf16 full
           batch, and the verdict's floor is twice the bf16 full batch's own distance to it
           (see [parity floor below fp32] in exactga.parity.scoring).
+        - Knowledge distillation (``teacher_model``, ``teacher_checkpointer``, ``kd_loss``,
+          ``kd_ratio``, as the KD recipes read them): the teacher is built once, frozen, in
+          ``dtype`` (one copy per rank, unsharded: it only runs forwards), and every run trains
+          ``exactga.distillation.Distiller``'s loss step; ``post_scale`` is then stock's KD
+          weighting (see [stock kd weighting] there).
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -134,6 +143,8 @@ class GaParityRecipe:
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._dtype_name = str(cfg.dtype)  # as the report names it
         self._is_lora = "lora" in str(cfg.model._component_)
+        self._is_kd = cfg.teacher_model is not None
+        self._kd_ratio = cfg.kd_ratio
         self._master_weights = GaParityConfig.master_weights_for(cfg, is_lora=self._is_lora)
         self._precision = Precision.from_config(self._dtype, self._master_weights, self._device)
         # Below fp32 an fp32 full batch shows what the precision costs; see
@@ -170,6 +181,9 @@ class GaParityRecipe:
         self._fp32_reference: ParityRun | None = None
         self._reference_to_fp32: float | None = None  # relative L2, below fp32 only
         self._summaries: list[RunSummary] = []
+        self._teacher: nn.Module | None = None  # a KD config's, built once in setup
+        self._data_shape: DataShape | None = None  # of the full batch's samples
+        self._num_runs = 0  # for the progress lines: "run k of n"
 
     def setup(self, cfg: DictConfig) -> None:
         self._cfg = cfg
@@ -179,6 +193,10 @@ class GaParityRecipe:
         self._initial_state = self._initial_model_state(cfg.model, base_state)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
+        if self._is_kd:
+            self._kd_loss_fn = config.instantiate(cfg.kd_loss)
+            check_kd_losses(self._loss_fn, self._kd_loss_fn)
+            self._teacher = self._setup_teacher(cfg.teacher_model, cfg.teacher_checkpointer)
         self._dataset = self._setup_dataset(cfg.dataset)
         # Past one epoch the splits would end on different partial windows.
         num_available = len(self._dataset) // self._global_batch
@@ -211,6 +229,19 @@ class GaParityRecipe:
             model.load_state_dict(base_state)
         self._vocab_size = model_vocab_size(model)
         return copy.deepcopy(model.state_dict())
+
+    def _setup_teacher(self, cfg_teacher: DictConfig, cfg_checkpointer: DictConfig) -> nn.Module:
+        """The frozen teacher in ``dtype``, as the KD recipes build it: one for every run, so
+        all runs (the fp32 full batch too) distil the same logits."""
+        teacher_state = config.instantiate(cfg_checkpointer).load_checkpoint()
+        with training.set_default_dtype(self._dtype), self._device:
+            teacher = config.instantiate(cfg_teacher)
+        teacher.load_state_dict(teacher_state[training.MODEL_KEY])
+        freeze_teacher(teacher)
+        check_vocabularies(self._vocab_size, model_vocab_size(teacher))
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            teacher.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        return teacher
 
     def _build_model(self, cfg_model: DictConfig, precision: Precision) -> nn.Module:
         with training.set_default_dtype(precision.compute_dtype), self._device:
@@ -280,24 +311,25 @@ class GaParityRecipe:
         """Train the full-batch reference (and below fp32 the fp32 one), then every planned
         run, and gather the scores."""
         reference_split = Split(self._global_batch, 1)
+        plan = plan_runs(self._modes, self._micro_batchings, self._splits, reference_split)
+        num_references = 1 if self._fp32_precision is None else 2
+        self._num_runs = num_references + len(plan)
         distributed.log_rank_zero(
-            f"Full-batch reference: {reference_split} for {self._num_steps} steps, "
-            f"{self._precision.describe()}"
+            f"{self._num_runs} runs of {self._num_steps} steps; the full-batch reference "
+            f"{reference_split} first, {self._precision.describe()}"
         )
         self._reference = self._train(
-            reference_split, NormMode.EXACT, MicroBatching.FIXED, self._precision
+            reference_split, NormMode.EXACT, MicroBatching.FIXED, self._precision, run=1
         )
         # Every run, the fp32 one included, starts from these (cast to fp32 there).
         initial = {n: self._initial_state[n].float().cpu() for n in self._reference.weights}
         if self._fp32_precision is not None:
-            distributed.log_rank_zero(f"fp32 full-batch reference: {reference_split}")
             self._fp32_reference = self._train(
-                reference_split, NormMode.EXACT, MicroBatching.FIXED, self._fp32_precision
+                reference_split, NormMode.EXACT, MicroBatching.FIXED, self._fp32_precision, run=2
             )
             self._reference_to_fp32 = relative_l2(
                 self._reference.weights, self._fp32_reference.weights, initial
             )
-        plan = plan_runs(self._modes, self._micro_batchings, self._splits, reference_split)
         # Runs over all ranks first, all together; then the one-device runs, dealt out in
         # turn, so a rank waits for the others at most one run's time, at the final gather.
         sharded = [i for i, (_, _, split) in enumerate(plan) if split.num_ranks > 1]
@@ -305,27 +337,40 @@ class GaParityRecipe:
         local: dict[int, RunSummary] = {}
         for index in sharded + single[self._rank :: self._world_size]:
             mode, micro_batching, split = plan[index]
-            run = self._train(split, mode, micro_batching, self._precision)
+            run = self._train(
+                split, mode, micro_batching, self._precision, run=num_references + index + 1
+            )
             if run.weights:  # a sharded run's weights are gathered on rank 0 only
                 local[index] = summarize(run, self._reference, initial, self._fp32_reference)
         self._summaries = [summary for _, summary in sorted(self._gather(local).items())]
 
     def _train(
-        self, split: Split, mode: NormMode, micro_batching: MicroBatching, precision: Precision
+        self,
+        split: Split,
+        mode: NormMode,
+        micro_batching: MicroBatching,
+        precision: Precision,
+        run: int,
     ) -> ParityRun:
         """Train one split under one mode, micro-batching and precision from the shared initial
-        state, as the training recipes would (their Precision calls)."""
+        state, as the training recipes would (their Precision calls). ``run`` numbers it in
+        the progress lines; the full-batch reference is run 1."""
         _reseed(self._seed)  # dropout and any other randomness start equal
         sharded = split.num_ranks > 1
         what = (
-            f"{split} with loss_normalization={mode.value}, micro_batching={micro_batching.value}"
+            f"run {run} of {self._num_runs}: {split} with loss_normalization={mode.value}, "
+            f"micro_batching={micro_batching.value}"
         )
+        if run == 1:
+            what += " (full-batch reference)"
+        elif precision is self._fp32_precision:
+            what += " (fp32 full-batch reference)"
         if sharded:
-            distributed.log_rank_zero(f"Training {what}")
+            distributed.log_rank_zero(what)
             model = self._build_sharded_model(self._cfg.model, precision)
         else:
             prefix = f"rank {self._rank}: " if self._world_size > 1 else ""
-            log.info(f"{prefix}training {what}")
+            log.info(f"{prefix}{what}")
             model = self._build_model(self._cfg.model, precision)
             model.load_state_dict(self._initial_state)  # cast to the model's dtypes
         if hasattr(self._loss_fn, "num_output_chunks"):
@@ -353,11 +398,32 @@ class GaParityRecipe:
         losses, loss_tokens = [], []
         num_micro_batches = num_positions = num_sample_positions = 0
         windows = normalizer.windows(self._dataloader(split, micro_batching), self._num_steps)
+        loss_step = partial(causal_lm_loss, model, self._loss_fn, precision=precision)
+        if self._teacher is not None:  # the KD recipes' loss step and windows
+            distiller = Distiller(
+                model,
+                self._teacher,
+                self._loss_fn,
+                self._kd_loss_fn,
+                self._kd_ratio,
+                precision=precision,
+                device=self._device,
+            )
+            loss_step, windows = distiller.loss_step, distiller.track(windows)
+        # A step bar per run on rank 0; the other ranks' one-device runs log their line only.
+        bar = tqdm(
+            total=self._num_steps,
+            desc=f"run {run}/{self._num_runs}",
+            disable=not self._is_rank_zero,
+        )
+        labels = []  # the full batch's, for the report's data shape
         for step, window in enumerate(windows, start=1):
+            if run == 1:
+                labels += [mb.batch["labels"] for mb in window.micro_batches]
             train_window(
                 window,
                 model=model,
-                loss_step=partial(causal_lm_loss, model, self._loss_fn, precision=precision),
+                loss_step=loss_step,
                 optimizer=optimizer,
                 profiler=profiler,
                 device=self._device,
@@ -376,6 +442,15 @@ class GaParityRecipe:
             work = window.work()
             num_positions += work.num_positions
             num_sample_positions += work.num_sample_positions or 0
+            bar.update(1)
+        bar.close()
+        if run == 1:
+            train_on_input = None  # several datasets have several settings
+            if not OmegaConf.is_list(self._cfg.dataset):
+                train_on_input = self._cfg.dataset.get("train_on_input")
+            self._data_shape = DataShape.of_labels(
+                labels, self._loss_fn.ignore_index, train_on_input
+            )
         counts = [num_micro_batches, num_positions, num_sample_positions]
         if sharded:  # summed over the run's ranks: one reduction per run
             summed = torch.tensor(counts, device=self._device)
@@ -434,9 +509,22 @@ class GaParityRecipe:
             what="adapter weights" if self._is_lora else "weights",
             micro_batch_tokens=self._micro_batch_tokens,
             fp32_reference=self._fp32_reference,
+            data=self._data_shape,
+            distillation=self._distillation(),
         )
         log.info(f"Parity report: {report} (figure: {self._report_dir / 'parity.png'})")
         return report
+
+    def _distillation(self) -> Distillation | None:
+        """A KD config's mix, for the report to say what every run trained."""
+        if not self._is_kd:
+            return None
+        return Distillation(
+            kd_ratio=float(self._kd_ratio),
+            loss=type(self._loss_fn).__name__,
+            kd_loss=type(self._kd_loss_fn).__name__,
+            teacher=str(self._cfg.teacher_model._component_),
+        )
 
     def cleanup(self) -> None:
         distributed.destroy()

@@ -108,6 +108,8 @@ def read_scalars(log_root: Path | str) -> dict[str, list[float]]:
         tags = ea.Tags()
         for tag in tags.get("tensors", []):
             for e in ea.Tensors(tag):
+                if e.tensor_proto.string_val:  # text and layouts, not scalars
+                    continue
                 value = float(make_ndarray(e.tensor_proto).reshape(-1)[0])
                 scalars.setdefault(tag, []).append((e.step, value))
         for tag in tags.get("scalars", []):

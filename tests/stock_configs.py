@@ -43,6 +43,9 @@ from torchtune.config._utils import _get_component_from_path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOCK_CONFIGS = Path(torchtune.__file__).resolve().parents[1] / "recipes" / "configs"
 RECIPES = ("full_finetune_distributed", "lora_finetune_distributed")
+# Knowledge distillation (tests/test_kd_stock_configs.py): the teacher is adapted as the model
+# is, twice as wide, with its own initial checkpoint under output_dir.
+KD_RECIPES = ("knowledge_distillation_single_device", "knowledge_distillation_distributed")
 TOKENIZER = REPO_ROOT / "configs" / "tiny" / "tokenizer.model"
 DATA = REPO_ROOT / "configs" / "tiny" / "data.json"
 TOKENIZER_MAX_SEQ_LEN = 64
@@ -155,10 +158,12 @@ def tiny_model(stock_model: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]
 
 def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig:
     """Stock config ``name`` with tiny model, tokenizer, data and checkpointer, on CPU."""
-    assert recipe in RECIPES, recipe
+    assert recipe in RECIPES + KD_RECIPES, recipe
     cfg = stock_config(name)
     model, base_model = tiny_model(cfg.model)
-    is_lora = recipe.startswith("lora")
+    is_lora = recipe.startswith(("lora", "knowledge_distillation"))
+    if recipe in KD_RECIPES:
+        _adapt_teacher(cfg)
     assert is_lora == any(k in model for k in LORA_KEYS), (name, recipe)
 
     cfg.output_dir = str(output_dir)
@@ -195,6 +200,27 @@ def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig
     leftover = _paths_outside(cfg, Path(output_dir))
     assert not leftover, f"{name}: paths left outside output_dir: {leftover}"
     return cfg
+
+
+def _adapt_teacher(cfg: DictConfig) -> None:
+    """The stock ``teacher_model`` as a tiny model of its family, twice the student's width,
+    and ``teacher_checkpointer`` writing its seeded weights on first use."""
+    teacher, _ = tiny_model(cfg.teacher_model)
+    width = 2 * WIDTH
+    teacher.update(embed_dim=width, intermediate_dim=2 * width)
+    if "head_dim" in teacher:
+        teacher["head_dim"] = width // NUM_HEADS
+    cfg.teacher_model = teacher
+    cfg.teacher_checkpointer = {
+        "_component_": "exactga.random_init_checkpointer.initialized_hf_checkpointer",
+        "model": "${teacher_model}",
+        "init_seed": 1,
+        "checkpoint_dir": "${output_dir}/teacher_model",
+        "checkpoint_files": ["model.safetensors"],
+        "recipe_checkpoint": None,
+        "output_dir": "${output_dir}",
+        "model_type": cfg.teacher_checkpointer.model_type,
+    }
 
 
 def _paths_outside(cfg: DictConfig, output_dir: Path) -> list[str]:

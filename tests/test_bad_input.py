@@ -5,8 +5,9 @@ built from small bad JSON files and the shipped tokenizer, wrapped by
 :func:`exactga.data.checked_dataset` as the recipes do. Config: unknown keys, counts below 1
 and type errors are tested against ``validate_config`` in tests/test_config.py and through
 ``tune run`` in tests/test_recipe_full_single_device.py; ``optimizer_in_bwd`` with
-accumulation in the distributed recipe in tests/test_recipe_full_distributed_extra.py. Here,
-the same through the single-device recipe, and a bad data row end to end.
+accumulation in the distributed recipe in tests/test_recipe_full_distributed_extra.py. Every
+bad input here, and the config ones, through a real ``tune run`` launch (one message, no
+traceback): tests/test_bad_input_launch.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_utils import REPO_ROOT, output_of, run_tune, tiny_args
+from recipe_utils import REPO_ROOT
 from torch.utils.data import Dataset
 from torchtune.datasets import ConcatDataset, alpaca_dataset, chat_dataset
 from torchtune.models.llama2 import llama2_tokenizer
@@ -62,7 +63,8 @@ def test_row_missing_a_column_is_named(tokenizer, tmp_path):
     with pytest.raises(ValueError) as err:
         checked_alpaca(tokenizer, path)
     assert str(err.value) == (
-        f"dataset row 2 of dataset (json: {path}): missing column 'output' (absent or null)."
+        f"dataset row 2 (0-based) of dataset (json: {path}): missing column 'output' "
+        "(absent or null)."
     )
 
 
@@ -98,7 +100,8 @@ def test_wrong_type_is_named(tokenizer, tmp_path, column, value, shown):
     with pytest.raises(ValueError) as err:
         checked_alpaca(tokenizer, path)
     assert str(err.value) == (
-        f"dataset row 1 of dataset (json: {path}): column '{column}' must be a string, got {shown}."
+        f"dataset row 1 (0-based) of dataset (json: {path}): column '{column}' must be a "
+        f"string, got {shown}."
     )
 
 
@@ -146,7 +149,7 @@ def test_failure_inside_a_transform_names_the_row(tokenizer, tmp_path, bad_turn,
     ds[0]
     with pytest.raises(ValueError) as err:
         ds[1]
-    assert str(err.value) == f"dataset row 1 of dataset (json: {path}): {problem}"
+    assert str(err.value) == f"dataset row 1 (0-based) of dataset (json: {path}): {problem}"
     assert isinstance(err.value.__cause__, cause)
 
 
@@ -155,16 +158,18 @@ def test_conversation_missing_from_a_row_is_named(tokenizer, tmp_path):
     path = write_rows(tmp_path, rows)
     with pytest.raises(ValueError) as err:
         checked_dataset(sharegpt(tokenizer, path), vocab_size=VOCAB_SIZE, source="dataset")
-    assert str(err.value) == "dataset row 2 of dataset: missing column 'conversations' " + (
+    assert str(
+        err.value
+    ) == "dataset row 2 (0-based) of dataset: missing column 'conversations' " + (
         "(absent or null)."
     )
 
 
 VOCAB_MESSAGE = (
-    r"(dataset row|packed sample) 0 of dataset \(json: .*\): token id (\d+) \(its largest\) is "
-    r"beyond the model's vocabulary \(vocab_size 1000\)\. The tokenizer \(config key "
-    r"'tokenizer'\) does not match the model \(config key 'model\.vocab_size'\): use the "
-    r"model's own tokenizer, or a vocab_size at least (\d+)\."
+    r"(dataset row|packed sample) 0 \(0-based\) of dataset \(json: .*\): token id (\d+) "
+    r"\(its largest\) is beyond the model's vocabulary \(vocab_size 1000\)\. The tokenizer "
+    r"\(config key 'tokenizer'\) does not match the model \(config key 'model\.vocab_size'\): "
+    r"use the model's own tokenizer, or a vocab_size at least (\d+)\."
 )
 
 
@@ -231,31 +236,15 @@ def test_bad_samples_of_any_dataset_are_named(sample, problem):
     ds = checked_dataset(ListDataset([sample]), vocab_size=VOCAB_SIZE, source="my dataset")
     with pytest.raises(ValueError) as err:
         ds[0]
-    assert str(err.value).startswith(f"dataset row 0 of my dataset: {problem}")
+    assert str(err.value).startswith(f"dataset row 0 (0-based) of my dataset: {problem}")
 
 
-@pytest.mark.slow
-def test_optimizer_in_bwd_with_accumulation_is_refused_naming_both_keys(tmp_path):
-    args = tiny_args(tmp_path / "out", optimizer_in_bwd=True, gradient_accumulation_steps=2)
-    proc = run_tune([*args, "clip_grad_norm=null"])
-    output = output_of(proc)
-    assert proc.returncode != 0, output[-4000:]
-    # One line names both keys; the wording after them is the recipe's own.
-    assert re.search(
-        r"exactga: config keys 'optimizer_in_bwd' and 'gradient_accumulation_steps'", output
-    ), output[-4000:]
-
-
-@pytest.mark.slow
-def test_bad_row_fails_the_recipe_naming_row_and_file(tmp_path):
-    """End to end: the single-device recipe on a data file whose row 5 has no output."""
-    rows = json.loads((REPO_ROOT / "configs/tiny/data.json").read_text())[:16]
-    del rows[5]["output"]
-    path = write_rows(tmp_path, rows, name="bad_row.json")
-    args = tiny_args(tmp_path / "out", dataset__data_files=path, max_steps_per_epoch=2)
-    proc = run_tune(args)
-    output = output_of(proc)
-    assert proc.returncode != 0, output[-4000:]
-    named = re.search(r"dataset row 5 of .*bad_row\.json.*missing column 'output'", output)
-    assert named, output[-4000:]
-    assert "Traceback" not in output, output[-4000:]  # see [user errors] in exactga.cli
+def test_a_row_of_a_list_of_datasets_is_counted_within_its_dataset(tokenizer, tmp_path):
+    """``dataset: [a, b]``: row 1 of b, not row 3 of the concatenation."""
+    good = write_rows(tmp_path, chat_rows({"from": "gpt", "value": "Hi."}), name="good.json")
+    bad = write_rows(tmp_path, chat_rows({"value": "Hi."}))
+    ds = ConcatDataset([sharegpt(tokenizer, good), sharegpt(tokenizer, bad)])
+    checked = checked_dataset(ds, VOCAB_SIZE, source="dataset")
+    checked[2]
+    with pytest.raises(ValueError, match=r"^dataset row 1 \(0-based\) of dataset\[1\]: missing"):
+        checked[3]

@@ -15,13 +15,13 @@ RECIPE = "lora_finetune_single_device"
 
 
 def shipped_configs() -> list[Path]:
-    return sorted(
-        [
-            *CONFIGS.rglob("*_lora_single_device.yaml"),
-            *CONFIGS.rglob("*qlora_single_device.yaml"),
-            CONFIGS / "tiny/lora_single_device.yaml",
-        ]
-    )
+    """This recipe's configs; the distillation configs (``*_KD_lora_*``) are another recipe's."""
+    found = {
+        *CONFIGS.rglob("*_lora_single_device.yaml"),
+        *CONFIGS.rglob("*qlora_single_device.yaml"),
+        CONFIGS / "tiny/lora_single_device.yaml",
+    }
+    return sorted(path for path in found if "_KD_" not in path.name)
 
 
 def validate(cfg) -> object:

@@ -125,6 +125,27 @@ def test_every_split_gives_the_full_batch_gradient(mode: MicroBatching) -> None:
     assert rel_err(flat_grad(model), full_batch_grad(model, rows)) < EXACT_TOL
 
 
+def test_skipped_empty_micro_batches_count_neither_as_processed_nor_as_padding() -> None:
+    """On one rank a micro-batch without a loss token is skipped, so its samples' positions
+    leave the padding figure too (it once went negative on prompt-masked data)."""
+    lengths = [9, 9, 5, 5, 3, 3, 2, 2]
+    samples = []
+    for length in lengths:
+        labels = list(range(1, length + 1))
+        if length == 5:  # the by_length micro-batch of the two 5s has no loss token
+            labels = [IGNORE_INDEX] * length
+        samples.append({"tokens": list(range(1, length + 1)), "labels": labels})
+    collator = WindowCollator(settings(BY_LENGTH, batch_size=2), 8, _collate_lists)
+    (window,) = LossNormalizer(make_loss("plain", tiny_model()), 4).windows([collator(samples)])
+
+    work = window.work()
+
+    assert [mb.num_tokens for mb in window.micro_batches] == [16, 0, 4, 2]
+    assert work.num_positions == 2 * 9 + 2 * 3 + 2 * 2  # the empty micro-batch is not run
+    assert work.num_sample_positions == 9 + 9 + 3 + 3 + 2 + 2  # nor are its samples counted
+    assert 1 - work.num_sample_positions / work.num_positions >= 0
+
+
 # --- the loader of windows ---------------------------------------------------------------------
 
 

@@ -7,10 +7,13 @@ tests check what is timed and how it is averaged, which a busy CPU must not chan
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from recipe_utils import read_scalars
 from unit_utils import make_loss, make_rows, micro_batch_loss, split, tiny_model
 
 from exactga import profiling
@@ -24,6 +27,7 @@ from exactga.profiling import (
     setup_profiler,
     time_gradient_pass,
 )
+from exactga.training import train_window
 
 CPU = torch.device("cpu")
 
@@ -88,51 +92,114 @@ def test_gradient_pass_measurement_changes_no_gradient_bit() -> None:
     assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters(), strict=True))
 
 
-def test_saved_ms_is_the_time_of_the_scaling_pass(clock, monkeypatch) -> None:
-    """What is timed is the gradient-scaling pass exact mode skips, and nothing else: the
-    pass moves the injected clock by 2.5 ms, and every sample is those 2.5 ms."""
-    model = tiny_model()
-    backward_once(model)
-    calls = []
-    real_pass = profiling.gradient_scaling_pass
+def pass_taking(clock: FakeClock, monkeypatch, ms_per_element: list[float]) -> list[int]:
+    """Make the sampled gradient pass cost ``ms_per_element[i]`` per element on sample ``i``
+    (the real multiply runs too); returns the elements each sample scaled."""
+    scaled: list[int] = []
+    real_scale = profiling.scale_gradients
 
-    def scaling_pass_taking_2_5_ms(model: torch.nn.Module, factor: float) -> None:
-        calls.append(factor)
-        real_pass(model, factor)
-        clock.advance_ms(2.5)
+    def scale_taking_time(grads: list[torch.Tensor], scaler: torch.Tensor) -> None:
+        assert float(scaler) == 1.0  # factor 1: the gradients are left as they are
+        real_scale(grads, scaler)
+        num_elements = sum(g.numel() for g in grads)
+        clock.advance_ms(ms_per_element[len(scaled)] * num_elements)
+        scaled.append(num_elements)
 
-    monkeypatch.setattr(profiling, "gradient_scaling_pass", scaling_pass_taking_2_5_ms)
-    profiler = hook(model, {"saved_latency_every_n_steps": 1})
-    with profiler:
-        for _ in range(3):
-            profiler.sample_gradient_pass(model)
-            clock.advance_ms(10.0)  # the rest of the step
-            profiler.step(WindowWork(num_positions=100))
-        metrics = profiler.metrics()
-    assert calls == [1.0, 1.0, 1.0]  # factor 1: the gradients are left as they are
-    assert profiler.saved_ms_samples == pytest.approx([2.5, 2.5, 2.5])
-    assert metrics["normalization/saved_ms"] == pytest.approx(2.5)
-    assert metrics["normalization/saved_fraction"] == pytest.approx(2.5 / 12.5)
+    monkeypatch.setattr(profiling, "scale_gradients", scale_taking_time)
+    return scaled
 
 
-def test_saved_latency_is_sampled_on_step_2_and_every_n() -> None:
-    model = tiny_model()
-    backward_once(model)
-    cfg = OmegaConf.create({"saved_latency_every_n_steps": 4})
-    profiler = hook(model, cfg)
+def run_steps(profiler, model: torch.nn.Module, num_steps: int, clock=None) -> list[int]:
+    """``num_steps`` optimizer steps of the hook over ``model``'s gradients; the steps whose
+    sample ran, as the hook saw them."""
     sampled = []
-    for step in range(1, 10):
+    for step in range(1, num_steps + 1):
         before = len(profiler.saved_ms_samples)
         profiler.sample_gradient_pass(model)
         if len(profiler.saved_ms_samples) > before:
             sampled.append(step)
-        profiler.step(WindowWork(num_positions=1))
-    assert sampled == [2, 4, 8]
+        if clock is not None:
+            clock.advance_ms(10.0)  # the rest of the step
+        profiler.step(WindowWork(num_positions=100))
+    return sampled
+
+
+def test_saved_ms_scales_the_sampled_pass_up_by_element_count(clock, monkeypatch) -> None:
+    """What is timed is the gradient-scaling pass exact mode skips, on part of the gradients:
+    with a pass that costs the same per element, the estimate is the full pass exactly."""
+    model = tiny_model()
+    backward_once(model)
+    num_elements = sum(p.numel() for p in model.parameters())
+    scaled = pass_taking(clock, monkeypatch, [1e-3] * 5)  # 1 ms per 1000 elements
+    profiler = hook(model, {"saved_latency_every_n_steps": 1})
+    with profiler:
+        run_steps(profiler, model, 3, clock)
+        metrics = profiler.metrics()
+    assert len(scaled) == 2  # steps 2 and 3; step 1 warms up
+    assert all(0 < n <= profiling.SAVED_LATENCY_FRACTION * num_elements for n in scaled)
+    full_pass_ms = num_elements * 1e-3
+    assert profiler.saved_ms_samples == pytest.approx([full_pass_ms] * 2)
+    assert metrics["normalization/saved_ms"] == pytest.approx(full_pass_ms)
+    step_ms = (3 * 10.0 + sum(scaled) * 1e-3) / 3
+    assert metrics["normalization/saved_fraction"] == pytest.approx(full_pass_ms / step_ms)
+
+
+def test_saved_latency_takes_a_few_samples_after_warm_up_and_then_none() -> None:
+    model = tiny_model()
+    backward_once(model)
+    profiler = hook(model, {"saved_latency_every_n_steps": 4})
+    assert run_steps(profiler, model, 40) == [2, 6, 10, 14, 18]
+    assert profiling.SAVED_LATENCY_NUM_SAMPLES == 5
     off = hook(model, {"saved_latency_every_n_steps": 0})
-    for _ in range(3):
-        off.sample_gradient_pass(model)
-        off.step(WindowWork(num_positions=1))
-    assert off.saved_ms_samples == []
+    assert run_steps(off, model, 5) == []
+    assert off.saved_latency is None
+    assert "no gradient-scaling pass was timed" in off.summary()
+
+
+def test_saved_latency_reports_median_and_range(clock, monkeypatch) -> None:
+    model = tiny_model()
+    backward_once(model)
+    pass_taking(clock, monkeypatch, [1e-3, 1.2e-3, 0.9e-3, 1.1e-3, 1e-3])
+    profiler = hook(model, {"saved_latency_every_n_steps": 1})
+    with profiler:
+        run_steps(profiler, model, 10, clock)
+    num_elements = sum(p.numel() for p in model.parameters())
+    saved = profiler.saved_latency
+    assert saved.median_ms == pytest.approx(num_elements * 1e-3)
+    assert (saved.low_ms, saved.high_ms) == pytest.approx(
+        (num_elements * 0.9e-3, num_elements * 1.2e-3)
+    )
+    assert not saved.too_noisy
+    summary = profiler.summary()
+    assert f"saved {saved.median_ms:.2f} ms per optimizer step" in summary
+    assert f"median of 5 samples, range {saved.low_ms:.2f} to {saved.high_ms:.2f} ms" in summary
+    assert "warning" not in summary
+
+
+def test_a_spread_wider_than_the_median_is_flagged(clock, monkeypatch) -> None:
+    """One sample of five that a busy machine slowed 50 times: the median stays, and the
+    report says the figure means little."""
+    model = tiny_model()
+    backward_once(model)
+    pass_taking(clock, monkeypatch, [1e-3, 1e-3, 50e-3, 1e-3, 1.1e-3])
+    profiler = hook(model, {"saved_latency_every_n_steps": 1})
+    with profiler:
+        run_steps(profiler, model, 6, clock)
+    num_elements = sum(p.numel() for p in model.parameters())
+    assert profiler.saved_latency.median_ms == pytest.approx(num_elements * 1e-3)
+    assert profiler.saved_latency.too_noisy
+    assert "exactga: warning: the saved-latency samples range from" in profiler.summary()
+    assert "> **Warning**" in profiler.report_markdown()
+
+
+def test_gradient_samples_stay_within_their_share_of_the_elements() -> None:
+    grads = [torch.zeros(n) for n in [5000, 10, 300, 300, 40, 2000, 300, 300, 40, 1] * 3]
+    total = sum(g.numel() for g in grads)
+    for index in range(profiling.SAVED_LATENCY_NUM_SAMPLES):
+        subset = profiling.sample_gradients(grads, index)
+        assert subset and sum(g.numel() for g in subset) <= 0.1 * total
+    # A lone tensor larger than the budget is never scaled: nothing to sample.
+    assert profiling.sample_gradients([torch.zeros(100)], 0) == []
 
 
 def test_metrics_average_phases_per_step_and_reset(clock) -> None:
@@ -198,19 +265,45 @@ def test_flops_per_token_counts_matmuls_and_attention() -> None:
     assert model_flops_per_token(model) == 6 * num_params + attention
 
 
-def test_trace_is_written_as_perfetto_json(tmp_path) -> None:
+def trace_events(path) -> list[dict]:
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def test_traces_label_the_phases_and_are_named_after_their_last_step(tmp_path) -> None:
+    """wait 1, warm-up 1, active 2: steps 3 and 4 are recorded, as ``ProfilerStep#3`` and
+    ``#4``, in ``trace_step_4.json``; each phase and the sampled pass is a labelled region."""
     model = tiny_model()
-    cfg = OmegaConf.create(
-        {"enabled": True, "wait_steps": 1, "warmup_steps": 1, "active_steps": 1, "num_cycles": 1}
-    )
-    profiler = hook(model, cfg, output_dir=str(tmp_path))
+    loss_fn = make_loss("cross_entropy", model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    cfg = {"enabled": True, "wait_steps": 1, "warmup_steps": 1, "active_steps": 2}
+    profiler = hook(model, {**cfg, "saved_latency_every_n_steps": 1}, output_dir=str(tmp_path))
+    windows = [
+        window
+        for _ in range(5)
+        for window in LossNormalizer(loss_fn, 2).windows(split(make_rows(), 4))
+    ]
     with profiler:
-        for _ in range(4):
-            with profiler.phase("forward"):
-                model(torch.randint(0, 64, (1, 8)))
-            profiler.step(WindowWork(num_positions=8))
+        for step, window in enumerate(profiler.timed(windows), start=1):
+            train_window(
+                window,
+                model=model,
+                loss_step=lambda batch: micro_batch_loss(model, loss_fn, batch),
+                optimizer=optimizer,
+                profiler=profiler,
+                device=CPU,
+                step=step,
+            )
+            profiler.step(window.work())
     (trace,) = (tmp_path / "profiling_outputs").glob("trace_step_*.json")
-    assert "traceEvents" in json.loads(trace.read_text())
+    assert trace.name == "trace_step_4.json"
+    names = {event.get("name") for event in trace_events(trace)}
+    assert {name for name in names if name.startswith("ProfilerStep#")} == {
+        "ProfilerStep#3",
+        "ProfilerStep#4",
+    }
+    labels = {f"exactga/{p}" for p in [*PHASES, "saved_latency_sample"]}
+    assert labels <= names, labels - names
+    assert f"`{trace}`" in profiler.report_markdown()
 
 
 def test_exceptions_pass_through_the_hook() -> None:
@@ -227,3 +320,55 @@ def test_flops_leave_out_an_untied_embedding_and_frozen_weight_gradients() -> No
     for param in model.parameters():  # frozen: no weight-gradient matmuls, as for a LoRA base
         param.requires_grad_(False)
     assert model_flops_per_token(model) == 4 * matmul_params + attention
+
+
+def test_report_goes_to_tensorboard_and_other_loggers_get_none(tmp_path, clock) -> None:
+    """torchtune's TensorBoardLogger gets the layout on entry and the markdown summary on exit,
+    in a report run of its own beside the scalars; its scalar events stay scalars only. Disk
+    and stdout loggers get no report and raise nothing."""
+    from torchtune.training.metric_logging import DiskLogger, StdoutLogger, TensorBoardLogger
+
+    model = tiny_model()
+    for logger in [DiskLogger(log_dir=str(tmp_path / "disk")), StdoutLogger()]:
+        cfg = OmegaConf.create({"output_dir": str(tmp_path), "micro_batching": "fixed"})
+        with setup_profiler(cfg, CPU, model, logger) as profiler:
+            clock.advance_ms(20.0)
+            profiler.step(WindowWork(num_positions=8))
+            logger.log_dict(profiler.metrics(), step=1)
+        logger.close()
+    assert profiling.read_reports(tmp_path) == {}
+
+    logger = TensorBoardLogger(log_dir=str(tmp_path / "tb"))
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "micro_batching": "fixed"})
+    with setup_profiler(cfg, CPU, model, logger) as profiler:
+        (folder,) = profiling.read_reports(tmp_path / "tb")
+        assert profiling.read_reports(tmp_path / "tb")[folder]["markdown"] is None  # not yet
+        clock.advance_ms(20.0)
+        profiler.step(WindowWork(num_positions=8))
+        logger.log_dict(profiler.metrics(), step=1)
+    logger.close()
+    report = profiling.read_reports(tmp_path / "tb")[folder]
+    assert folder.parent == Path(logger.log_dir)
+    (category,) = report["layout"]["category"]
+    charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
+    assert len(charts) == 4
+    (stacked,) = [tags for title, tags in charts.items() if "stacked" in title]
+    logged = set(read_scalars(logger.log_dir))  # the scalars alone: the report is elsewhere
+    assert {name for name in logged if any(re.fullmatch(tag, name) for tag in stacked)} == {
+        *(f"time/stacked_{i}_{p}_ms" for i, p in enumerate(PHASES, 1)),
+        "time/step_ms",
+    }
+    assert "| forward |" in report["markdown"] and "**MFU**" in report["markdown"]
+
+
+def test_phases_are_stacked_for_the_report(clock) -> None:
+    profiler = hook(tiny_model(), {})
+    with profiler:
+        for phase, ms in zip(["forward", "backward", "optimizer"], [3.0, 5.0, 1.0], strict=True):
+            with profiler.phase(phase):
+                clock.advance_ms(ms)
+        profiler.step(WindowWork(num_positions=1))
+        metrics = profiler.metrics()
+    assert [metrics[f"time/stacked_{i}_{p}_ms"] for i, p in enumerate(PHASES, 1)] == (
+        pytest.approx([0.0, 3.0, 8.0, 9.0])
+    )

@@ -95,6 +95,20 @@ def test_report_separates_the_modes_and_draws_them(tmp_path, kind):
     for split in SPLITS:  # the three groupings side by side, split by split
         for name in ("fixed", "by_length", "token_budget (512)"):
             assert f"| {split} | {name} |" in comparison
+    # Where stock's gap comes from, measured on the full batch's samples (4 steps of 8).
+    data = summary["data"]
+    assert data["train_on_input"] is True and data["num_live_first_labels"] == data["num_rows"]
+    assert data["num_rows"] == 32 and data["min_row_tokens"] < data["max_row_tokens"]
+    gap = report.split("## Where stock torchtune's gap comes from")[1]
+    assert "(`train_on_input: True`): the full batch's 32 rows hold" in gap
+    assert "so stock's gap shows in the `post_scale` rows above" in gap
+    # Progress on rank 0: a line and a step bar per run, numbered.
+    output = output_of(proc)
+    num_runs = 1 + len(RUNS)
+    for run in range(1, num_runs + 1):
+        assert f"run {run} of {num_runs}: " in output, output[-4000:]
+        assert f"run {run}/{num_runs}: 100%" in output, output[-4000:]
+    assert "(full-batch reference)" in output
     png = (report_dir / "parity.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     for mode, micro_batching, split in RUNS:  # one TensorBoard run each, every step's loss

@@ -1,74 +1,183 @@
-"""The profiler hook through ``tune run``: scalars in TensorBoard, traces, unchanged weights."""
+"""The profiler hook through ``tune run``: scalars, the TensorBoard report of every training
+recipe, labelled traces, unchanged weights."""
 
 from __future__ import annotations
 
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
-from recipe_utils import TRAINED, load_weights, output_of, read_scalars, run_tune, tiny_args
+from recipe_utils import (
+    LORA_RECIPE,
+    LORA_TINY_CONFIG,
+    RECIPE,
+    SMALL_MODEL,
+    TINY_CONFIG,
+    TRAINED,
+    load_weights,
+    output_of,
+    read_scalars,
+    run_tune,
+)
+
+from exactga.profiling import PHASES, REPORT_CATEGORY, read_reports
+
+pytestmark = pytest.mark.slow
 
 STEPS = 6
 
-PHASE_SCALARS = [f"time/{phase}_ms" for phase in ("data", "forward", "backward", "optimizer")]
+PHASE_SCALARS = [f"time/{phase}_ms" for phase in PHASES]
 HOOK_SCALARS = [
     *PHASE_SCALARS,
     "time/step_ms",
     "throughput/tokens_per_second",
     "throughput/mfu",
-    "normalization/saved_ms",
-    "normalization/saved_fraction",
 ]
+SAVED_SCALARS = ["normalization/saved_ms", "normalization/saved_fraction"]
 
-
-TOP_LEVEL = ("log_timings", "saved_latency_every_n_steps", "peak_flops")
-
-
-def train(output_dir, **settings: object):
-    args = tiny_args(
-        output_dir,
-        max_steps_per_epoch=STEPS,
-        gradient_accumulation_steps=2,
-        batch_size=2,
-        **{
-            key if key in TOP_LEVEL else f"profiler__{key}": value
-            for key, value in settings.items()
+# Traces on every launch: wait 1, warm-up 1, active 2 records steps 3 and 4.
+TRACED = {
+    "profiler.enabled": True,
+    "profiler.wait_steps": 1,
+    "profiler.warmup_steps": 1,
+    "profiler.active_steps": 2,
+}
+SHORT = {
+    **SMALL_MODEL,
+    **TRACED,
+    "max_steps_per_epoch": 4,
+    "gradient_accumulation_steps": 2,
+    "batch_size": 2,
+    "saved_latency_every_n_steps": 1,
+}
+# name: (torchrun ranks, 0 for plain tune run; recipe; config; overrides)
+LAUNCHES = {
+    "on": (
+        0,
+        RECIPE,
+        TINY_CONFIG,
+        {**SHORT, "max_steps_per_epoch": STEPS, "peak_flops": 1e12},
+    ),
+    "off": (
+        0,
+        RECIPE,
+        TINY_CONFIG,
+        {
+            **SMALL_MODEL,
+            "max_steps_per_epoch": STEPS,
+            "gradient_accumulation_steps": 2,
+            "batch_size": 2,
+            "log_timings": False,
+            "saved_latency_every_n_steps": 0,
         },
-    )
-    proc = run_tune(args)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    return proc
+    ),
+    "lora_single_device": (0, LORA_RECIPE, LORA_TINY_CONFIG, SHORT),
+    "full_distributed": (
+        2,
+        "recipes/full_finetune_distributed.py",
+        "configs/tiny/full_distributed.yaml",
+        SHORT,
+    ),
+    "lora_distributed": (
+        1,
+        "recipes/lora_finetune_distributed.py",
+        "configs/tiny/lora_distributed.yaml",
+        SHORT,
+    ),
+}
+RECIPE_RUNS = ["on", "lora_single_device", "full_distributed", "lora_distributed"]
 
 
-@pytest.mark.slow
-def test_hook_logs_scalars_writes_traces_and_leaves_weights_bit_identical(tmp_path):
-    on = train(
-        tmp_path / "on",
-        enabled=True,
-        wait_steps=1,
-        warmup_steps=1,
-        active_steps=2,
-        saved_latency_every_n_steps=1,
-        peak_flops=1e12,
-    )
-    train(tmp_path / "off", log_timings=False, saved_latency_every_n_steps=0)
+def _launch(name: str, root: Path) -> None:
+    nproc, recipe, config, settings = LAUNCHES[name]
+    out = root / name
+    overrides = [f"{key}={value}" for key, value in {**settings, "output_dir": out}.items()]
+    ranks = ["--nproc_per_node", str(nproc)] if nproc else []
+    proc = run_tune([*ranks, recipe, "--config", config, *overrides], timeout=600)
+    assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
+    (out / "output.txt").write_text(output_of(proc))
 
-    scalars = read_scalars(tmp_path / "on" / "logs")
+
+def _launch_all(root: Path) -> None:
+    # Two launches at a time: each is mostly single-threaded start-up on a small machine.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [pool.submit(_launch, name, root) for name in LAUNCHES]:
+            future.result()
+
+
+@pytest.fixture(scope="module")
+def runs(run_once) -> Path:
+    """The launches' output folders, made once per test session for every xdist worker."""
+    return run_once("profiling_runs", _launch_all)
+
+
+def test_hook_logs_scalars_and_leaves_weights_bit_identical(runs):
+    scalars = read_scalars(runs / "on" / "logs")
     for tag in HOOK_SCALARS:
         assert len(scalars[tag]) == STEPS, tag
         assert all(value >= 0 for value in scalars[tag]), tag
+    # Sampled on steps 2 to 6 (every step after the warm-up step, five samples).
+    for tag in SAVED_SCALARS:
+        assert len(scalars[tag]) == STEPS - 1, tag
     for tag in ("time/forward_ms", "time/backward_ms", "normalization/saved_ms"):
         assert all(value > 0 for value in scalars[tag]), tag
     assert all(0 < f < 1 for f in scalars["normalization/saved_fraction"])
-    assert "skipping the gradient-scaling pass saved" in output_of(on)
+    output = (runs / "on" / "output.txt").read_text()
+    assert "skipping the gradient-scaling pass saved" in output
+    assert "median of 5 samples, range" in output
 
-    (trace,) = (tmp_path / "on" / "profiling_outputs").glob("trace_step_*.json")
-    assert json.loads(trace.read_text())["traceEvents"]
-
-    off_scalars = read_scalars(tmp_path / "off" / "logs")
+    off_scalars = read_scalars(runs / "off" / "logs")
     assert not any(
         tag.startswith(("time/", "throughput/", "normalization/")) for tag in off_scalars
     )
-    w_on = load_weights(tmp_path / "on" / TRAINED)
-    w_off = load_weights(tmp_path / "off" / TRAINED)
+    assert read_reports(runs / "off" / "logs") == {}  # log_timings off: the hook is silent
+    w_on = load_weights(runs / "on" / TRAINED)
+    w_off = load_weights(runs / "off" / TRAINED)
     assert all(torch.equal(w_on[key], w_off[key]) for key in w_on)
+
+
+@pytest.mark.parametrize("name", RECIPE_RUNS)
+def test_every_recipe_writes_the_tensorboard_report(runs, name):
+    """One report per run (rank 0's), beside the logger's scalars: the custom-scalars layout,
+    whose every chart shows logged scalars, and the markdown summary."""
+    logs = runs / name / "logs"
+    reports = read_reports(logs)
+    assert len(reports) == 1, reports
+    ((folder, report),) = reports.items()
+    assert folder.parent.parent == logs  # <log_dir>/profiling_report, log_dir = logs/run_0_*
+    (category,) = report["layout"]["category"]
+    assert category["title"] == REPORT_CATEGORY
+    charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
+    assert len(charts) == 4
+    logged = set(read_scalars(logs))
+    for title, tags in charts.items():
+        shown = {tag for tag in logged if any(re.fullmatch(pattern, tag) for pattern in tags)}
+        assert shown, title
+    (stacked,) = [tags for title, tags in charts.items() if "stacked" in title]
+    assert {tag for tag in logged if re.fullmatch(stacked[0], tag)} == {
+        f"time/stacked_{i}_{phase}_ms" for i, phase in enumerate(PHASES, 1)
+    }
+
+    markdown = report["markdown"]
+    for phase in PHASES:
+        assert f"| {phase} |" in markdown, phase
+    assert "**Saved latency**" in markdown and "median of" in markdown and "range" in markdown
+    assert "**MFU**" in markdown
+    (trace,) = (runs / name / "profiling_outputs").glob("trace_step_*.json")
+    assert f"`{trace}`" in markdown
+    assert "**Memory snapshots**" in markdown
+
+
+def test_traces_are_labelled_and_named_after_their_steps(runs):
+    (trace,) = (runs / "on" / "profiling_outputs").glob("trace_step_*.json")
+    assert trace.name == "trace_step_4.json"
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert {name for name in names if name.startswith("ProfilerStep#")} == {
+        "ProfilerStep#3",
+        "ProfilerStep#4",
+    }
+    labels = {f"exactga/{phase}" for phase in [*PHASES, "saved_latency_sample"]}
+    assert labels <= names, labels - names

@@ -138,16 +138,21 @@ class StepCheckpointer:
         """
         candidates = self.list_steps()
         problems = []
-        for step in reversed(candidates):
+        for left, step in reversed(list(enumerate(candidates))):
             path = self.root / _step_dir_name(step)
             try:
                 return self.load(path)
             except CorruptCheckpointError as err:
                 problems.append(str(err))
-                warnings.warn(f"{err}; falling back to the previous step checkpoint.", stacklevel=2)
+                if left > 0:  # the last one's problem is in the error below
+                    warnings.warn(
+                        f"{err}; falling back to the previous step checkpoint.", stacklevel=2
+                    )
         if problems:
             raise CorruptCheckpointError(
-                f"no usable step checkpoint in {self.root}: " + "; ".join(problems)
+                f"no usable step checkpoint in {self.root}: {'; '.join(problems)}. Put back an "
+                f"intact copy, or delete {self.root} (or pick another output_dir) and start "
+                "without resume_from_checkpoint."
             )
         return None
 

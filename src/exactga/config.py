@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import typing
 import warnings
@@ -147,12 +148,15 @@ _LOCAL_SOURCES = ("json", "csv", "parquet", "text", "arrow")
 
 
 def check_input_files(cfg: DictConfig) -> None:
-    """Fail naming the config key when the tokenizer's or a local dataset's file is missing.
+    """Fail naming the config key when a file the run reads is missing.
 
-    Otherwise sentencepiece fails with ``NOT_FOUND`` and ``datasets`` with its own
-    ``FileNotFoundError``, neither naming the key, and only after the config is printed and
-    the model built. Relative paths resolve against the working directory, which the message
-    names (the shipped tiny configs' paths work from the repository root).
+    The tokenizer, local dataset files, the checkpointer's weights (torchtune's own
+    checkpointers; exactga's ``initialized_hf_checkpointer`` writes its own) and, with
+    ``resume_from_checkpoint``, something to resume from. Otherwise sentencepiece fails with
+    ``NOT_FOUND``, ``datasets`` and torchtune's checkpointers with their own
+    ``FileNotFoundError`` or ``ValueError``, none naming the key, and only after the config is
+    printed. Relative paths resolve against the working directory, which the message names (the
+    shipped tiny configs' paths work from the repository root).
     """
     tokenizer = cfg.get("tokenizer")
     if tokenizer is not None and tokenizer.get("path"):
@@ -168,20 +172,133 @@ def check_input_files(cfg: DictConfig) -> None:
         for path in _as_list(files):
             if not any(char in str(path) for char in "*?["):  # a glob: datasets expands it
                 _check_file(f"{key}.data_files", path)
+    if cfg.get("checkpointer") is not None:
+        _check_checkpointer_files(
+            cfg.checkpointer, resuming=bool(cfg.get("resume_from_checkpoint"))
+        )
+    if cfg.get("resume_from_checkpoint"):
+        # Imported here: exactga.resume pulls in torch and torchtune, this module need not.
+        from exactga.resume import check_something_to_resume
+
+        check_something_to_resume(cfg)
 
 
 def _as_list(value: Any) -> list[Any]:
     return list(value) if OmegaConf.is_list(value) or isinstance(value, list) else [value]
 
 
+def _relative_to(path: Any) -> str:
+    """Where a relative path resolves, for messages; empty for an absolute one."""
+    if os.path.isabs(str(path)):
+        return ""
+    return f" (relative to the working directory {os.getcwd()})"
+
+
 def _check_file(key: str, path: Any) -> None:
     if "://" in str(path) or os.path.exists(str(path)):
         return
-    where = (
-        "" if os.path.isabs(str(path)) else f" (relative to the working directory {os.getcwd()})"
-    )
+    where = _relative_to(path)
     raise ValueError(
         f"config key '{key}': no file at '{path}'{where}. Fix the path, or launch from the "
         "folder it is relative to (the shipped tiny configs' paths work from the repository "
         "root)."
     )
+
+
+# torchtune's checkpointers that read ``checkpoint_files`` from ``checkpoint_dir``; the HF one
+# also reads the model's ``config.json`` there.
+_FILE_CHECKPOINTERS = (
+    "FullModelHFCheckpointer",
+    "FullModelMetaCheckpointer",
+    "FullModelTorchTuneCheckpointer",
+)
+
+
+def _check_checkpointer_files(section: DictConfig, resuming: bool) -> None:
+    """The checkpointer's folder and the weight files it names exist, and its output folder is
+    not inside it (torchtune refuses that only once the config is printed, with a traceback).
+
+    On a resume from torchtune's epoch checkpoint the weights come from ``output_dir`` instead,
+    as torchtune decides; only the folder is checked then.
+    """
+    component = str(section.get("_component_", "")).rsplit(".", 1)[-1]
+    if component not in _FILE_CHECKPOINTERS:
+        return  # exactga's initialized_hf_checkpointer, the distributed one, or a user's own
+    checkpoint_dir = str(section.get("checkpoint_dir"))
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(
+            f"config key 'checkpointer.checkpoint_dir': no folder at '{checkpoint_dir}'"
+            f"{_relative_to(checkpoint_dir)}. It must hold the model's weights "
+            "(checkpointer.checkpoint_files), as 'tune download <model> --output-dir <folder>' "
+            "writes them."
+        )
+    output_dir = section.get("output_dir")
+    if output_dir is not None:
+        ckpt, out = os.path.realpath(checkpoint_dir), os.path.realpath(str(output_dir))
+        if out == ckpt or out.startswith(ckpt + os.sep):
+            raise ValueError(
+                f"config keys 'checkpointer.output_dir' ({output_dir}) and "
+                f"'checkpointer.checkpoint_dir' ({checkpoint_dir}): the output folder may not be "
+                "the checkpoint folder or inside it; pick another output_dir."
+            )
+    if component == "FullModelHFCheckpointer" and not os.path.isfile(
+        os.path.join(checkpoint_dir, "config.json")
+    ):
+        raise ValueError(
+            f"config key 'checkpointer.checkpoint_dir': no config.json in '{checkpoint_dir}'"
+            f"{_relative_to(checkpoint_dir)}, which FullModelHFCheckpointer reads the model's "
+            "settings from. Point it at the model's whole Hugging Face folder."
+        )
+    files = section.get("checkpoint_files")
+    if resuming or files is None:
+        return
+    if OmegaConf.is_dict(files):  # {filename_format, max_filename}: torchtune expands it
+        from torchtune.training import FormattedCheckpointFiles
+
+        try:
+            names = FormattedCheckpointFiles.from_dict(dict(files)).build_checkpoint_filenames()
+        except ValueError as err:
+            raise ValueError(f"config key 'checkpointer.checkpoint_files': {err}") from None
+    else:
+        names = [str(name) for name in _as_list(files)]
+    missing = [name for name in names if not os.path.isfile(os.path.join(checkpoint_dir, name))]
+    for name in names:
+        if name not in missing and name.endswith(".safetensors"):
+            _check_safetensors_size(os.path.join(checkpoint_dir, name))
+    if missing:
+        present = sorted(os.listdir(checkpoint_dir))
+        shown = ", ".join(present[:6]) + (
+            f" and {len(present) - 6} more" if len(present) > 6 else ""
+        )
+        raise ValueError(
+            f"config key 'checkpointer.checkpoint_files': no file '{missing[0]}'"
+            f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''} in "
+            f"checkpointer.checkpoint_dir '{checkpoint_dir}'{_relative_to(checkpoint_dir)}; it "
+            f"holds {shown or 'nothing'}."
+        )
+
+
+def _check_safetensors_size(path: str) -> None:
+    """A safetensors file holds at least what its header says: catches a download or copy cut
+    short from the header alone (8 bytes, then JSON), without reading the weights."""
+    size = os.path.getsize(path)
+    needed = None
+    try:
+        with open(path, "rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+            if 0 < header_bytes <= size - 8:
+                header = json.loads(f.read(header_bytes))
+                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                needed = 8 + header_bytes + max(ends, default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        pass  # an unreadable header: needed stays None
+    if needed is None:
+        raise ValueError(
+            f"config key 'checkpointer.checkpoint_files': {path} is not a readable safetensors "
+            "file (damaged, or not safetensors?). Download or copy it again."
+        )
+    if size < needed:
+        raise ValueError(
+            f"config key 'checkpointer.checkpoint_files': {path} has {size} bytes, its header "
+            f"needs {needed} (truncated?). Download or copy it again."
+        )

@@ -23,8 +23,10 @@ Two kinds of check, chosen so that a good dataset pays next to nothing:
   of equal length with every id in ``[0, vocab_size)``. That is a min and a max over at most
   ``max_seq_len`` ints on the host, small next to tokenizing the row.
 
-Rows are counted from 0 in the order of the dataset as instantiated (after any ``filter_fn``);
-for a JSON file without a filter that is the position in the file.
+Rows are counted from 0, and the messages say so ("dataset row 5 (0-based)": the sixth), in
+the order of the dataset as instantiated (after any ``filter_fn``); for a JSON file without a
+filter that is the position in the file, and ``datasets``' own indexing (``ds[5]``). Under a list
+of datasets (a ``ConcatDataset``) a row is counted within its own dataset, ``dataset[i]``.
 """
 
 from __future__ import annotations
@@ -323,7 +325,13 @@ class CheckedDataset(Dataset):
         return sample
 
     def _where(self, index: int) -> str:
-        return f"{self._unit} {index} of {self._source}"
+        source = self._source
+        if isinstance(self._dataset, ConcatDataset) and not self.packed:
+            for start, stop, part in self._dataset._indexes:  # (first, end, dataset) per part
+                if start <= index < stop:
+                    index, source = index - start, f"{source}[{part}]"
+                    break
+        return f"{self._unit} {index} (0-based) of {source}"
 
     def _check_sample(self, index: int, sample: Any) -> None:
         if not isinstance(sample, Mapping) or "tokens" not in sample or "labels" not in sample:
@@ -408,12 +416,14 @@ def _check_columns(dataset: SFTDataset, source: str) -> None:
         for row, value in enumerate(data[name]):
             if value is None and not optional:
                 raise ValueError(
-                    f"dataset row {row} of {source}: missing column '{name}' (absent or null)."
+                    f"dataset row {row} (0-based) of {source}: missing column '{name}' (absent "
+                    "or null)."
                 )
             if value is not None and not isinstance(value, kind):
                 shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
                 raise ValueError(
-                    f"dataset row {row} of {source}: column '{name}' must be a {_KIND[kind]}, "
+                    f"dataset row {row} (0-based) of {source}: column '{name}' must be a "
+                    f"{_KIND[kind]}, "
                     f"got {type(value).__name__} {shown}."
                 )
 

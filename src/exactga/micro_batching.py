@@ -143,6 +143,9 @@ class SampleWindow:
     num_fixed_positions: int
     is_partial: bool
     by_budget: bool = False
+    # The samples' own positions in each micro-batch, in order: one rank skips micro-batches
+    # without a loss token, whose samples then count neither as processed nor as padding.
+    micro_batch_sample_positions: tuple[int, ...] = ()
 
 
 class WindowCollator:
@@ -175,6 +178,7 @@ class WindowCollator:
             num_fixed_positions=padded_positions(lengths, fixed),
             is_partial=num_kept < self.window_size,
             by_budget=self.settings.mode is MicroBatching.TOKEN_BUDGET,
+            micro_batch_sample_positions=tuple(sum(lengths[i] for i in g) for g in groups),
         )
 
 

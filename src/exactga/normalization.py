@@ -103,6 +103,18 @@ def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) ->
     return int((labels[..., 1:] != ignore_index).sum())
 
 
+# The host-side index of a micro-batch's loss positions travels in its batch under this key; see
+# [logits only at loss positions] in ``exactga.training``.
+LOSS_POSITIONS = "loss_positions"
+
+
+def loss_positions(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Flat indices into ``labels.reshape(-1)`` of the positions the loss scores, after the
+    shift: those ``count_loss_tokens`` counts, so ``len(result)`` equals it. Host-side."""
+    scored = shift_labels(labels, ignore_index).reshape(-1) != ignore_index
+    return scored.nonzero().squeeze(1)
+
+
 def count_unshifted_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
     """Stock torchtune's count, taken before the shift; used only by ``post_scale``."""
     return int((labels != ignore_index).sum())
@@ -258,6 +270,7 @@ class Window:
     # The samples' own positions and those the ``fixed`` split would process (padding metrics).
     num_sample_positions: int = 0
     num_fixed_positions: int = 0
+    micro_batch_sample_positions: tuple[int, ...] = ()
     # Whether ranks may plan different micro-batch counts (``token_budget``). Otherwise the
     # counts are equal by construction and the collective is not waited for to know it.
     counts_may_differ: bool = False
@@ -293,9 +306,21 @@ class Window:
         return WindowWork(
             num_positions=self.num_input_tokens,
             num_loss_tokens=self.num_local_tokens,
-            num_sample_positions=self.num_sample_positions if known else None,
+            num_sample_positions=self._processed_sample_positions() if known else None,
             num_fixed_positions=self.num_fixed_positions if known else None,
             positions_per_rank=tuple(self.positions_per_rank()) if self.dp_size > 1 else (),
+        )
+
+    def _processed_sample_positions(self) -> int:
+        """The samples' own positions in the micro-batches this rank runs: on one rank the
+        empty ones are skipped (see [empty windows]), and their samples with them."""
+        per_micro_batch = self.micro_batch_sample_positions
+        if self.dp_size > 1 or len(per_micro_batch) != len(self.micro_batches):
+            return self.num_sample_positions
+        return sum(
+            positions
+            for positions, mb in zip(per_micro_batch, self.micro_batches, strict=True)
+            if mb.num_tokens > 0
         )
 
     def should_skip_step(self) -> bool:
@@ -496,6 +521,7 @@ class LossNormalizer:
         )
         if num_tokens == 0 and self.dp_size > 1:
             batch = plant_dummy_label(batch, self.ignore_index)
+        batch = {**batch, LOSS_POSITIONS: loss_positions(batch["labels"], self.ignore_index)}
         return MicroBatch(batch=batch, num_tokens=num_tokens, num_unshifted_tokens=unshifted)
 
     def _open_window(self, sample_window: SampleWindow) -> Window:
@@ -517,6 +543,7 @@ class LossNormalizer:
             dp_group=self.dp_group,
             filler=filler,
             num_sample_positions=sample_window.num_sample_positions,
+            micro_batch_sample_positions=sample_window.micro_batch_sample_positions,
             num_fixed_positions=sample_window.num_fixed_positions,
             counts_may_differ=sample_window.by_budget,
         )

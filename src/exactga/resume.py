@@ -31,7 +31,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
 
-from exactga.checkpointing import MODEL_FILE, StepCheckpoint, StepCheckpointer
+from exactga.checkpointing import (
+    MODEL_FILE,
+    StepCheckpoint,
+    StepCheckpointer,
+    step_checkpointer_for,
+)
 from exactga.progress import TrainingProgress
 
 log = utils.get_logger("INFO")
@@ -188,6 +193,18 @@ def find_resume_point(
     return ResumePoint(ResumeFrom.STEP_CHECKPOINT, found)
 
 
+def check_something_to_resume(cfg: DictConfig) -> None:
+    """With ``resume_from_checkpoint``, fail at start-up (before the config is printed) when
+    there is neither a step checkpoint folder nor torchtune's epoch checkpoint to go on from.
+
+    Only looks: whether a step checkpoint is usable is decided when it is read
+    (:func:`find_resume_point`), since checking it costs a read of every file.
+    """
+    step_checkpoints = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
+    if not step_checkpoints.list_steps():
+        check_epoch_checkpoint_exists(cfg.checkpointer, step_checkpoints.root)
+
+
 def check_epoch_checkpoint_exists(cfg_checkpointer: DictConfig, step_checkpoint_dir: Path) -> None:
     """Fail naming what is missing when neither a step nor an epoch checkpoint can be resumed.
 
@@ -203,6 +220,18 @@ def check_epoch_checkpoint_exists(cfg_checkpointer: DictConfig, step_checkpoint_
     recipe_state = output_dir / (recipe_checkpoint or "recipe_state/recipe_state.pt")
     if recipe_state.is_file():
         return
+    epochs = sorted(
+        (p for p in output_dir.glob("epoch_*") if p.is_dir() and p.name[6:].isdigit()),
+        key=lambda p: int(p.name[6:]),
+    )
+    if epochs:  # a finished run: torchtune's last epoch checkpoint holds no recipe state
+        raise ValueError(
+            f"resume_from_checkpoint=True, but the run in {output_dir} has finished: "
+            f"{epochs[-1]} holds no recipe state (none is written with the last epoch) and "
+            f"{step_checkpoint_dir} no step checkpoint. To train on from its weights, start a "
+            f"new run with checkpointer.checkpoint_dir={epochs[-1]} (and its checkpoint_files), "
+            "without resume_from_checkpoint."
+        )
     raise ValueError(
         f"resume_from_checkpoint=True, but there is nothing to resume: no step checkpoint in "
         f"{step_checkpoint_dir} and no epoch checkpoint's recipe state at {recipe_state}. Step "

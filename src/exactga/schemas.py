@@ -291,6 +291,41 @@ class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
 
 
 @dataclass
+class DistillationKeys:
+    """The keys torchtune 0.6.1's KD recipes add to the LoRA ones (see exactga.distillation)."""
+
+    teacher_model: Any = MISSING  # a plain builder; frozen, run in inference mode
+    teacher_checkpointer: Any = MISSING
+    kd_loss: Any = MISSING  # e.g. torchtune.modules.loss.ForwardKLWithChunkedOutputLoss
+    kd_ratio: float = 0.5  # loss = (1 - kd_ratio) class loss + kd_ratio KD loss
+
+    @staticmethod
+    def check_kd_ratio(cfg: DictConfig) -> None:
+        if not 0.0 <= cfg.kd_ratio <= 1.0:
+            raise ValueError(f"config key 'kd_ratio' must be in [0, 1], got {cfg.kd_ratio}.")
+
+
+@dataclass
+class KnowledgeDistillationSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, DistillationKeys):
+    """``knowledge_distillation_single_device``: the LoRA student's keys plus the teacher's."""
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        cls.check_kd_ratio(cfg)
+
+
+@dataclass
+class KnowledgeDistillationDistributedConfig(LoraFinetuneDistributedConfig, DistillationKeys):
+    """``knowledge_distillation_distributed``: the distributed LoRA keys plus the teacher's."""
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        cls.check_kd_ratio(cfg)
+
+
+@dataclass
 class ParitySettings:
     """The ``parity`` section of ``ga_parity``: what to compare, for how long."""
 
@@ -319,12 +354,14 @@ class ParitySettings:
 
 @dataclass
 class GaParityConfig(TrainingRunConfig):
-    """``ga_parity``: the keys of a full or LoRA single-device config it reads, plus ``parity``.
+    """``ga_parity``: the keys of a full, LoRA or knowledge-distillation single-device config it
+    reads, plus ``parity``.
 
     The other keys of those recipes are accepted, so a training config runs with a ``parity``
     section added, and named in one warning: the report trains ``parity.num_steps`` steps of
     each split in memory from the initial weights, so batching, epochs, checkpoints, logging,
-    compile and memory settings change nothing in it.
+    compile and memory settings change nothing in it. With ``teacher_model`` set (a KD config),
+    every run distils it into the student as the KD recipes do (see exactga.distillation).
     """
 
     optimizer_in_bwd: bool = False  # read by full configs; must stay False here
@@ -333,6 +370,12 @@ class GaParityConfig(TrainingRunConfig):
     # (master_weights_for). One schema covers both kinds, so its default cannot be either.
     master_weights: Optional[str] = None
     parity: ParitySettings = field(default_factory=ParitySettings)
+    # Knowledge distillation: DistillationKeys, optional here. Null teacher_model: no teacher,
+    # the causal-LM loss alone.
+    teacher_model: Any = None
+    teacher_checkpointer: Any = None
+    kd_loss: Any = None
+    kd_ratio: float = 0.5
 
     # Schemas whose other keys are accepted and ignored with a warning (see the docstring).
     accepts_unread_keys_of: ClassVar[tuple[type, ...]] = (
@@ -355,6 +398,24 @@ class GaParityConfig(TrainingRunConfig):
                 "for full)."
             )
         cls._check_micro_batching(cfg.parity)
+        cls._check_distillation(cfg)
+
+    @staticmethod
+    def _check_distillation(cfg: DictConfig) -> None:
+        """The KD keys come together: a teacher needs its checkpointer and a KD loss."""
+        if cfg.teacher_model is None:
+            unread = [key for key in ("teacher_checkpointer", "kd_loss") if cfg[key] is not None]
+            if unread:
+                names = ", ".join(f"'{key}'" for key in unread)
+                _warn_once(
+                    f"config key {names} ignored: without teacher_model the report trains "
+                    "the causal-LM loss alone."
+                )
+            return
+        for key in ("teacher_checkpointer", "kd_loss"):
+            if cfg[key] is None:
+                raise ValueError(f"config key '{key}' is needed with teacher_model.")
+        DistillationKeys.check_kd_ratio(cfg)
 
     @staticmethod
     def master_weights_for(cfg: DictConfig, *, is_lora: bool) -> str:

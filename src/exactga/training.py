@@ -20,10 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torchtune import utils
+from torchtune.modules import TransformerDecoder
 from torchtune.training.lr_schedulers import get_lr
 
 from exactga.distributed import memory_stats
-from exactga.normalization import Window, shift_labels, warn_skipped_step
+from exactga.normalization import LOSS_POSITIONS, Window, shift_labels, warn_skipped_step
 from exactga.precision import Precision
 from exactga.profiling import TrainingProfiler
 from exactga.progress import TrainingProgress
@@ -133,6 +134,20 @@ def attach_lr_scheduler_in_backward(wrapper: Any, lr_scheduler: Any) -> None:
             param_group["lr"] = lr
 
 
+# Note [logits only at loss positions]
+# The output projection and the cross-entropy are worth computing only where a label is scored:
+# a padded or prompt position (label ignored) costs a row of logits, vocab-size wide, for a loss
+# term of exactly 0. So the decoder's last hidden state is cut to the scored positions before the
+# final norm and the projection, and the labels are cut to match: the same loss terms, summed
+# over the same tokens and divided by the same count, so the loss and every gradient are those of
+# the full projection up to float rounding (the projection's rows are independent). It saves
+# the projection's work, forward and backward, and the logits' memory on every unscored
+# position: on instruction data that is the padding plus the prompts. The positions are indexed
+# on the host when the window is counted (``LOSS_POSITIONS``), so cutting on the device waits
+# for nothing. Models that are not a torchtune ``TransformerDecoder``, or that return hidden
+# states, and batches without the index take the full projection.
+
+
 def causal_lm_loss(
     model: nn.Module,
     loss_fn: nn.Module,
@@ -145,19 +160,57 @@ def causal_lm_loss(
     See [shifted token count] in ``exactga.normalization``: the count that weights this loss
     was taken on exactly these shifted labels. ``precision`` runs the forward under its
     autocast (bf16 compute over fp32 master weights; see [fp32 master weights] in
-    ``exactga.precision``), the loss outside it.
+    ``exactga.precision``), the loss outside it. Logits are computed only at the positions
+    the loss scores when the batch carries their index; see [logits only at loss positions].
     """
     labels = batch.pop("labels")
+    positions = batch.pop(LOSS_POSITIONS, None)
     autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
-    with activations_ctx or contextlib.nullcontext(), autocast:
+    activations = activations_ctx or contextlib.nullcontext()
+    with activations, autocast, projecting_only(model, positions) as cut:
         logits = model(**batch)
     labels = shift_labels(labels, loss_fn.ignore_index)
+    if cut:
+        labels = labels.reshape(-1).index_select(0, positions).unsqueeze(0)
     if not isinstance(logits, list):  # chunked losses take the list as it is
         labels = labels.reshape(-1)
         logits = logits.reshape(-1, logits.size(-1))
     loss = loss_fn(logits, labels)
     del logits  # frees the largest activation before backward
     return loss
+
+
+@contextlib.contextmanager
+def projecting_only(model: nn.Module, positions: torch.Tensor | None) -> Iterator[bool]:
+    """Within it, ``model``'s output projection sees only the hidden states at ``positions``
+    (flat indices over batch and sequence), as one row; yields whether it does.
+
+    See [logits only at loss positions]. The decoder's ``unembed`` (final norm, then the
+    projection, chunked or not) is shadowed on the instance for one forward and restored.
+    """
+    if positions is None or not _can_cut_output(model):
+        yield False
+        return
+    unembed = model.unembed
+
+    def unembed_at_positions(hidden: torch.Tensor) -> Any:
+        flat = hidden.reshape(-1, hidden.size(-1))
+        return unembed(flat.index_select(0, positions).unsqueeze(0))
+
+    model.unembed = unembed_at_positions
+    try:
+        yield True
+    finally:
+        del model.unembed  # the class's method again
+
+
+def _can_cut_output(model: nn.Module) -> bool:
+    """A torchtune decoder returning logits alone, whose ``unembed`` is its class's."""
+    return (
+        isinstance(model, TransformerDecoder)
+        and not model.output_hidden_states
+        and "unembed" not in vars(model)
+    )
 
 
 def train_window(

@@ -74,6 +74,66 @@ def precision_section(precision: PrecisionView, what: str) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class DataShape:
+    """What decides whether stock torchtune's weighting (``post_scale``) differs from exact,
+    measured on the samples the full-batch run trained on (see :func:`stock_gap_section`)."""
+
+    num_rows: int
+    num_live_first_labels: int  # rows whose first label is a loss token (counted only by stock)
+    min_row_tokens: int  # loss tokens of a row after the shift
+    max_row_tokens: int
+    train_on_input: bool | None  # the dataset's setting, None when it has none
+
+    @classmethod
+    def of_labels(cls, labels: list, ignore_index: int, train_on_input: bool | None) -> DataShape:
+        """From the label batches (before the shift, padded with ``ignore_index``)."""
+        live = sum(int((batch[:, 0] != ignore_index).sum()) for batch in labels)
+        per_row = [n for b in labels for n in (b[:, 1:] != ignore_index).sum(dim=1).tolist()]
+        return cls(
+            num_rows=len(per_row),
+            num_live_first_labels=live,
+            min_row_tokens=min(per_row, default=0),
+            max_row_tokens=max(per_row, default=0),
+            train_on_input=train_on_input,
+        )
+
+
+def stock_gap_section(data: DataShape) -> str:
+    """When stock's ``post_scale`` differs from exact, and whether this config's data does it.
+
+    See docs/math.md §3: stock weights micro-batch k's tokens by ``(b_k / a_k) / B`` (``a_k``
+    loss tokens after the label shift, ``b_k`` before it), so it is exact unless first labels
+    are live (``b_k > a_k``) *and* the micro-batches hold different numbers of loss tokens.
+    """
+    setting = ""
+    if data.train_on_input is not None:
+        setting = f" (`train_on_input: {data.train_on_input}`)"
+    live = data.num_live_first_labels
+    varies = data.min_row_tokens != data.max_row_tokens
+    if live and varies:
+        here = "so stock's gap shows in the `post_scale` rows above"
+    else:
+        here = "so the `post_scale` rows should sit with exact's, at rounding"
+    return "\n\n".join(
+        [
+            "## Where stock torchtune's gap comes from",
+            "Stock torchtune 0.6.1 (`post_scale`) multiplies each micro-batch's mean loss by its "
+            "token count taken *before* the label shift, which includes every row's first label, "
+            "a token the loss never sees. It differs from exact only when both hold: first labels "
+            "are live (`train_on_input: True`, or text-completion data whose labels copy the "
+            "tokens) and the micro-batches hold different numbers of loss tokens (samples of "
+            "different lengths). With `train_on_input: False` the prompt, first label included, "
+            "is masked, so stock is exact up to rounding however long the prompts; the naive "
+            "mean of means differs whenever the micro-batches' loss-token counts differ, and "
+            "masked prompts of different lengths make them differ more. See docs/math.md §3.",
+            f"**This config's data**{setting}: the full batch's {data.num_rows} rows hold "
+            f"{data.min_row_tokens} to {data.max_row_tokens} loss tokens each, and {live} of "
+            f"them a live first label; {here}.",
+        ]
+    )
+
+
 def micro_batching_section(
     summaries: list[RunSummary],
     reference: ParityRun,
@@ -243,6 +303,55 @@ def _has_matplotlib() -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+    """What a knowledge-distillation config trains (``teacher_model`` set): the mix every run
+    optimised, for the report to say."""
+
+    kd_ratio: float
+    loss: str  # the class loss's component
+    kd_loss: str
+    teacher: str  # the teacher's builder
+
+    def describe(self) -> str:
+        r = self.kd_ratio
+        return (
+            f"**Objective: knowledge distillation.** Every run distils the frozen teacher "
+            f"(`{self.teacher}`) into the student: loss = {1 - r:g} x `{self.loss}` + {r:g} x "
+            f"`{self.kd_loss}` (`kd_ratio: {r:g}`), with the loss step of "
+            "recipes/knowledge_distillation_single_device.py. `post_scale` is stock torchtune "
+            "0.6.1's KD recipe's weighting (see [stock kd weighting] in exactga.distillation)."
+        )
+
+
+def stock_kd_gap_section(data: DataShape) -> str:
+    """When stock's KD weighting (``post_scale`` under KD) differs from exact, and whether this
+    config's data makes it. See [stock kd weighting] in exactga.distillation."""
+    varies = data.min_row_tokens != data.max_row_tokens
+    if varies:
+        here = "so stock's gap shows in the `post_scale` rows above"
+    else:
+        here = (
+            "so the `post_scale` rows differ from exact's by the gradient's scale alone, which "
+            "Adam all but ignores and SGD does not"
+        )
+    return "\n\n".join(
+        [
+            "## Where stock torchtune's gap comes from",
+            "Stock torchtune 0.6.1's KD recipe (`post_scale`) backpropagates each micro-batch's "
+            "*mean* mix unscaled, then multiplies the gradients by one over the window's token "
+            "count taken before the label shift. Its step is the sum of the micro-batch means "
+            "over that count: every micro-batch weighs the same whatever its number of loss "
+            "tokens, and even the full batch's gradient is its mean divided by the count (a "
+            "step that many times smaller under SGD; Adam's normalisation leaves only its "
+            "epsilon to see it). So, unlike stock fine-tuning, it differs from exact whenever "
+            "the micro-batches hold different numbers of loss tokens, live first labels or not.",
+            f"**This config's data**: the full batch's {data.num_rows} rows hold "
+            f"{data.min_row_tokens} to {data.max_row_tokens} loss tokens each; {here}.",
+        ]
+    )
+
+
 def write_report(
     out_dir: Path,
     *,
@@ -252,11 +361,15 @@ def write_report(
     what: str = "weights",
     micro_batch_tokens: int | None = None,
     fp32_reference: ParityRun | None = None,
+    data: DataShape | None = None,
+    distillation: Distillation | None = None,
 ) -> Path:
     """Write ``report.md``, ``parity.png``, ``summary.json`` and ``tensorboard/`` into ``out_dir``.
 
     ``micro_batch_tokens`` is the budget of the ``token_budget`` runs, for the report to name;
-    ``fp32_reference`` the fp32 full-batch run below fp32 (``precision.below_fp32``).
+    ``fp32_reference`` the fp32 full-batch run below fp32 (``precision.below_fp32``);
+    ``data`` what the full batch's samples say about stock torchtune's gap; ``distillation``
+    the KD mix every run trained, for a KD config.
     Returns the report's path.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -271,9 +384,11 @@ def write_report(
     if split_legend(summaries).endswith("ranks"):
         where = " A split BxGxN trains data-parallel over N ranks (FSDP2), BxG on one device."
     comparison = micro_batching_section(summaries, reference, micro_batch_tokens, what)
+    gap_section = stock_gap_section if distillation is None else stock_kd_gap_section
     text = "\n\n".join(
         [
             "# GA parity report",
+            *([distillation.describe()] if distillation is not None else []),
             f"Full-batch reference: {reference.split} on one device, {len(reference.losses)} "
             f"optimizer steps.{where} Relative L2 = ||w - w_full|| / ||w_full - w_0|| over the "
             f"{what}; max loss gap = largest per-step difference of the logged window loss. "
@@ -281,6 +396,7 @@ def write_report(
             *([precision_section(precision, what)] if precision.below_fp32 else []),
             markdown_table(summaries, reference, precision, what),
             f"**Verdict:** {verdict(summaries, precision)}",
+            *([gap_section(data)] if data is not None else []),
             *([comparison] if comparison else []),
             figure,
         ]
@@ -300,6 +416,9 @@ def write_report(
         "reference_relative_l2_to_fp32": precision.reference_to_fp32,
         "fp32_reference_losses": fp32_reference.losses if fp32_reference is not None else None,
         "micro_batch_tokens": micro_batch_tokens,
+        "data": dataclasses.asdict(data) if data is not None else None,
+        # A KD config's mix (kd_ratio, losses, teacher); None for the causal-LM loss alone.
+        "distillation": dataclasses.asdict(distillation) if distillation is not None else None,
         "runs": [
             {**dataclasses.asdict(s), "padding_fraction": s.padding_fraction}
             for s in sorted_runs(summaries)

@@ -1,0 +1,533 @@
+"""Knowledge distillation into a LoRA student with FSDP2, on GPUs or CPUs, with exact accumulation.
+
+A drop-in for torchtune 0.6.1's ``knowledge_distillation_distributed``: its configs run
+unchanged, with the same artefacts, written by rank 0 (student adapters in torchtune's and
+PEFT's format with ``adapter_config.json``; merged student weights unless
+``save_adapter_weights_only``) and metrics (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
+``tokens_per_second_per_gpu``), plus ours. Student and teacher are both sharded over the
+data-parallel ranks; the teacher runs in inference mode. What differs from stock: the loss of
+each optimizer step is exactly ``(1 - kd_ratio)`` times the full-batch class loss plus
+``kd_ratio`` times the full-batch KD loss of the window over every rank, whatever the split into
+ranks and micro-batches, with no pass over the gradients; ranks may hold very different token
+counts, or none; ``device: cpu`` runs (gloo). See ``exactga.distillation`` and
+docs/knowledge_distillation_distributed.md.
+
+Launch from the repository root::
+
+    tune run --nproc_per_node 2 recipes/knowledge_distillation_distributed.py \\
+        --config configs/tiny/kd_distributed.yaml
+    tune run --nproc_per_node 8 recipes/knowledge_distillation_distributed.py \\
+        --config configs/llama3_2/8B_to_1B_KD_lora_distributed.yaml
+
+Copy this file to change the loop; the numerics stay in ``exactga``.
+"""
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim import Optimizer
+from torchtune import config, modules, training, utils
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training import PROFILER_KEY
+from tqdm import tqdm
+
+from exactga import distributed
+from exactga.checkpointing import step_checkpointer_for
+from exactga.cli import run_recipe
+from exactga.config import validate_config
+from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.distillation import Distiller, check_vocabularies, freeze_teacher, kd_fingerprint
+from exactga.lora import LoraSettings, epoch_checkpoint_weights, load_lora_weights
+from exactga.normalization import LossNormalizer, parse_mode
+from exactga.precision import Precision
+from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import (
+    checkpointer_source,
+    find_resume_point,
+    run_fingerprint,
+    write_step_checkpoint,
+)
+from exactga.schemas import KnowledgeDistillationDistributedConfig
+from exactga.training import (
+    handle_nonfinite_loss,
+    parse_nonfinite_policy,
+    step_metrics,
+    train_window,
+)
+
+log = utils.get_logger("INFO")
+
+RECIPE_NAME = "knowledge_distillation_distributed"
+
+
+class KDRecipeDistributed(FTRecipeInterface):
+    """Distils a frozen teacher into LoRA adapters on a frozen student, with FSDP2.
+
+    Both models are sharded over the data-parallel mesh (the teacher with torchtune's
+    ``shard_model``, its parameters frozen); only the student's adapters get gradients,
+    optimizer state and gradient reductions.
+
+    Features (each a config key; defaults in ``exactga.schemas``):
+        - The loss (``kd_ratio`` = r): ``(1 - r) loss + r kd_loss``, both means over the same
+          loss tokens, so each micro-batch's mix is weighted by the window's one count over
+          every rank, after the label shift; the KD loss's denominator is checked on the first
+          batch. See [two token-normalised losses] in ``exactga.distillation``.
+        - Exact accumulation over micro-batches and ranks, ``gradient_sync``,
+          ``micro_batching``, skipped empty windows, ``fsdp_cpu_offload``,
+          ``fsdp_reshard_after_forward``, ``custom_sharded_layers`` (student and teacher),
+          precision, activation checkpointing and offloading (of the student), ``compile``,
+          ``clip_grad_norm``, schedulers, ``nonfinite_loss``: as in
+          recipes/lora_finetune_distributed.py, through the same library calls.
+        - Checkpointing at each epoch's end, gathered to and written by rank 0: the student's
+          adapters and adapter config, merged student weights unless
+          ``save_adapter_weights_only``; with ``save_every_n_steps``, atomic step checkpoints
+          from which ``resume_from_checkpoint`` goes on with the next window on the same world
+          size, bit for bit. The teacher is never saved.
+        - Rank-0-only logging: ``loss``, ``class_loss``, ``kd_loss`` (exact window means over
+          all ranks), ``lr``, ``tokens_per_second_per_gpu`` as stock, and ours.
+
+    Args:
+        cfg: the validated config (see ``recipe_main``).
+
+    Raises:
+        ValueError: bad values and impossible combinations of config keys, at start-up
+            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._gradient_sync = distributed.parse_gradient_sync(cfg.gradient_sync)
+
+        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
+        distributed.init_distributed(self._device, offload_ops_to_cpu=self._fsdp_cpu_offload)
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+        # Pure data parallelism (stock LoRA has no tensor-parallel dimension).
+        self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
+        self.dp_size = self._mesh["dp"].size()
+        self.dp_rank = self._mesh["dp"].get_local_rank()
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
+
+        self._save_adapter_weights_only = cfg.save_adapter_weights_only
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._clip_grad_norm = cfg.clip_grad_norm
+        self._loss_normalization = parse_mode(cfg.loss_normalization)
+        self._compile = cfg.compile
+        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
+        self._enable_activation_offloading = cfg.enable_activation_offloading
+
+        # LoRA settings, read from the model section as stock does.
+        self._lora = LoraSettings.from_config(cfg.model)
+
+        # Epochs, steps and their outcomes; a resume sets them in setup. The seed is the
+        # config's on every rank (torchtune seeds ``seed + rank`` for the global RNG).
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
+        self._kd_ratio = cfg.kd_ratio
+
+    def setup(self, cfg: DictConfig) -> None:
+        if self._fsdp_cpu_offload:
+            training.set_torch_num_threads()  # fused AdamW on CPU is ~2x faster with all cores
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+
+        self._step_checkpointer = step_checkpointer_for(
+            cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
+        )
+        self._fingerprint = run_fingerprint(cfg, world_size=self.world_size, **kd_fingerprint(cfg))
+        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
+            config.instantiate(
+                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+            )
+        )
+        ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
+        resume.restore_progress(self._progress, ckpt_dict)
+
+        self._model = self._setup_model(
+            cfg,
+            base_model_state_dict=ckpt_dict[training.MODEL_KEY],
+            base_source=checkpointer_source(cfg.checkpointer),
+            lora_weights_state_dict=resume.adapter_weights(ckpt_dict),
+        )
+        self._teacher_model = self._setup_teacher_model(cfg)
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._kd_loss_fn = config.instantiate(cfg.kd_loss)
+        if self._compile:
+            self._loss_fn = training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+            self._kd_loss_fn = training.compile_loss(self._kd_loss_fn, verbose=self._is_rank_zero)
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+            self._teacher_model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        # The combined loss and its checks; see [two token-normalised losses].
+        self._distiller = Distiller(
+            self._model,
+            self._teacher_model,
+            self._loss_fn,
+            self._kd_loss_fn,
+            self._kd_ratio,
+            precision=self._precision,
+            device=self._device,
+            activations_ctx=self._activations_handling_ctx,
+        )
+        self._normalizer = LossNormalizer(
+            self._loss_fn,
+            self._gradient_accumulation_steps,
+            mode=self._loss_normalization,
+            dp_group=distributed.dp_group(self._mesh),
+        )
+
+        # Data order, row checks and loader position: see [data order] in exactga.data.
+        dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        self._dataloader = dataloader_from_config(
+            dataset,
+            cfg,
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
+            state_dict=resume.dataloader_state(ckpt_dict),
+        )
+        self._progress.start(
+            len(self._dataloader),  # windows per epoch
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg.lr_scheduler,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
+        )
+        # Traces and memory snapshots from rank 0 only; the others only time their phases.
+        cfg_profiler = cfg.copy()
+        if not self._is_rank_zero:
+            cfg_profiler[PROFILER_KEY] = None
+        self._profiler = setup_profiler(
+            cfg_profiler,
+            self._device,
+            self._model,
+            self._metric_logger if self._is_rank_zero else None,  # for the report
+        )
+        self._checkpoint_dir = cfg.checkpointer.output_dir
+        self._log_dir = (
+            getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
+        )
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
+
+    def _setup_model(
+        self,
+        cfg: DictConfig,
+        base_model_state_dict: dict[str, Any],
+        base_source: str,
+        lora_weights_state_dict: dict[str, Any] | None,
+    ) -> nn.Module:
+        """Build on the meta device, freeze the base, apply activation checkpointing and FSDP2,
+        then load base weights and adapters shard by shard."""
+        t0 = time.perf_counter()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        set_trainable_params(model, get_adapter_params(model))
+        self._precision.cast_trainable(model)  # fp32 adapters over the base, if asked for
+        if self._compile:
+            training.compile_model(model, verbose=self._is_rank_zero)
+        if self._enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        # torchtune's LoRA-aware sharding, as stock: each layer is its own FSDP unit, so frozen
+        # and trainable parameters share units and only the adapters' gradients are reduced
+        # (in fp32 under fp32 master weights).
+        self._precision.shard_model(
+            model=model,
+            shard_conditions=[
+                partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
+            ],
+            cpu_offload=self._fsdp_cpu_offload,
+            reshard_after_forward=cfg.fsdp_reshard_after_forward,
+            dp_mesh=self._mesh["dp"],
+        )
+
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
+                    m.rope_init()
+        # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
+        # the same on any number of ranks; see [adapter init] in exactga.lora.
+        load_lora_weights(
+            model,
+            self._lora,
+            base_state=base_model_state_dict,
+            base_source=base_source,
+            adapters=lora_weights_state_dict,
+            load=partial(
+                training.load_from_full_model_state_dict,
+                device=self._device,
+                cpu_offload=self._fsdp_cpu_offload,
+            ),
+            seed=self._progress.seed,
+            dtype=self._precision.param_dtype,
+        )
+        training.validate_no_params_on_meta_device(model)
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        distributed.log_rank_zero(
+            f"Model built, sharded over dp={self.dp_size} and loaded in "
+            f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}; "
+            f"{num_trainable:,} trainable adapter parameters (sharded count)."
+        )
+        if self._is_rank_zero and self._device.type != "cpu":
+            training.log_memory_stats(distributed.memory_stats(self._device))
+        distributed.barrier()
+        return model
+
+    def _setup_teacher_model(self, cfg: DictConfig) -> nn.Module:
+        """The frozen teacher, built on the meta device, sharded over the data-parallel mesh
+        as the student is (torchtune's ``shard_model``: it has no trainable parameter, so no
+        precision policy), then loaded shard by shard from its own checkpointer."""
+        t0 = time.perf_counter()
+        teacher_state = config.instantiate(cfg.teacher_checkpointer).load_checkpoint()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            teacher = config.instantiate(cfg.teacher_model)
+        freeze_teacher(teacher)
+        if self._compile:
+            training.compile_model(teacher, verbose=self._is_rank_zero)
+        training.shard_model(
+            model=teacher,
+            shard_conditions=[
+                partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
+            ],
+            cpu_offload=self._fsdp_cpu_offload,
+            reshard_after_forward=cfg.fsdp_reshard_after_forward,
+            dp_mesh=self._mesh["dp"],
+        )
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in teacher.modules():
+                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
+                    m.rope_init()
+        training.load_from_full_model_state_dict(
+            teacher,
+            teacher_state[training.MODEL_KEY],
+            self._device,
+            strict=True,
+            cpu_offload=self._fsdp_cpu_offload,
+        )
+        training.validate_no_params_on_meta_device(teacher)
+        check_vocabularies(model_vocab_size(self._model), model_vocab_size(teacher))
+        distributed.log_rank_zero(
+            f"Teacher built, sharded over dp={self.dp_size} and loaded in "
+            f"{time.perf_counter() - t0:.2f} s, precision {self._dtype}; frozen."
+        )
+        if self._is_rank_zero and self._device.type != "cpu":
+            training.log_memory_stats(distributed.memory_stats(self._device))
+        distributed.barrier()
+        return teacher
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
+    ) -> Optimizer:
+        # All parameters, as stock passes them; the frozen ones never get a gradient.
+        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+        if opt_state_dict:
+            training.load_from_full_optimizer_state_dict(
+                self._model, optimizer, opt_state_dict, self._device
+            )
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
+    ) -> Any:
+        if cfg_lr_scheduler is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """Gather on rank 0 and write there what stock writes (all ranks must call this):
+        adapters and adapter config, merged weights unless adapter-only, recipe and optimizer
+        state if training goes on."""
+        intermediate = not self._progress.is_last_epoch(epoch)
+        t0 = time.perf_counter()
+        cpu_state_dict = training.gather_cpu_state_dict(
+            self._model,
+            self._is_rank_zero,
+            device=self._device,
+            adapter_weights_only=self._save_adapter_weights_only,
+        )
+        opt_state_dict = None
+        if intermediate:
+            opt_state_dict = training.get_full_optimizer_state_dict(
+                self._model, self._optimizer, self._is_rank_zero, device=self._device
+            )
+        if self._is_rank_zero:
+            ckpt_dict = epoch_checkpoint_weights(
+                cpu_state_dict, self._lora, merge=not self._save_adapter_weights_only
+            )
+            if intermediate:
+                ckpt_dict.update(self._progress.epoch_checkpoint_state())
+                ckpt_dict[training.OPT_KEY] = opt_state_dict
+            self._checkpointer.save_checkpoint(
+                ckpt_dict,
+                epoch=epoch,
+                intermediate_checkpoint=intermediate,
+                adapter_only=self._save_adapter_weights_only,
+            )
+            log.info(f"Checkpoint gathered and written in {time.perf_counter() - t0:.2f} s")
+        distributed.barrier()
+
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; all ranks call this.
+
+        Rank 0 gathers and writes the full adapters and optimizer state, every rank its RNG
+        and data-loader position; the folder appears atomically once all are on disk.
+        """
+        adapters = training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device, adapter_weights_only=True
+        )
+        optimizer_state = training.get_full_optimizer_state_dict(
+            self._model, self._optimizer, self._is_rank_zero, device=self._device
+        )
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
+            model_state=adapters if self._is_rank_zero else None,
+            optimizer_state=optimizer_state if self._is_rank_zero else None,
+        )
+
+    def train(self) -> None:
+        distributed.cleanup_before_training(self._device)
+        if self._compile:
+            distributed.log_rank_zero("torch.compile is on: expect a slow first step.")
+        self._optimizer.zero_grad()
+        num_tokens_since_log, t_last_log = 0, time.perf_counter()
+
+        progress = self._progress
+        with self._profiler:
+            for curr_epoch in progress.epochs():
+                self._dataloader.sampler.set_epoch(curr_epoch)
+                pbar = tqdm(
+                    total=progress.steps_per_epoch,
+                    initial=progress.steps_done_in(curr_epoch),  # > 0 after a mid-epoch resume
+                    desc=f"epoch {curr_epoch + 1}",
+                    disable=not self._is_rank_zero,
+                )
+                windows = self._distiller.track(
+                    self._normalizer.windows(self._dataloader, progress.windows_left_in(curr_epoch))
+                )
+                for window in self._profiler.timed(windows):
+                    outcome = train_window(
+                        window,
+                        model=self._model,
+                        loss_step=self._distiller.loss_step,
+                        optimizer=self._optimizer,
+                        profiler=self._profiler,
+                        device=self._device,
+                        step=progress.global_step + 1,
+                        clip_grad_norm=self._clip_grad_norm,
+                        micro_batch_context=partial(
+                            distributed.gradient_sync, self._model, self._gradient_sync
+                        ),
+                        announce_skip=self._is_rank_zero,
+                    )
+                    progress.record_step(outcome.skipped, outcome.nonfinite)
+                    if self._lr_scheduler is not None:
+                        self._lr_scheduler.step()
+                    if outcome.nonfinite:  # the same on every rank: the flag was reduced
+                        handle_nonfinite_loss(
+                            self._nonfinite_policy,
+                            progress.global_step,
+                            weights_updated=False,
+                            save_checkpoint=self.save_step_checkpoint,
+                        )
+                    num_tokens_since_log += window.num_global_tokens
+                    self._profiler.step(window.work())
+                    pbar.update(1)
+
+                    if progress.global_step % self._log_every_n_steps == 0:
+                        # Every rank takes part in the loss reduction; rank 0 writes.
+                        elapsed = time.perf_counter() - t_last_log
+                        metrics = step_metrics(
+                            window,
+                            optimizer=self._optimizer,
+                            grad_norm=outcome.grad_norm,
+                            progress=progress,
+                            tokens_per_second_per_gpu=num_tokens_since_log
+                            / elapsed
+                            / self.world_size,
+                            memory_device=self._device if self._log_peak_memory_stats else None,
+                        )
+                        metrics.update(self._distiller.window_metrics(window))
+                        metrics.update(self._profiler.metrics())
+                        if self._is_rank_zero:
+                            self._metric_logger.log_dict(metrics, step=progress.global_step)
+                        if "loss" in metrics:
+                            pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
+                        num_tokens_since_log, t_last_log = 0, time.perf_counter()
+                    if progress.should_save_step_checkpoint(self._save_every_n_steps, curr_epoch):
+                        self.save_step_checkpoint()
+                pbar.close()
+                progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
+                self.save_checkpoint(epoch=curr_epoch)
+                if self._save_every_n_steps:
+                    self.save_step_checkpoint()
+        self._report_outputs()
+
+    def _report_outputs(self) -> None:
+        distributed.log_rank_zero(self._profiler.summary())
+        distributed.log_rank_zero(f"Student adapters and checkpoints are in {self._checkpoint_dir}")
+        if self._log_dir is not None:
+            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
+
+    def cleanup(self) -> None:
+        if self._is_rank_zero:
+            self._metric_logger.close()
+        distributed.destroy()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: validates the config strictly, then trains."""
+    cfg = validate_config(
+        cfg, KnowledgeDistillationDistributedConfig, RECIPE_NAME, check_files=True
+    )
+    if distributed.is_rank_zero():
+        config.log_config(recipe_name="KDRecipeDistributed", cfg=cfg)
+    recipe = KDRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]

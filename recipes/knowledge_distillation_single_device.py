@@ -1,0 +1,424 @@
+"""Knowledge distillation into a LoRA student on one device, with exact gradient accumulation.
+
+A drop-in for torchtune 0.6.1's ``knowledge_distillation_single_device``: its configs
+(``teacher_model``, ``teacher_checkpointer``, ``kd_loss``, ``kd_ratio`` and the LoRA student's
+keys) run unchanged, and it writes the same artefacts (student adapters in torchtune's and
+PEFT's format with ``adapter_config.json``; merged student weights unless
+``save_adapter_weights_only``) and metrics (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
+``tokens_per_second_per_gpu``), plus ours. What differs is the loss of each optimizer step:
+``(1 - kd_ratio)`` times the class loss plus ``kd_ratio`` times the KD loss, each exactly the
+full-batch mean over the window's loss tokens whatever the split into micro-batches, with no
+pass over the gradients; see ``exactga.distillation`` and
+docs/knowledge_distillation_single_device.md.
+
+Launch from the repository root (or any folder holding your copy of this file)::
+
+    tune run recipes/knowledge_distillation_single_device.py \\
+        --config configs/tiny/kd_single_device.yaml
+    tune run recipes/knowledge_distillation_single_device.py \\
+        --config configs/llama3_2/8B_to_1B_KD_lora_single_device.yaml gradient_accumulation_steps=16
+
+Copy this file to change the loop; the numerics stay in ``exactga``.
+"""
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torchtune.modules.common_utils as common_utils
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim import Optimizer
+from torchtune import config, modules, training, utils
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.recipe_interfaces import FTRecipeInterface
+from tqdm import tqdm
+
+from exactga.checkpointing import step_checkpointer_for
+from exactga.cli import run_recipe
+from exactga.config import validate_config
+from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.distillation import Distiller, check_vocabularies, freeze_teacher, kd_fingerprint
+from exactga.lora import LoraSettings, adapter_state, epoch_checkpoint_weights, load_lora_weights
+from exactga.normalization import LossNormalizer, parse_mode
+from exactga.precision import Precision
+from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import (
+    checkpointer_source,
+    find_resume_point,
+    run_fingerprint,
+    write_step_checkpoint,
+)
+from exactga.schemas import KnowledgeDistillationSingleDeviceConfig
+from exactga.training import (
+    handle_nonfinite_loss,
+    parse_nonfinite_policy,
+    step_metrics,
+    train_window,
+)
+
+log = utils.get_logger("INFO")
+
+RECIPE_NAME = "knowledge_distillation_single_device"
+
+
+class KDRecipeSingleDevice(FTRecipeInterface):
+    """Distils a frozen teacher into LoRA adapters on a frozen student, on one device.
+
+    The teacher (``teacher_model`` from ``teacher_checkpointer``) is frozen and runs in
+    inference mode; the student's base is frozen too (NF4 with a ``qlora_*`` builder), so only
+    its adapters get gradients and optimizer state.
+
+    Features (each a config key; defaults in ``exactga.schemas``):
+        - The loss (``kd_ratio`` = r): ``(1 - r) loss + r kd_loss``, the class loss and the KD
+          loss (``kd_loss``: torchtune's forward, reverse or symmetric KL, chunked or not) both
+          means over the same loss tokens, so each micro-batch's mix is weighted by the
+          window's one count after the label shift; the KD loss's denominator is checked on the
+          first batch, as the class loss's is. See [two token-normalised losses] in
+          ``exactga.distillation``.
+        - Exact gradient accumulation (``gradient_accumulation_steps``), ``loss_normalization``,
+          ``micro_batching``, ``drop_partial_window``, skipped empty windows
+          (``skipped_steps``): as in recipes/lora_finetune_single_device.py, through the same
+          ``exactga.normalization`` calls.
+        - Precision (``dtype``: fp32 or bf16; ``master_weights``: fp32 adapters over the bf16
+          base by default), activation checkpointing and offloading (of the student),
+          ``compile`` (both models and both losses), ``clip_grad_norm``, schedulers, low-bit
+          optimizers: as in the LoRA recipe.
+        - Checkpointing at each epoch's end: the student's adapters and adapter config, merged
+          student weights unless ``save_adapter_weights_only``; with ``save_every_n_steps``,
+          atomic step checkpoints from which ``resume_from_checkpoint`` goes on with the very
+          next window, bit for bit (docs/reliability.md). The teacher is never saved.
+        - ``nonfinite_loss``: ``skip`` or ``stop``, as in the LoRA recipe.
+        - Logging: ``loss``, ``class_loss``, ``kd_loss`` (exact window means), ``lr``,
+          ``tokens_per_second_per_gpu`` as stock; ``loss_tokens``, ``skipped_steps``,
+          ``grad_norm`` when clipping, the profiler hook's scalars, peak memory on GPU.
+
+    Args:
+        cfg: the validated config (see ``recipe_main``).
+
+    Raises:
+        ValueError: bad values and impossible combinations of config keys, at start-up
+            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
+
+        self._save_adapter_weights_only = cfg.save_adapter_weights_only
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._clip_grad_norm = cfg.clip_grad_norm
+        self._loss_normalization = parse_mode(cfg.loss_normalization)
+        self._compile = cfg.compile
+        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
+        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
+        self._kd_ratio = cfg.kd_ratio
+
+        # LoRA settings, read from the model section as stock does.
+        self._lora = LoraSettings.from_config(cfg.model)
+
+        # Epochs, steps and their outcomes; a resume sets them in setup.
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
+
+    def setup(self, cfg: DictConfig) -> None:
+        self._metric_logger = config.instantiate(cfg.metric_logger)
+        self._metric_logger.log_config(cfg)
+
+        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
+        self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
+        self._fingerprint = run_fingerprint(cfg, world_size=1, **kd_fingerprint(cfg))
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
+            config.instantiate(
+                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+            )
+        )
+        ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
+        resume.restore_progress(self._progress, ckpt_dict)
+
+        # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
+        common_utils._use_low_cpu_ram = cfg.low_cpu_ram
+        self._model = self._setup_model(
+            cfg.model,
+            base_model_state_dict=ckpt_dict[training.MODEL_KEY],
+            base_source=checkpointer_source(cfg.checkpointer),
+            lora_weights_state_dict=resume.adapter_weights(ckpt_dict),
+        )
+        self._teacher_model = self._setup_teacher_model(cfg.teacher_model, cfg.teacher_checkpointer)
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._kd_loss_fn = config.instantiate(cfg.kd_loss)
+        if self._compile:
+            self._loss_fn = training.compile_loss(self._loss_fn)
+            self._kd_loss_fn = training.compile_loss(self._kd_loss_fn)
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+            self._teacher_model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        # The combined loss and its checks; see [two token-normalised losses].
+        self._distiller = Distiller(
+            self._model,
+            self._teacher_model,
+            self._loss_fn,
+            self._kd_loss_fn,
+            self._kd_ratio,
+            precision=self._precision,
+            device=self._device,
+            activations_ctx=self._activations_handling_ctx,
+        )
+        self._normalizer = LossNormalizer(
+            self._loss_fn,
+            self._gradient_accumulation_steps,
+            mode=self._loss_normalization,
+        )
+
+        # Data order, row checks and loader position: see [data order] in exactga.data.
+        dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        self._dataloader = dataloader_from_config(
+            dataset,
+            cfg,
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
+            state_dict=resume.dataloader_state(ckpt_dict),
+        )
+        self._progress.start(
+            len(self._dataloader),  # windows per epoch
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg.lr_scheduler,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
+        )
+        self._profiler = setup_profiler(cfg, self._device, self._model, self._metric_logger)
+        self._checkpoint_dir = cfg.checkpointer.output_dir
+        self._log_dir = getattr(self._metric_logger, "log_dir", None)
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
+
+    def _setup_model(
+        self,
+        cfg_model: DictConfig,
+        base_model_state_dict: dict[str, Any],
+        base_source: str,
+        lora_weights_state_dict: dict[str, Any] | None,
+    ) -> nn.Module:
+        with training.set_default_dtype(self._dtype), self._device:
+            model = config.instantiate(cfg_model)
+        self.adapter_params = get_adapter_params(model)
+        set_trainable_params(model, self.adapter_params)
+        self._precision.cast_trainable(model)  # fp32 adapters over the base, if asked for
+        if self._compile:
+            training.compile_model(model)
+        if self._enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+
+        # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
+        # as the distributed recipe does; see [adapter init] in exactga.lora.
+        load_lora_weights(
+            model,
+            self._lora,
+            base_state=base_model_state_dict,
+            base_source=base_source,
+            adapters=lora_weights_state_dict,
+            load=partial(nn.Module.load_state_dict, strict=False),
+            seed=self._progress.seed,
+            dtype=self._precision.param_dtype,
+        )
+        training.validate_expected_param_dtype(
+            self.adapter_params.items(), dtype=self._precision.param_dtype
+        )
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        num_trainable = sum(p.numel() for p in self.adapter_params.values())
+        log.info(
+            f"Model is initialized with {self._precision.describe()}; "
+            f"{num_trainable:,} trainable adapter parameters."
+        )
+        if self._device.type != "cpu":
+            training.log_memory_stats(training.get_memory_stats(device=self._device))
+        return model
+
+    def _setup_teacher_model(
+        self, cfg_teacher: DictConfig, cfg_teacher_checkpointer: DictConfig
+    ) -> nn.Module:
+        """The frozen teacher in ``dtype``, from its own checkpointer (never saved)."""
+        teacher_state = config.instantiate(cfg_teacher_checkpointer).load_checkpoint()
+        with training.set_default_dtype(self._dtype), self._device:
+            teacher = config.instantiate(cfg_teacher)
+        teacher.load_state_dict(teacher_state[training.MODEL_KEY])
+        freeze_teacher(teacher)
+        if self._compile:
+            training.compile_model(teacher)
+        check_vocabularies(model_vocab_size(self._model), model_vocab_size(teacher))
+        training.validate_expected_param_dtype(teacher.named_parameters(), dtype=self._dtype)
+        num_params = sum(p.numel() for p in teacher.parameters())
+        log.info(f"Teacher is initialized with precision {self._dtype}; {num_params:,} frozen.")
+        if self._device.type != "cpu":
+            training.log_memory_stats(training.get_memory_stats(device=self._device))
+        return teacher
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
+    ) -> Optimizer:
+        # All parameters, as stock passes them; the frozen ones never get a gradient.
+        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+        if opt_state_dict:
+            optimizer.load_state_dict(opt_state_dict)
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
+    ) -> Any:
+        if cfg_lr_scheduler is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """Adapter weights and config, merged weights unless adapter-only, recipe state if
+        training goes on: the same dictionary stock hands its checkpointer."""
+        # Host tensors: merging then needs no second model on the device.
+        state_dict = {k: v.cpu() for k, v in self._model.state_dict().items()}
+        ckpt_dict = epoch_checkpoint_weights(
+            state_dict, self._lora, merge=not self._save_adapter_weights_only
+        )
+        intermediate = not self._progress.is_last_epoch(epoch)
+        if intermediate:
+            ckpt_dict.update(self._progress.epoch_checkpoint_state())
+            ckpt_dict[training.OPT_KEY] = self._optimizer.state_dict()
+        self._checkpointer.save_checkpoint(
+            ckpt_dict,
+            epoch=epoch,
+            intermediate_checkpoint=intermediate,
+            adapter_only=self._save_adapter_weights_only,
+        )
+
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; atomic. The frozen
+        base is not in it: a resumed run reads it from the checkpointer again."""
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
+            model_state=adapter_state(self._model),
+            optimizer_state=self._optimizer.state_dict(),
+        )
+
+    def train(self) -> None:
+        if self._compile:
+            log.info("torch.compile is on: expect a slow first step while it compiles.")
+        self._optimizer.zero_grad()
+        num_tokens_since_log, t_last_log = 0, time.perf_counter()
+
+        progress = self._progress
+        with self._profiler:
+            for curr_epoch in progress.epochs():
+                self._dataloader.sampler.set_epoch(curr_epoch)
+                pbar = tqdm(
+                    total=progress.steps_per_epoch,
+                    initial=progress.steps_done_in(curr_epoch),  # > 0 after a mid-epoch resume
+                    desc=f"epoch {curr_epoch + 1}",
+                )
+                windows = self._distiller.track(
+                    self._normalizer.windows(self._dataloader, progress.windows_left_in(curr_epoch))
+                )
+                for window in self._profiler.timed(windows):
+                    outcome = train_window(
+                        window,
+                        model=self._model,
+                        loss_step=self._distiller.loss_step,
+                        optimizer=self._optimizer,
+                        profiler=self._profiler,
+                        device=self._device,
+                        step=progress.global_step + 1,
+                        clip_grad_norm=self._clip_grad_norm,
+                    )
+                    progress.record_step(outcome.skipped, outcome.nonfinite)
+                    if self._lr_scheduler is not None:
+                        self._lr_scheduler.step()
+                    if outcome.nonfinite:
+                        handle_nonfinite_loss(
+                            self._nonfinite_policy,
+                            progress.global_step,
+                            weights_updated=False,
+                            save_checkpoint=self.save_step_checkpoint,
+                        )
+                    num_tokens_since_log += window.num_global_tokens
+                    self._profiler.step(window.work())
+                    pbar.update(1)
+
+                    if progress.global_step % self._log_every_n_steps == 0:
+                        elapsed = time.perf_counter() - t_last_log
+                        metrics = step_metrics(
+                            window,
+                            optimizer=self._optimizer,
+                            grad_norm=outcome.grad_norm,
+                            progress=progress,
+                            tokens_per_second_per_gpu=num_tokens_since_log / elapsed,
+                            memory_device=self._device if self._log_peak_memory_stats else None,
+                        )
+                        metrics.update(self._distiller.window_metrics(window))
+                        metrics.update(self._profiler.metrics())
+                        self._metric_logger.log_dict(metrics, step=progress.global_step)
+                        if "loss" in metrics:
+                            pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
+                        num_tokens_since_log, t_last_log = 0, time.perf_counter()
+                    if progress.should_save_step_checkpoint(self._save_every_n_steps, curr_epoch):
+                        self.save_step_checkpoint()
+                pbar.close()
+                progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
+                self.save_checkpoint(epoch=curr_epoch)
+                if self._save_every_n_steps:
+                    self.save_step_checkpoint()
+        self._report_outputs()
+
+    def _report_outputs(self) -> None:
+        log.info(self._profiler.summary())
+        log.info(f"Student adapters and checkpoints are in {self._checkpoint_dir}")
+        if self._log_dir is not None:
+            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
+
+    def cleanup(self) -> None:
+        self._metric_logger.close()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: validates the config strictly, then trains."""
+    cfg = validate_config(
+        cfg, KnowledgeDistillationSingleDeviceConfig, RECIPE_NAME, check_files=True
+    )
+    config.log_config(recipe_name="KDRecipeSingleDevice", cfg=cfg)
+    recipe = KDRecipeSingleDevice(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]

@@ -1,0 +1,405 @@
+"""Every bad input of a new user's first hour, through the real ``tune run`` (issue #14).
+
+Each launch must exit non-zero with one short message naming the key, file or row, and no
+traceback (see [user errors] in exactga.cli). A configuration error (keys, values, flag
+combinations, input files, checkpoints to read, something to resume) must also come before the
+resolved config is printed and before any model is built: the tiny configs' checkpointer builds
+the model to write ``base_model/`` on first use, so that folder must not appear. A bad dataset
+row is found while the dataset is built or read, after the model; a damaged step checkpoint
+when it is read (its check reads every byte), after the config is printed.
+
+The unit tests of the same checks are in tests/test_bad_input.py (rows), tests/test_config.py
+and tests/test_config_checks.py (keys, values, combinations, files) and
+tests/test_checkpointing.py (checkpoints); the distributed recipe launched with torchrun on bad
+input in tests/test_recipe_full_distributed_extra.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from recipe_utils import (
+    INITIAL,
+    LORA_RECIPE,
+    LORA_TINY_CONFIG,
+    REPO_ROOT,
+    output_of,
+    run_tune,
+    tiny_args,
+)
+
+pytestmark = pytest.mark.slow
+
+DATA = REPO_ROOT / "configs/tiny/data.json"
+FULL_DISTRIBUTED = ("recipes/full_finetune_distributed.py", "configs/tiny/full_distributed.yaml")
+LORA_DISTRIBUTED = ("recipes/lora_finetune_distributed.py", "configs/tiny/lora_distributed.yaml")
+PARITY = ("recipes/ga_parity.py", "configs/tiny/ga_parity_full.yaml")
+MAX_MESSAGE_LINES = 6
+# What a launch prints once the config is validated and once a model is built.
+CONFIG_PRINTED = "with resolved config"
+MODEL_BUILT = "Model is initialized"
+
+
+def with_recipe(recipe_and_config: tuple[str, str], args: list[str]) -> list[str]:
+    """``tiny_args``'s overrides for another recipe and config."""
+    recipe, config = recipe_and_config
+    return [recipe, "--config", config, *args[3:]]
+
+
+def message_of(output: str) -> str:
+    """The user-error message: from its ``exactga:`` line to the line saying how to show the
+    traceback; fails if there is none."""
+    match = re.search(r"^exactga: .*?^\(the traceback is hidden[^\n]*$", output, re.M | re.S)
+    assert match, f"no exactga message in:\n{output[-4000:]}"
+    return match.group(0)
+
+
+def assert_fails_naming(proc, out_dir: Path, names: list[str], before_config: bool = True) -> str:
+    """Non-zero exit, no traceback, one message of at most a few lines naming every item of
+    ``names`` (plain text); with ``before_config``, before the config is printed and before any
+    model is built. Returns the message."""
+    output = output_of(proc)
+    assert proc.returncode != 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    message = message_of(output)
+    assert len(message.splitlines()) <= MAX_MESSAGE_LINES, message
+    assert output.count("exactga: ") == 1, output[-4000:]  # rank 0 alone, once
+    for name in names:
+        assert name in message, f"{name!r} not in:\n{message}"
+    if before_config:
+        assert CONFIG_PRINTED not in output, output[-4000:]
+        assert MODEL_BUILT not in output, output[-4000:]
+        assert not (out_dir / INITIAL).exists(), "the initial checkpoint was written"
+    return message
+
+
+# --- configuration: keys, values, combinations, files -----------------------------------------
+
+# (id, recipe and config or None for the full single-device one, overrides, names)
+CONFIG_CASES = [
+    (
+        "unknown_key_lora",
+        (LORA_RECIPE, LORA_TINY_CONFIG),
+        {"epoch": 2},
+        ["unknown config key 'epoch'", "Did you mean 'epochs'?"],
+    ),
+    (
+        "unknown_key_in_section",
+        None,
+        {"profiler__wait_stepz": 1},
+        ["unknown config key 'profiler.wait_stepz'", "Did you mean 'wait_steps'?"],
+    ),
+    (
+        "bad_choice_distributed_without_torchrun",
+        FULL_DISTRIBUTED,
+        {"loss_normalization": "bogus"},
+        ["config key 'loss_normalization'='bogus'", "exact, post_scale, naive"],
+    ),
+    ("count_below_one", None, {"batch_size": 0}, ["config key 'batch_size'", "at least 1"]),
+    ("wrong_type", None, {"epochs": "many"}, ["config key 'epochs'", "'many'"]),
+    (
+        "keep_last_n_checkpoints",
+        None,
+        {"keep_last_n_checkpoints": 1},
+        ["config key 'keep_last_n_checkpoints'", "at least 2"],
+    ),
+    (
+        "optimizer_in_bwd_with_accumulation",
+        None,
+        {"optimizer_in_bwd": True, "clip_grad_norm": "null", "gradient_accumulation_steps": 2},
+        ["config keys 'optimizer_in_bwd' and 'gradient_accumulation_steps'"],
+    ),
+    (
+        "token_budget_without_micro_batch_tokens",
+        LORA_DISTRIBUTED,
+        {"micro_batching": "token_budget"},
+        ["config key 'micro_batch_tokens' is needed", "token_budget"],
+    ),
+    (
+        "by_length_with_post_scale",
+        None,
+        {"micro_batching": "by_length", "loss_normalization": "post_scale"},
+        ["config keys 'micro_batching' and 'loss_normalization'", "micro_batching=fixed"],
+    ),
+    (
+        "missing_data_file",
+        None,
+        {"dataset__data_files": "nope/data.json"},
+        [
+            "config key 'dataset.data_files': no file at 'nope/data.json'",
+            f"relative to the working directory {REPO_ROOT}",
+        ],
+    ),
+    (
+        "missing_tokenizer",
+        None,
+        {"tokenizer__path": "nope/tokenizer.model"},
+        [
+            "config key 'tokenizer.path': no file at 'nope/tokenizer.model'",
+            f"relative to the working directory {REPO_ROOT}",
+        ],
+    ),
+    (
+        "parity_split_of_another_global_batch",
+        PARITY,
+        {"parity__splits": "[1x8,2x3]"},
+        ["config key 'parity.splits'"],
+    ),
+    (
+        "resume_with_an_empty_output_folder",
+        None,
+        {"resume_from_checkpoint": True},
+        ["resume_from_checkpoint=True", "nothing to resume", "step_checkpoints"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "names"),
+    [case[1:] for case in CONFIG_CASES],
+    ids=[case[0] for case in CONFIG_CASES],
+)
+def test_config_error_is_one_message_before_the_config_is_printed(
+    tmp_path, recipe, overrides, names
+):
+    out = tmp_path / "out"
+    args = tiny_args(out, **overrides)
+    if recipe is not None:
+        args = with_recipe(recipe, args)
+    assert_fails_naming(run_tune(args), out, names)
+
+
+# --- checkpoints: a finished run, damaged step checkpoints, missing weights --------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """One step of the tiny run, with its step checkpoint (the one successful launch here)."""
+    out = tmp_path_factory.mktemp("finished") / "out"
+    proc = run_tune(tiny_args(out, max_steps_per_epoch=1, save_every_n_steps=1))
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert (out / "step_checkpoints" / "step_000001").is_dir()
+    return out
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    return out
+
+
+def test_resume_after_a_run_finished_without_step_checkpoints(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    shutil.rmtree(out / "step_checkpoints")
+    args = tiny_args(out, max_steps_per_epoch=1, resume_from_checkpoint=True)
+    names = [
+        f"resume_from_checkpoint=True, but the run in {out} has finished",
+        f"checkpointer.checkpoint_dir={out / 'epoch_0'}",
+    ]
+    # No model built: the copy's base_model/ is the finished run's, so no folder to watch.
+    assert_fails_naming(run_tune(args), tmp_path / "no_new_output", names)
+
+
+def test_resume_from_a_truncated_step_checkpoint_names_the_file(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    weights = out / "step_checkpoints" / "step_000001" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    args = tiny_args(out, max_steps_per_epoch=1, resume_from_checkpoint=True)
+    # The check reads every byte of the checkpoint, so it runs once, where the run reads it.
+    assert_fails_naming(
+        run_tune(args),
+        out,
+        [f"no usable step checkpoint in {out / 'step_checkpoints'}", str(weights), "truncated"],
+        before_config=False,
+    )
+
+
+STOCK_CHECKPOINTER = {
+    "checkpointer___component_": "torchtune.training.FullModelHFCheckpointer",
+}
+WITHOUT_INITIALIZER = ["~checkpointer.model", "~checkpointer.init_seed"]
+
+
+@pytest.mark.parametrize(
+    "problem", ["missing_files", "missing_folder", "no_config_json", "output_inside", "truncated"]
+)
+def test_checkpoint_dir_without_the_named_files(finished_run, tmp_path, problem):
+    """torchtune's own checkpointer, pointed at a folder that lacks what it names."""
+    checkpoint_dir = finished_run / "base_model"  # holds config.json and model.safetensors
+    files = "[model-00001-of-00002.safetensors,model-00002-of-00002.safetensors]"
+    out = tmp_path / "out"
+    names = [
+        "config key 'checkpointer.checkpoint_files': no file "
+        f"'model-00001-of-00002.safetensors' (nor 1 more) in checkpointer.checkpoint_dir "
+        f"'{checkpoint_dir}'",
+        "it holds config.json, model.safetensors",
+    ]
+    if problem == "missing_folder":
+        checkpoint_dir, files = tmp_path / "nowhere", "[model.safetensors]"
+        names = [f"config key 'checkpointer.checkpoint_dir': no folder at '{checkpoint_dir}'"]
+    elif problem == "no_config_json":
+        checkpoint_dir, files = tmp_path / "weights_only", "[model.safetensors]"
+        checkpoint_dir.mkdir()
+        shutil.copy(finished_run / INITIAL, checkpoint_dir)
+        names = [f"config key 'checkpointer.checkpoint_dir': no config.json in '{checkpoint_dir}'"]
+    elif problem == "truncated":
+        checkpoint_dir, files = (
+            shutil.copytree(checkpoint_dir, tmp_path / "model"),
+            "[model.safetensors]",
+        )
+        weights = checkpoint_dir / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        names = [f"config key 'checkpointer.checkpoint_files': {weights} has", "(truncated?)"]
+    elif problem == "output_inside":
+        checkpoint_dir, files = shutil.copytree(checkpoint_dir, tmp_path / "model"), "[x]"
+        out = checkpoint_dir / "out"
+        names = ["config keys 'checkpointer.output_dir'", "'checkpointer.checkpoint_dir'"]
+    overrides = {
+        **STOCK_CHECKPOINTER,
+        "checkpointer__checkpoint_dir": checkpoint_dir,
+        "checkpointer__checkpoint_files": files,
+    }
+    assert_fails_naming(run_tune([*tiny_args(out, **overrides), *WITHOUT_INITIALIZER]), out, names)
+
+
+# --- dataset rows ----------------------------------------------------------------------------
+
+GOOD = {"instruction": "Say hi.", "input": "", "output": "Hi there."}
+
+
+def alpaca_rows(bad_row: dict, index: int = 5) -> list[dict]:
+    rows = json.loads(DATA.read_text())[:16]
+    rows[index] = bad_row
+    return rows
+
+
+def chat_rows(last: dict) -> list[dict]:
+    human = {"from": "human", "value": "Say hi."}
+    good = {"conversations": [human, {"from": "gpt", "value": "Hi there."}]}
+    return [good] * 6 + [last] + [good] * 9
+
+
+CHAT = {
+    "dataset___component_": "torchtune.datasets.chat_dataset",
+    "dataset.conversation_column": "conversations",
+    "dataset.conversation_style": "sharegpt",
+}
+
+# (id, rows, overrides, names): each file has 16 rows; the bad one is row 5 or 6 (0-based).
+ROW_CASES = [
+    (
+        "row_missing_a_column",
+        alpaca_rows({"instruction": "Say hi.", "input": ""}),
+        {},
+        ["dataset row 5 (0-based) of dataset (json: ", "missing column 'output' (absent or null)"],
+    ),
+    (
+        "column_missing_from_every_row",
+        [{"instruction": "Say hi.", "answer": "Hi."}] * 16,
+        {},
+        ["missing column 'output' in every row; its columns are instruction, answer"],
+    ),
+    (
+        "renamed_column",
+        [GOOD] * 16,
+        {"dataset.column_map.output": "answer"},
+        ["missing column 'answer' (column_map 'output')"],
+    ),
+    (
+        "column_of_the_wrong_type",
+        alpaca_rows({**GOOD, "instruction": 7}),
+        {},
+        ["dataset row 5 (0-based) of dataset", "column 'instruction' must be a string, got int 7"],
+    ),
+    (
+        "chat_turn_without_a_role",
+        chat_rows({"conversations": [{"from": "human", "value": "Hi"}, {"value": "Hi."}]}),
+        {**CHAT, "shuffle": False},
+        ["dataset row 6 (0-based) of dataset (json: ", "missing column or key 'from' (KeyError)"],
+    ),
+    (
+        "chat_row_without_its_conversation",
+        chat_rows({"dialog": "Hi."}),
+        CHAT,
+        ["dataset row 6 (0-based) of dataset", "missing column 'conversations'"],
+    ),
+    (
+        "token_ids_beyond_the_vocabulary",
+        json.loads(DATA.read_text())[:16],
+        {"model__vocab_size": 1000},
+        ["(its largest) is beyond the model's vocabulary (vocab_size 1000)", "'model.vocab_size'"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("rows", "overrides", "names"),
+    [case[1:] for case in ROW_CASES],
+    ids=[case[0] for case in ROW_CASES],
+)
+def test_bad_row_is_one_message_naming_row_and_file(tmp_path, rows, overrides, names):
+    data = tmp_path / "rows.json"
+    data.write_text(json.dumps(rows))
+    out = tmp_path / "out"
+    plain = {k: v for k, v in overrides.items() if "." not in k}
+    added = [f"{k}={v}" for k, v in overrides.items() if "." in k]
+    args = tiny_args(out, dataset__data_files=data, max_steps_per_epoch=2, **plain) + added
+    message = assert_fails_naming(run_tune(args), out, names, before_config=False)
+    if "row" in names[0]:
+        assert str(data) in message
+
+
+# A dataset of the user's own that gives bad samples: only the sample checks apply.
+OWN_DATASET = """
+from torch.utils.data import Dataset
+
+SAMPLES = {
+    "no_labels": {"tokens": [1, 2]},
+    "length_mismatch": {"tokens": [1, 2, 3], "labels": [2, 3]},
+    "negative_id": {"tokens": [1, -1], "labels": [1, -100]},
+}
+
+
+class Samples(Dataset):
+    def __init__(self, problem):
+        self.problem = problem
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        good = {"tokens": [1, 5, 6, 2], "labels": [-100, 5, 6, 2]}
+        return SAMPLES[self.problem] if index == 3 else good
+
+
+def samples(tokenizer, problem, **kwargs):
+    return Samples(problem)
+"""
+
+
+@pytest.mark.parametrize(
+    ("problem", "expected"),
+    [
+        ("no_labels", "a sample must hold 'tokens' and 'labels', got tokens."),
+        ("length_mismatch", "3 tokens but 2 labels"),
+        ("negative_id", "token id -1 is negative"),
+    ],
+)
+def test_bad_sample_of_a_users_own_dataset(tmp_path, problem, expected):
+    (tmp_path / "own_dataset.py").write_text(OWN_DATASET)
+    out = tmp_path / "out"
+    args = tiny_args(
+        out,
+        dataset___component_="own_dataset.samples",
+        shuffle=False,
+        batch_size=4,
+        max_steps_per_epoch=2,
+    )
+    proc = run_tune([*args, f"dataset.problem={problem}"], extra_env={"PYTHONPATH": str(tmp_path)})
+    assert_fails_naming(
+        proc, out, ["dataset row 3 (0-based) of dataset", expected], before_config=False
+    )

@@ -1,0 +1,86 @@
+"""torchtune 0.6.1's four stock KD configs run unchanged on our two KD recipes.
+
+Each is adapted by tests/stock_configs.py (tiny student and teacher of the same family, the
+teacher twice as wide, tiny tokenizer, data and initial checkpoints, ``device: cpu``, 2 steps;
+every other key as shipped: bf16, fused AdamW, chunked losses, ``kd_ratio``, scheduler,
+profiler section, DiskLogger). All four adapt in CI; two launch there (one per family, one per
+recipe), and all four launch with ``EXACTGA_ALL_KD_STOCK_CONFIGS=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import stock_configs
+from omegaconf import OmegaConf
+from recipe_utils import output_of, run_tune
+
+SINGLE, DISTRIBUTED = stock_configs.KD_RECIPES
+ALL = [
+    (SINGLE, "llama3_2/8B_to_1B_KD_lora_single_device"),
+    (DISTRIBUTED, "llama3_2/8B_to_1B_KD_lora_distributed"),
+    (SINGLE, "qwen2/1.5_to_0.5B_KD_lora_single_device"),
+    (DISTRIBUTED, "qwen2/1.5_to_0.5B_KD_lora_distributed"),
+]
+SELECTION = ALL if os.environ.get("EXACTGA_ALL_KD_STOCK_CONFIGS") else [ALL[0], ALL[3]]
+
+
+def _params(launches):
+    return [pytest.param(r, n, id=n) for r, n in launches]
+
+
+def _launch(root: Path, recipe: str, name: str) -> None:
+    out = root / name
+    out.mkdir(parents=True)
+    config_path = out / "config.yaml"
+    OmegaConf.save(stock_configs.adapted_config(name, recipe, out), config_path)
+    head = ["--nproc_per_node", "2"] if recipe == DISTRIBUTED else []
+    proc = run_tune([*head, f"recipes/{recipe}.py", "--config", str(config_path)], timeout=600)
+    (out / "output.txt").write_text(output_of(proc))
+    (out / "returncode").write_text(str(proc.returncode))
+
+
+@pytest.fixture(scope="module")
+def runs(run_once) -> Path:
+    def launch_all(root: Path) -> None:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for future in [pool.submit(_launch, root, r, n) for r, n in SELECTION]:
+                future.result()
+
+    return run_once("kd_stock_runs", launch_all)
+
+
+def test_the_stock_kd_configs_are_all_listed() -> None:
+    names = {
+        n for recipe in stock_configs.KD_RECIPES for n in stock_configs.stock_config_names(recipe)
+    }
+    assert names == {name for _, name in ALL}
+
+
+@pytest.mark.parametrize("recipe, name", _params(ALL))
+def test_every_stock_kd_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
+    stock = stock_configs.stock_config(name)
+    cfg = stock_configs.adapted_config(name, recipe, tmp_path)
+    assert cfg.teacher_model.embed_dim == 2 * cfg.model.embed_dim
+    assert cfg.teacher_checkpointer.model_type == stock.teacher_checkpointer.model_type
+    for key in ("kd_loss", "kd_ratio", "loss", "optimizer", "dtype", "batch_size"):
+        assert OmegaConf.to_container(cfg)[key] == OmegaConf.to_container(stock)[key], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, name", _params(SELECTION))
+def test_stock_kd_config_runs(runs: Path, recipe: str, name: str) -> None:
+    """Exit status 0, finite losses of both parts on both steps, the stock artefacts."""
+    out = runs / name
+    output = (out / "output.txt").read_text()
+    assert (out / "returncode").read_text() == "0", output[-4000:]
+    losses = stock_configs.logged_losses(out)
+    assert len(losses) == stock_configs.MAX_STEPS_PER_EPOCH and stock_configs.all_finite(losses)
+    log_text = "".join(p.read_text() for p in (out / "logs").glob("log_*.txt"))
+    assert "class_loss:" in log_text and "kd_loss:" in log_text
+    cfg = OmegaConf.load(out / "config.yaml")
+    for artefact in stock_configs.expected_artefacts(cfg):
+        assert (out / artefact).is_file(), artefact

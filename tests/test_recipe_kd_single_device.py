@@ -1,0 +1,172 @@
+"""recipes/knowledge_distillation_single_device.py run through the real ``tune run`` on CPU.
+
+Tier (b) of STYLE.md point 9: the tiny KD config (a teacher twice as wide as the small student),
+on the shipped data, in a subprocess, offline. The recipe is never imported; everything is read
+back from what a run writes. Run with ``-rP`` to see the measured distances docs/ quotes.
+
+Launches: six parity runs (two cases x 8x1, 1x8, 2x4; the 8x1 runs are shared with
+tests/test_recipe_kd_distributed.py), a killed and a resumed run, and one run with an empty
+window: nine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from kd_utils import (
+    ADAPTER_CONFIG,
+    ADAPTERS,
+    BASE,
+    CASES,
+    MERGED,
+    PARITY_STEPS,
+    PEFT_ADAPTERS,
+    initial_adapters,
+    kd_args,
+    one_rank_run,
+    parity_args,
+)
+from recipe_utils import (
+    EMPTY_WINDOW_RUN,
+    launch_and_kill,
+    load_adapters,
+    load_weights,
+    output_of,
+    read_scalars,
+    relative_l2,
+    rows_with_an_empty_window,
+    run_tune,
+)
+
+from exactga.profiling import REPORT_CATEGORY, read_reports
+
+pytestmark = pytest.mark.slow
+
+SPLITS = [(8, 1), (1, 8), (2, 4)]
+RESUME_CASE = "fp32_train_on_input"  # AdamW moments, a warm-up and cosine schedule to resume
+
+
+@pytest.fixture(scope="module")
+def parity_runs(run_once) -> dict[tuple[str, tuple[int, int]], Path]:
+    """Every case under every split, two launches at a time, once per session."""
+    keys = [(case, split) for case in CASES for split in SPLITS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(one_rank_run, run_once, *key) for key in keys}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_accumulation_splits_match_full_batch(parity_runs, case):
+    """8x1, 1x8 and 2x4 distil into the same student adapters (fp64 <= 1e-7, fp32 <= 2e-6)."""
+    tolerance = CASES[case][1]
+    reference = parity_runs[(case, SPLITS[0])]
+    a_ref, a_init = load_adapters(reference / ADAPTERS), initial_adapters(case)
+    assert a_ref.keys() == a_init.keys()
+    ref_scalars = read_scalars(reference / "logs")
+    assert len(ref_scalars["loss"]) == PARITY_STEPS
+    for split in SPLITS[1:]:
+        run = parity_runs[(case, split)]
+        scalars = read_scalars(run / "logs")
+        assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]
+        rel = relative_l2(load_adapters(run / ADAPTERS), a_ref, a_init)
+        print(f"{case} {split[0]}x{split[1]} vs 8x1: relative L2 {rel:.3e}")
+        assert rel <= tolerance, f"{split} differs from 8x1 by {rel:.3e}"
+        for name in ("loss", "class_loss", "kd_loss"):  # the same window means, to rounding
+            for ours, ref in zip(scalars[name], ref_scalars[name], strict=True):
+                assert math.isclose(ours, ref, rel_tol=1e-5), (name, ours, ref)
+
+
+def test_metrics_are_stocks_and_ours_and_loss_mixes_both(parity_runs):
+    """Stock's names (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
+    ``tokens_per_second_per_gpu``) and ours on every step; ``loss`` is the kd_ratio mix."""
+    scalars = read_scalars(parity_runs[(RESUME_CASE, (8, 1))] / "logs")
+    names = ("loss", "class_loss", "kd_loss", "lr", "tokens_per_second_per_gpu")
+    ours = ("loss_tokens", "skipped_steps", "time/step_ms", "time/forward_ms")
+    for name in names + ours:
+        assert len(scalars.get(name, [])) == PARITY_STEPS, f"metric {name!r}"
+    for loss, ce, kd in zip(
+        scalars["loss"], scalars["class_loss"], scalars["kd_loss"], strict=True
+    ):
+        assert math.isclose(loss, 0.5 * ce + 0.5 * kd, rel_tol=1e-6)
+        assert ce > 0 and kd > 0 and ce != kd
+
+
+def test_profiling_report_is_written_to_tensorboard(parity_runs):
+    """The SFT recipes' TensorBoard report: the custom-scalars layout and the text summary."""
+    ((_, report),) = read_reports(parity_runs[(RESUME_CASE, (8, 1))] / "logs").items()
+    (category,) = report["layout"]["category"]
+    assert category["title"] == REPORT_CATEGORY and len(category["chart"]) == 4
+    assert "**Saved latency**" in report["markdown"] and "| forward |" in report["markdown"]
+
+
+def test_artefacts_match_stock_layout(parity_runs):
+    """Student adapters (torchtune's and PEFT's format), adapter config and merged student
+    weights; the merged weights differ from the student's base only where LoRA applies, and
+    nothing of the teacher is written beside them."""
+    out = parity_runs[(RESUME_CASE, (8, 1))]
+    adapters, peft = load_adapters(out / ADAPTERS), load_weights(out / PEFT_ADAPTERS)
+    assert len(peft) == len(adapters) and all(k.startswith("base_model.model.") for k in peft)
+    adapter_config = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 8
+    merged, base = load_weights(out / MERGED), load_weights(out / BASE)
+    assert merged.keys() == base.keys()
+    assert all(merged[k].shape == base[k].shape for k in merged)  # the student's, not teacher's
+    changed = {k for k in merged if not torch.equal(merged[k], base[k])}
+    assert changed and all("proj" in k for k in changed), sorted(changed)
+    assert sorted(p.name for p in (out / "epoch_0").glob("*.safetensors")) == [
+        "adapter_model.safetensors",
+        "model-00001-of-00001.safetensors",
+    ]
+
+
+def _latest_step(out: Path) -> int:
+    root = out / "step_checkpoints"
+    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*")] if root.is_dir() else []
+    return max(steps, default=0)
+
+
+def test_killed_run_resumes_bit_identically(tmp_path, parity_runs):
+    """SIGKILL once a random step's checkpoint exists (plus a random delay, so mid-step or
+    mid-save); the resumed run ends with exactly the uninterrupted run's adapters."""
+    seed = time.time_ns() % 1_000_000
+    rng = random.Random(seed)
+    kill_after, delay = rng.randint(1, PARITY_STEPS - 4), rng.uniform(0.0, 0.2)
+    print(f"seed {seed}: kill after step {kill_after} + {delay:.2f} s")
+    out = tmp_path / "run"
+    args = parity_args(out, RESUME_CASE, 8, 1)
+    launch_and_kill(
+        args, tmp_path / "killed.txt", ready=lambda: _latest_step(out) >= kill_after, delay_s=delay
+    )
+    proc = run_tune([*args, "resume_from_checkpoint=True"], timeout=600)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert "Resuming from step checkpoint" in output_of(proc)
+    resumed = load_adapters(out / ADAPTERS)
+    uninterrupted = load_adapters(parity_runs[(RESUME_CASE, (8, 1))] / ADAPTERS)
+    assert resumed.keys() == uninterrupted.keys()
+    for key, tensor in uninterrupted.items():
+        assert torch.equal(resumed[key], tensor), key
+
+
+def test_window_without_loss_tokens_skips_its_step(tmp_path):
+    """Prompts longer than max_seq_len leave every label masked: that window skips its step
+    (the teacher is never asked), the others train, and the adapters stay finite."""
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(rows_with_an_empty_window()))
+    out = tmp_path / "out"
+    proc = run_tune(kd_args(out, dataset__data_files=data, **EMPTY_WINDOW_RUN))
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert "no loss token in this accumulation window" in output_of(proc)
+    scalars = read_scalars(out / "logs")
+    assert scalars["skipped_steps"] == [1.0, 1.0, 1.0]
+    assert scalars["loss_tokens"][0] == 0
+    assert len(scalars["kd_loss"]) == len(scalars["class_loss"]) == 2  # none for the empty one
+    assert all(math.isfinite(v) for v in scalars["kd_loss"] + scalars["class_loss"])
+    for name, tensor in load_adapters(out / ADAPTERS).items():
+        assert torch.isfinite(tensor).all(), name
