@@ -31,9 +31,10 @@ Note [stock kd weighting]
 mean loss times its count before the shift, then the gradient pass by ``dp_size`` over the
 window's count (reduced over the ranks). Stock's KD recipes (single-device and distributed)
 keep the gradient pass but backpropagate each mean unscaled. So under ``post_scale``
-:meth:`Distiller.track` hands the windows on with a ``scale`` that returns the loss as it is
-(it still records it, for the logged window loss), and the window's own gradient pass
-follows: stock's KD weighting, op for op. Exact and naive windows pass unchanged (naive, the
+:meth:`Distiller.track` turns the windows' ``post_scale_weights_by_count`` off (see [baseline
+modes] in exactga.normalization): each mean goes to backward as it is, the window still
+records it for the logged loss, and its own gradient pass follows: stock's KD weighting, op
+for op. Exact and naive windows pass unchanged (naive, the
 mean of micro-batch means over ga, means the same for KD as for fine-tuning).
 
 Note [kd denominator probe]
@@ -58,7 +59,6 @@ from torch import nn
 
 from exactga.normalization import (
     LOSS_POSITIONS,
-    NormMode,
     Window,
     count_loss_tokens,
     loss_ignore_index,
@@ -327,8 +327,7 @@ class Distiller:
         distiller's per-window record cleared as each window opens. ``post_scale`` windows
         come weighted as stock's KD recipes weight them; see [stock kd weighting]."""
         for window in windows:
-            if window.mode is NormMode.POST_SCALE:
-                window = _StockKDWindow(window)  # type: ignore[assignment]
+            window.post_scale_weights_by_count = False  # read by post_scale only
             if not self._kd_denominator_verified:
                 for micro_batch in window.nonempty_micro_batches():
                     verify_kd_loss_denominator(
@@ -358,18 +357,3 @@ class Distiller:
             sums = sums.cpu()
         num_tokens = window.num_global_tokens
         return {"class_loss": float(sums[0]) / num_tokens, "kd_loss": float(sums[1]) / num_tokens}
-
-
-class _StockKDWindow:
-    """A ``post_scale`` window whose micro-batch losses go to backward unscaled, as stock's KD
-    recipes send them; everything else is the window's own. See [stock kd weighting]."""
-
-    def __init__(self, window: Window) -> None:
-        self._window = window
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._window, name)
-
-    def scale(self, loss: torch.Tensor, micro_batch: Any) -> torch.Tensor:
-        self._window.scale(loss, micro_batch)  # records the loss; its scaled copy is dropped
-        return loss

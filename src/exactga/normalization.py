@@ -43,7 +43,10 @@ Note [baseline modes]
 ``post_scale`` reproduces stock torchtune 0.6.1 (loss times the token count taken before the
 shift, gradients scaled by the inverse window count after the last backward) and ``naive``
 the mean of micro-batch means divided by ga (the pre-fix Hugging Face Trainer). They exist so
-benchmarks and the parity report can compare against them, never as training choices.
+benchmarks and the parity report can compare against them, never as training choices. Stock's
+knowledge-distillation recipes keep the gradient pass but backpropagate each micro-batch's mean
+loss unscaled; a window whose ``post_scale_weights_by_count`` is False reproduces that (set by
+``exactga.distillation``; see [stock kd weighting] there).
 """
 
 from __future__ import annotations
@@ -271,6 +274,9 @@ class Window:
     num_sample_positions: int = 0
     num_fixed_positions: int = 0
     micro_batch_sample_positions: tuple[int, ...] = ()
+    # post_scale only: multiply each mean loss by its unshifted count (stock's fine-tuning
+    # recipes) or leave it as it is (stock's KD recipes); see [baseline modes].
+    post_scale_weights_by_count: bool = True
     # Whether ranks may plan different micro-batch counts (``token_budget``). Otherwise the
     # counts are equal by construction and the collective is not waited for to know it.
     counts_may_differ: bool = False
@@ -375,7 +381,8 @@ class Window:
         if self.mode is NormMode.EXACT:
             return self.dp_size * micro_batch.num_tokens / self.num_global_tokens
         if self.mode is NormMode.POST_SCALE:
-            return float(micro_batch.num_unshifted_tokens)
+            by_count = self.post_scale_weights_by_count
+            return float(micro_batch.num_unshifted_tokens) if by_count else 1.0
         return 1.0 / len(self.micro_batches)
 
     def finish_gradients(self, model: nn.Module) -> None:
