@@ -18,6 +18,7 @@ from torchtune.modules.loss import (
     ReverseKLLoss,
     SymmetricKLLoss,
 )
+from unit_utils import prompt_masked_batch
 
 from exactga.distillation import (
     Distiller,
@@ -155,17 +156,6 @@ class Wrapped(nn.Module):
         return self.decoder(tokens)
 
 
-def _prompt_masked_batch() -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (4, 24), generator=generator)
-    labels = tokens.clone()
-    for row, (prompt, length) in enumerate([(3, 24), (10, 15), (0, 6), (20, 22)]):
-        labels[row, :prompt] = IGNORE_INDEX
-        labels[row, length:] = IGNORE_INDEX
-        tokens[row, length:] = 0
-    return {"tokens": tokens, "labels": labels}
-
-
 def _distiller(chunked: bool, wrap_teacher: bool = False) -> Distiller:
     student = _decoder(32, VOCAB, seed=0)
     teacher = freeze_teacher(_decoder(48, TEACHER_VOCAB, seed=1))
@@ -188,7 +178,7 @@ def _distiller(chunked: bool, wrap_teacher: bool = False) -> Distiller:
 
 def _loss_and_gradients(distiller: Distiller, with_positions: bool):
     distiller.student.zero_grad()
-    batch = _prompt_masked_batch()
+    batch = prompt_masked_batch(VOCAB)
     if with_positions:
         batch[LOSS_POSITIONS] = loss_positions(batch["labels"])
     loss = distiller.loss_step(batch)
@@ -225,7 +215,7 @@ def test_both_projections_see_only_the_scored_positions():
                 args[0].reshape(-1, args[0].size(-1)).shape[0]
             )
         )
-    batch = _prompt_masked_batch()
+    batch = prompt_masked_batch(VOCAB)
     num_scored, num_positions = count_loss_tokens(batch["labels"]), batch["tokens"].numel()
 
     distiller.loss_step({**batch, LOSS_POSITIONS: loss_positions(batch["labels"])})
@@ -305,7 +295,7 @@ def test_post_scale_is_stocks_kd_weighting_and_exact_is_the_full_batch():
     labels: ``post_scale`` gives stock's gradients (not stock fine-tuning's), exact the full
     batch's, and the two differ. Under both weightings both models project only the scored rows."""
     distiller = _distiller(chunked=False)
-    batch = _prompt_masked_batch()
+    batch = prompt_masked_batch(VOCAB)
     batch["labels"][2, 0] = batch["tokens"][2, 0]  # a live first label, as train_on_input
     micro_batches = [{key: value[i : i + 1] for key, value in batch.items()} for i in range(4)]
 

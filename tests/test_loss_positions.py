@@ -11,6 +11,7 @@ import pytest
 import torch
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
+from unit_utils import prompt_masked_batch
 
 from exactga.normalization import (
     IGNORE_INDEX,
@@ -38,18 +39,6 @@ def tiny_decoder(tied: bool) -> torch.nn.Module:
     )
 
 
-def prompt_masked_batch() -> dict[str, torch.Tensor]:
-    """Rows of different prompt and answer lengths, right-padded: most positions unscored."""
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (4, 24), generator=generator)
-    labels = tokens.clone()
-    for row, (prompt, length) in enumerate([(3, 24), (10, 15), (0, 6), (20, 22)]):
-        labels[row, :prompt] = IGNORE_INDEX
-        labels[row, length:] = IGNORE_INDEX
-        tokens[row, length:] = 0
-    return {"tokens": tokens, "labels": labels}
-
-
 def loss_and_gradients(model, loss_fn, batch, with_positions: bool):
     model.zero_grad()
     batch = {key: value.clone() for key, value in batch.items()}
@@ -70,7 +59,7 @@ def test_cut_projection_gives_the_full_projections_loss_and_gradients(tied, chun
         model.set_num_output_chunks(loss_fn.num_output_chunks)
     else:
         loss_fn = torch.nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
-    batch = prompt_masked_batch()
+    batch = prompt_masked_batch(VOCAB)
 
     full_loss, full_grads = loss_and_gradients(model, loss_fn, batch, with_positions=False)
     cut_loss, cut_grads = loss_and_gradients(model, loss_fn, batch, with_positions=True)
@@ -85,7 +74,7 @@ def test_projection_sees_only_the_scored_positions():
     model.output.register_forward_hook(
         lambda module, args, out: rows_projected.append(args[0].reshape(-1, 32).shape[0])
     )
-    batch = prompt_masked_batch()
+    batch = prompt_masked_batch(VOCAB)
     num_scored = count_loss_tokens(batch["labels"])
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
 
@@ -97,7 +86,7 @@ def test_projection_sees_only_the_scored_positions():
 
 
 def test_positions_are_those_the_shifted_labels_score():
-    labels = prompt_masked_batch()["labels"]
+    labels = prompt_masked_batch(VOCAB)["labels"]
     positions = loss_positions(labels)
     scored = shift_labels(labels).reshape(-1) != IGNORE_INDEX
     assert len(positions) == count_loss_tokens(labels)
@@ -107,7 +96,7 @@ def test_positions_are_those_the_shifted_labels_score():
 def test_model_is_restored_after_the_loss_even_when_it_fails():
     model = tiny_decoder(tied=True)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
-    batch = prompt_masked_batch()
+    batch = prompt_masked_batch(VOCAB)
     causal_lm_loss(model, loss_fn, {**batch, LOSS_POSITIONS: loss_positions(batch["labels"])})
     assert "unembed" not in vars(model)
 
@@ -132,7 +121,7 @@ class Wrapped(torch.nn.Module):
 def test_other_models_take_the_full_projection_with_the_same_loss():
     decoder = tiny_decoder(tied=True)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
-    batch = prompt_masked_batch()
+    batch = prompt_masked_batch(VOCAB)
     expected = causal_lm_loss(decoder, loss_fn, dict(batch))
 
     wrapped = causal_lm_loss(

@@ -94,6 +94,19 @@ def masked(rows: list) -> list:
     return [(tokens, torch.full_like(tokens, IGNORE_INDEX)) for tokens, _ in rows]
 
 
+def prompt_masked_batch(vocab_size: int) -> dict[str, torch.Tensor]:
+    """Four right-padded rows of different prompt and answer lengths: most positions unscored
+    (one row's prompt starts at 0, one's answer is two tokens)."""
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab_size, (4, 24), generator=generator)
+    labels = tokens.clone()
+    for row, (prompt, length) in enumerate([(3, 24), (10, 15), (0, 6), (20, 22)]):
+        labels[row, :prompt] = IGNORE_INDEX
+        labels[row, length:] = IGNORE_INDEX
+        tokens[row, length:] = 0
+    return {"tokens": tokens, "labels": labels}
+
+
 def collate(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row, as torchtune's padded_collate_sft does."""
     width = max(len(tokens) for tokens, _ in rows)
