@@ -75,7 +75,8 @@ from exactga import distributed
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import WindowLoader, build_dataloader, load_dataset, model_vocab_size
-from exactga.distillation import Distiller, check_kd_losses, check_vocabularies, freeze_teacher
+from exactga.distillation import Distiller, check_kd_losses, check_vocabularies
+from exactga.frozen import freeze_model
 from exactga.lora import LoraSettings, load_lora_weights
 from exactga.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.normalization import LossNormalizer, NormMode, parse_mode
@@ -237,7 +238,7 @@ class GaParityRecipe:
         with training.set_default_dtype(self._dtype), self._device:
             teacher = config.instantiate(cfg_teacher)
         teacher.load_state_dict(teacher_state[training.MODEL_KEY])
-        freeze_teacher(teacher)
+        freeze_model(teacher)
         check_vocabularies(self._vocab_size, model_vocab_size(teacher))
         if hasattr(self._loss_fn, "num_output_chunks"):
             teacher.set_num_output_chunks(self._loss_fn.num_output_chunks)

@@ -25,10 +25,10 @@ from exactga.distillation import (
     _cut_to_vocab,
     check_kd_losses,
     check_vocabularies,
-    freeze_teacher,
     kd_loss_denominator,
     verify_kd_loss_denominator,
 )
+from exactga.frozen import freeze_model
 from exactga.normalization import (
     IGNORE_INDEX,
     LOSS_POSITIONS,
@@ -158,7 +158,7 @@ class Wrapped(nn.Module):
 
 def _distiller(chunked: bool, wrap_teacher: bool = False) -> Distiller:
     student = _decoder(32, VOCAB, seed=0)
-    teacher = freeze_teacher(_decoder(48, TEACHER_VOCAB, seed=1))
+    teacher = freeze_model(_decoder(48, TEACHER_VOCAB, seed=1))
     if chunked:
         loss_fn, kd_loss_fn = CEWithChunkedOutputLoss(), ForwardKLWithChunkedOutputLoss()
         student.set_num_output_chunks(loss_fn.num_output_chunks)

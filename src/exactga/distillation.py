@@ -1,7 +1,7 @@
 """Knowledge distillation under exact accumulation: the teacher, the combined loss, its checks.
 
 The two KD recipes train a student on a mix of two losses, and every piece of that mix lives
-here: the teacher's forward (frozen, in inference mode), the combined loss of one micro-batch,
+here: the teacher's forward (frozen, under no_grad), the combined loss of one micro-batch,
 the start-up check of the KD loss's denominator, and the exact window values of both parts for
 the ``class_loss`` and ``kd_loss`` metrics. The weighting of micro-batches is still the shared
 one, ``Window.scale`` in :mod:`exactga.normalization`; see [two token-normalised losses].
@@ -57,6 +57,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from exactga.frozen import frozen_forward
 from exactga.normalization import (
     LOSS_POSITIONS,
     Window,
@@ -82,15 +83,6 @@ def kd_fingerprint(cfg: DictConfig) -> dict[str, Any]:
             value = OmegaConf.to_container(value, resolve=True)
         fingerprint[key] = value
     return fingerprint
-
-
-def freeze_teacher(teacher: nn.Module) -> nn.Module:
-    """Eval mode, no parameter requires grad: the teacher is never trained. (Eval mode does not
-    turn off SDPA's own dropout, see pytorch/pytorch#124464; torchtune's builders set none.)"""
-    teacher.eval()
-    for param in teacher.parameters():
-        param.requires_grad_(False)
-    return teacher
 
 
 def check_kd_losses(loss_fn: nn.Module, kd_loss_fn: nn.Module) -> None:
@@ -241,7 +233,8 @@ class Distiller:
 
     Args:
         student: the model being trained (LoRA adapters over a frozen base).
-        teacher: the frozen teacher (:func:`freeze_teacher`), possibly sharded with FSDP2.
+        teacher: the frozen teacher (:func:`exactga.frozen.freeze_model`), possibly sharded
+            with FSDP2.
         loss_fn: the class loss (cross-entropy against the labels).
         kd_loss_fn: the KD loss (``kd_loss``), called as ``kd_loss_fn(student_logits,
             teacher_logits, labels)``.
@@ -278,10 +271,9 @@ class Distiller:
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def teacher_logits(self, batch: dict[str, torch.Tensor]) -> Any:
-        """The teacher's logits (a list of chunks with a chunked loss), in inference mode: no
-        autograd graph and no saved activations. Outside inference mode they are only read
-        (softmaxed), which autograd allows."""
-        with torch.inference_mode(), self.precision.autocast():
+        """The teacher's logits (a list of chunks with a chunked loss): no autograd graph and
+        no saved activations; see [frozen forwards run under no_grad]."""
+        with frozen_forward(), self.precision.autocast():
             return self.teacher(**batch)
 
     def loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -294,7 +294,7 @@ class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
 class DistillationKeys:
     """The keys torchtune 0.6.1's KD recipes add to the LoRA ones (see exactga.distillation)."""
 
-    teacher_model: Any = MISSING  # a plain builder; frozen, run in inference mode
+    teacher_model: Any = MISSING  # a plain builder; frozen, run under no_grad
     teacher_checkpointer: Any = MISSING
     kd_loss: Any = MISSING  # e.g. torchtune.modules.loss.ForwardKLWithChunkedOutputLoss
     kd_ratio: float = 0.5  # loss = (1 - kd_ratio) class loss + kd_ratio KD loss
