@@ -5,7 +5,8 @@ unchanged, with the same artefacts, written by rank 0 (student adapters in torch
 PEFT's format with ``adapter_config.json``; merged student weights unless
 ``save_adapter_weights_only``) and metrics (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
 ``tokens_per_second_per_gpu``), plus ours. Student and teacher are both sharded over the
-data-parallel ranks; the teacher runs in inference mode. What differs from stock: the loss of
+data-parallel ranks; the teacher runs under no_grad (exactga.frozen). What differs from stock:
+the loss of
 each optimizer step is exactly ``(1 - kd_ratio)`` times the full-batch class loss plus
 ``kd_ratio`` times the full-batch KD loss of the window over every rank, whatever the split into
 ranks and micro-batches, with no pass over the gradients; ranks may hold very different token
@@ -43,8 +44,9 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.distillation import Distiller, check_vocabularies, freeze_teacher, kd_fingerprint
-from exactga.lora import LoraSettings, epoch_checkpoint_weights, load_lora_weights
+from exactga.distillation import Distiller, check_vocabularies, kd_fingerprint
+from exactga.frozen import freeze_model
+from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
@@ -313,7 +315,7 @@ class KDRecipeDistributed(FTRecipeInterface):
         teacher_state = config.instantiate(cfg.teacher_checkpointer).load_checkpoint()
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             teacher = config.instantiate(cfg.teacher_model)
-        freeze_teacher(teacher)
+        freeze_model(teacher)
         if self._compile:
             training.compile_model(teacher, verbose=self._is_rank_zero)
         training.shard_model(
@@ -388,17 +390,17 @@ class KDRecipeDistributed(FTRecipeInterface):
                 self._model, self._optimizer, self._is_rank_zero, device=self._device
             )
         if self._is_rank_zero:
-            ckpt_dict = epoch_checkpoint_weights(
-                cpu_state_dict, self._lora, merge=not self._save_adapter_weights_only
-            )
+            training_state = None  # recipe and optimizer state, if training goes on
             if intermediate:
-                ckpt_dict.update(self._progress.epoch_checkpoint_state())
-                ckpt_dict[training.OPT_KEY] = opt_state_dict
-            self._checkpointer.save_checkpoint(
-                ckpt_dict,
+                training_state = self._progress.epoch_checkpoint_state()
+                training_state[training.OPT_KEY] = opt_state_dict
+            save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/: docs/using_outputs.md
+                self._checkpointer,
+                cpu_state_dict,
+                self._lora,
                 epoch=epoch,
-                intermediate_checkpoint=intermediate,
                 adapter_only=self._save_adapter_weights_only,
+                training_state=training_state,
             )
             log.info(f"Checkpoint gathered and written in {time.perf_counter() - t0:.2f} s")
         distributed.barrier()

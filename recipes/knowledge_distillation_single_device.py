@@ -40,8 +40,9 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.distillation import Distiller, check_vocabularies, freeze_teacher, kd_fingerprint
-from exactga.lora import LoraSettings, adapter_state, epoch_checkpoint_weights, load_lora_weights
+from exactga.distillation import Distiller, check_vocabularies, kd_fingerprint
+from exactga.frozen import freeze_model
+from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
@@ -68,9 +69,9 @@ RECIPE_NAME = "knowledge_distillation_single_device"
 class KDRecipeSingleDevice(FTRecipeInterface):
     """Distils a frozen teacher into LoRA adapters on a frozen student, on one device.
 
-    The teacher (``teacher_model`` from ``teacher_checkpointer``) is frozen and runs in
-    inference mode; the student's base is frozen too (NF4 with a ``qlora_*`` builder), so only
-    its adapters get gradients and optimizer state.
+    The teacher (``teacher_model`` from ``teacher_checkpointer``) is frozen and runs under
+    no_grad (exactga.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
+    builder), so only its adapters get gradients and optimizer state.
 
     Features (each a config key; defaults in ``exactga.schemas``):
         - The loss (``kd_ratio`` = r): ``(1 - r) loss + r kd_loss``, the class loss and the KD
@@ -265,7 +266,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         with training.set_default_dtype(self._dtype), self._device:
             teacher = config.instantiate(cfg_teacher)
         teacher.load_state_dict(teacher_state[training.MODEL_KEY])
-        freeze_teacher(teacher)
+        freeze_model(teacher)
         if self._compile:
             training.compile_model(teacher)
         check_vocabularies(model_vocab_size(self._model), model_vocab_size(teacher))
@@ -302,18 +303,17 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         training goes on: the same dictionary stock hands its checkpointer."""
         # Host tensors: merging then needs no second model on the device.
         state_dict = {k: v.cpu() for k, v in self._model.state_dict().items()}
-        ckpt_dict = epoch_checkpoint_weights(
-            state_dict, self._lora, merge=not self._save_adapter_weights_only
-        )
-        intermediate = not self._progress.is_last_epoch(epoch)
-        if intermediate:
-            ckpt_dict.update(self._progress.epoch_checkpoint_state())
-            ckpt_dict[training.OPT_KEY] = self._optimizer.state_dict()
-        self._checkpointer.save_checkpoint(
-            ckpt_dict,
+        training_state = None  # recipe and optimizer state, if training goes on
+        if not self._progress.is_last_epoch(epoch):
+            training_state = self._progress.epoch_checkpoint_state()
+            training_state[training.OPT_KEY] = self._optimizer.state_dict()
+        save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/, see docs/using_outputs.md
+            self._checkpointer,
+            state_dict,
+            self._lora,
             epoch=epoch,
-            intermediate_checkpoint=intermediate,
             adapter_only=self._save_adapter_weights_only,
+            training_state=training_state,
         )
 
     def save_step_checkpoint(self) -> Path:

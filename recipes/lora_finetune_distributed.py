@@ -44,7 +44,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.lora import LoraSettings, epoch_checkpoint_weights, load_lora_weights
+from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
@@ -337,17 +337,17 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 self._model, self._optimizer, self._is_rank_zero, device=self._device
             )
         if self._is_rank_zero:
-            ckpt_dict = epoch_checkpoint_weights(
-                cpu_state_dict, self._lora, merge=not self._save_adapter_weights_only
-            )
+            training_state = None  # recipe and optimizer state, if training goes on
             if intermediate:
-                ckpt_dict.update(self._progress.epoch_checkpoint_state())
-                ckpt_dict[training.OPT_KEY] = opt_state_dict
-            self._checkpointer.save_checkpoint(
-                ckpt_dict,
+                training_state = self._progress.epoch_checkpoint_state()
+                training_state[training.OPT_KEY] = opt_state_dict
+            save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/: docs/using_outputs.md
+                self._checkpointer,
+                cpu_state_dict,
+                self._lora,
                 epoch=epoch,
-                intermediate_checkpoint=intermediate,
                 adapter_only=self._save_adapter_weights_only,
+                training_state=training_state,
             )
             log.info(f"Checkpoint gathered and written in {time.perf_counter() - t0:.2f} s")
         distributed.barrier()

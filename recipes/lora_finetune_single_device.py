@@ -39,7 +39,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.lora import LoraSettings, adapter_state, epoch_checkpoint_weights, load_lora_weights
+from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
 from exactga.normalization import LossNormalizer, parse_mode
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
@@ -272,18 +272,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         training goes on: the same dictionary stock hands its checkpointer."""
         # Host tensors: merging then needs no second model on the device.
         state_dict = {k: v.cpu() for k, v in self._model.state_dict().items()}
-        ckpt_dict = epoch_checkpoint_weights(
-            state_dict, self._lora, merge=not self._save_adapter_weights_only
-        )
-        intermediate = not self._progress.is_last_epoch(epoch)
-        if intermediate:
-            ckpt_dict.update(self._progress.epoch_checkpoint_state())
-            ckpt_dict[training.OPT_KEY] = self._optimizer.state_dict()
-        self._checkpointer.save_checkpoint(
-            ckpt_dict,
+        training_state = None  # recipe and optimizer state, if training goes on
+        if not self._progress.is_last_epoch(epoch):
+            training_state = self._progress.epoch_checkpoint_state()
+            training_state[training.OPT_KEY] = self._optimizer.state_dict()
+        save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/, see docs/using_outputs.md
+            self._checkpointer,
+            state_dict,
+            self._lora,
             epoch=epoch,
-            intermediate_checkpoint=intermediate,
             adapter_only=self._save_adapter_weights_only,
+            training_state=training_state,
         )
 
     def save_step_checkpoint(self) -> Path:

@@ -20,8 +20,8 @@ KD_TINY_CONFIG = "configs/tiny/kd_single_device.yaml"
 KD_DISTRIBUTED_CONFIG = "configs/tiny/kd_distributed.yaml"
 
 ADAPTERS = "epoch_0/adapter_model.pt"
-PEFT_ADAPTERS = "epoch_0/adapter_model.safetensors"
-ADAPTER_CONFIG = "epoch_0/adapter_config.json"
+PEFT_ADAPTERS = "epoch_0/adapter/adapter_model.safetensors"
+ADAPTER_CONFIG = "epoch_0/adapter/adapter_config.json"
 MERGED = "epoch_0/model-00001-of-00001.safetensors"
 BASE = "base_model/model.safetensors"
 

@@ -274,6 +274,10 @@ def all_finite(values: list[float]) -> bool:
     return bool(values) and all(math.isfinite(v) for v in values)
 
 
+# The PEFT adapter's files, in its own folder (exactga.checkpointing, Note [adapter folder]).
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
 def expected_artefacts(cfg: DictConfig) -> list[str]:
     """Files the run must leave in ``checkpointer.output_dir``: merged or full weights, and for
     LoRA the adapters (PEFT's format too, except for Phi, which torchtune saves only in its
@@ -284,7 +288,7 @@ def expected_artefacts(cfg: DictConfig) -> list[str]:
     if "lora_rank" in cfg.model:
         files.append("epoch_0/adapter_model.pt")
         if cfg.checkpointer.model_type not in ("PHI3_MINI", "PHI4"):
-            files += ["epoch_0/adapter_model.safetensors", "epoch_0/adapter_config.json"]
+            files += [f"epoch_0/adapter/{name}" for name in PEFT_FILES]
     return files
 
 

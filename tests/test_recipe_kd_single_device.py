@@ -120,10 +120,13 @@ def test_artefacts_match_stock_layout(parity_runs):
     assert all(merged[k].shape == base[k].shape for k in merged)  # the student's, not teacher's
     changed = {k for k in merged if not torch.equal(merged[k], base[k])}
     assert changed and all("proj" in k for k in changed), sorted(changed)
+    # The epoch folder is the merged model alone: its PEFT adapter is in adapter/, where
+    # transformers does not attach it to the merged weights a second time (issue #23).
     assert sorted(p.name for p in (out / "epoch_0").glob("*.safetensors")) == [
-        "adapter_model.safetensors",
-        "model-00001-of-00001.safetensors",
+        "model-00001-of-00001.safetensors"
     ]
+    assert not (out / "epoch_0" / "adapter_config.json").exists()
+    assert adapter_config["base_model_name_or_path"] == str((out / "base_model").resolve())
 
 
 def _latest_step(out: Path) -> int:

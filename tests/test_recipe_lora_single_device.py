@@ -31,8 +31,8 @@ from recipe_utils import (
 pytestmark = pytest.mark.slow
 
 ADAPTERS = "epoch_0/adapter_model.pt"  # torchtune's names; the PEFT copy is .safetensors
-PEFT_ADAPTERS = "epoch_0/adapter_model.safetensors"
-ADAPTER_CONFIG = "epoch_0/adapter_config.json"
+PEFT_ADAPTERS = "epoch_0/adapter/adapter_model.safetensors"
+ADAPTER_CONFIG = "epoch_0/adapter/adapter_config.json"
 MERGED = "epoch_0/model-00001-of-00001.safetensors"
 BASE = "base_model/model.safetensors"
 

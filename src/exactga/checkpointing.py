@@ -341,3 +341,50 @@ def _remove_stale_staging(root: Path) -> None:
     """Staging folders left by a crash mid-save; never a complete checkpoint."""
     for stale in root.glob(".step_*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+# Note [adapter folder]
+# torchtune writes an epoch's merged weights and, beside them, the PEFT adapter
+# (``adapter_config.json``, ``adapter_model.safetensors``) into one folder. transformers 5
+# (through its PEFT integration) attaches an adapter it finds in the folder it loads, on top of
+# the weights it loads there: ``from_pretrained("epoch_0")`` then computes the adapter twice,
+# silently (issue #23; stock 0.6.1 has the same trap). So the PEFT files go into their own
+# folder, ``epoch_N/adapter/``: the epoch folder is a plain model folder (config.json,
+# safetensors, tokenizer files) that every loader reads as the fine-tuned model, and
+# ``PeftModel.from_pretrained(base, "epoch_N/adapter")`` applies the adapter once, to the base.
+# ``adapter_config.json`` names that base (``base_model_name_or_path``): the hub repository
+# torchtune recorded when it downloaded the model, else the absolute path of the checkpoint
+# folder the run read; and its ``task_type`` (``CAUSAL_LM``), which PEFT's
+# ``AutoPeftModelForCausalLM`` needs to load the adapter with its base in one call.
+# torchtune's own ``adapter_model.pt`` stays where its epoch resume looks for it
+# (``epoch_N/adapter_model.pt``); no loader of Hugging Face folders reads ``.pt``. The folder
+# appears whole: it is filled under a hidden name, then renamed.
+ADAPTER_SUBDIR = "adapter"
+PEFT_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def move_peft_adapter_to_own_folder(epoch_dir: Path, base_model: str | None) -> Path | None:
+    """Move the PEFT adapter torchtune wrote into ``epoch_dir`` to ``epoch_dir/adapter``, with
+    ``base_model`` as its ``base_model_name_or_path`` unless torchtune set one; the new folder,
+    or None when there was no adapter. See [adapter folder]."""
+    found = [epoch_dir / name for name in PEFT_ADAPTER_FILES if (epoch_dir / name).is_file()]
+    if not found:
+        return None
+    final = epoch_dir / ADAPTER_SUBDIR
+    staging = epoch_dir / f".{ADAPTER_SUBDIR}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    for path in found:
+        os.replace(path, staging / path.name)
+    config_path = staging / PEFT_ADAPTER_FILES[0]
+    if config_path.is_file():
+        adapter_config = json.loads(config_path.read_text())
+        if base_model is not None:
+            adapter_config.setdefault("base_model_name_or_path", base_model)
+        # Every recipe here trains a causal LM; PEFT's AutoPeftModelForCausalLM needs the type.
+        adapter_config.setdefault("task_type", "CAUSAL_LM")
+        config_path.write_text(json.dumps(adapter_config, indent=2))
+    for path in staging.iterdir():
+        _fsync(path)
+    _replace_dir(staging, final)
+    return final

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from torchtune.modules.peft import (
 )
 from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 
+from exactga.checkpointing import move_peft_adapter_to_own_folder
 from exactga.model_state import load_model_state, state_dict_name, state_dict_shapes
 
 # How a state dict reaches the model: ``nn.Module.load_state_dict(strict=False)`` on one
@@ -213,6 +215,42 @@ def epoch_checkpoint_weights(
             _with_merge_targets_copied(state_dict), rank=settings.rank, alpha=settings.alpha
         )
     return weights
+
+
+def save_epoch_checkpoint(
+    checkpointer: Any,
+    state_dict: dict[str, Any],
+    settings: LoraSettings,
+    *,
+    epoch: int,
+    adapter_only: bool,
+    training_state: dict[str, Any] | None = None,
+) -> None:
+    """Write an epoch's checkpoint through torchtune's ``checkpointer``: the adapters, merged
+    weights unless ``adapter_only``, and ``training_state`` (recipe and optimizer state) when
+    training goes on; then the PEFT adapter moves to ``epoch_N/adapter/``, see [adapter
+    folder]. Every recipe that trains adapters saves through this call (on rank 0)."""
+    ckpt_dict = epoch_checkpoint_weights(state_dict, settings, merge=not adapter_only)
+    if training_state is not None:
+        ckpt_dict.update(training_state)
+    checkpointer.save_checkpoint(
+        ckpt_dict,
+        epoch=epoch,
+        intermediate_checkpoint=training_state is not None,
+        adapter_only=adapter_only,
+    )
+    epoch_dir = Path(checkpointer._output_dir) / f"epoch_{epoch}"
+    move_peft_adapter_to_own_folder(epoch_dir, base_model_of(checkpointer))
+
+
+def base_model_of(checkpointer: Any) -> str | None:
+    """What ``adapter_config.json`` names as the base: the hub repository torchtune recorded
+    (``repo_id``), else the checkpoint folder when it is a Hugging Face model folder."""
+    repo_id = getattr(checkpointer, "repo_id", None)
+    if repo_id:
+        return str(repo_id)
+    checkpoint_dir = Path(checkpointer._checkpoint_dir).resolve()
+    return str(checkpoint_dir) if (checkpoint_dir / "config.json").is_file() else None
 
 
 def _with_merge_targets_copied(state_dict: dict[str, Any]) -> dict[str, Any]:
