@@ -25,7 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from recipe_utils import REPO_ROOT, SMALL_MODEL, output_of, run_tune
+from recipe_utils import (
+    REPO_ROOT,
+    SMALL_MODEL,
+    load_adapters,
+    lora_tiny_args,
+    output_of,
+    read_scalars,
+    run_tune,
+)
 from torchtune import config, training
 from torchtune.training import FullModelHFCheckpointer
 
@@ -250,3 +258,27 @@ def test_adapter_only_writes_the_adapter_alone(hf_base, tmp_path):
     with_adapter = peft.AutoPeftModelForCausalLM.from_pretrained(epoch / "adapter")
     assert base_name == str(hf_base.resolve())
     assert _rel(_hf_logits(with_adapter), tuned) <= BOUND
+
+
+def test_epoch_resume_finds_the_adapter_where_torchtune_looks(tmp_path):
+    """torchtune's epoch resume (no step checkpoints) still reads ``epoch_N/adapter_model.pt``:
+    a LoRA run stopped after its first of two epochs goes on with the second only and ends on
+    the uninterrupted run's adapters, each epoch's PEFT adapter in its own folder."""
+    settings = {"epochs": 2, "max_steps_per_epoch": 2, "save_every_n_steps": "null"}
+    uninterrupted, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
+    for out in (uninterrupted, stopped):
+        proc = run_tune(lora_tiny_args(out, **settings), timeout=600)
+        assert proc.returncode == 0, output_of(proc)[-4000:]
+    # As if the run had stopped after epoch 0: its epoch-1 outputs and logs are gone.
+    shutil.rmtree(stopped / "epoch_1")
+    shutil.rmtree(stopped / "logs")
+    proc = run_tune([*lora_tiny_args(stopped, **settings), "resume_from_checkpoint=True"])
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert len(read_scalars(stopped / "logs")["loss"]) == 2  # epoch 1's steps, not 4
+    for epoch in ("epoch_0", "epoch_1"):
+        assert (stopped / epoch / "adapter" / "adapter_config.json").is_file()
+    resumed = load_adapters(stopped / "epoch_1" / "adapter_model.pt")
+    expected = load_adapters(uninterrupted / "epoch_1" / "adapter_model.pt")
+    assert resumed.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(resumed[key], tensor), key
