@@ -238,3 +238,52 @@ def _is_running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# --- what a resumed run trained --------------------------------------------------------------
+
+
+def logged_steps(log_root: Path | str, tag: str = "loss") -> dict[int, float]:
+    """``{step: value}`` of every ``tag`` logged under ``log_root``, from TensorBoard events or
+    ``DiskLogger`` text files (``Step 3 | loss:7.61 lr:...``), whichever the run wrote.
+
+    :func:`read_scalars` drops the steps; a resumed run logging into a folder of its own shows
+    here which steps it trained, which is what tells resuming from retraining from step 0.
+    """
+    root = Path(log_root)
+    events: list[tuple[int, float]] = []
+    for log_file in sorted(root.rglob("log_*.txt")):
+        for line in log_file.read_text().splitlines():
+            step, _, metrics = line.removeprefix("Step ").partition(" | ")
+            for item in metrics.split():
+                key, _, value = item.partition(":")
+                if key == tag:
+                    events.append((int(step), float(value)))
+    event_files = sorted(root.rglob("events.out.tfevents.*"))
+    if event_files:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from tensorboard.util.tensor_util import make_ndarray
+
+    for event_file in event_files:
+        ea = EventAccumulator(str(event_file), size_guidance={"tensors": 0, "scalars": 0})
+        ea.Reload()
+        tags = ea.Tags()
+        if tag in tags.get("tensors", []):
+            events += [
+                (e.step, float(make_ndarray(e.tensor_proto).reshape(-1)[0]))
+                for e in ea.Tensors(tag)
+            ]
+        if tag in tags.get("scalars", []):
+            events += [(e.step, float(e.value)) for e in ea.Scalars(tag)]
+    steps = [step for step, _ in events]
+    assert len(set(steps)) == len(steps), f"a step logged twice under {root}: {sorted(steps)}"
+    return dict(sorted(events))
+
+
+def latest_step_checkpoint(output_dir: Path | str) -> int:
+    """The newest complete step checkpoint under ``output_dir/step_checkpoints`` (0 if none): a
+    checkpoint is renamed into place whole, so a killed save leaves only a hidden staging
+    folder, which this does not count."""
+    root = Path(output_dir) / "step_checkpoints"
+    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*")] if root.is_dir() else []
+    return max(steps, default=0)
