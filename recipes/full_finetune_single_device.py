@@ -16,7 +16,6 @@ Copy this file to change the loop; the numerics stay in ``exactga``. docs/ has a
 """
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from torch import nn
 from torch.optim import Optimizer
 from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
-from tqdm import tqdm
 
 from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
@@ -39,12 +37,11 @@ from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
 from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
 from exactga.schemas import FullFinetuneSingleDeviceConfig
+from exactga.steps import StepBook
 from exactga.training import (
     attach_lr_scheduler_in_backward,
     causal_lm_loss,
-    handle_nonfinite_loss,
     parse_nonfinite_policy,
-    step_metrics,
     train_window,
 )
 
@@ -279,21 +276,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info("torch.compile is on: expect a slow first step while it compiles.")
         if not self._optimizer_in_bwd:
             self._optimizer.zero_grad()
-        num_tokens_since_log, t_last_log = 0, time.perf_counter()
-
         progress = self._progress
+        steps = self._step_book()
         with self._profiler:
             for curr_epoch in progress.epochs():
-                self._dataloader.sampler.set_epoch(curr_epoch)
-                pbar = tqdm(
-                    total=progress.steps_per_epoch,
-                    initial=progress.steps_done_in(curr_epoch),  # > 0 after a mid-epoch resume
-                    desc=f"epoch {curr_epoch + 1}",
-                )
-                windows = self._normalizer.windows(
-                    self._dataloader, progress.windows_left_in(curr_epoch)
-                )
-                for window in self._profiler.timed(windows):
+                for window in steps.windows(curr_epoch):
                     outcome = train_window(
                         window,
                         model=self._model,
@@ -304,45 +291,29 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         step=progress.global_step + 1,
                         clip_grad_norm=self._clip_grad_norm,
                     )
-                    progress.record_step(outcome.skipped, outcome.nonfinite)
-                    if self._lr_scheduler is not None:
-                        self._lr_scheduler.step()
-                    if outcome.nonfinite:
-                        handle_nonfinite_loss(
-                            self._nonfinite_policy,
-                            progress.global_step,
-                            weights_updated=self._optimizer_in_bwd,
-                            save_checkpoint=self.save_step_checkpoint,
-                        )
-                    num_tokens_since_log += window.num_global_tokens
-                    self._profiler.step(window.work())
-                    pbar.update(1)
-
-                    if progress.global_step % self._log_every_n_steps == 0:
-                        elapsed = time.perf_counter() - t_last_log
-                        metrics = step_metrics(
-                            window,
-                            optimizer=self._optim_ckpt_wrapper
-                            if self._optimizer_in_bwd
-                            else self._optimizer,
-                            grad_norm=outcome.grad_norm,
-                            progress=progress,
-                            tokens_per_second_per_gpu=num_tokens_since_log / elapsed,
-                            memory_device=self._device if self._log_peak_memory_stats else None,
-                        )
-                        metrics.update(self._profiler.metrics())
-                        self._metric_logger.log_dict(metrics, step=progress.global_step)
-                        if "loss" in metrics:
-                            pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
-                        num_tokens_since_log, t_last_log = 0, time.perf_counter()
-                    if progress.should_save_step_checkpoint(self._save_every_n_steps, curr_epoch):
-                        self.save_step_checkpoint()
-                pbar.close()
-                progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
-                self.save_checkpoint(epoch=curr_epoch)
-                if self._save_every_n_steps:
-                    self.save_step_checkpoint()
+                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                steps.end_epoch(curr_epoch)
         self._report_outputs()
+
+    def _step_book(self) -> StepBook:
+        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        return StepBook(
+            self._progress,
+            dataloader=self._dataloader,
+            normalizer=self._normalizer,
+            profiler=self._profiler,
+            optimizer=self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer,
+            lr_scheduler=self._lr_scheduler,
+            nonfinite_policy=self._nonfinite_policy,
+            weights_updated_in_backward=self._optimizer_in_bwd,
+            save_step_checkpoint=self.save_step_checkpoint,
+            save_epoch_checkpoint=self.save_checkpoint,
+            save_every_n_steps=self._save_every_n_steps,
+            log_every_n_steps=self._log_every_n_steps,
+            metric_logger=self._metric_logger,
+            memory_device=self._device if self._log_peak_memory_stats else None,
+        )
 
     def _report_outputs(self) -> None:
         log.info(self._profiler.summary())

@@ -22,7 +22,6 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 """
 
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,6 @@ from torch.optim import Optimizer
 from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
-from tqdm import tqdm
 
 from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
@@ -54,10 +52,9 @@ from exactga.resume import (
     write_step_checkpoint,
 )
 from exactga.schemas import KnowledgeDistillationSingleDeviceConfig
+from exactga.steps import StepBook
 from exactga.training import (
-    handle_nonfinite_loss,
     parse_nonfinite_policy,
-    step_metrics,
     train_window,
 )
 
@@ -333,21 +330,11 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         if self._compile:
             log.info("torch.compile is on: expect a slow first step while it compiles.")
         self._optimizer.zero_grad()
-        num_tokens_since_log, t_last_log = 0, time.perf_counter()
-
         progress = self._progress
+        steps = self._step_book()
         with self._profiler:
             for curr_epoch in progress.epochs():
-                self._dataloader.sampler.set_epoch(curr_epoch)
-                pbar = tqdm(
-                    total=progress.steps_per_epoch,
-                    initial=progress.steps_done_in(curr_epoch),  # > 0 after a mid-epoch resume
-                    desc=f"epoch {curr_epoch + 1}",
-                )
-                windows = self._distiller.track(
-                    self._normalizer.windows(self._dataloader, progress.windows_left_in(curr_epoch))
-                )
-                for window in self._profiler.timed(windows):
+                for window in steps.windows(curr_epoch):
                     outcome = train_window(
                         window,
                         model=self._model,
@@ -358,44 +345,31 @@ class KDRecipeSingleDevice(FTRecipeInterface):
                         step=progress.global_step + 1,
                         clip_grad_norm=self._clip_grad_norm,
                     )
-                    progress.record_step(outcome.skipped, outcome.nonfinite)
-                    if self._lr_scheduler is not None:
-                        self._lr_scheduler.step()
-                    if outcome.nonfinite:
-                        handle_nonfinite_loss(
-                            self._nonfinite_policy,
-                            progress.global_step,
-                            weights_updated=False,
-                            save_checkpoint=self.save_step_checkpoint,
-                        )
-                    num_tokens_since_log += window.num_global_tokens
-                    self._profiler.step(window.work())
-                    pbar.update(1)
-
-                    if progress.global_step % self._log_every_n_steps == 0:
-                        elapsed = time.perf_counter() - t_last_log
-                        metrics = step_metrics(
-                            window,
-                            optimizer=self._optimizer,
-                            grad_norm=outcome.grad_norm,
-                            progress=progress,
-                            tokens_per_second_per_gpu=num_tokens_since_log / elapsed,
-                            memory_device=self._device if self._log_peak_memory_stats else None,
-                        )
-                        metrics.update(self._distiller.window_metrics(window))
-                        metrics.update(self._profiler.metrics())
-                        self._metric_logger.log_dict(metrics, step=progress.global_step)
-                        if "loss" in metrics:
-                            pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
-                        num_tokens_since_log, t_last_log = 0, time.perf_counter()
-                    if progress.should_save_step_checkpoint(self._save_every_n_steps, curr_epoch):
-                        self.save_step_checkpoint()
-                pbar.close()
-                progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
-                self.save_checkpoint(epoch=curr_epoch)
-                if self._save_every_n_steps:
-                    self.save_step_checkpoint()
+                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                steps.end_epoch(curr_epoch)
         self._report_outputs()
+
+    def _step_book(self) -> StepBook:
+        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        return StepBook(
+            self._progress,
+            dataloader=self._dataloader,
+            normalizer=self._normalizer,
+            profiler=self._profiler,
+            optimizer=self._optimizer,
+            lr_scheduler=self._lr_scheduler,
+            nonfinite_policy=self._nonfinite_policy,
+            weights_updated_in_backward=False,
+            save_step_checkpoint=self.save_step_checkpoint,
+            save_epoch_checkpoint=self.save_checkpoint,
+            save_every_n_steps=self._save_every_n_steps,
+            log_every_n_steps=self._log_every_n_steps,
+            metric_logger=self._metric_logger,
+            memory_device=self._device if self._log_peak_memory_stats else None,
+            window_metrics=self._distiller.window_metrics,
+            track=self._distiller.track,
+        )
 
     def _report_outputs(self) -> None:
         log.info(self._profiler.summary())

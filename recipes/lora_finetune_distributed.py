@@ -37,7 +37,6 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training import PROFILER_KEY
-from tqdm import tqdm
 
 from exactga import distributed
 from exactga.checkpointing import step_checkpointer_for
@@ -56,11 +55,10 @@ from exactga.resume import (
     write_step_checkpoint,
 )
 from exactga.schemas import LoraFinetuneDistributedConfig
+from exactga.steps import StepBook
 from exactga.training import (
     causal_lm_loss,
-    handle_nonfinite_loss,
     parse_nonfinite_policy,
-    step_metrics,
     train_window,
 )
 
@@ -385,22 +383,11 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         if self._compile:
             distributed.log_rank_zero("torch.compile is on: expect a slow first step.")
         self._optimizer.zero_grad()
-        num_tokens_since_log, t_last_log = 0, time.perf_counter()
-
         progress = self._progress
+        steps = self._step_book()
         with self._profiler:
             for curr_epoch in progress.epochs():
-                self._dataloader.sampler.set_epoch(curr_epoch)
-                pbar = tqdm(
-                    total=progress.steps_per_epoch,
-                    initial=progress.steps_done_in(curr_epoch),  # > 0 after a mid-epoch resume
-                    desc=f"epoch {curr_epoch + 1}",
-                    disable=not self._is_rank_zero,
-                )
-                windows = self._normalizer.windows(
-                    self._dataloader, progress.windows_left_in(curr_epoch)
-                )
-                for window in self._profiler.timed(windows):
+                for window in steps.windows(curr_epoch):
                     outcome = train_window(
                         window,
                         model=self._model,
@@ -415,47 +402,31 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         ),
                         announce_skip=self._is_rank_zero,
                     )
-                    progress.record_step(outcome.skipped, outcome.nonfinite)
-                    if self._lr_scheduler is not None:
-                        self._lr_scheduler.step()
-                    if outcome.nonfinite:  # the same on every rank: the flag was reduced
-                        handle_nonfinite_loss(
-                            self._nonfinite_policy,
-                            progress.global_step,
-                            weights_updated=False,
-                            save_checkpoint=self.save_step_checkpoint,
-                        )
-                    num_tokens_since_log += window.num_global_tokens
-                    self._profiler.step(window.work())
-                    pbar.update(1)
-
-                    if progress.global_step % self._log_every_n_steps == 0:
-                        # Every rank takes part in the loss reduction; rank 0 writes.
-                        elapsed = time.perf_counter() - t_last_log
-                        metrics = step_metrics(
-                            window,
-                            optimizer=self._optimizer,
-                            grad_norm=outcome.grad_norm,
-                            progress=progress,
-                            tokens_per_second_per_gpu=num_tokens_since_log
-                            / elapsed
-                            / self.world_size,
-                            memory_device=self._device if self._log_peak_memory_stats else None,
-                        )
-                        metrics.update(self._profiler.metrics())
-                        if self._is_rank_zero:
-                            self._metric_logger.log_dict(metrics, step=progress.global_step)
-                        if "loss" in metrics:
-                            pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
-                        num_tokens_since_log, t_last_log = 0, time.perf_counter()
-                    if progress.should_save_step_checkpoint(self._save_every_n_steps, curr_epoch):
-                        self.save_step_checkpoint()
-                pbar.close()
-                progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
-                self.save_checkpoint(epoch=curr_epoch)
-                if self._save_every_n_steps:
-                    self.save_step_checkpoint()
+                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                steps.end_epoch(curr_epoch)
         self._report_outputs()
+
+    def _step_book(self) -> StepBook:
+        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        return StepBook(
+            self._progress,
+            dataloader=self._dataloader,
+            normalizer=self._normalizer,
+            profiler=self._profiler,
+            optimizer=self._optimizer,
+            lr_scheduler=self._lr_scheduler,
+            nonfinite_policy=self._nonfinite_policy,
+            weights_updated_in_backward=False,
+            save_step_checkpoint=self.save_step_checkpoint,
+            save_epoch_checkpoint=self.save_checkpoint,
+            save_every_n_steps=self._save_every_n_steps,
+            log_every_n_steps=self._log_every_n_steps,
+            metric_logger=self._metric_logger if self._is_rank_zero else None,
+            world_size=self.world_size,
+            memory_device=self._device if self._log_peak_memory_stats else None,
+            show_progress=self._is_rank_zero,
+        )
 
     def _report_outputs(self) -> None:
         distributed.log_rank_zero(self._profiler.summary())

@@ -31,6 +31,10 @@ LIBRARY_ONLY_NAMES = {
     "get_adapter_state_dict": "the saved adapters (exactga.lora.epoch_checkpoint_weights)",
     "restore_rng_state": "resume (exactga.resume.ResumePoint)",
     "capture_rng_state": "resume (exactga.resume.write_step_checkpoint)",
+    "handle_nonfinite_loss": "the non-finite policy (exactga.steps.StepBook)",
+    "close_epoch": "the save order at an epoch's end (exactga.steps.StepBook)",
+    "step_metrics": "the logged metrics (exactga.steps.StepBook)",
+    "log_dict": "what is logged (exactga.steps.StepBook)",
 }
 # Counters only TrainingProgress moves; see exactga.progress.
 COUNTERS = ("global_step", "epochs_run", "num_skipped_steps", "num_nonfinite_steps")
@@ -108,3 +112,19 @@ def test_every_named_note_is_defined_once_and_every_citation_finds_it() -> None:
     assert not twice, f"notes defined more than once: {twice}"
     dangling = {name: files for name, files in cited.items() if name not in defined}
     assert not dangling, f"cited notes that are not defined: {dangling}"
+
+
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
+def test_recipes_leave_the_step_bookkeeping_to_the_library(recipe: Path) -> None:
+    """The throughput figure and the epoch's data order are decided in exactga.steps; see
+    [step bookkeeping]. The calls that decide the rest are in LIBRARY_ONLY_NAMES."""
+    identifiers = set()
+    for node in ast.walk(ast.parse(recipe.read_text())):
+        if isinstance(node, ast.Name):
+            identifiers.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            identifiers.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            identifiers.add(node.arg)
+    for name in ("tokens_per_second_per_gpu", "set_epoch"):
+        assert name not in identifiers, f"{recipe.name} uses {name} (exactga.steps.StepBook)"

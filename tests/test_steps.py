@@ -1,0 +1,162 @@
+"""StepBook: what every recipe does around an optimizer step, in its one order; see
+[step bookkeeping] in ``exactga.steps``. Real windows and counters, a recording stand-in for
+the scheduler, logger, profiler and checkpoint writers, and an injected clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from unit_utils import make_loss, make_rows, split, tiny_model
+
+from exactga.normalization import LossNormalizer
+from exactga.progress import TrainingProgress
+from exactga.steps import StepBook
+from exactga.training import NonFiniteLossError, NonFinitePolicy, StepOutcome
+
+
+class Recorder:
+    """Stands in for the scheduler, the metric logger, the profiler and the checkpoint writers,
+    writing down every call in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.logged: dict[int, dict[str, float]] = {}
+
+    def step(self, work=None) -> None:  # the scheduler's and the profiler's
+        self.calls.append(("scheduler.step",) if work is None else ("profiler.step",))
+
+    def log_dict(self, metrics: dict[str, float], step: int) -> None:
+        self.calls.append(("log", step))
+        self.logged[step] = metrics
+
+    def metrics(self) -> dict[str, float]:
+        return {"profiler/metric": 1.0}
+
+    def timed(self, windows):
+        yield from windows
+
+    def save_step(self) -> Path:
+        self.calls.append(("step checkpoint",))
+        return Path("step")
+
+    def save_epoch(self, epoch: int) -> None:
+        self.calls.append(("epoch checkpoint", epoch))
+
+
+class Loader(list):
+    """Collated micro-batches with the sampler hook a window loader has."""
+
+    class Sampler:
+        def __init__(self) -> None:
+            self.epochs: list[int] = []
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epochs.append(epoch)
+
+    def __init__(self, batches) -> None:
+        super().__init__(batches)
+        self.sampler = Loader.Sampler()
+
+
+class Clock:
+    def __init__(self, *times: float) -> None:
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+def _book(recorder: Recorder, **overrides) -> tuple[StepBook, Loader]:
+    model = tiny_model()
+    loader = Loader(split(make_rows(), 2))  # 4 micro-batches: 2 windows of ga 2
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+    progress = TrainingProgress(seed=0, total_epochs=1, max_steps_per_epoch=None)
+    progress.start(num_windows_per_epoch=2, resumed_mid_run=False)
+    settings = dict(
+        dataloader=loader,
+        normalizer=LossNormalizer(make_loss("plain", model), 2),
+        profiler=recorder,
+        optimizer=optimizer,
+        lr_scheduler=recorder,
+        nonfinite_policy=NonFinitePolicy.STOP,
+        weights_updated_in_backward=False,
+        save_step_checkpoint=recorder.save_step,
+        save_epoch_checkpoint=recorder.save_epoch,
+        save_every_n_steps=1,
+        log_every_n_steps=2,
+        metric_logger=recorder,
+        show_progress=False,
+        clock=Clock(10.0, 14.0, 99.0),
+    )
+    settings.update(overrides)
+    return StepBook(progress, **settings), loader
+
+
+def _run_epoch(book: StepBook, outcomes: list[StepOutcome]):
+    reports = [book.end_step(w, o) for w, o in zip(book.windows(0), outcomes, strict=True)]
+    book.end_epoch(0)
+    return reports
+
+
+def test_each_step_then_the_epoch_end_happen_in_the_one_order() -> None:
+    recorder = Recorder()
+    book, loader = _book(recorder)
+    reports = _run_epoch(book, [StepOutcome(skipped=False)] * 2)
+    assert loader.sampler.epochs == [0]
+    assert recorder.calls == [
+        ("scheduler.step",),
+        ("profiler.step",),
+        ("step checkpoint",),
+        ("scheduler.step",),
+        ("profiler.step",),
+        ("log", 2),  # every 2 steps
+        # the epoch's last step is saved after it closes, then the epoch, then the closed epoch
+        ("epoch checkpoint", 0),
+        ("step checkpoint",),
+    ]
+    assert [r.step for r in reports] == [1, 2] and book.progress.epochs_run == 1
+    assert reports[0].loss is None and reports[0].metrics == {}
+
+
+def test_a_logged_step_reports_its_loss_and_tokens_per_second_since_the_last_log() -> None:
+    recorder = Recorder()
+    book, _ = _book(recorder, world_size=2)
+    windows = list(book.windows(0))  # the clock's first reading, 10 s
+    # Windows are counted as they open; the losses come from their micro-batches' runs.
+    for window in windows:
+        for micro_batch in window.micro_batches_to_run():
+            window.scale(torch.tensor(2.0), micro_batch)
+    reports = [book.end_step(w, StepOutcome(skipped=False)) for w in windows]  # logged at 14 s
+    tokens = sum(w.num_global_tokens for w in windows)
+    metrics = recorder.logged[2]
+    assert metrics["tokens_per_second_per_gpu"] == tokens / 4.0 / 2  # over 4 s and 2 ranks
+    assert metrics["loss"] == pytest.approx(2.0) and reports[1].loss == metrics["loss"]
+    assert metrics["lr"] == 0.25 and metrics["profiler/metric"] == 1.0
+    assert reports[1].metrics == metrics
+
+
+def test_a_nonfinite_step_under_stop_saves_then_stops() -> None:
+    recorder = Recorder()
+    book, _ = _book(recorder)
+    window = next(book.windows(0))
+    with pytest.raises(NonFiniteLossError, match="step 1"):
+        book.end_step(window, StepOutcome(skipped=True, nonfinite=True))
+    assert recorder.calls == [("scheduler.step",), ("step checkpoint",)]
+    assert book.progress.global_step == 1
+
+
+def test_window_metrics_and_the_tracked_windows_are_the_recipes() -> None:
+    recorder = Recorder()
+    seen = []
+
+    def track(windows):
+        for window in windows:
+            seen.append(window)
+            yield window
+
+    book, _ = _book(recorder, track=track, window_metrics=lambda w: {"kd_loss": 3.0})
+    _run_epoch(book, [StepOutcome(skipped=True)] * 2)
+    assert len(seen) == 2
+    assert recorder.logged[2]["kd_loss"] == 3.0
