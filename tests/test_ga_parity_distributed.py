@@ -31,6 +31,19 @@ RUNS = {
     for micro_batching in (MICRO_BATCHINGS if mode == "exact" else ("fixed",))
     for split in SPLITS
 }
+# Fixed bounds, never the report's own floor (only checked to be the config's), measured with
+# ``pytest tests/test_ga_parity_distributed.py -p no:xdist -rP`` (4 steps of the small model,
+# relative L2 to the one-device full batch; fp32's rounding of other summation orders weighs more
+# after 4 steps with warm-up than the 1e-7 to 1e-6 of 12):
+# - fp32, exact under every micro-batching: worst 5.5e-6 (1x8 on one device), 4.5e-6 to 5.2e-6
+#   over two ranks; bounded about 2x above. Naive 1.1e-1 to 2.0e-1 and stock's post_scale
+#   (train_on_input) 4.8e-3 to 7.7e-3; bounded about 3x below.
+FP32_EXACT_BOUND = 1e-5
+FP32_NAIVE_MIN = 4e-2
+FP32_STOCK_MIN = 1.5e-3
+# - bf16 over fp32 master weights: 1x2x2 to the bf16 4x1 8.7e-3 (the bf16 4x1 to the fp32 4x1:
+#   2.1e-2), bf16's rounding; bounded about 2.3x above, and 8x below to show it trained in bf16.
+BF16_EXACT_MIN, BF16_EXACT_BOUND = 1e-3, 2e-2
 
 
 def test_splits_across_two_ranks_match_the_full_batch(tmp_path):
@@ -54,15 +67,17 @@ def test_splits_across_two_ranks_match_the_full_batch(tmp_path):
     assert set(runs) == RUNS
     assert summary["reference"] == "8x1"
 
-    floor = summary["noise_floor"]
+    assert summary["noise_floor"] == summary["floor"] == 1e-5  # the config's, in fp32
     exact = {key: run for key, run in runs.items() if key[0] == "exact"}
     worst_exact_l2 = max(run["relative_l2"] for run in exact.values())
-    for (_, micro_batching, split), run in sorted(exact.items()):  # over two ranks too
-        print(f"exact/{micro_batching} {split}: relative L2 {run['relative_l2']:.3e}")
-        assert run["relative_l2"] <= floor
+    for (mode, micro_batching, split), run in sorted(runs.items()):
+        print(f"{mode}/{micro_batching} {split}: relative L2 {run['relative_l2']:.3e}")
+    for run in exact.values():  # over two ranks too
+        assert run["relative_l2"] <= FP32_EXACT_BOUND, run
     for split in SPLITS:  # naive is orders of magnitude away; train_on_input: stock too
-        assert runs["naive", "fixed", split]["relative_l2"] > 100 * worst_exact_l2
-        assert runs["post_scale", "fixed", split]["relative_l2"] > 10 * worst_exact_l2
+        naive, stock = runs["naive", "fixed", split], runs["post_scale", "fixed", split]
+        assert naive["relative_l2"] > max(FP32_NAIVE_MIN, 100 * worst_exact_l2)
+        assert stock["relative_l2"] > max(FP32_STOCK_MIN, 10 * worst_exact_l2)
     # Naive weights each micro-batch mean 1/(ga*ranks): 1x4x2 and 1x8 optimise the same
     # objective on the same one-sequence micro-batches, so they land together (measured: the
     # distances agree to 1.5e-8 relative).
@@ -119,6 +134,8 @@ def test_a_bf16_split_across_two_ranks_sits_within_the_precisions_floor(tmp_path
         f"{run['relative_l2']:.3e}, to fp32 4x1: {run['relative_l2_to_fp32']:.3e}"
     )
     assert precision_cost > 0
-    # Trained in bf16 on both ranks (far above fp32's floor), within bf16's own.
-    assert summary["noise_floor"] < run["relative_l2"] <= summary["floor"]
+    # Trained in bf16 on both ranks (far above fp32's rounding), within the bound measured for
+    # bf16; the report's own floor agrees.
+    assert BF16_EXACT_MIN < run["relative_l2"] <= BF16_EXACT_BOUND
+    assert run["relative_l2"] <= summary["floor"]
     assert run["relative_l2_to_fp32"] > 0

@@ -4,7 +4,8 @@ The LoRA docs and configs/tiny/qlora_single_device.yaml offer
 ``optimizer._component_=torchao.optim.AdamW8bit``. What exactga does with it is what is tested:
 the recipe builds it from the config section over the adapters, steps it, saves its 8-bit state
 in a step checkpoint, and a resume loads that state (``weights_only=True``) and ends on the
-adapters of the run it resumes, bit for bit.
+adapters of the run it resumes, bit for bit, having trained only the step after its checkpoint
+(a run retrained from step 0 would end on the same adapters; the steps it logs tell it apart).
 
 torchao compiles its optimizer step with ``torch.compile`` on first use, which on our 2 CPU cores
 takes 40 s with an empty compile cache (and minutes beside other tests) and is torchao's own
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recipe_utils import load_adapters, lora_tiny_args, output_of, run_tune
+from recipe_utils import load_adapters, logged_steps, lora_tiny_args, output_of, run_tune
 
 pytestmark = pytest.mark.slow
 
@@ -52,10 +53,15 @@ def test_adamw8bit_trains_saves_8bit_state_and_resumes_bit_identically(tmp_path)
             path.unlink()
         (checkpoints / f"step_{step:06d}").rmdir()
     (out / ADAPTERS).unlink()
-    proc = run_tune([*args, "resume_from_checkpoint=True"], extra_env=EAGER)
+    resumed_logs = out / "resumed_logs"
+    resume = ["resume_from_checkpoint=True", f"metric_logger.log_dir={resumed_logs}"]
+    proc = run_tune([*args, *resume], extra_env=EAGER)
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert "Resuming from step checkpoint" in output_of(proc)
     resumed = load_adapters(out / ADAPTERS)
     assert resumed.keys() == uninterrupted.keys()
     for key, tensor in uninterrupted.items():
         assert torch.equal(resumed[key], tensor), key
+    losses = logged_steps(resumed_logs)  # step 3 alone, with the uninterrupted run's loss
+    assert list(losses) == [3], f"the resumed run logged steps {list(losses)}"
+    assert losses[3] == logged_steps(out / "logs")[3]

@@ -12,7 +12,8 @@ see them.
 Bounds (issue #13): full fine-tuning with ``dtype: bf16, master_weights: fp32`` within 3e-3
 (SGD) and 3e-2 (AdamW) for the splits 8x1 and 1x8 on one device, and 4x1 and 1x4 on 2 gloo
 ranks. LoRA from a bf16 base against fp32 LoRA: fp32 adapters at least 10x closer than pure
-bf16 with SGD, and no further with AdamW (there the bf16 base itself dominates).
+bf16 with SGD; with AdamW no further, but not much closer either, since there the bf16 base
+itself dominates (``LORA_BANDS``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from recipe_utils import (
     REPO_ROOT,
     load_adapters,
+    logged_steps,
     lora_tiny_args,
     output_of,
     relative_l2,
@@ -42,6 +44,18 @@ sys.modules[_spec.name] = table  # its dataclass looks its module up there
 _spec.loader.exec_module(table)
 
 BOUND = {"sgd": 3e-3, "adamw": 3e-2}
+# LoRA over a bf16 base, adapters' relative L2 to fp32 LoRA after 12 steps, measured with
+# ``pytest tests/test_precision_recipes.py -p no:xdist -rP -k lora`` (docs/precision.md's table):
+# SGD pure bf16 1.19e-1, fp32 adapters 4.3e-3 (28x closer); AdamW pure bf16 5.3e-2, fp32 adapters
+# 4.7e-2 (1.1x). Each distance must stay within a factor 3 of its measurement either way: below,
+# the run did not train in bf16 at all (an fp32 run lands at 1e-6); above, bf16 costs more than
+# it did. With AdamW the ratio is the documented claim made falsifiable: fp32 adapters land
+# no further than pure bf16 and at least half as far (the bf16 base, not the adapters'
+# precision, is what is left).
+LORA_BANDS = {  # optimizer: {precision: (low, high)}
+    "sgd": {"bf16": (4e-2, 3.6e-1), "bf16_master": (1.4e-3, 1.3e-2)},
+    "adamw": {"bf16": (1.8e-2, 1.6e-1), "bf16_master": (1.6e-2, 1.4e-1)},
+}
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +107,13 @@ def test_lora_fp32_adapters_are_closer_to_fp32_lora_than_pure_bf16(trained, opti
     rel_pure = _distance(trained, pure, reference)
     rel_master = _distance(trained, master, reference)
     print(f"LoRA {optimizer}: pure bf16 {rel_pure:.2e}, fp32 adapters {rel_master:.2e}")
+    for precision, rel in (("bf16", rel_pure), ("bf16_master", rel_master)):
+        low, high = LORA_BANDS[optimizer][precision]
+        assert low < rel < high, (precision, rel)
     if optimizer == "sgd":
         assert rel_master * 10 <= rel_pure
     else:
-        assert rel_master <= rel_pure
+        assert rel_pure / 2 <= rel_master <= rel_pure
 
 
 def test_bf16_stochastic_rounding_optimizer_trains_and_resumes_bit_identically(tmp_path):
@@ -121,9 +138,16 @@ def test_bf16_stochastic_rounding_optimizer_trains_and_resumes_bit_identically(t
         path.unlink()
     (checkpoints / f"step_{steps:06d}").rmdir()
     (out / adapters).unlink()
-    proc = run_tune([*args, "resume_from_checkpoint=True"], extra_env=table.EAGER)
+    resumed_logs = out / "resumed_logs"
+    resume = ["resume_from_checkpoint=True", f"metric_logger.log_dir={resumed_logs}"]
+    proc = run_tune([*args, *resume], extra_env=table.EAGER)
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert "Resuming from step checkpoint" in output_of(proc)
     resumed = load_adapters(out / adapters)
     for key, tensor in uninterrupted.items():
         assert torch.equal(resumed[key], tensor), key
+    # Only the last step trained again (a run retrained from step 0 would end on the same
+    # adapters: same seed, same data), with the uninterrupted run's loss.
+    losses = logged_steps(resumed_logs)
+    assert list(losses) == [steps], f"the resumed run logged steps {list(losses)}"
+    assert losses[steps] == logged_steps(out / "logs")[steps]

@@ -22,6 +22,12 @@ SPLITS = ("1x8", "2x4")
 MODES = ("naive", "post_scale", "exact")
 MICRO_BATCHINGS = ("fixed", "by_length")
 KD_RATIO = 0.75  # not the default, so the report's figure shows the key was read
+# Fixed bounds, never the report's own floor (only checked to be the config's), measured with
+# ``pytest tests/test_recipe_ga_parity_kd.py -p no:xdist -m slow -rP`` (4 steps, fp32, relative
+# L2 to the full batch): exact 1.3e-6 to 2.1e-6, fp32's rounding of other summation orders, bounded
+# about 2.4x above; stock's post_scale 4.4e-1 to 7.1e-1, bounded about 4x below.
+KD_EXACT_BOUND = 5e-6
+KD_STOCK_MIN = 1e-1
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +65,11 @@ def test_kd_report_lands_exact_splits_at_the_floor_and_stocks_above(kd_report):
     worst_exact = max(r["relative_l2"] for r in exact)
     for run in summary["runs"]:
         print(f"{run['mode']}/{run['micro_batching']} {run['split']}: {run['relative_l2']:.3e}")
-    assert worst_exact <= summary["noise_floor"]
+    assert summary["noise_floor"] == summary["floor"] == 1e-5  # the config's, in fp32
+    assert worst_exact <= KD_EXACT_BOUND
     for split in SPLITS:  # stock's KD weighting: every micro-batch's mean weighs the same
         stock = runs["post_scale", "fixed", split]
-        assert stock["relative_l2"] > summary["floor"]
+        assert stock["relative_l2"] > KD_STOCK_MIN
         assert stock["relative_l2"] > 100 * worst_exact
     assert "**Verdict:** EXACT: every exact-mode run (fixed, by_length" in report
 

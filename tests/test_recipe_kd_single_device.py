@@ -35,9 +35,11 @@ from kd_utils import (
 )
 from recipe_utils import (
     EMPTY_WINDOW_RUN,
+    latest_step_checkpoint,
     launch_and_kill,
     load_adapters,
     load_weights,
+    logged_steps,
     output_of,
     read_scalars,
     relative_l2,
@@ -129,15 +131,12 @@ def test_artefacts_match_stock_layout(parity_runs):
     assert adapter_config["base_model_name_or_path"] == str((out / "base_model").resolve())
 
 
-def _latest_step(out: Path) -> int:
-    root = out / "step_checkpoints"
-    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*")] if root.is_dir() else []
-    return max(steps, default=0)
-
-
-def test_killed_run_resumes_bit_identically(tmp_path, parity_runs):
+def test_killed_run_resumes_bit_identically(tmp_path, run_once):
     """SIGKILL once a random step's checkpoint exists (plus a random delay, so mid-step or
-    mid-save); the resumed run ends with exactly the uninterrupted run's adapters."""
+    mid-save); the resumed run ends with exactly the uninterrupted run's adapters, and trains
+    only the steps after its checkpoint: a run retrained from step 0 would end on the same
+    adapters too (same seed, same data), and only the steps it logs tell it apart."""
+    reference = one_rank_run(run_once, RESUME_CASE, (8, 1))  # the uninterrupted run
     seed = time.time_ns() % 1_000_000
     rng = random.Random(seed)
     kill_after, delay = rng.randint(1, PARITY_STEPS - 4), rng.uniform(0.0, 0.2)
@@ -145,16 +144,30 @@ def test_killed_run_resumes_bit_identically(tmp_path, parity_runs):
     out = tmp_path / "run"
     args = parity_args(out, RESUME_CASE, 8, 1)
     launch_and_kill(
-        args, tmp_path / "killed.txt", ready=lambda: _latest_step(out) >= kill_after, delay_s=delay
+        args,
+        tmp_path / "killed.txt",
+        ready=lambda: latest_step_checkpoint(out) >= kill_after,
+        delay_s=delay,
     )
-    proc = run_tune([*args, "resume_from_checkpoint=True"], timeout=600)
+    checkpoint = latest_step_checkpoint(out)  # what the resumed run must go on from
+    resumed_logs = tmp_path / "resumed_logs"
+    proc = run_tune(
+        [*args, "resume_from_checkpoint=True", f"metric_logger.log_dir={resumed_logs}"],
+        timeout=600,
+    )
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert "Resuming from step checkpoint" in output_of(proc)
     resumed = load_adapters(out / ADAPTERS)
-    uninterrupted = load_adapters(parity_runs[(RESUME_CASE, (8, 1))] / ADAPTERS)
+    uninterrupted = load_adapters(reference / ADAPTERS)
     assert resumed.keys() == uninterrupted.keys()
     for key, tensor in uninterrupted.items():
         assert torch.equal(resumed[key], tensor), key
+    # The steps after the checkpoint and no other, each with the uninterrupted run's loss.
+    losses, expected = logged_steps(resumed_logs), logged_steps(reference / "logs")
+    print(f"resumed after step {checkpoint}: logged steps {list(losses)}")
+    assert list(losses) == list(range(checkpoint + 1, PARITY_STEPS + 1))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(expected[step], rel=1e-6), step
 
 
 def test_window_without_loss_tokens_skips_its_step(tmp_path):

@@ -19,6 +19,7 @@ import torch
 from recipe_utils import (
     EMPTY_WINDOW_RUN,
     QLORA_TINY_CONFIG,
+    SMALL_MODEL,
     load_adapters,
     load_weights,
     lora_tiny_args,
@@ -60,6 +61,12 @@ PRECISIONS = {
     "fp64": (["dtype=fp64", "loss._component_=torch.nn.CrossEntropyLoss"], 1e-7),
 }
 FP64_ADAMW = ["optimizer.eps=1e-5"]
+# How far the 8x1 run's adapters move from their initialisation in PARITY_STEPS steps,
+# ||a - a_init|| / ||a_init|| (B starts at zero, so the norm is A's): the parity bounds above
+# are relative to a real move. Measured with ``pytest tests/test_recipe_lora_single_device.py
+# -p no:xdist -rP -k accumulation_splits``: SGD 0.081 and 0.088, AdamW 0.19 to 0.28 (over both
+# precisions and train_on_input); the bounds are about 3x below the smallest.
+MIN_MOVED = {"sgd": 2.5e-2, "adamw": 6e-2}
 PARITY_CASES = [  # (precision, optimizer, train_on_input)
     *(("fp64", opt, toi) for opt in OPTIMIZERS for toi in (True, False)),
     ("fp32", "adamw", True),
@@ -159,7 +166,8 @@ def test_accumulation_splits_match_full_batch(
     ref_scalars = read_scalars(reference / "logs")
     assert len(ref_scalars["loss"]) == PARITY_STEPS
     moved = relative_l2(a_ref, initial_adapters, {k: torch.zeros_like(v) for k, v in a_ref.items()})
-    print(f"{optimizer} train_on_input={train_on_input}: ||a - a_init|| / ||a|| = {moved:.3f}")
+    print(f"{optimizer} train_on_input={train_on_input}: ||a - a_init|| / ||a_init|| = {moved:.3f}")
+    assert moved > MIN_MOVED[optimizer]
 
     for (bs, ga), run_dir in runs.items():
         if run_dir == reference:
@@ -253,26 +261,140 @@ def test_artefacts_match_stock_layout(tmp_path):
     assert all(math.isfinite(v) for v in scalars["loss"])
 
 
-def test_qlora_nf4_runs_on_cpu(tmp_path):
-    """The tiny QLoRA config (NF4 base through torchao) trains on CPU and writes adapters.
-    Kept at the config's sizes: NF4 needs weights in multiples of 16384 elements."""
+# QLoRA: B starts at exactly zero; after 2 steps (warm-up: the first at learning rate 0) the
+# largest element of each B measured 6.0e-4 (``-rP`` prints it); bounded 6x below.
+QLORA_MIN_LORA_B = 1e-4
+
+
+def test_qlora_trains_on_an_nf4_base_on_cpu(tmp_path):
+    """The tiny QLoRA config (``quantize_base: True``) trains on CPU with its frozen base in NF4
+    (torchao), and the adapters move. Kept at the config's sizes: NF4 needs weights in multiples
+    of 16384 elements.
+
+    What shows the run's base was NF4: the base projection without an adapter (``k_proj``;
+    ``lora_attn_modules`` are q, v and output) comes out in the merged weights as exactly
+    torchao's NF4 round trip of the initial weight, ``to_nf4(w).get_original_weight()``, not
+    ``w`` itself, as a plain LoRA run writes it (test_artefacts_match_stock_layout): the model
+    the run trained held it as an ``NF4Tensor``. Compared in torchtune's layout, where the
+    model quantised it (the HF layout permutes q and k rows, which regroups NF4's blocks).
+    """
+    from torchao.dtypes.nf4tensor import to_nf4
+    from torchtune.models.convert_weights import hf_to_tune
+
+    sizes = {"num_layers": 1, "embed_dim": 256, "intermediate_dim": 768}
+    sizes |= {"num_heads": 4, "num_kv_heads": 2}
     out = tmp_path / "out"
     args = lora_tiny_args(
         out,
         config=QLORA_TINY_CONFIG,
         max_steps_per_epoch=2,
-        model__num_layers=1,
-        model__embed_dim=256,
-        model__intermediate_dim=768,
-        model__num_heads=4,
-        model__num_kv_heads=2,
+        **{f"model__{key}": value for key, value in sizes.items()},
     )
     proc = run_tune(args)
     assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert "NF4" in output_of(proc) or (out / ADAPTERS).is_file()
-    for name, tensor in load_adapters(out / ADAPTERS).items():
+    layout = {"num_heads": 4, "num_kv_heads": 2, "dim": 256}
+    base = hf_to_tune(load_weights(out / BASE), **layout)
+    merged = hf_to_tune(load_weights(out / MERGED), **layout)  # dequantised base, bf16
+    frozen = [key for key in base if key.endswith("attn.k_proj.weight")]
+    assert len(frozen) == sizes["num_layers"]
+    for key in frozen:
+        nf4 = to_nf4(base[key]).get_original_weight()
+        assert torch.equal(merged[key], nf4.to(merged[key].dtype)), key
+        assert not torch.equal(merged[key].float(), base[key]), key  # NF4's rounding shows
+    adapters = load_adapters(out / ADAPTERS)
+    for name, tensor in adapters.items():
         assert torch.isfinite(tensor).all(), name
-    assert (out / MERGED).is_file()  # dequantised base plus merged adapters (bf16)
+    lora_b = {k: float(v.abs().max()) for k, v in adapters.items() if "lora_b" in k}
+    print(
+        f"QLoRA largest |B| element per adapter: {min(lora_b.values()):.2e} to "
+        f"{max(lora_b.values()):.2e}"
+    )
+    assert len(lora_b) == 6 * sizes["num_layers"]  # q, v, output, w1, w2, w3
+    assert all(value > QLORA_MIN_LORA_B for value in lora_b.values()), lora_b
+
+
+# DoRA: 3 steps of AdamW at 3e-3 without warm-up, fp32, so the magnitudes move well beyond
+# rounding: measured ||m - m_init|| / ||m_init|| 1.9e-2 to 3.3e-2 per adapted linear; the bound
+# is a factor 3 below the smallest. The saved adapters rebuild the merged weights bit for bit
+# (measured 0); the bound allows fp32 rounding.
+DORA_RUN = {
+    "model__use_dora": True,
+    "max_steps_per_epoch": 3,
+    "optimizer__lr": 3e-3,
+    "lr_scheduler__num_warmup_steps": 0,
+}
+DORA_MIN_MOVED = 6e-3
+DORA_ROUND_TRIP = 1e-6
+
+
+@pytest.fixture(scope="module")
+def dora_run(run_once) -> Path:
+    def make(out: Path) -> None:
+        proc = run_tune(lora_tiny_args(out, **DORA_RUN))
+        assert proc.returncode == 0, output_of(proc)[-4000:]
+
+    return run_once("lora_dora", make)
+
+
+def _in_torchtune_layout(path: Path) -> dict[str, torch.Tensor]:
+    """An HF-layout checkpoint of the small model in torchtune's names and q/k row order."""
+    from torchtune.models.convert_weights import hf_to_tune
+
+    return hf_to_tune(
+        load_weights(path),
+        num_heads=SMALL_MODEL["model.num_heads"],
+        num_kv_heads=SMALL_MODEL["model.num_kv_heads"],
+        dim=SMALL_MODEL["model.embed_dim"],
+    )
+
+
+def test_dora_trains_magnitudes_that_rebuild_the_merged_weights(dora_run):
+    """``model.use_dora=True``: every adapted linear saves a magnitude, which starts as the row
+    norms of the loaded base weight (B starts at zero; checked on stock's DoRA config in
+    tests/test_stock_distributed_configs.py) and trains away from them; the saved adapters on
+    the base weights, by DoRA's formula ``m * (W + s B A) / ||W + s B A||`` per row, give the
+    merged weights the run wrote."""
+    adapters = load_adapters(dora_run / ADAPTERS)
+    base = _in_torchtune_layout(dora_run / BASE)
+    merged = _in_torchtune_layout(dora_run / MERGED)
+    magnitudes = [key for key in adapters if key.endswith(".magnitude")]
+    assert len(magnitudes) == 6 * SMALL_MODEL["model.num_layers"]  # q, v, output, w1, w2, w3
+    scale = 16 / 8  # lora_alpha / lora_rank of the tiny config
+    for key in magnitudes:
+        module = key.removesuffix(".magnitude")
+        weight = base[f"{module}.weight"]
+        initial = torch.linalg.norm(weight, dim=1)
+        moved = float((adapters[key] - initial).norm() / initial.norm())
+        print(f"{module}: magnitude moved {moved:.2e} relative")
+        assert moved > DORA_MIN_MOVED, module
+        lora_b, lora_a = adapters[f"{module}.lora_b.weight"], adapters[f"{module}.lora_a.weight"]
+        adapted = weight + scale * lora_b @ lora_a
+        expected = adapted * (adapters[key] / torch.linalg.norm(adapted, dim=1)).view(-1, 1)
+        rebuilt = float((merged[f"{module}.weight"] - expected).norm() / expected.norm())
+        assert rebuilt <= DORA_ROUND_TRIP, (module, rebuilt)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the PEFT adapter of a DoRA run does not rebuild the merged weights: its "
+    "adapter_config.json says peft_type LORA without use_dora, so PEFT drops the magnitudes "
+    "(the merged projections land 2e-2 to 3e-2 off); with use_dora added, q_proj is still "
+    "1.1e-1 off, since torchtune's tune_to_peft_adapter_weights permutes q_proj's lora_B into "
+    "HF's row order but not its magnitude. A fix belongs in src/exactga (the adapter writer).",
+)
+def test_dora_peft_adapter_rebuilds_the_merged_weights(dora_run):
+    """``PeftModel.from_pretrained(base, epoch_0/adapter)``, merged, gives the merged weights
+    the run wrote, as it does for LoRA (tests/test_hf_round_trip.py)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(dora_run / "base_model")
+    with_adapter = peft.PeftModel.from_pretrained(base, dora_run / "epoch_0" / "adapter")
+    rebuilt = with_adapter.merge_and_unload().state_dict()
+    merged = load_weights(dora_run / MERGED)
+    for key, tensor in merged.items():
+        distance = float((rebuilt[key] - tensor).norm() / tensor.norm())
+        assert distance <= 1e-5, (key, distance)
 
 
 @pytest.mark.parametrize("bad", ["model._component_=torchtune.models.llama3_2.llama3_2"])

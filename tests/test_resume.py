@@ -5,7 +5,11 @@ scenario trains 12 steps over two epochs with a step checkpoint after every step
 interruption and once killed (the whole process group, as a lost machine would be) as soon as
 a checkpoint of a randomly drawn step exists, plus a random delay so the kill may land mid-step
 or mid-save. The resumed run must end with the same weights (relative L2 <= 1e-6; in practice
-they are bit-identical). The draw is printed (``-rP``); ``EXACTGA_KILL_SEED`` replays one.
+they are bit-identical) and, logging into a folder of its own, log exactly the steps after the
+checkpoint it went on from, with the uninterrupted run's losses: a run that printed "Resuming"
+and then retrained from step 0 would end on the same weights too (same seed, same data), and
+only its logged steps tell it apart. The draw is printed (``-rP``); ``EXACTGA_KILL_SEED``
+replays one.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from recipe_utils import (
     RECIPE,
     SMALL_MODEL,
     TINY_CONFIG,
+    latest_step_checkpoint,
     launch_and_kill,
     load_weights,
+    logged_steps,
     output_of,
     relative_l2,
     run_tune,
@@ -80,12 +86,6 @@ def _kill_seed() -> int:
     return int(os.environ.get("EXACTGA_KILL_SEED", time.time_ns() % 1_000_000))
 
 
-def _latest_step(out: Path) -> int:
-    root = out / "step_checkpoints"
-    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*")] if root.is_dir() else []
-    return max(steps, default=0)
-
-
 def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int = 1) -> None:
     """Launch, and SIGKILL it (every rank) once a random step's checkpoint exists."""
     kill_after = rng.randint(first_step, STEPS_PER_EPOCH * EPOCHS - 4)
@@ -93,7 +93,7 @@ def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int 
     launch_and_kill(
         _args(scenario, out),
         out.parent / f"{out.name}_killed.txt",
-        ready=lambda: _latest_step(out) >= kill_after,
+        ready=lambda: latest_step_checkpoint(out) >= kill_after,
         timeout_s=KILL_TIMEOUT_S,
         delay_s=delay,
     )
@@ -120,32 +120,56 @@ def _distance(run: Path, reference: Path) -> float:
     return relative_l2(load_weights(run / FINAL), load_weights(reference / FINAL), initial)
 
 
+def _resume(scenario: str, out: Path, log_dir: Path) -> None:
+    """Resume the killed run in ``out``, logging into ``log_dir`` (a folder of its own)."""
+    overrides = {"resume_from_checkpoint": True, "metric_logger.log_dir": log_dir}
+    proc = run_tune(_args(scenario, out, **overrides), timeout=600)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert "Resuming from step checkpoint" in output_of(proc)
+
+
+def _check_trained_only_the_rest(log_dir: Path, reference: Path, after_step: int) -> None:
+    """The resumed run logged steps ``after_step + 1`` to the last and no other, each with the
+    loss the uninterrupted run ``reference`` logged at that step. (The message "Resuming from
+    step checkpoint" is printed before anything is restored, so it does not show this.)"""
+    resumed, uninterrupted = logged_steps(log_dir), logged_steps(reference / "logs")
+    print(f"resumed after step {after_step}: logged steps {list(resumed)}")
+    assert list(uninterrupted) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
+    assert list(resumed) == list(range(after_step + 1, STEPS_PER_EPOCH * EPOCHS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-6), step
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, scenario):
     seed = _kill_seed()
     print(f"EXACTGA_KILL_SEED={seed}")
     out = tmp_path / "run"
     _run_and_kill(scenario, out, random.Random(seed))
+    checkpoint = latest_step_checkpoint(out)  # what the resumed run must go on from
 
-    proc = run_tune(_args(scenario, out, resume_from_checkpoint=True), timeout=600)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert "Resuming from step checkpoint" in output_of(proc)
+    _resume(scenario, out, tmp_path / "resumed_logs")
     rel = _distance(out, uninterrupted(scenario))
     print(f"{scenario}: resumed vs uninterrupted relative L2 {rel:.3e}")
     assert rel <= TOLERANCE
+    _check_trained_only_the_rest(tmp_path / "resumed_logs", uninterrupted(scenario), checkpoint)
 
 
 def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
     out = tmp_path / "run"
     _run_and_kill("full", out, random.Random(_kill_seed()), first_step=2)  # two checkpoints
-    latest = out / "step_checkpoints" / f"step_{_latest_step(out):06d}" / "model.safetensors"
+    step = latest_step_checkpoint(out)
+    latest = out / "step_checkpoints" / f"step_{step:06d}" / "model.safetensors"
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
 
-    proc = run_tune(_args("full", out, resume_from_checkpoint=True), timeout=600)
+    log_dir = tmp_path / "resumed_logs"
+    overrides = {"resume_from_checkpoint": True, "metric_logger.log_dir": log_dir}
+    proc = run_tune(_args("full", out, **overrides), timeout=600)
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert f"{latest}" in output_of(proc) and "truncated" in output_of(proc)
     assert "falling back to the previous step checkpoint" in output_of(proc)
     assert _distance(out, uninterrupted("full")) <= TOLERANCE
+    _check_trained_only_the_rest(log_dir, uninterrupted("full"), after_step=step - 1)
 
 
 def test_resume_refuses_a_changed_batch_split(uninterrupted, tmp_path):

@@ -7,7 +7,8 @@ logged, through torchtune's ``DiskLogger``, which prints it with ``repr``). The 
 as shipped (seed, data order, optimizer, warm-up, clipping, accumulation split) except for:
 
 - the model, shrunk to the tests' ``SMALL_MODEL`` (``tests/recipe_utils.py``) so a step costs
-  milliseconds;
+  milliseconds, and for knowledge distillation the teacher to ``SMALL_TEACHER``
+  (``tests/kd_utils.py``), twice as wide;
 - ``max_steps_per_epoch``: ``STEPS`` optimizer steps (the 5 warm-up steps and 3 after);
 - the metric logger (``DiskLogger`` instead of TensorBoard, which stores float32).
 
@@ -45,6 +46,7 @@ TESTS = HERE.parents[1]
 if str(TESTS) not in sys.path:  # run as a script: make tests/recipe_utils.py importable
     sys.path.insert(0, str(TESTS))
 
+from kd_utils import SMALL_TEACHER  # noqa: E402
 from recipe_utils import SMALL_MODEL, output_of, run_tune  # noqa: E402
 
 STEPS = 8
@@ -54,12 +56,24 @@ RUNS = {
     "lora_single_device": ("recipes/lora_finetune_single_device.py", 1),
     "full_distributed": ("recipes/full_finetune_distributed.py", 2),
     "lora_distributed": ("recipes/lora_finetune_distributed.py", 2),
+    "kd_single_device": ("recipes/knowledge_distillation_single_device.py", 1),
+    "kd_distributed": ("recipes/knowledge_distillation_distributed.py", 2),
 }
 OVERRIDES = {
     **SMALL_MODEL,
     "max_steps_per_epoch": STEPS,
     "metric_logger._component_": "torchtune.training.metric_logging.DiskLogger",
 }
+# Overrides of one run only, after OVERRIDES: the distillation runs' teacher.
+RUN_OVERRIDES = {
+    "kd_single_device": SMALL_TEACHER,
+    "kd_distributed": SMALL_TEACHER,
+}
+
+
+def overrides_of(name: str) -> dict[str, object]:
+    """The config keys run ``name`` sets on the command line."""
+    return {**OVERRIDES, **RUN_OVERRIDES.get(name, {})}
 
 
 def curve_path(name: str) -> Path:
@@ -70,7 +84,7 @@ def launch_args(name: str, output_dir: Path) -> list[str]:
     """The ``tune run`` arguments of run ``name``, writing under ``output_dir``."""
     recipe, nproc = RUNS[name]
     head = ["--nproc_per_node", str(nproc)] if nproc > 1 else []
-    overrides = [f"{key}={value}" for key, value in OVERRIDES.items()]
+    overrides = [f"{key}={value}" for key, value in overrides_of(name).items()]
     config = f"configs/tiny/{name}.yaml"
     return [*head, recipe, "--config", config, *overrides, f"output_dir={output_dir}"]
 
@@ -117,7 +131,7 @@ def run_settings(name: str) -> dict:
         "recipe": recipe,
         "config": f"configs/tiny/{name}.yaml",
         "nproc_per_node": nproc,
-        "overrides": {key: str(value) for key, value in OVERRIDES.items()},
+        "overrides": {key: str(value) for key, value in overrides_of(name).items()},
     }
 
 
