@@ -18,21 +18,11 @@ import copy
 
 import torch
 from torch import nn
+from unit_utils import collate
 
 from exactga.normalization import IGNORE_INDEX
 
 Rows = list[tuple[torch.Tensor, torch.Tensor]]  # (tokens, labels) of each sample, unpadded
-
-
-def padded_batch(rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row right-padded into one batch; padded labels ignored."""
-    width = max(len(tokens) for tokens, _ in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for i, (row_tokens, row_labels) in enumerate(rows):
-        tokens[i, : len(row_tokens)] = row_tokens
-        labels[i, : len(row_labels)] = row_labels
-    return tokens, labels
 
 
 def all_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -53,7 +43,8 @@ def reference_loss(
 ) -> torch.Tensor:
     """Mean cross-entropy over every scored token of ``rows``; with a ``teacher``, mixed with the
     forward KL to it, ``(1 - kd_ratio) CE + kd_ratio KD``, both means over the same tokens."""
-    tokens, labels = padded_batch(rows)
+    batch = collate(rows)  # right-padded, padded labels ignored
+    tokens, labels = batch["tokens"], batch["labels"]
     logits, targets = scored(all_logits(model, tokens), labels)
     log_probs = torch.log_softmax(logits, dim=-1)
     token_ce = -log_probs.gather(1, targets[:, None]).squeeze(1)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from kd_utils import SMALL_TEACHER  # the student's sizes, twice as wide
 from omegaconf import DictConfig, OmegaConf
 from oracle_utils import flat, lr_for_unit_update, reference_gradient, step_gap, trainable
 from recipe_utils import REPO_ROOT, SMALL_MODEL, load_adapters, output_of, run_tune
@@ -37,13 +38,6 @@ pytestmark = pytest.mark.slow
 # measured 1.1e-7 to 2.7e-7 in-process (tests/test_oracle.py); a loss 1% off gives 1e-2.
 ORACLE_BOUND = 2e-6
 NUM_ROWS = 16
-SMALL_TEACHER = {  # the student's sizes, twice as wide
-    "teacher_model.num_layers": 2,
-    "teacher_model.embed_dim": 128,
-    "teacher_model.num_heads": 4,
-    "teacher_model.num_kv_heads": 2,
-    "teacher_model.intermediate_dim": 256,
-}
 
 # recipe -> (config, ranks, batch_size, gradient_accumulation_steps, other overrides)
 RECIPES: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
