@@ -10,8 +10,9 @@ mb).backward()``, then ``window.finish_gradients(model)``, optimizer step, ``zer
 
 After warm-up the modes run round-robin, one optimizer step each per round (the order rotates
 every round), so slow phases of a shared machine hit all of them alike. Per round the stock
-gradient-scaling pass is also timed on its own (``exactga.profiling.time_gradient_pass``, factor
-1, on fresh gradients of the ``exact`` copy, outside every step's timer). Reported per (size, ga):
+gradient-scaling pass is also timed on its own (``time_gradient_pass`` of
+``tests/profiling_utils.py``, factor 1, on fresh gradients of the ``exact`` copy, outside every
+step's timer). Reported per (size, ga):
 
 - step ms: median over the measured rounds (window opening through ``zero_grad``);
 - norm overhead ms: median time in ``window.scale`` plus ``window.finish_gradients`` per step
@@ -70,10 +71,15 @@ from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from exactga.normalization import LossNormalizer, MicroBatch, NormMode, Window
-from exactga.profiling import time_gradient_pass
 from exactga.training import causal_lm_loss
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS = REPO_ROOT / "tests"
+if str(TESTS) not in sys.path:  # tests/profiling_utils.py: the gradient-pass timer
+    sys.path.insert(0, str(TESTS))
+
+from profiling_utils import time_gradient_pass  # noqa: E402
+
 DATA_FILE = "configs/tiny/data.json"
 TOKENIZER_FILE = "configs/tiny/tokenizer.model"
 MODES = (NormMode.NAIVE, NormMode.POST_SCALE, NormMode.EXACT)

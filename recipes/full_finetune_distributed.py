@@ -35,7 +35,6 @@ from torch.optim import Optimizer
 from torchtune import config, modules, training, utils
 from torchtune.modules import TiedLinear
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import PROFILER_KEY
 from torchtune.training.activations import apply_selective_activation_checkpointing
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
@@ -218,15 +217,18 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             num_training_steps=self._progress.num_training_steps,
             last_epoch=self._progress.global_step - 1,
         )
-        # Traces and memory snapshots from rank 0 only; the others only time their phases.
-        cfg_profiler = cfg.copy()
-        if not self._is_rank_zero:
-            cfg_profiler[PROFILER_KEY] = None
+        # Traces, memory snapshots and the report from rank 0 only; every rank times its phases.
         self._profiler = setup_profiler(
-            cfg_profiler,
+            cfg.profiler,
             self._device,
             self._model,
-            self._metric_logger if self._is_rank_zero else None,  # for the report
+            output_dir=cfg.output_dir,
+            micro_batching=cfg.micro_batching,
+            log_timings=cfg.log_timings,
+            saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
+            peak_flops=cfg.peak_flops,
+            rank=self.rank,
+            metric_logger=self._metric_logger if self._is_rank_zero else None,
         )
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = (

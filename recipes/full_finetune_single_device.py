@@ -170,7 +170,17 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             num_training_steps=self._progress.num_training_steps,
             last_epoch=self._progress.global_step - 1,
         )
-        self._profiler = setup_profiler(cfg, self._device, self._model, self._metric_logger)
+        self._profiler = setup_profiler(
+            cfg.profiler,
+            self._device,
+            self._model,
+            output_dir=cfg.output_dir,
+            micro_batching=cfg.micro_batching,
+            log_timings=cfg.log_timings,
+            saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
+            peak_flops=cfg.peak_flops,
+            metric_logger=self._metric_logger,
+        )
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs

@@ -207,8 +207,6 @@ class GaParityRecipe:
                 f"{len(self._dataset)} samples, enough for {num_available} steps of "
                 f"{self._global_batch} sequences."
             )
-        # Timings and traces off: the report compares numbers; the hook stays the recipes' own.
-        self._profiler_cfg = OmegaConf.merge(cfg, {"log_timings": False, "profiler": None})
 
     def _initial_model_state(self, cfg_model: DictConfig, base_state: dict) -> dict[str, Any]:
         """Every run starts from these tensors: base weights plus (seeded) fresh adapters, in
@@ -394,8 +392,15 @@ class GaParityRecipe:
             micro_batch_context = partial(
                 distributed.gradient_sync, model, distributed.GradientSync.EVERY_MICRO_BATCH
             )
-        profiler_cfg = OmegaConf.merge(self._profiler_cfg, {"micro_batching": micro_batching.value})
-        profiler = setup_profiler(profiler_cfg, self._device, model)
+        # Timings and traces off: the report compares numbers; the hook stays the recipes' own.
+        profiler = setup_profiler(
+            None,
+            self._device,
+            model,
+            output_dir=self._cfg.output_dir,
+            micro_batching=micro_batching.value,
+            log_timings=False,
+        )
         losses, loss_tokens = [], []
         num_micro_batches = num_positions = num_sample_positions = 0
         windows = normalizer.windows(self._dataloader(split, micro_batching), self._num_steps)

@@ -6,6 +6,8 @@ tests check what is timed and how it is averaged, which a busy CPU must not chan
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -13,38 +15,45 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from profiling_utils import read_reports, time_gradient_pass
 from recipe_utils import read_scalars
-from unit_utils import make_loss, make_rows, micro_batch_loss, split, tiny_model
+from unit_utils import REPO_ROOT, make_loss, make_rows, micro_batch_loss, split, tiny_model
 
 from exactga import profiling
 from exactga.micro_batching import WindowWork
 from exactga.normalization import LossNormalizer
 from exactga.profiling import (
     PHASES,
-    TOP_LEVEL_KEYS,
+    ProfilerSection,
+    ProfilerSettings,
     model_flops_per_token,
     parse_settings,
+    saved_latency,
     setup_profiler,
-    time_gradient_pass,
 )
+from exactga.profiling import hook as profiler_hook
+from exactga.profiling import phase_clock as profiler_phase_clock
 from exactga.training import train_window
 
 CPU = torch.device("cpu")
+# exactga's knobs, which are top-level config keys; the others are the ``profiler`` section's.
+TOP_LEVEL_KEYS = {f.name for f in dataclasses.fields(ProfilerSettings)} - {
+    f.name for f in dataclasses.fields(ProfilerSection)
+}
 
 
 def hook(model: torch.nn.Module, settings: dict, output_dir: str = "/tmp/unused"):
     """The profiler a recipe would build from these config keys (top-level or ``profiler.*``)."""
     top_level = {k: v for k, v in settings.items() if k in TOP_LEVEL_KEYS}
-    section = {k: v for k, v in settings.items() if k not in TOP_LEVEL_KEYS}
-    cfg = OmegaConf.create(
-        {"output_dir": output_dir, "profiler": section, "micro_batching": "by_length", **top_level}
+    section = OmegaConf.create({k: v for k, v in settings.items() if k not in TOP_LEVEL_KEYS})
+    return setup_profiler(
+        section, CPU, model, output_dir=output_dir, micro_batching="by_length", **top_level
     )
-    return setup_profiler(cfg, CPU, model)
 
 
 class FakeClock:
-    """Stands in for the ``time`` module of ``exactga.profiling``: its ``perf_counter`` moves
-    only when a test advances it."""
+    """Stands in for the ``time`` module of the profiler's modules that read it: its
+    ``perf_counter`` moves only when a test advances it."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -59,7 +68,8 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(profiling, "time", fake)
+    for module in (profiler_hook, profiler_phase_clock, saved_latency):
+        monkeypatch.setattr(module, "time", fake)
     return fake
 
 
@@ -96,7 +106,7 @@ def pass_taking(clock: FakeClock, monkeypatch, ms_per_element: list[float]) -> l
     """Make the sampled gradient pass cost ``ms_per_element[i]`` per element on sample ``i``
     (the real multiply runs too); returns the elements each sample scaled."""
     scaled: list[int] = []
-    real_scale = profiling.scale_gradients
+    real_scale = saved_latency.scale_gradients
 
     def scale_taking_time(grads: list[torch.Tensor], scaler: torch.Tensor) -> None:
         assert float(scaler) == 1.0  # factor 1: the gradients are left as they are
@@ -105,7 +115,7 @@ def pass_taking(clock: FakeClock, monkeypatch, ms_per_element: list[float]) -> l
         clock.advance_ms(ms_per_element[len(scaled)] * num_elements)
         scaled.append(num_elements)
 
-    monkeypatch.setattr(profiling, "scale_gradients", scale_taking_time)
+    monkeypatch.setattr(saved_latency, "scale_gradients", scale_taking_time)
     return scaled
 
 
@@ -330,24 +340,26 @@ def test_report_goes_to_tensorboard_and_other_loggers_get_none(tmp_path, clock) 
 
     model = tiny_model()
     for logger in [DiskLogger(log_dir=str(tmp_path / "disk")), StdoutLogger()]:
-        cfg = OmegaConf.create({"output_dir": str(tmp_path), "micro_batching": "fixed"})
-        with setup_profiler(cfg, CPU, model, logger) as profiler:
+        with setup_profiler(
+            None, CPU, model, output_dir=str(tmp_path), metric_logger=logger
+        ) as profiler:
             clock.advance_ms(20.0)
             profiler.step(WindowWork(num_positions=8))
             logger.log_dict(profiler.metrics(), step=1)
         logger.close()
-    assert profiling.read_reports(tmp_path) == {}
+    assert read_reports(tmp_path) == {}
 
     logger = TensorBoardLogger(log_dir=str(tmp_path / "tb"))
-    cfg = OmegaConf.create({"output_dir": str(tmp_path), "micro_batching": "fixed"})
-    with setup_profiler(cfg, CPU, model, logger) as profiler:
-        (folder,) = profiling.read_reports(tmp_path / "tb")
-        assert profiling.read_reports(tmp_path / "tb")[folder]["markdown"] is None  # not yet
+    with setup_profiler(
+        None, CPU, model, output_dir=str(tmp_path), metric_logger=logger
+    ) as profiler:
+        (folder,) = read_reports(tmp_path / "tb")
+        assert read_reports(tmp_path / "tb")[folder]["markdown"] is None  # not yet
         clock.advance_ms(20.0)
         profiler.step(WindowWork(num_positions=8))
         logger.log_dict(profiler.metrics(), step=1)
     logger.close()
-    report = profiling.read_reports(tmp_path / "tb")[folder]
+    report = read_reports(tmp_path / "tb")[folder]
     assert folder.parent == Path(logger.log_dir)
     (category,) = report["layout"]["category"]
     charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
@@ -372,3 +384,44 @@ def test_phases_are_stacked_for_the_report(clock) -> None:
     assert [metrics[f"time/stacked_{i}_{p}_ms"] for i, p in enumerate(PHASES, 1)] == (
         pytest.approx([0.0, 3.0, 8.0, 9.0])
     )
+
+
+def test_other_ranks_time_their_phases_but_trace_and_report_nothing(tmp_path, clock) -> None:
+    """The distributed recipes hand every rank the same values: rank 0 alone records traces and
+    memory snapshots and writes the report; the others still log their own timings."""
+    from torchtune.training.metric_logging import TensorBoardLogger
+
+    logger = TensorBoardLogger(log_dir=str(tmp_path / "tb"))
+    section = OmegaConf.create({"enabled": True, "wait_steps": 0, "warmup_steps": 0})
+    profiler = setup_profiler(
+        section, CPU, tiny_model(), output_dir=str(tmp_path), rank=1, metric_logger=logger
+    )
+    with profiler:
+        for _ in range(3):
+            clock.advance_ms(20.0)
+            profiler.step(WindowWork(num_positions=8))
+        metrics = profiler.metrics()
+    logger.close()
+    assert metrics["time/step_ms"] == pytest.approx(20.0)
+    assert not (tmp_path / "profiling_outputs").exists()
+    assert read_reports(tmp_path) == {}
+
+
+@pytest.mark.parametrize(
+    "recipe", sorted((REPO_ROOT / "recipes").glob("*.py")), ids=lambda path: path.stem
+)
+def test_recipes_hand_the_profiler_a_few_values_not_their_config(recipe: Path) -> None:
+    """``setup_profiler`` takes the ``profiler`` section and a few named values; a recipe that
+    passed its whole config, or a copy edited for its rank, would decide again what the hook
+    reads (the rank's part is ``setup_profiler``'s own)."""
+    calls = [
+        node
+        for node in ast.walk(ast.parse(recipe.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup_profiler"
+    ]
+    assert len(calls) == 1, f"{recipe.name} builds {len(calls)} profiler hooks"
+    (call,) = calls
+    for arg in [*call.args, *(keyword.value for keyword in call.keywords)]:
+        assert not (isinstance(arg, ast.Name) and "cfg" in arg.id), (
+            f"{recipe.name}:{call.lineno} hands setup_profiler a config ({arg.id})"
+        )

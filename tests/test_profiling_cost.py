@@ -9,7 +9,6 @@ on every step; exact mode with the profiler hook shows the few bounded samples a
 from __future__ import annotations
 
 import torch
-from omegaconf import OmegaConf
 from torch.overrides import TorchFunctionMode
 from unit_utils import make_loss, make_rows, micro_batch_loss, split, tiny_model
 
@@ -44,14 +43,9 @@ def scaled_elements_per_step(mode: NormMode, num_steps: int, every_n: int) -> tu
     model = tiny_model(num_layers=1)
     loss_fn = make_loss("cross_entropy", model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no clipping: no other pass
-    cfg = OmegaConf.create(
-        {
-            "output_dir": "/tmp/unused",
-            "micro_batching": "fixed",
-            "saved_latency_every_n_steps": every_n,
-        }
+    profiler = setup_profiler(
+        None, CPU, model, output_dir="/tmp/unused", saved_latency_every_n_steps=every_n
     )
-    profiler = setup_profiler(cfg, CPU, model)
     normalizer = LossNormalizer(loss_fn, 2, mode=mode)
     rows = [row for row in make_rows() if len(row[0]) < 10]  # short rows: cheap steps
     per_step = []

@@ -33,6 +33,7 @@ from kd_utils import (
     one_rank_run,
     parity_args,
 )
+from profiling_utils import read_reports
 from recipe_utils import (
     EMPTY_WINDOW_RUN,
     latest_step_checkpoint,
@@ -47,7 +48,7 @@ from recipe_utils import (
     run_tune,
 )
 
-from exactga.profiling import REPORT_CATEGORY, read_reports
+from exactga.profiling import REPORT_CATEGORY
 
 pytestmark = pytest.mark.slow
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from profiling_utils import read_reports
 from recipe_utils import (
     LORA_RECIPE,
     LORA_TINY_CONFIG,
@@ -23,7 +24,7 @@ from recipe_utils import (
     run_tune,
 )
 
-from exactga.profiling import PHASES, REPORT_CATEGORY, read_reports
+from exactga.profiling import PHASES, REPORT_CATEGORY
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,80 @@
+"""The recipes' profiler hook: phase timings, the saved latency, throughput and traces.
+
+One object, always present, used the same way by every recipe (a no-op where a feature is
+off, so the training loop carries no ``if profiling:`` branches): :func:`setup_profiler`
+builds it from the few config values it reads, :class:`TrainingProfiler` is entered once
+around training. One idea a module:
+
+- :mod:`~exactga.profiling.settings`: the ``profiler`` section and the top-level knobs
+  (``log_timings``, ``saved_latency_every_n_steps``, ``peak_flops``), one default each.
+- :mod:`~exactga.profiling.phase_clock`: phase timings (``time/data_ms``,
+  ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``),
+  averaged per optimizer step over each logging interval. On CUDA they come from CUDA events
+  that are read only when metrics are logged, so no micro-batch waits on the device; data
+  loading is host work and is timed on the host.
+- :mod:`~exactga.profiling.saved_latency`: the saved latency (``normalization/saved_ms``,
+  ``normalization/saved_fraction``): exact mode never scales gradients, so on a few sampled
+  steps after warm-up the hook times the pass stock torchtune would run (``scale_grads`` by a
+  factor of 1, which leaves every gradient bit-identical) on a tenth of this model's real
+  gradients and scales the time up by element count; the run reports the samples' median and
+  range. See [saved latency].
+- :mod:`~exactga.profiling.flops`: training FLOPs per token (``6 * params`` plus attention)
+  and the device's peak (a small table, or the config key ``peak_flops``), for model FLOPs
+  utilisation (``throughput/mfu``). Beside it the hook logs throughput
+  (``throughput/tokens_per_second``: processed tokens, including padding), what of it was
+  padding (``throughput/padding_fraction``: padded positions over processed positions), the
+  loss tokens trained per second (``throughput/loss_tokens_per_second``), all on this rank,
+  and under data parallelism ``throughput/rank_imbalance`` (the interval's worst step's
+  largest rank's processed positions over the ranks' mean). See [micro-batching modes].
+- :mod:`~exactga.profiling.traces`: ``torch.profiler`` traces on torchtune's schedule keys,
+  written as Chrome/Perfetto JSON (``trace_step_<n>.json``, open at https://ui.perfetto.dev),
+  stepped once per *optimizer* step (stock torchtune steps per micro-batch) and numbered so
+  that ``ProfilerStep#<k>`` is optimizer step ``k`` and ``<n>`` the last step in the file; the
+  phases and the sampled pass are labelled regions (``exactga/data`` ...
+  ``exactga/saved_latency_sample``). On CUDA with ``profile_memory`` also memory snapshots
+  (``memory_snapshot_step_<n>.pickle``, open at https://pytorch.org/memory_viz), and a
+  snapshot dump when training runs out of memory, before the error is re-raised.
+- :mod:`~exactga.profiling.report`: a report in TensorBoard when the recipe's
+  ``metric_logger`` is torchtune's ``TensorBoardLogger``: a custom-scalars layout written when
+  training starts (phases stacked, saved versus step time, throughput, MFU and padding) and a
+  markdown summary in the TEXT tab when it ends. Other loggers get no report and no error.
+- :mod:`~exactga.profiling.hook`: the hook itself, which calls the pieces above.
+
+The benchmarks' and tests' own helpers (timing the whole gradient pass, reading a report back)
+live in ``tests/profiling_utils.py``.
+"""
+
+from exactga.profiling.flops import PEAK_FLOPS_BF16, device_peak_flops, model_flops_per_token
+from exactga.profiling.hook import TrainingProfiler, setup_profiler
+from exactga.profiling.phase_clock import PHASES
+from exactga.profiling.report import REPORT_CATEGORY, REPORT_RUN, REPORT_TAG
+from exactga.profiling.saved_latency import (
+    SAVED_LATENCY_FRACTION,
+    SAVED_LATENCY_NUM_SAMPLES,
+    SavedLatency,
+    SavedLatencySample,
+    sample_gradients,
+    time_scaling_pass,
+)
+from exactga.profiling.settings import ProfilerSection, ProfilerSettings, parse_settings
+
+__all__ = [
+    "PEAK_FLOPS_BF16",
+    "PHASES",
+    "REPORT_CATEGORY",
+    "REPORT_RUN",
+    "REPORT_TAG",
+    "SAVED_LATENCY_FRACTION",
+    "SAVED_LATENCY_NUM_SAMPLES",
+    "ProfilerSection",
+    "ProfilerSettings",
+    "SavedLatency",
+    "SavedLatencySample",
+    "TrainingProfiler",
+    "device_peak_flops",
+    "model_flops_per_token",
+    "parse_settings",
+    "sample_gradients",
+    "setup_profiler",
+    "time_scaling_pass",
+]
