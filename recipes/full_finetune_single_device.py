@@ -31,7 +31,7 @@ from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.model_state import load_model_state
-from exactga.normalization import LossNormalizer, parse_mode
+from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -41,7 +41,6 @@ from exactga.steps import StepBook
 from exactga.training import (
     attach_lr_scheduler_in_backward,
     causal_lm_loss,
-    parse_nonfinite_policy,
     train_window,
 )
 
@@ -102,12 +101,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._loss_normalization = parse_mode(cfg.loss_normalization)
+        self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
         self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
+        self._nonfinite_policy = cfg.nonfinite_loss
 
         # Epochs, steps and their outcomes; a resume sets them in setup.
         self._progress = TrainingProgress(

@@ -79,7 +79,7 @@ from exactga.distillation import Distiller, check_kd_losses, check_vocabularies
 from exactga.frozen import freeze_model
 from exactga.lora import LoraSettings, load_lora_weights
 from exactga.micro_batching import MicroBatching, MicroBatchingSettings
-from exactga.normalization import LossNormalizer, NormMode, parse_mode
+from exactga.normalization import LossNormalizer, NormMode
 from exactga.parity.report import DataShape, Distillation, write_report
 from exactga.parity.scoring import (
     ParityRun,
@@ -153,13 +153,13 @@ class GaParityRecipe:
         self._fp32_precision = None
         if torch.finfo(self._dtype).bits < 32:
             self._fp32_precision = Precision.from_config(
-                torch.float32, MasterWeights.NONE.value, self._device
+                torch.float32, MasterWeights.NONE, self._device
             )
         # torchrun sets WORLD_SIZE; a plain ``tune run`` is one process and starts no group.
         launched_world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._splits = parse_splits(cfg.parity.splits, launched_world_size)
-        self._modes = [parse_mode(mode, "parity.modes") for mode in cfg.parity.modes]
-        self._micro_batchings = [MicroBatching(m) for m in cfg.parity.micro_batching]
+        self._modes = list(cfg.parity.modes)
+        self._micro_batchings = list(cfg.parity.micro_batching)
         self._micro_batch_tokens = cfg.parity.micro_batch_tokens
         self._num_steps = cfg.parity.num_steps
         self._noise_floor = cfg.parity.noise_floor

@@ -42,10 +42,10 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.distillation import Distiller, check_vocabularies, kd_fingerprint
+from exactga.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
 from exactga.frozen import freeze_model
 from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
-from exactga.normalization import LossNormalizer, parse_mode
+from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -58,7 +58,6 @@ from exactga.resume import (
 from exactga.schemas import KnowledgeDistillationDistributedConfig
 from exactga.steps import StepBook
 from exactga.training import (
-    parse_nonfinite_policy,
     train_window,
 )
 
@@ -105,7 +104,7 @@ class KDRecipeDistributed(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
-        self._gradient_sync = distributed.parse_gradient_sync(cfg.gradient_sync)
+        self._gradient_sync = cfg.gradient_sync
 
         self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
         distributed.init_distributed(self._device, offload_ops_to_cpu=self._fsdp_cpu_offload)
@@ -123,7 +122,7 @@ class KDRecipeDistributed(FTRecipeInterface):
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._loss_normalization = parse_mode(cfg.loss_normalization)
+        self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
@@ -139,7 +138,7 @@ class KDRecipeDistributed(FTRecipeInterface):
             max_steps_per_epoch=cfg.max_steps_per_epoch,
         )
         self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
+        self._nonfinite_policy = cfg.nonfinite_loss
         self._kd_ratio = cfg.kd_ratio
 
     def setup(self, cfg: DictConfig) -> None:
@@ -152,7 +151,7 @@ class KDRecipeDistributed(FTRecipeInterface):
         self._step_checkpointer = step_checkpointer_for(
             cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
         )
-        self._fingerprint = run_fingerprint(cfg, world_size=self.world_size, **kd_fingerprint(cfg))
+        self._fingerprint = run_fingerprint(cfg, KD_FINGERPRINT_KEYS, world_size=self.world_size)
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
         self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype

@@ -38,10 +38,10 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.distillation import Distiller, check_vocabularies, kd_fingerprint
+from exactga.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
 from exactga.frozen import freeze_model
 from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
-from exactga.normalization import LossNormalizer, parse_mode
+from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -54,7 +54,6 @@ from exactga.resume import (
 from exactga.schemas import KnowledgeDistillationSingleDeviceConfig
 from exactga.steps import StepBook
 from exactga.training import (
-    parse_nonfinite_policy,
     train_window,
 )
 
@@ -114,12 +113,12 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._loss_normalization = parse_mode(cfg.loss_normalization)
+        self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
         self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
+        self._nonfinite_policy = cfg.nonfinite_loss
         self._kd_ratio = cfg.kd_ratio
 
         # LoRA settings, read from the model section as stock does.
@@ -138,7 +137,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
 
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
-        self._fingerprint = run_fingerprint(cfg, world_size=1, **kd_fingerprint(cfg))
+        self._fingerprint = run_fingerprint(cfg, KD_FINGERPRINT_KEYS, world_size=1)
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
         self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
             config.instantiate(

@@ -43,7 +43,7 @@ from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
-from exactga.normalization import LossNormalizer, parse_mode
+from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -57,7 +57,6 @@ from exactga.schemas import LoraFinetuneDistributedConfig
 from exactga.steps import StepBook
 from exactga.training import (
     causal_lm_loss,
-    parse_nonfinite_policy,
     train_window,
 )
 
@@ -110,7 +109,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
-        self._gradient_sync = distributed.parse_gradient_sync(cfg.gradient_sync)
+        self._gradient_sync = cfg.gradient_sync
 
         self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
         distributed.init_distributed(self._device, offload_ops_to_cpu=self._fsdp_cpu_offload)
@@ -128,7 +127,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._loss_normalization = parse_mode(cfg.loss_normalization)
+        self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
@@ -144,7 +143,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             max_steps_per_epoch=cfg.max_steps_per_epoch,
         )
         self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
+        self._nonfinite_policy = cfg.nonfinite_loss
 
     def setup(self, cfg: DictConfig) -> None:
         if self._fsdp_cpu_offload:

@@ -38,7 +38,7 @@ from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
-from exactga.normalization import LossNormalizer, parse_mode
+from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -52,7 +52,6 @@ from exactga.schemas import LoraFinetuneSingleDeviceConfig
 from exactga.steps import StepBook
 from exactga.training import (
     causal_lm_loss,
-    parse_nonfinite_policy,
     train_window,
 )
 
@@ -118,12 +117,12 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._loss_normalization = parse_mode(cfg.loss_normalization)
+        self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
         self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = parse_nonfinite_policy(cfg.nonfinite_loss)
+        self._nonfinite_policy = cfg.nonfinite_loss
 
         # LoRA settings, read from the model section as stock does.
         self._lora = LoraSettings.from_config(cfg.model)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from exactga.options import Option
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.py"))
 LIBRARY = sorted((REPO / "src" / "exactga").rglob("*.py"))
@@ -128,3 +130,47 @@ def test_recipes_leave_the_step_bookkeeping_to_the_library(recipe: Path) -> None
             identifiers.add(node.arg)
     for name in ("tokens_per_second_per_gpu", "set_epoch"):
         assert name not in identifiers, f"{recipe.name} uses {name} (exactga.steps.StepBook)"
+
+
+def _exactga_imports(path: Path) -> set[str]:
+    """The exactga modules a file imports (``from exactga.x import y`` names ``exactga.x``)."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+        elif isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+    return {module for module in modules if module.split(".")[0] == "exactga"}
+
+
+def _module_path(module: str) -> Path:
+    base = REPO / "src" / Path(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def test_the_schemas_import_no_runtime_module() -> None:
+    """STYLE.md point 13: settings flow down. exactga.schemas imports only bottom modules,
+    which import nothing from exactga (the enums of exactga.options, the profiler's
+    settings); the runtime imports the same ones, so neither copies the other's values."""
+    imported = _exactga_imports(REPO / "src" / "exactga" / "schemas.py")
+    assert "exactga.options" in imported, "the schemas take their enums from exactga.options"
+    for module in imported:
+        below = _exactga_imports(_module_path(module))
+        assert not below, f"schemas.py imports {module}, which imports {sorted(below)}"
+
+
+# Config values validate_config has checked and handed over as enum members: a recipe reads
+# them as they are, so no recipe converts or re-checks one (see exactga.options).
+CONVERTERS = {"as_option", *(option.__name__ for option in Option.__subclasses__())}
+# parity.splits ("BxG" or "BxGxN") is a list of strings in the config; what N may be depends on
+# the launch's process count, which the recipe reads, so ga_parity parses it.
+ALLOWED_PARSERS = {"parse_splits"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipes_take_config_values_as_validate_config_typed_them(recipe: Path) -> None:
+    called = _names_called(recipe)
+    parsers = {name for name in called if name.startswith("parse_")} - ALLOWED_PARSERS
+    assert not parsers, f"{recipe.name} parses config values validate_config checked: {parsers}"
+    converted = called & CONVERTERS
+    assert not converted, f"{recipe.name} converts config values itself: {sorted(converted)}"

@@ -13,6 +13,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from exactga.config import check_input_files, validate_config
+from exactga.options import (
+    GradientSync,
+    MasterWeights,
+    MicroBatching,
+    NonFinitePolicy,
+    NormMode,
+    Option,
+)
 from exactga.schemas import (
     FullFinetuneDistributedConfig,
     FullFinetuneSingleDeviceConfig,
@@ -60,6 +68,35 @@ def test_a_value_outside_its_choices_names_the_key_and_the_choices(
 ) -> None:
     with pytest.raises(ValueError, match=f"config key '{key}'='{value}': choose one of {choices}"):
         _validate(schema, path, **{key: value})
+
+
+def test_enum_knobs_come_back_as_members_and_the_printed_config_reads_back() -> None:
+    """Recipes hand ``cfg.loss_normalization`` and the rest to the library as they are; the
+    config a run prints and saves (OmegaConf writes a member by its name) validates again to
+    the same members. See exactga.options."""
+    cfg = _validate(LoraFinetuneDistributedConfig, LORA_DISTRIBUTED, nonfinite_loss="stop")
+    knobs = {
+        "loss_normalization": NormMode.EXACT,
+        "micro_batching": MicroBatching.BY_LENGTH,
+        "master_weights": MasterWeights.FP32,
+        "nonfinite_loss": NonFinitePolicy.STOP,
+        "gradient_sync": GradientSync.EVERY_MICRO_BATCH,
+    }
+    for key, member in knobs.items():
+        assert cfg[key] is member, key
+    printed = OmegaConf.to_yaml(cfg, resolve=True)
+    assert "nonfinite_loss: stop\n" in printed
+    again = validate_config(OmegaConf.create(printed), LoraFinetuneDistributedConfig, "recipe")
+    assert all(again[key] is member for key, member in knobs.items())
+    parity = _validate(GaParityConfig, PARITY, parity={"modes": ["exact"]})
+    assert list(parity.parity.modes) == [NormMode.EXACT]
+    assert all(isinstance(m, MicroBatching) for m in parity.parity.micro_batching)
+
+
+def test_every_option_is_named_as_the_config_spells_it() -> None:
+    for option in Option.__subclasses__():
+        for member in option:
+            assert member.name == member.value == str(member) == f"{member}", member
 
 
 @pytest.mark.parametrize("tokens", [0, -8])

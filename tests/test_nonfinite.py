@@ -19,13 +19,13 @@ from torch import nn
 from unit_utils import make_rows, micro_batch_loss, split, tiny_model
 
 from exactga.normalization import LossNormalizer, Window
+from exactga.options import as_option
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.training import (
     NonFiniteLossError,
     NonFinitePolicy,
     StepOutcome,
     handle_nonfinite_loss,
-    parse_nonfinite_policy,
     train_window,
 )
 
@@ -284,8 +284,9 @@ def test_updated_weights_stop_the_run_without_saving(policy: NonFinitePolicy) ->
     assert save.num_calls == 0
 
 
-def test_parse_nonfinite_policy() -> None:
-    assert parse_nonfinite_policy("skip") is NonFinitePolicy.SKIP
-    assert parse_nonfinite_policy("stop") is NonFinitePolicy.STOP
-    with pytest.raises(ValueError, match=r"'nonfinite_loss'.*skip \| stop.*'ignore'"):
-        parse_nonfinite_policy("ignore")
+def test_nonfinite_policy_from_config() -> None:
+    assert as_option(NonFinitePolicy, "skip", "nonfinite_loss") is NonFinitePolicy.SKIP
+    stop = NonFinitePolicy.STOP
+    assert as_option(NonFinitePolicy, stop, "nonfinite_loss") is stop
+    with pytest.raises(ValueError, match=r"'nonfinite_loss'='ignore': choose one of skip, stop"):
+        as_option(NonFinitePolicy, "ignore", "nonfinite_loss")

@@ -35,7 +35,6 @@ from exactga.normalization import (
     count_loss_tokens,
     count_unshifted_tokens,
     loss_denominator,
-    parse_mode,
     shift_labels,
     verify_loss_denominator,
 )
@@ -230,7 +229,7 @@ def test_normalizer_checks_the_first_nonempty_batch() -> None:
 
 
 def test_bad_settings_name_the_key() -> None:
-    with pytest.raises(ValueError, match="loss_normalization='mean'"):
-        parse_mode("mean")
+    with pytest.raises(ValueError, match="'loss_normalization'='mean': choose one of exact"):
+        LossNormalizer(CEWithChunkedOutputLoss(), 2, mode="mean")
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         LossNormalizer(CEWithChunkedOutputLoss(), 0)

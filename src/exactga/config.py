@@ -6,6 +6,10 @@ struct mode, so a misspelt or unknown key fails at start-up with the key's name 
 silently ignored by ``cfg.get(key, default)``; then it checks the values that have a fixed set
 of choices or a minimum, and the schema's flag combinations. All of it runs before the resolved
 config is printed and before any model is built.
+
+A knob typed with an enum of :mod:`exactga.options` comes back as its member
+(``cfg.loss_normalization is NormMode.EXACT``), so recipes hand it to the library as it is; a
+value outside the enum fails here, in the one message style (:func:`exactga.options.bad_value`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from exactga.options import Option, as_option, bad_value
+
 
 def validate_config(
     cfg: DictConfig, schema: type, recipe_name: str, check_files: bool = False
 ) -> DictConfig:
-    """Return ``cfg`` with the schema's defaults filled in, or raise naming the bad key.
+    """Return ``cfg`` with the schema's defaults filled in and its enum-typed knobs as members
+    of their enum (see :mod:`exactga.options`), or raise naming the bad key.
 
     ``check_files`` (the recipes set it) also checks that the local files the config names
     exist; see :func:`check_input_files`.
@@ -40,6 +47,8 @@ def validate_config(
     OmegaConf.set_struct(base, True)
     cfg = _drop_accepted_unread_keys(cfg, schema, recipe_name)
     _reject_unknown_keys(cfg, base, recipe_name)
+    # Before the merge, which would reject a bad enum value in OmegaConf's words instead.
+    _check_choices(cfg, schema)
     try:
         merged = OmegaConf.merge(base, cfg)
     except ConfigKeyError as err:  # an unknown key inside a section with a schema
@@ -55,7 +64,6 @@ def validate_config(
     if missing:
         raise ValueError(f"config for {recipe_name} is missing required keys: {', '.join(missing)}")
     _check_minimums(merged)
-    _check_choices(merged, schema)
     if hasattr(schema, "check_flags"):
         schema.check_flags(merged)
     if check_files:
@@ -92,11 +100,8 @@ def _drop_accepted_unread_keys(cfg: DictConfig, schema: type, recipe_name: str) 
 
 def _section_keys(schema: type, section: str) -> list[str]:
     """The keys of a schema's section (``profiler``, ``parity``), for suggestions."""
-    hint = typing.get_type_hints(schema).get(section)
-    for candidate in (hint, *typing.get_args(hint)):  # Optional[X] is Union[X, None]
-        if dataclasses.is_dataclass(candidate):
-            return [f.name for f in dataclasses.fields(candidate)]
-    return []
+    found = _dataclass_of(typing.get_type_hints(schema).get(section))
+    return [] if found is None else [f.name for f in dataclasses.fields(found)]
 
 
 def _suggest(key: Any, known: list[str]) -> str:
@@ -125,19 +130,47 @@ def _check_minimums(cfg: DictConfig) -> None:
 
 
 def _check_choices(cfg: DictConfig, schema: type, prefix: str = "") -> None:
-    """Every field declared with ``choices`` (a list field: each item) holds one of them."""
+    """Every key of ``cfg`` the schema types with an enum of exactga.options, or declares with
+    ``choices``, holds one of its values (a list: each item). Keys left out take the schema's
+    default, which is one."""
+    hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
+        if f.name not in cfg:
+            continue
         value = cfg.get(f.name)
+        option, nullable = _option_of(hints[f.name])
+        if option is not None:
+            for item in value if OmegaConf.is_list(value) else [value]:
+                if not (item is None and nullable):
+                    as_option(option, item, f"{prefix}{f.name}")
+            continue
         choices = f.metadata.get("choices")
         if choices is not None:
             for item in value if OmegaConf.is_list(value) else [value]:
                 if item not in choices:
-                    raise ValueError(
-                        f"config key '{prefix}{f.name}'={item!r}: choose one of "
-                        f"{', '.join(choices)}."
-                    )
-        elif isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            _check_choices(value, f.default_factory, prefix=f"{prefix}{f.name}.")
+                    raise bad_value(f"{prefix}{f.name}", item, choices)
+            continue
+        section = _dataclass_of(hints[f.name])
+        if section is not None and isinstance(value, DictConfig):
+            _check_choices(value, section, prefix=f"{prefix}{f.name}.")
+
+
+def _option_of(hint: Any) -> tuple[type[Option] | None, bool]:
+    """The enum a field's type names (``X``, ``Optional[X]``, ``list[X]``), and whether it may
+    be null."""
+    args = typing.get_args(hint)
+    nullable = type(None) in args
+    for candidate in (hint, *args, *(a for arg in args for a in typing.get_args(arg))):
+        if isinstance(candidate, type) and issubclass(candidate, Option):
+            return candidate, nullable
+    return None, nullable
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    for candidate in (hint, *typing.get_args(hint)):  # Optional[X] is Union[X, None]
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
 
 
 __all__ = ["validate_config", "ConfigKeyError"]

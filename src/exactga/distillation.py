@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from exactga.frozen import frozen_forward
@@ -69,20 +68,10 @@ from exactga.precision import Precision
 from exactga.training import projecting_only
 
 # Config keys of the KD recipes that decide what a run computes, beside
-# exactga.resume.FINGERPRINT_KEYS; see [what a resume may change].
+# exactga.resume.FINGERPRINT_KEYS (``run_fingerprint(cfg, KD_FINGERPRINT_KEYS, ...)``): a resume
+# with another teacher or mix is refused like one with another model; see
+# [what a resume may change].
 KD_FINGERPRINT_KEYS = ("teacher_model", "kd_loss", "kd_ratio", "loss")
-
-
-def kd_fingerprint(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved values of :data:`KD_FINGERPRINT_KEYS`, for ``run_fingerprint(**extra)``:
-    a resume with another teacher or mix is refused like one with another model."""
-    fingerprint = {}
-    for key in KD_FINGERPRINT_KEYS:
-        value = cfg.get(key)
-        if isinstance(value, DictConfig) or OmegaConf.is_list(value):
-            value = OmegaConf.to_container(value, resolve=True)
-        fingerprint[key] = value
-    return fingerprint
 
 
 def check_kd_losses(loss_fn: nn.Module, kd_loss_fn: nn.Module) -> None:

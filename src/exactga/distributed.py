@@ -21,7 +21,6 @@ the choice is about time and memory only (numbers in docs/full_finetune_distribu
 from __future__ import annotations
 
 import contextlib
-import enum
 import gc
 import os
 import socket
@@ -35,23 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torchtune import training, utils
 
+from exactga.options import GradientSync
+
 log = utils.get_logger("INFO")
-
-
-class GradientSync(str, enum.Enum):
-    """When FSDP reduces gradients under accumulation; see [gradient sync policy]."""
-
-    EVERY_MICRO_BATCH = "every_micro_batch"
-    ONCE_PER_WINDOW = "once_per_window"
-
-
-def parse_gradient_sync(value: str, key: str = "gradient_sync") -> GradientSync:
-    """Read the sync policy from config, naming ``key`` if the value is not one."""
-    try:
-        return GradientSync(str(value))
-    except ValueError:
-        choices = ", ".join(policy.value for policy in GradientSync)
-        raise ValueError(f"config key '{key}'={value!r}: choose one of {choices}.") from None
 
 
 def init_distributed(device: torch.device, offload_ops_to_cpu: bool = False) -> str:

@@ -41,14 +41,12 @@ from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 
 from exactga.checkpointing import move_peft_adapter_to_own_folder
 from exactga.model_state import load_model_state, state_dict_name, state_dict_shapes
+from exactga.schemas import check_lora_model
 
 # How a state dict reaches the model: ``nn.Module.load_state_dict(strict=False)`` on one
 # device, torchtune's ``load_from_full_model_state_dict`` under FSDP. Returns missing and
 # unexpected keys.
 LoadStateDict = Callable[[nn.Module, Mapping[str, Any]], Any]
-
-# The model-section keys the LoRA recipes read besides instantiating it (stock reads the same).
-LORA_MODEL_KEYS = ("lora_rank", "lora_alpha", "lora_attn_modules", "apply_lora_to_mlp")
 
 
 @dataclass(frozen=True)
@@ -68,14 +66,7 @@ class LoraSettings:
         Raises:
             ValueError: the section is not a LoRA/QLoRA builder's.
         """
-        missing = [key for key in LORA_MODEL_KEYS if key not in cfg_model]
-        if missing:
-            raise ValueError(
-                f"config key 'model' ({cfg_model.get('_component_')}) has no "
-                f"{', '.join('model.' + key for key in missing)}: this recipe needs a LoRA or "
-                "QLoRA builder (e.g. torchtune.models.llama3_1.lora_llama3_1_8b); for full "
-                "fine-tuning use the full_finetune recipe."
-            )
+        check_lora_model(cfg_model)
         return cls(
             rank=cfg_model.lora_rank,
             alpha=cfg_model.lora_alpha,

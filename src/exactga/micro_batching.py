@@ -39,21 +39,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
 
+from exactga.options import MicroBatching, as_option
+
 Sample = Mapping[str, Any]
 Collate = Callable[[list[Any]], dict[str, Any]]
-
-
-class MicroBatching(str, Enum):
-    """``micro_batching``: how a window's samples are split; see [micro-batching modes]."""
-
-    FIXED = "fixed"
-    BY_LENGTH = "by_length"
-    TOKEN_BUDGET = "token_budget"
 
 
 @dataclass(frozen=True)
@@ -73,7 +66,7 @@ class MicroBatchingSettings:
     def from_config(cls, cfg: Any, batch_size: int | None = None) -> MicroBatchingSettings:
         """The settings of a validated config (``micro_batching``, ``micro_batch_tokens``)."""
         return cls(
-            mode=MicroBatching(cfg.micro_batching),
+            mode=as_option(MicroBatching, cfg.micro_batching, "micro_batching"),
             batch_size=int(cfg.batch_size if batch_size is None else batch_size),
             micro_batch_tokens=cfg.micro_batch_tokens,
         )

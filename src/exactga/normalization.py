@@ -55,7 +55,6 @@ import math
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from typing import Any
 
 import torch
@@ -64,27 +63,9 @@ from torch import nn
 from torchtune.training import scale_grads
 
 from exactga.micro_batching import SampleWindow, WindowWork, filler_micro_batch
+from exactga.options import NormMode, as_option
 
 IGNORE_INDEX = -100
-
-
-class NormMode(str, Enum):
-    """How micro-batch losses are weighted; see [baseline modes]."""
-
-    EXACT = "exact"
-    POST_SCALE = "post_scale"
-    NAIVE = "naive"
-
-
-def parse_mode(value: str, key: str = "loss_normalization") -> NormMode:
-    """Read a normalisation mode from config, naming ``key`` if the value is not one."""
-    try:
-        return NormMode(str(value))
-    except ValueError:
-        choices = ", ".join(mode.value for mode in NormMode)
-        raise ValueError(
-            f"{key}={value!r} is not a normalisation mode; choose one of {choices}."
-        ) from None
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -441,7 +422,8 @@ class LossNormalizer:
     Args:
         loss_fn: the recipe's loss; its ``ignore_index`` is what counts as masked.
         gradient_accumulation_steps: micro-batches per optimizer step.
-        mode: ``exact`` for training; see [baseline modes] for the others.
+        mode: ``exact`` for training; see [baseline modes] for the others. A member of
+            ``NormMode`` or its config spelling.
         drop_partial_window: drop an epoch's last, short window instead of stepping on it.
         dp_group: the data-parallel process group, or ``None`` on one device.
     """
@@ -450,7 +432,7 @@ class LossNormalizer:
         self,
         loss_fn: nn.Module,
         gradient_accumulation_steps: int,
-        mode: NormMode = NormMode.EXACT,
+        mode: NormMode | str = NormMode.EXACT,
         drop_partial_window: bool = False,
         dp_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -462,7 +444,7 @@ class LossNormalizer:
         self.loss_fn = loss_fn
         self.ignore_index = loss_ignore_index(loss_fn)
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.mode = mode
+        self.mode = as_option(NormMode, mode, "loss_normalization")
         self.drop_partial_window = drop_partial_window
         self.dp_group = dp_group
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)

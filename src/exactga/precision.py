@@ -59,7 +59,6 @@ changes nothing (it asks for "at least fp32"; the LoRA recipes default to it).
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,17 +67,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from exactga.options import MasterWeights, as_option
+
 # The keys of torchtune's checkpoint dictionaries whose tensors are weights users load
 # (torchtune.training.MODEL_KEY and ADAPTER_KEY); optimizer and recipe state are left as they are.
 _WEIGHT_KEYS = ("model", "adapter")
-
-
-class MasterWeights(str, enum.Enum):
-    """``master_weights``: the precision of trainable weights, gradients and optimizer state
-    under ``dtype: bf16``. See [fp32 master weights]."""
-
-    FP32 = "fp32"
-    NONE = "none"
 
 
 @dataclass(frozen=True)
@@ -99,21 +92,15 @@ class Precision:
 
     @classmethod
     def from_config(
-        cls, dtype: torch.dtype, master_weights: str, device: torch.device
+        cls, dtype: torch.dtype, master_weights: MasterWeights | str, device: torch.device
     ) -> Precision:
         """From the recipe's ``dtype`` (torchtune's ``training.get_dtype``) and config key
-        ``master_weights``.
+        ``master_weights`` (a member, or its config spelling).
 
         Raises:
-            ValueError: ``master_weights`` is not one of fp32 | none.
+            ValueError: ``master_weights`` is not one of fp32, none.
         """
-        try:
-            master = MasterWeights(str(master_weights))
-        except ValueError:
-            choices = " | ".join(m.value for m in MasterWeights)
-            raise ValueError(
-                f"config key 'master_weights' must be one of {choices}, got {master_weights!r}."
-            ) from None
+        master = as_option(MasterWeights, master_weights, "master_weights")
         lower_than_fp32 = dtype.is_floating_point and torch.finfo(dtype).bits < 32
         param_dtype = torch.float32 if master is MasterWeights.FP32 and lower_than_fp32 else dtype
         return cls(compute_dtype=dtype, param_dtype=param_dtype, device_type=device.type)

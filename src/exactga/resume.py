@@ -283,10 +283,13 @@ def restore_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def run_fingerprint(cfg: DictConfig, **extra: Any) -> dict[str, Any]:
-    """The resolved values of ``FINGERPRINT_KEYS`` plus ``extra`` (e.g. ``world_size``)."""
+def run_fingerprint(
+    cfg: DictConfig, extra_keys: tuple[str, ...] = (), **extra: Any
+) -> dict[str, Any]:
+    """The resolved values of ``FINGERPRINT_KEYS`` and of a recipe's own ``extra_keys`` (e.g.
+    ``exactga.distillation.KD_FINGERPRINT_KEYS``), plus ``extra`` (e.g. ``world_size``)."""
     fingerprint = {}
-    for key in FINGERPRINT_KEYS:
+    for key in (*FINGERPRINT_KEYS, *extra_keys):
         value = cfg.get(key)
         if isinstance(value, DictConfig) or OmegaConf.is_list(value):
             value = OmegaConf.to_container(value, resolve=True)

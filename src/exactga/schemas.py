@@ -3,9 +3,13 @@
 The stock keys are those torchtune 0.6.1's recipe of the same name reads, so its configs run
 unchanged. Sections with a ``_component_`` are typed ``Any``: their keys are the keyword
 arguments of the component and are checked when it is instantiated; the ``profiler`` section
-has a schema of its own. A key with a fixed set of values declares it next to its default
-(``choices``), and each schema's ``check_flags`` rejects settings that cannot work together.
+has a schema of its own. A key with a fixed set of values is typed with its enum from
+``exactga.options`` (the recipe then reads a member), or declares them next to its default
+(``choices``); each schema's ``check_flags`` rejects settings that cannot work together.
 ``validate_config`` runs both at start-up, before the config is printed or a model is built.
+This module imports no runtime module of exactga, only modules that import nothing from it
+(``exactga.options``, ``exactga.profiling.settings``; ``tests/test_architecture.py``): the
+runtime imports the same enums and settings from there.
 
 To add a knob to a recipe you copied, subclass its schema in the recipe file::
 
@@ -19,31 +23,32 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, ClassVar, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from exactga.distributed import GradientSync
-from exactga.lora import LoraSettings
-from exactga.micro_batching import MicroBatching
-from exactga.normalization import NormMode
-from exactga.precision import MasterWeights
-from exactga.profiling import ProfilerSection, ProfilerSettings
-from exactga.training import NonFinitePolicy
+from exactga.options import (
+    PRECISIONS,
+    GradientSync,
+    MasterWeights,
+    MicroBatching,
+    NonFinitePolicy,
+    NormMode,
+)
+from exactga.profiling.settings import ProfilerSection, ProfilerSettings
 
 # One source for the defaults the profiler hook and the schemas share.
 _PROFILER = ProfilerSettings()
-# Precisions the recipes train in (torchtune's names); fp16 needs loss scaling, which they lack.
-PRECISIONS = ("bf16", "fp32", "fp64")
+# The model-section keys the LoRA recipes read besides instantiating it (stock reads the same).
+LORA_MODEL_KEYS = ("lora_rank", "lora_alpha", "lora_attn_modules", "apply_lora_to_mlp")
 
 
-def choice(values: type[Enum] | tuple[str, ...], default: str) -> Any:
-    """A string field whose value must be one of ``values`` (checked by ``validate_config``)."""
-    allowed = tuple(v.value for v in values) if isinstance(values, type) else tuple(values)
-    assert default in allowed, f"default {default!r} is not one of {allowed}"
-    return field(default=default, metadata={"choices": allowed})
+def choice(values: tuple[str, ...], default: str) -> Any:
+    """A string field whose value must be one of ``values`` (checked by ``validate_config``);
+    a knob whose values are an enum of exactga.options is typed with the enum instead."""
+    assert default in values, f"default {default!r} is not one of {values}"
+    return field(default=default, metadata={"choices": values})
 
 
 def _device_type(cfg: DictConfig) -> str:
@@ -117,21 +122,21 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
     peak_flops: Optional[float] = _PROFILER.peak_flops  # device peak FLOP/s for throughput/mfu
 
     # exactga (see docs/math.md).
-    loss_normalization: str = choice(NormMode, "exact")
+    loss_normalization: NormMode = NormMode.EXACT
     drop_partial_window: bool = False
     # How a window's samples are split into micro-batches; exact, so only speed and memory
     # change (see [regrouping is exact] in exactga.micro_batching and docs/math.md).
-    micro_batching: str = choice(MicroBatching, "by_length")
+    micro_batching: MicroBatching = MicroBatching.BY_LENGTH
     micro_batch_tokens: Optional[int] = None  # token_budget's padded positions per micro-batch
     # Trainable weights, their gradients and optimizer state in fp32 under dtype: bf16 (see
     # [fp32 master weights] in exactga.precision and docs/precision.md); none: as stock.
-    master_weights: str = choice(MasterWeights, "none")
+    master_weights: MasterWeights = MasterWeights.NONE
 
     # exactga: step checkpoints and failures (see docs/reliability.md).
     save_every_n_steps: Optional[int] = None  # null: epoch-end checkpoints only, as stock
     keep_last_n_checkpoints: int = 2  # step checkpoints kept; 2 or more
     resume_allow_changed_keys: list[str] = field(default_factory=list)
-    nonfinite_loss: str = choice(NonFinitePolicy, "skip")
+    nonfinite_loss: NonFinitePolicy = NonFinitePolicy.SKIP
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -157,7 +162,7 @@ def check_master_weights(cfg: DictConfig) -> None:
     optimizer = cfg.optimizer if isinstance(cfg.optimizer, DictConfig) else {}
     if (
         optimizer.get("bf16_stochastic_round", False)
-        and cfg.master_weights == MasterWeights.FP32.value
+        and cfg.master_weights is MasterWeights.FP32
         and cfg.dtype == "bf16"
     ):
         _warn_once(
@@ -171,21 +176,37 @@ def check_micro_batching(cfg: DictConfig) -> None:
     """``micro_batching`` with ``micro_batch_tokens`` and ``loss_normalization``; see
     [regrouping is exact]."""
     mode = cfg.micro_batching
-    if mode == MicroBatching.TOKEN_BUDGET.value and cfg.micro_batch_tokens is None:
+    if mode is MicroBatching.TOKEN_BUDGET and cfg.micro_batch_tokens is None:
         raise ValueError(
             "config key 'micro_batch_tokens' is needed with micro_batching: token_budget "
             "(padded positions per micro-batch, e.g. micro_batch_tokens=4096)."
         )
-    if mode != MicroBatching.TOKEN_BUDGET.value and cfg.micro_batch_tokens is not None:
+    if mode is not MicroBatching.TOKEN_BUDGET and cfg.micro_batch_tokens is not None:
         raise ValueError(
             f"config keys 'micro_batch_tokens' and 'micro_batching': a token budget needs "
             f"micro_batching: token_budget (got {mode}); remove micro_batch_tokens or set it."
         )
-    if mode != MicroBatching.FIXED.value and cfg.loss_normalization != NormMode.EXACT.value:
+    if mode is not MicroBatching.FIXED and cfg.loss_normalization is not NormMode.EXACT:
         raise ValueError(
             f"config keys 'micro_batching' and 'loss_normalization': the baseline "
             f"{cfg.loss_normalization} weighs micro-batches by their split, so only "
             f"micro_batching: fixed keeps its numbers; set micro_batching=fixed."
+        )
+
+
+def check_lora_model(cfg_model: DictConfig) -> None:
+    """The ``model`` section is a LoRA/QLoRA builder's: it has :data:`LORA_MODEL_KEYS`.
+
+    Raises:
+        ValueError: naming the keys it lacks.
+    """
+    missing = [key for key in LORA_MODEL_KEYS if key not in cfg_model]
+    if missing:
+        raise ValueError(
+            f"config key 'model' ({cfg_model.get('_component_')}) has no "
+            f"{', '.join('model.' + key for key in missing)}: this recipe needs a LoRA or "
+            "QLoRA builder (e.g. torchtune.models.llama3_1.lora_llama3_1_8b); for full "
+            "fine-tuning use the full_finetune recipe."
         )
 
 
@@ -210,7 +231,7 @@ class FullFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
                 "config keys 'optimizer_in_bwd' and 'clip_grad_norm': gradients are consumed "
                 "inside backward and cannot be clipped; set clip_grad_norm to null."
             )
-        if cfg.loss_normalization != NormMode.EXACT.value:
+        if cfg.loss_normalization is not NormMode.EXACT:
             raise ValueError(
                 "config keys 'optimizer_in_bwd' and 'loss_normalization': the baselines scale "
                 "gradients after backward; optimizer_in_bwd needs loss_normalization: exact."
@@ -227,12 +248,12 @@ class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
     low_cpu_ram: bool = False  # torchtune's low-CPU-RAM NF4 state-dict hook (QLoRA)
     # fp32 adapters over the bf16 base: a few MB, and 10x closer to fp32 LoRA with SGD
     # (docs/precision.md). Full fine-tuning defaults to none: there it doubles weight memory.
-    master_weights: str = choice(MasterWeights, "fp32")
+    master_weights: MasterWeights = MasterWeights.FP32
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
-        LoraSettings.from_config(cfg.model)  # raises naming the LoRA keys a builder would have
+        check_lora_model(cfg.model)
 
 
 @dataclass
@@ -253,7 +274,7 @@ class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
     # every_micro_batch is stock torchtune's behaviour and never needs more memory than stock;
     # once_per_window is faster but holds an unsharded gradient copy per rank, which stock
     # configs with ga = 8 (up to the 90B vision model) could not afford.
-    gradient_sync: str = choice(GradientSync, "every_micro_batch")
+    gradient_sync: GradientSync = GradientSync.EVERY_MICRO_BATCH
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -280,7 +301,7 @@ class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
     fsdp: Any = None
 
     # exactga: when FSDP reduces gradients under accumulation; see FullFinetuneDistributedConfig.
-    gradient_sync: str = choice(GradientSync, "every_micro_batch")
+    gradient_sync: GradientSync = GradientSync.EVERY_MICRO_BATCH
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -333,9 +354,8 @@ class ParitySettings:
     # launch's process count); all with the same global batch. The full batch (global x 1) on
     # one device is always trained as the reference.
     splits: list[str] = field(default_factory=lambda: ["1x8", "2x4", "4x2"])
-    modes: list[str] = field(
-        default_factory=lambda: ["naive", "post_scale", "exact"],
-        metadata={"choices": tuple(mode.value for mode in NormMode)},
+    modes: list[NormMode] = field(
+        default_factory=lambda: [NormMode.NAIVE, NormMode.POST_SCALE, NormMode.EXACT]
     )
     num_steps: int = 12
     # Relative L2 an exact split may differ by in fp32. Below fp32 (dtype: bf16) the floor is
@@ -345,10 +365,7 @@ class ParitySettings:
     # How a window's samples are split into micro-batches (see [micro-batching modes] in
     # exactga.micro_batching): exact runs every split under each of these, the baselines under
     # fixed only (see [regrouping is exact]). The full-batch reference is fixed.
-    micro_batching: list[str] = field(
-        default_factory=lambda: [m.value for m in MicroBatching],
-        metadata={"choices": tuple(m.value for m in MicroBatching)},
-    )
+    micro_batching: list[MicroBatching] = field(default_factory=lambda: list(MicroBatching))
     micro_batch_tokens: int = 1024  # token_budget's padded positions per micro-batch
 
 
@@ -368,7 +385,7 @@ class GaParityConfig(TrainingRunConfig):
     # As the training recipes read it (see [fp32 master weights] in exactga.precision); null:
     # the default of the recipe the config is for, fp32 for LoRA and none for full
     # (master_weights_for). One schema covers both kinds, so its default cannot be either.
-    master_weights: Optional[str] = None
+    master_weights: Optional[MasterWeights] = None
     parity: ParitySettings = field(default_factory=ParitySettings)
     # Knowledge distillation: DistillationKeys, optional here. Null teacher_model: no teacher,
     # the causal-LM loss alone.
@@ -390,13 +407,6 @@ class GaParityConfig(TrainingRunConfig):
         dataset_sections = cfg.dataset if OmegaConf.is_list(cfg.dataset) else [cfg.dataset]
         if any(section.get("packed", False) for section in dataset_sections):
             raise ValueError("config key 'dataset.packed' is not supported by the parity report.")
-        choices = tuple(m.value for m in MasterWeights)
-        if cfg.master_weights is not None and cfg.master_weights not in choices:
-            raise ValueError(
-                f"config key 'master_weights'={cfg.master_weights!r}: choose one of "
-                f"{', '.join(choices)}, or null for the recipe's default (fp32 for LoRA, none "
-                "for full)."
-            )
         cls._check_micro_batching(cfg.parity)
         cls._check_distillation(cfg)
 
@@ -418,11 +428,11 @@ class GaParityConfig(TrainingRunConfig):
         DistillationKeys.check_kd_ratio(cfg)
 
     @staticmethod
-    def master_weights_for(cfg: DictConfig, *, is_lora: bool) -> str:
+    def master_weights_for(cfg: DictConfig, *, is_lora: bool) -> MasterWeights:
         """``master_weights``, or where it is null the default of the training recipe the
         config is for: the LoRA recipes' (fp32) or the full recipes' (none)."""
         if cfg.master_weights is not None:
-            return str(cfg.master_weights)
+            return cfg.master_weights
         recipe = LoraFinetuneSingleDeviceConfig if is_lora else FullFinetuneSingleDeviceConfig
         return recipe.master_weights
 
@@ -444,8 +454,8 @@ class GaParityConfig(TrainingRunConfig):
                 "config key 'parity.micro_batch_tokens' must be at least 1, got "
                 f"{parity.micro_batch_tokens}."
             )
-        regrouped = [m for m in listed if m != MicroBatching.FIXED.value]
-        if regrouped and NormMode.EXACT.value not in parity.modes:
+        regrouped = [m for m in listed if m is not MicroBatching.FIXED]
+        if regrouped and NormMode.EXACT not in parity.modes:
             _warn_once(
                 f"config key 'parity.micro_batching': {', '.join(regrouped)} is ignored: only "
                 "exact runs regroup, and 'parity.modes' lists no exact."

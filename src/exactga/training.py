@@ -11,7 +11,6 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +24,7 @@ from torchtune.training.lr_schedulers import get_lr
 
 from exactga.distributed import memory_stats
 from exactga.normalization import LOSS_POSITIONS, Window, shift_labels, warn_skipped_step
+from exactga.options import NonFinitePolicy
 from exactga.precision import Precision
 from exactga.profiling import TrainingProfiler
 from exactga.progress import TrainingProgress
@@ -42,13 +42,6 @@ class StepOutcome:
     skipped: bool
     grad_norm: torch.Tensor | None = None
     nonfinite: bool = False
-
-
-class NonFinitePolicy(Enum):
-    """``nonfinite_loss``: what a step whose loss is NaN or inf does. See [non-finite loss]."""
-
-    SKIP = "skip"
-    STOP = "stop"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -69,15 +62,6 @@ class NonFiniteLossError(RuntimeError):
 # weights before that step (its data-loader position is after the bad window, so resuming goes
 # on with the next one) and raises. With ``optimizer_in_bwd`` the optimizer has already stepped
 # inside backward, so the run always stops, pointing to the last step checkpoint.
-
-
-def parse_nonfinite_policy(value: str, key: str = "nonfinite_loss") -> NonFinitePolicy:
-    """The policy named by config ``key``, or a ValueError naming the key."""
-    try:
-        return NonFinitePolicy(value)
-    except ValueError:
-        choices = " | ".join(p.value for p in NonFinitePolicy)
-        raise ValueError(f"config key '{key}' must be one of {choices}, got {value!r}.") from None
 
 
 def handle_nonfinite_loss(

@@ -40,8 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exactga.micro_batching import MicroBatching
-from exactga.normalization import NormMode
+from exactga.options import MicroBatching, NormMode
 
 MODE_ORDER = ("naive", "post_scale", "exact")
 MODE_LABELS = {
