@@ -45,6 +45,7 @@ from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer
+from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -52,7 +53,6 @@ from exactga.resume import find_resume_point, run_fingerprint, write_step_checkp
 from exactga.schemas import FullFinetuneDistributedConfig
 from exactga.steps import StepBook
 from exactga.training import (
-    attach_lr_scheduler_in_backward,
     causal_lm_loss,
     train_window,
 )
@@ -177,8 +177,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         if resume.from_epoch_checkpoint and self._enable_async_checkpointing:
             # torchtune's distributed checkpoint loads weights and optimizer state in place.
             ckpt_dict = self._checkpoint_client.load_distributed_checkpoint(
-                self._model,
-                self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer,
+                self._model, self._optimizer
             )
         resume.restore_progress(self._progress, ckpt_dict)
 
@@ -305,52 +304,32 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _setup_optimizer(
         self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
-    ) -> Optimizer | None:
-        if not self._optimizer_in_bwd:
-            optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
-            if opt_state_dict:
-                training.load_from_full_optimizer_state_dict(
-                    self._model, optimizer, opt_state_dict, self._device
-                )
-            return optimizer
-        # One optimizer per parameter, stepped by hooks as its (reduced) gradient is ready.
-        optim_dict = {p: config.instantiate(cfg_optimizer, [p]) for p in self._model.parameters()}
-        training.register_optim_in_bwd_hooks(model=self._model, optim_dict=optim_dict)
-        self._optim_ckpt_wrapper = training.create_optim_in_bwd_wrapper(
-            model=self._model, optim_dict=optim_dict
-        )
-        for param, state in (opt_state_dict or {}).items():
-            training.load_from_full_optimizer_state_dict(
-                self._model, self._optim_ckpt_wrapper.optim_map[param], state, self._device
-            )
-        return None
+    ) -> Optimizer:
+        # optimizer_in_bwd: one optimizer per parameter, stepped inside backward on its sharded,
+        # reduced gradient, behind the optimizer's interface; see [optimizer in backward] in
+        # exactga.optimizers.
+        optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
+        if opt_state_dict:
+            load_full_optimizer_state(self._model, optimizer, opt_state_dict, self._device)
+        return optimizer
 
     def _setup_lr_scheduler(
         self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
     ) -> Any:
         if cfg_lr_scheduler is None:
             return None
-        optimizer = (
-            next(iter(self._optim_ckpt_wrapper.optim_map.values()))
-            if self._optimizer_in_bwd
-            else self._optimizer
-        )
-        lr_scheduler = config.instantiate(
+        return config.instantiate(
             cfg_lr_scheduler,
-            optimizer,
+            self._optimizer,
             num_training_steps=num_training_steps,
             last_epoch=last_epoch,
         )
-        if self._optimizer_in_bwd:
-            # See [optimizer in backward lr] in exactga.training.
-            attach_lr_scheduler_in_backward(self._optim_ckpt_wrapper, lr_scheduler)
-        return lr_scheduler
 
     def save_checkpoint(self, epoch: int) -> None:
         """Gather the full state on rank 0 and write it there (all ranks must call this)."""
         self._checkpoint_client.save_checkpoint(
             model=self._model,
-            optimizer=self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer,
+            optimizer=self._optimizer,
             training_progress=self._progress.for_checkpoint_client(),
             epoch=epoch,
         )
@@ -364,17 +343,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         model_state = training.gather_cpu_state_dict(
             self._model, self._is_rank_zero, device=self._device
         )
-        if self._optimizer_in_bwd:
-            optimizer_state = {
-                name: training.get_full_optimizer_state_dict(
-                    self._model, opt, self._is_rank_zero, device=self._device
-                )
-                for name, opt in self._optim_ckpt_wrapper.optim_map.items()
-            }
-        else:
-            optimizer_state = training.get_full_optimizer_state_dict(
-                self._model, self._optimizer, self._is_rank_zero, device=self._device
-            )
+        optimizer_state = full_optimizer_state(
+            self._model, self._optimizer, self._is_rank_zero, device=self._device
+        )
         return write_step_checkpoint(
             self._step_checkpointer,
             self._progress,
@@ -395,8 +366,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         distributed.cleanup_before_training(self._device)
         if self._compile:
             distributed.log_rank_zero("torch.compile is on: expect a slow first step.")
-        if not self._optimizer_in_bwd:
-            self._optimizer.zero_grad()
+        self._optimizer.zero_grad()
         progress = self._progress
         steps = self._step_book()
         with self._profiler:
@@ -406,7 +376,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                         window,
                         model=self._model,
                         loss_step=self._loss_step,
-                        optimizer=None if self._optimizer_in_bwd else self._optimizer,
+                        optimizer=self._optimizer,
                         profiler=self._profiler,
                         device=self._device,
                         step=progress.global_step + 1,
@@ -428,10 +398,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             dataloader=self._dataloader,
             normalizer=self._normalizer,
             profiler=self._profiler,
-            optimizer=self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer,
+            optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
             nonfinite_policy=self._nonfinite_policy,
-            weights_updated_in_backward=self._optimizer_in_bwd,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
             save_every_n_steps=self._save_every_n_steps,

@@ -32,6 +32,7 @@ from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer
+from exactga.optimizers import build_optimizer
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
@@ -39,7 +40,6 @@ from exactga.resume import find_resume_point, run_fingerprint, write_step_checkp
 from exactga.schemas import FullFinetuneSingleDeviceConfig
 from exactga.steps import StepBook
 from exactga.training import (
-    attach_lr_scheduler_in_backward,
     causal_lm_loss,
     train_window,
 )
@@ -210,49 +210,32 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _setup_optimizer(
         self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
-    ) -> Optimizer | None:
-        if not self._optimizer_in_bwd:
-            optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
-            if opt_state_dict:
-                optimizer.load_state_dict(opt_state_dict)
-            return optimizer
-        # One optimizer per parameter, stepped by hooks as its gradient is ready.
-        optim_dict = {p: config.instantiate(cfg_optimizer, [p]) for p in self._model.parameters()}
-        training.register_optim_in_bwd_hooks(model=self._model, optim_dict=optim_dict)
-        self._optim_ckpt_wrapper = training.create_optim_in_bwd_wrapper(
-            model=self._model, optim_dict=optim_dict
-        )
-        if opt_state_dict is not None:
-            self._optim_ckpt_wrapper.load_state_dict(opt_state_dict)
-        return None
+    ) -> Optimizer:
+        # optimizer_in_bwd: one optimizer per parameter, stepped inside backward, behind the
+        # optimizer's interface; see [optimizer in backward] in exactga.optimizers.
+        optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
+        if opt_state_dict:
+            optimizer.load_state_dict(opt_state_dict)
+        return optimizer
 
     def _setup_lr_scheduler(
         self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
     ) -> Any:
         if cfg_lr_scheduler is None:
             return None
-        optimizer = (
-            next(iter(self._optim_ckpt_wrapper.optim_map.values()))
-            if self._optimizer_in_bwd
-            else self._optimizer
-        )
-        lr_scheduler = config.instantiate(
+        return config.instantiate(
             cfg_lr_scheduler,
-            optimizer,
+            self._optimizer,
             num_training_steps=num_training_steps,
             last_epoch=last_epoch,
         )
-        if self._optimizer_in_bwd:
-            # See [optimizer in backward lr] in exactga.training.
-            attach_lr_scheduler_in_backward(self._optim_ckpt_wrapper, lr_scheduler)
-        return lr_scheduler
 
     def save_checkpoint(self, epoch: int) -> None:
         ckpt_dict: dict[str, Any] = {training.MODEL_KEY: self._model.state_dict()}
         intermediate = not self._progress.is_last_epoch(epoch)
         if intermediate:
             ckpt_dict.update(self._progress.epoch_checkpoint_state())
-            ckpt_dict[training.OPT_KEY] = self._optimizer_state()
+            ckpt_dict[training.OPT_KEY] = self._optimizer.state_dict()
         self._checkpointer.save_checkpoint(
             ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate
         )
@@ -266,13 +249,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             device=self._device,
             dataloader=self._dataloader,
             model_state=self._model.state_dict(),
-            optimizer_state=self._optimizer_state(),
+            optimizer_state=self._optimizer.state_dict(),
         )
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        if self._optimizer_in_bwd:
-            return self._optim_ckpt_wrapper.state_dict()
-        return self._optimizer.state_dict()
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
@@ -283,8 +261,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def train(self) -> None:
         if self._compile:
             log.info("torch.compile is on: expect a slow first step while it compiles.")
-        if not self._optimizer_in_bwd:
-            self._optimizer.zero_grad()
+        self._optimizer.zero_grad()
         progress = self._progress
         steps = self._step_book()
         with self._profiler:
@@ -294,7 +271,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         window,
                         model=self._model,
                         loss_step=self._loss_step,
-                        optimizer=None if self._optimizer_in_bwd else self._optimizer,
+                        optimizer=self._optimizer,
                         profiler=self._profiler,
                         device=self._device,
                         step=progress.global_step + 1,
@@ -312,10 +289,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             dataloader=self._dataloader,
             normalizer=self._normalizer,
             profiler=self._profiler,
-            optimizer=self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer,
+            optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
             nonfinite_policy=self._nonfinite_policy,
-            weights_updated_in_backward=self._optimizer_in_bwd,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
             save_every_n_steps=self._save_every_n_steps,

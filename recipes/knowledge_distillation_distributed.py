@@ -465,7 +465,6 @@ class KDRecipeDistributed(FTRecipeInterface):
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
             nonfinite_policy=self._nonfinite_policy,
-            weights_updated_in_backward=False,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
             save_every_n_steps=self._save_every_n_steps,

@@ -174,3 +174,48 @@ def test_recipes_take_config_values_as_validate_config_typed_them(recipe: Path) 
     assert not parsers, f"{recipe.name} parses config values validate_config checked: {parsers}"
     converted = called & CONVERTERS
     assert not converted, f"{recipe.name} converts config values itself: {sorted(converted)}"
+
+
+# Names of optimizer_in_bwd's plumbing, which lives in exactga.optimizers.OptimizerInBackward.
+IN_BACKWARD_PLUMBING = (
+    "_optim_ckpt_wrapper",
+    "optim_map",
+    "register_optim_in_bwd_hooks",
+    "create_optim_in_bwd_wrapper",
+    "OptimizerInBackwardWrapper",
+    "steps_in_backward",
+)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipes_do_not_branch_on_optimizer_in_backward(recipe: Path) -> None:
+    """``optimizer_in_bwd`` is one object with the optimizer's interface (see [optimizer in
+    backward] in exactga.optimizers): a recipe copies the flag and hands it to
+    ``build_optimizer``, and its loop, checkpoints and scheduler are those of any optimizer."""
+    source = recipe.read_text()
+    for name in IN_BACKWARD_PLUMBING:
+        assert name not in source, f"{recipe.name} mentions {name} (exactga.optimizers)"
+    tree = ast.parse(source)
+    allowed: set[int] = set()  # the flag's copy in __init__ and build_optimizer's argument
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _callee(node) == "build_optimizer":
+            allowed |= {id(n) for kw in node.keywords for n in ast.walk(kw.value)}
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "optimizer_in_bwd"
+        ):
+            allowed |= {id(n) for part in (node.value, *node.targets) for n in ast.walk(part)}
+    uses = sorted(
+        (node.lineno, ast.unparse(node))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and "optimizer_in_bwd" in node.attr
+        and id(node) not in allowed
+    )
+    assert not uses, f"{recipe.name} reads optimizer_in_bwd beyond build_optimizer: {uses}"
+
+
+def _callee(call: ast.Call) -> str:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")

@@ -81,7 +81,6 @@ def _book(recorder: Recorder, **overrides) -> tuple[StepBook, Loader]:
         optimizer=optimizer,
         lr_scheduler=recorder,
         nonfinite_policy=NonFinitePolicy.STOP,
-        weights_updated_in_backward=False,
         save_step_checkpoint=recorder.save_step,
         save_epoch_checkpoint=recorder.save_epoch,
         save_every_n_steps=1,

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from exactga.normalization import Window
+from exactga.optimizers import steps_in_backward
 from exactga.progress import TrainingProgress
 from exactga.training import NonFinitePolicy, StepOutcome, handle_nonfinite_loss, step_metrics
 
@@ -65,12 +66,11 @@ class StepBook:
         dataloader: the recipe's loader of windows (``exactga.data``).
         normalizer: the recipe's ``LossNormalizer``.
         profiler: the recipe's ``TrainingProfiler``.
-        optimizer: what the logged learning rate is read from (the optimizer, or the
-            ``optimizer_in_bwd`` wrapper).
+        optimizer: the recipe's optimizer: the logged learning rate is read from it, and an
+            ``OptimizerInBackward`` (``optimizer_in_bwd``) means a non-finite step has already
+            changed the weights.
         lr_scheduler: stepped after every step, or ``None``.
         nonfinite_policy: the config's ``nonfinite_loss``.
-        weights_updated_in_backward: ``optimizer_in_bwd``: a non-finite step has already
-            changed the weights.
         save_step_checkpoint: writes a step checkpoint and returns its folder (collective).
         save_epoch_checkpoint: writes the checkpoint of an epoch (collective).
         save_every_n_steps: the config's ``save_every_n_steps`` (``None``: no step checkpoints).
@@ -94,7 +94,6 @@ class StepBook:
         optimizer: Any,
         lr_scheduler: Any,
         nonfinite_policy: NonFinitePolicy,
-        weights_updated_in_backward: bool,
         save_step_checkpoint: Callable[[], Path],
         save_epoch_checkpoint: Callable[[int], Any],
         save_every_n_steps: int | None,
@@ -114,7 +113,6 @@ class StepBook:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.nonfinite_policy = nonfinite_policy
-        self.weights_updated_in_backward = weights_updated_in_backward
         self.save_step_checkpoint = save_step_checkpoint
         self.save_epoch_checkpoint = save_epoch_checkpoint
         self.save_every_n_steps = save_every_n_steps
@@ -157,7 +155,7 @@ class StepBook:
             handle_nonfinite_loss(
                 self.nonfinite_policy,
                 progress.global_step,
-                weights_updated=self.weights_updated_in_backward,
+                weights_updated=steps_in_backward(self.optimizer),
                 save_checkpoint=self.save_step_checkpoint,
             )
         self._num_tokens_since_log += window.num_global_tokens

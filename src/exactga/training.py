@@ -24,6 +24,7 @@ from torchtune.training.lr_schedulers import get_lr
 
 from exactga.distributed import memory_stats
 from exactga.normalization import LOSS_POSITIONS, Window, shift_labels, warn_skipped_step
+from exactga.optimizers import steps_in_backward
 from exactga.options import NonFinitePolicy
 from exactga.precision import Precision
 from exactga.profiling import TrainingProfiler
@@ -61,7 +62,8 @@ class NonFiniteLossError(RuntimeError):
 # goes on with the next window; ``stop`` saves a step checkpoint of the
 # weights before that step (its data-loader position is after the bad window, so resuming goes
 # on with the next one) and raises. With ``optimizer_in_bwd`` the optimizer has already stepped
-# inside backward, so the run always stops, pointing to the last step checkpoint.
+# inside backward, so the run always stops, pointing to the last step checkpoint (see
+# [optimizer in backward] in exactga.optimizers).
 
 
 def handle_nonfinite_loss(
@@ -96,26 +98,6 @@ def handle_nonfinite_loss(
         f"non-finite loss at step {step} (nonfinite_loss: stop). The weights before it are "
         f"saved in {path}; resume_from_checkpoint=True goes on with the next window."
     )
-
-
-# Note [optimizer in backward lr]
-# With ``optimizer_in_bwd`` every parameter has its own optimizer, and torchtune builds the
-# learning-rate scheduler on the first of them; ``OptimizerInBackwardWrapper.set_lr_scheduler``
-# then copies the scheduler's lr to all of them, but only from its next ``step()`` on. The
-# scheduler's constructor has already set its first lr (0 under a warm-up) on that first
-# optimizer alone, so the first step trained every other parameter at the config's base lr
-# while a normal optimizer step used the schedule's. Copying the first lr at attach time makes
-# the two modes train the same weights (tests/gpu/test_gpu_exactness.py checks it).
-
-
-def attach_lr_scheduler_in_backward(wrapper: Any, lr_scheduler: Any) -> None:
-    """Drive every in-backward optimizer of ``wrapper`` by ``lr_scheduler``, from the first
-    step on. See [optimizer in backward lr]."""
-    wrapper.set_lr_scheduler(lr_scheduler)
-    lr = lr_scheduler.get_last_lr()[0]
-    for optimizer in wrapper.optim_map.values():
-        for param_group in optimizer.param_groups:
-            param_group["lr"] = lr
 
 
 # Note [logits only at loss positions]
@@ -216,7 +198,9 @@ def train_window(
         window: the step's micro-batches, from ``LossNormalizer.windows``.
         model: the model whose gradients accumulate.
         loss_step: forward and mean loss of one micro-batch on the device.
-        optimizer: ``None`` when the optimizer runs inside backward (``optimizer_in_bwd``).
+        optimizer: the recipe's optimizer. An ``OptimizerInBackward`` (``optimizer_in_bwd``)
+            has stepped inside backward, so nothing touches the gradients after it; ``None``
+            leaves them to the caller. See [optimizer in backward] in ``exactga.optimizers``.
         profiler: the recipe's profiler hook (phases, the saved-latency sample).
         device: where micro-batches go.
         step: the number of this optimizer step, for the skipped-window warning.
@@ -240,7 +224,9 @@ def train_window(
             with profiler.phase("backward"):
                 # See [loss scaled before backward]: no gradient pass follows.
                 window.scale(loss, micro_batch).backward()
-    if optimizer is None:  # it already stepped inside backward; see [non-finite loss]
+    if optimizer is None or steps_in_backward(optimizer):  # see [non-finite loss]
+        if optimizer is not None:
+            optimizer.step()  # a no-op that tells a learning-rate scheduler the step happened
         return StepOutcome(skipped=False, nonfinite=not _all_finite(finite, None, window))
     profiler.sample_gradient_pass(model)  # measures only; see [saved latency]
     with profiler.phase("optimizer"):
