@@ -23,6 +23,7 @@ Run from the repository root (about 30 launches; 2 to 3 minutes on 2 CPU cores):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -145,12 +146,14 @@ def _runs() -> dict[str, Run]:
 RUNS = _runs()
 
 
-def launch(name: str, root: Path) -> dict[str, torch.Tensor]:
+def launch(name: str, root: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Train run ``name`` under ``root/name`` and return its final weights (step checkpoint)."""
     run = RUNS[name]
     out = root / name
     proc = run_tune(
-        run.args(out), extra_env=EAGER if run.precision == "bf16_sr" else None, timeout=900
+        [*run.args(out), f"device={device}"],
+        extra_env=EAGER if run.precision == "bf16_sr" else None,
+        timeout=900,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"run {name} failed:\n{output_of(proc)[-4000:]}")
@@ -183,9 +186,11 @@ def initial_full_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def launch_all(names: list[str], root: Path, jobs: int = 2) -> dict[str, dict[str, torch.Tensor]]:
+def launch_all(
+    names: list[str], root: Path, jobs: int = 2, device: str = "cpu"
+) -> dict[str, dict[str, torch.Tensor]]:
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {name: pool.submit(launch, name, root) for name in names}
+        futures = {name: pool.submit(launch, name, root, device) for name in names}
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -240,15 +245,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2, help="launches at a time")
     parser.add_argument("--keep", type=Path, help="write the runs here instead of a temp dir")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: one GPU, so the 2-rank rows (one GPU per NCCL rank) are left out",
+    )
+    parser.add_argument("--json", type=Path, help="also write the table here (tools/gpu_check)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("precision_table: no CUDA device; nothing measured.")
+        if args.json:
+            args.json.write_text(json.dumps({"markdown": "No CUDA device: nothing measured."}))
+        return
+    names = [n for n in RUNS if args.device == "cpu" or RUNS[n].nproc == 1]
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
-        weights = launch_all(list(RUNS), root, jobs=args.jobs)
-        print(table(weights, root))
-    print(
-        f"\n{STEPS} steps of 8 sequences (configs/tiny/data.json, shuffled), small model "
-        f"{SMALL_MODEL}, no clipping, no warm-up; learning rates {LEARNING_RATES}."
+        weights = launch_all(names, root, jobs=args.jobs, device=args.device)
+        text = table(weights, root)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    text += (
+        f"\n\nMeasured on {where} (device={args.device}), torch {torch.__version__}: {STEPS} "
+        f"steps of 8 sequences (configs/tiny/data.json, shuffled), small model {SMALL_MODEL}, "
+        f"no clipping, no warm-up; learning rates {LEARNING_RATES}."
     )
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"markdown": text}))
 
 
 if __name__ == "__main__":

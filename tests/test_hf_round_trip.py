@@ -164,6 +164,10 @@ def _hf_logits(model) -> torch.Tensor:
 
 @torch.no_grad()
 def _torchtune_logits(name: str, base: Path, out: Path) -> torch.Tensor:
+    return _torchtune_model(name, base, out).eval()(_tokens())
+
+
+def _torchtune_model(name: str, base: Path, out: Path) -> torch.nn.Module:
     """torchtune's model of the run's config, from the same files the run wrote or read."""
     _, cfg_name, _, adapters = RUNS[name]
     cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{cfg_name}.yaml")
@@ -189,7 +193,7 @@ def _torchtune_logits(name: str, base: Path, out: Path) -> torch.Tensor:
             output_dir=str(out / "reread"),
         )
         model.load_state_dict(reader.load_checkpoint()[training.MODEL_KEY])
-    return model.eval()(_tokens())
+    return model
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -17,7 +17,8 @@
    of this and uses an interpreter that is ready.
 2. **Tests.** ``pytest -m gpu tests/gpu`` (tests/gpu/conftest.py skips them without CUDA), in
    ``--test-workers`` processes, with a JUnit XML file for the report.
-3. **Benchmarks.** Every ``benchmarks/gpu_*.py``, each writing its figures as JSON.
+3. **Benchmarks.** Those of ``BENCHMARKS`` (``--benchmarks`` picks some), each writing its
+   figures as JSON.
 4. **Report.** One markdown file (``--report``, default docs/gpu_report.md): the device, driver,
    torch, CUDA and package versions, each test's outcome and the values it recorded, every
    benchmark figure, the date and the command. Logs and raw files stay in ``--work-dir``.
@@ -55,7 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ["benchmarks/gpu_scale_pass_8b.py", "benchmarks/gpu_tiny_throughput.py"]
+# name -> command after the interpreter; each writes its figures as JSON (``--json PATH``).
+BENCHMARKS = {
+    "gpu_scale_pass_8b": ["benchmarks/gpu_scale_pass_8b.py"],
+    "gpu_tiny_throughput": ["benchmarks/gpu_tiny_throughput.py"],
+    "precision_table": ["benchmarks/precision_table.py", "--device", "cuda", "--jobs", "8"],
+    "gpu_1b_variable_length": ["benchmarks/gpu_1b_variable_length.py"],
+}
 DEFAULT_TORCH = "torch --index-url https://download.pytorch.org/whl/cu128"
 
 PROBE = r"""
@@ -330,14 +337,18 @@ def parse_junit(path: Path) -> list[dict]:
 
 def run_benchmarks(args: argparse.Namespace, environment: Environment, work: Path) -> list[dict]:
     results = []
-    for script in BENCHMARKS:
-        name = Path(script).stem
+    for name in args.benchmarks:
+        command = [*BENCHMARKS[name], *shlex.split(args.benchmark_args.get(name, ""))]
         out = work / f"{name}.json"
         out.unlink(missing_ok=True)
-        cmd = [environment.python, script, "--json", str(out)]
+        cmd = [environment.python, *command, "--json", str(out)]
         start = time.perf_counter()
         status = run(cmd, work / f"{name}.log", env=environment.env, timeout=args.bench_timeout)
-        result = {"script": script, "status": status, "wall_s": time.perf_counter() - start}
+        result = {
+            "script": shlex.join(command),
+            "status": status,
+            "wall_s": time.perf_counter() - start,
+        }
         if out.exists():
             result.update(json.loads(out.read_text()))
         results.append(result)
@@ -457,6 +468,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-benchmarks", action="store_true")
     parser.add_argument(
+        "--benchmarks",
+        nargs="+",
+        default=list(BENCHMARKS),
+        choices=list(BENCHMARKS),
+        help="which benchmarks to run (default: all)",
+    )
+    parser.add_argument(
+        "--benchmark-args",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help='more arguments for one benchmark: "gpu_1b_variable_length=--groups default"',
+    )
+    parser.add_argument(
         "--pytest-args", default="", help='more pytest arguments, one string: "-k numerics"'
     )
     parser.add_argument("--date", default=datetime.date.today().isoformat())
@@ -467,6 +492,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.wheels is not None:
         args.wheels = args.wheels.resolve()
+    extra = dict(item.split("=", 1) for item in args.benchmark_args if "=" in item)
+    unknown = sorted(set(extra) - set(BENCHMARKS))
+    if unknown or len(extra) != len(args.benchmark_args):
+        parser.error(f"--benchmark-args takes NAME=ARGS with NAME one of {list(BENCHMARKS)}")
+    args.benchmark_args = extra
     return args
 
 
