@@ -46,7 +46,6 @@ from torchtune import modules, training, utils
 from torchtune.models.llama3_1 import llama3_1
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from exactga.normalization import LossNormalizer
 from exactga.profiling import (
     ProfilerSettings,
     TrainingProfiler,
@@ -54,6 +53,11 @@ from exactga.profiling import (
     model_flops_per_token,
 )
 from exactga.training import causal_lm_loss, train_window
+
+# tests/grouping.py: windows of hand-collated micro-batches, as the tests make them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from grouping import GroupingNormalizer  # noqa: E402
 
 SHAPE = dict(vocab_size=128_256, num_heads=32, num_kv_heads=8, embed_dim=4096,
              intermediate_dim=14_336)  # fmt: skip
@@ -149,7 +153,7 @@ class Exact:
 
     def __init__(self, model, loss_fn, optimizer, every_n: int) -> None:
         self.model, self.optimizer = model, optimizer
-        self.normalizer = LossNormalizer(loss_fn, 1)
+        self.normalizer = GroupingNormalizer(loss_fn, 1)
         self.loss_step = partial(causal_lm_loss, model, loss_fn)
         settings = ProfilerSettings(saved_latency_every_n_steps=every_n)
         self.profiler = TrainingProfiler(settings, DEVICE, model)

@@ -53,6 +53,7 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -66,8 +67,13 @@ from torchtune import config, training, utils
 
 from exactga import distributed
 from exactga.distributed import GradientSync
-from exactga.normalization import IGNORE_INDEX, LossNormalizer
+from exactga.loss_units import IGNORE_INDEX
 from exactga.training import causal_lm_loss
+
+# tests/grouping.py: windows of hand-collated micro-batches, as the tests make them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from grouping import GroupingNormalizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = REPO_ROOT / "configs/tiny/full_distributed.yaml"
@@ -231,7 +237,7 @@ def worker(args: argparse.Namespace) -> None:
 
     results: dict[tuple[int, GradientSync], dict[str, list[float]]] = {}
     for ga in args.ga:
-        normalizer = LossNormalizer(loss_fn, ga, dp_group=distributed.dp_group(mesh))
+        normalizer = GroupingNormalizer(loss_fn, ga, dp_group=distributed.dp_group(mesh))
         for round_index in range(args.warmup + args.steps):
             seed = 1000 * round_index + rank
             batches = synthetic_window(ga, args, cfg.model.vocab_size, seed=seed)

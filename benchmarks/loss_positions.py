@@ -24,7 +24,7 @@ import torch
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from exactga.normalization import IGNORE_INDEX, LOSS_POSITIONS, count_loss_tokens, loss_positions
+from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS, count_loss_tokens, loss_positions
 from exactga.training import causal_lm_loss
 
 

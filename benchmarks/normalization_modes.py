@@ -4,7 +4,7 @@
 the token count, then a ``scale_grads`` pass over every gradient) and ``exact`` (exactga: loss
 scaled before backward, no gradient pass) each train their own copy of the same model (same
 initial weights, own optimizer) on the same data. Every step is driven as
-``recipes/full_finetune_single_device.py`` drives it: ``LossNormalizer(loss_fn, ga, mode=...)``
+``recipes/full_finetune_single_device.py`` drives it: ``GroupingNormalizer(loss_fn, ga, mode=...)``
 opens the window (host token counts), then per micro-batch forward, ``window.scale(loss,
 mb).backward()``, then ``window.finish_gradients(model)``, optimizer step, ``zero_grad``.
 
@@ -70,7 +70,7 @@ from torchtune.models.llama2 import llama2_tokenizer
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from exactga.normalization import LossNormalizer, MicroBatch, NormMode, Window
+from exactga.normalization import MicroBatch, NormMode, Window
 from exactga.training import causal_lm_loss
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +78,7 @@ TESTS = REPO_ROOT / "tests"
 if str(TESTS) not in sys.path:  # tests/profiling_utils.py: the gradient-pass timer
     sys.path.insert(0, str(TESTS))
 
+from grouping import GroupingNormalizer  # noqa: E402
 from profiling_utils import time_gradient_pass  # noqa: E402
 
 DATA_FILE = "configs/tiny/data.json"
@@ -108,7 +109,7 @@ class Arm:
     mode: NormMode
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    normalizer: LossNormalizer
+    normalizer: GroupingNormalizer
     step_ms: list[float] = field(default_factory=list)
     cpu_ms: list[float] = field(default_factory=list)  # this thread's CPU time (CPU runs)
     overhead_ms: list[float] = field(default_factory=list)
@@ -238,7 +239,7 @@ def make_arms(args: argparse.Namespace, size: str, ga: int, device: torch.device
             optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-        arms.append(Arm(mode, model, optimizer, LossNormalizer(loss_fn, ga, mode=mode)))
+        arms.append(Arm(mode, model, optimizer, GroupingNormalizer(loss_fn, ga, mode=mode)))
     return arms
 
 

@@ -43,6 +43,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.kernels import choose_attention_kernels
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer
 from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
@@ -110,6 +111,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
         self._gradient_sync = cfg.gradient_sync
 
         self._enable_async_checkpointing = cfg.enable_async_checkpointing
@@ -188,7 +190,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         self._normalizer = LossNormalizer(
             self._loss_fn,
-            self._gradient_accumulation_steps,
             mode=self._loss_normalization,
             dp_group=distributed.dp_group(self._mesh),
         )
@@ -297,6 +298,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             f"Model built, sharded over dp={self.dp_size} x tp={self._tensor_parallel_dim} and "
             f"loaded in {time.perf_counter() - t0:.2f} s, {self._precision.describe()}."
         )
+        distributed.log_rank_zero(self._attention_kernels)
         if self._is_rank_zero and self._device.type != "cpu":
             training.log_memory_stats(distributed.memory_stats(self._device))
         distributed.barrier()

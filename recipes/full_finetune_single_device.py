@@ -30,6 +30,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.kernels import choose_attention_kernels
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer
 from exactga.optimizers import build_optimizer
@@ -93,6 +94,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -146,7 +148,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         self._normalizer = LossNormalizer(
             self._loss_fn,
-            self._gradient_accumulation_steps,
             mode=self._loss_normalization,
         )
 
@@ -204,6 +205,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             model, self._enable_activation_offloading
         )
         log.info(f"Model is initialized with {self._precision.describe()}.")
+        log.info(self._attention_kernels)
         if self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         return model

@@ -383,7 +383,6 @@ class GaParityRecipe:
             )
         normalizer = LossNormalizer(
             self._loss_fn,
-            split.ga,
             mode=mode,
             dp_group=distributed.dp_group(self._mesh) if sharded else None,
         )
@@ -441,7 +440,7 @@ class GaParityRecipe:
             if lr_scheduler is not None:
                 lr_scheduler.step()
             # The exact window loss over every rank of the run (one all-reduce when sharded).
-            loss_tokens.append(window.num_global_tokens)
+            loss_tokens.append(window.num_global_units)
             losses.append(float("nan") if window.should_skip_step() else window.global_mean_loss())
             # What this rank ran: padding and token_budget's fillers included.
             num_micro_batches += sum(1 for _ in window.micro_batches_to_run())

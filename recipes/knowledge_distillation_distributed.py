@@ -44,6 +44,7 @@ from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
 from exactga.frozen import freeze_model
+from exactga.kernels import choose_attention_kernels
 from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
@@ -104,6 +105,7 @@ class KDRecipeDistributed(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
         self._gradient_sync = cfg.gradient_sync
 
         self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
@@ -193,7 +195,6 @@ class KDRecipeDistributed(FTRecipeInterface):
         )
         self._normalizer = LossNormalizer(
             self._loss_fn,
-            self._gradient_accumulation_steps,
             mode=self._loss_normalization,
             dp_group=distributed.dp_group(self._mesh),
         )
@@ -301,6 +302,7 @@ class KDRecipeDistributed(FTRecipeInterface):
             f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}; "
             f"{num_trainable:,} trainable adapter parameters (sharded count)."
         )
+        distributed.log_rank_zero(self._attention_kernels)
         if self._is_rank_zero and self._device.type != "cpu":
             training.log_memory_stats(distributed.memory_stats(self._device))
         distributed.barrier()

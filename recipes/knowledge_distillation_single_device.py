@@ -40,6 +40,7 @@ from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
 from exactga.frozen import freeze_model
+from exactga.kernels import choose_attention_kernels
 from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
@@ -105,6 +106,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -180,7 +182,6 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         )
         self._normalizer = LossNormalizer(
             self._loss_fn,
-            self._gradient_accumulation_steps,
             mode=self._loss_normalization,
         )
 
@@ -260,6 +261,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             f"Model is initialized with {self._precision.describe()}; "
             f"{num_trainable:,} trainable adapter parameters."
         )
+        log.info(self._attention_kernels)
         if self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         return model

@@ -42,6 +42,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.kernels import choose_attention_kernels
 from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
@@ -109,6 +110,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
         self._gradient_sync = cfg.gradient_sync
 
         self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
@@ -182,7 +184,6 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         self._normalizer = LossNormalizer(
             self._loss_fn,
-            self._gradient_accumulation_steps,
             mode=self._loss_normalization,
             dp_group=distributed.dp_group(self._mesh),
         )
@@ -290,6 +291,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}; "
             f"{num_trainable:,} trainable adapter parameters (sharded count)."
         )
+        distributed.log_rank_zero(self._attention_kernels)
         if self._is_rank_zero and self._device.type != "cpu":
             training.log_memory_stats(distributed.memory_stats(self._device))
         distributed.barrier()

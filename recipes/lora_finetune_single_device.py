@@ -37,6 +37,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.kernels import choose_attention_kernels
 from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
@@ -109,6 +110,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -168,7 +170,6 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         self._normalizer = LossNormalizer(
             self._loss_fn,
-            self._gradient_accumulation_steps,
             mode=self._loss_normalization,
         )
 
@@ -248,6 +249,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             f"Model is initialized with {self._precision.describe()}; "
             f"{num_trainable:,} trainable adapter parameters."
         )
+        log.info(self._attention_kernels)
         if self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         return model

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from unit_utils import collate
 
-from exactga.normalization import IGNORE_INDEX
+from exactga.loss_units import IGNORE_INDEX
 
 Rows = list[tuple[torch.Tensor, torch.Tensor]]  # (tokens, labels) of each sample, unpadded
 

@@ -9,6 +9,7 @@ fails here, naming the recipe and what it wrote.
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -219,3 +220,37 @@ def test_recipes_do_not_branch_on_optimizer_in_backward(recipe: Path) -> None:
 def _callee(call: ast.Call) -> str:
     func = call.func
     return func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+
+
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
+def test_recipes_let_the_library_choose_the_attention_kernels(recipe: Path) -> None:
+    """Every training recipe applies ``cudnn_attention`` through ``exactga.kernels`` (see
+    [cuDNN attention and variable shapes]) and none sets torch's backend flags itself."""
+    source = recipe.read_text()
+    assert "choose_attention_kernels(cfg.cudnn_attention" in source
+    assert "enable_cudnn_sdp" not in source and "sdpa_kernel" not in source
+
+
+def test_the_loader_alone_shapes_windows() -> None:
+    """``gradient_accumulation_steps`` and ``drop_partial_window`` are read by ``exactga.data``
+    only: the normaliser counts the windows it is given and has no say in their size."""
+    from exactga.normalization import LossNormalizer
+
+    params = set(inspect.signature(LossNormalizer).parameters)
+    assert not params & {"gradient_accumulation_steps", "drop_partial_window"}
+
+
+@pytest.mark.parametrize("module", LIBRARY, ids=lambda p: str(p.relative_to(REPO / "src")))
+def test_no_library_module_needs_a_table_of_contents(module: Path) -> None:
+    """STYLE.md 13: one module, one idea; past 500 lines a module holds more than one."""
+    assert len(module.read_text().splitlines()) <= 500
+
+
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
+def test_the_training_loop_stays_readable(recipe: Path) -> None:
+    """Each training recipe's ``train()`` fits on a screen (at most 60 lines): the loop a user
+    edits, with the step's decisions in the library."""
+    tree = ast.parse(recipe.read_text())
+    functions = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
+    (train,) = [node for node in functions if node.name == "train"]
+    assert train.end_lineno - train.lineno + 1 <= 60

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from grouping import GroupingNormalizer
 from torch import nn
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import (
@@ -29,15 +30,14 @@ from exactga.distillation import (
     verify_kd_loss_denominator,
 )
 from exactga.frozen import freeze_model
-from exactga.normalization import (
+from exactga.loss_units import (
     IGNORE_INDEX,
     LOSS_POSITIONS,
-    LossNormalizer,
-    NormMode,
     count_loss_tokens,
     loss_positions,
     shift_labels,
 )
+from exactga.normalization import NormMode
 from exactga.precision import Precision
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.training import train_window
@@ -274,7 +274,7 @@ def _stock_kd_gradients(distiller: Distiller, micro_batches: list[dict]) -> torc
 
 
 def _windowed_gradients(distiller: Distiller, micro_batches: list[dict], mode: NormMode):
-    normalizer = LossNormalizer(distiller.loss_fn, len(micro_batches), mode=mode)
+    normalizer = GroupingNormalizer(distiller.loss_fn, len(micro_batches), mode=mode)
     (window,) = distiller.track(normalizer.windows([dict(b) for b in micro_batches]))
     optimizer = CaptureGradients(distiller.student)
     settings = ProfilerSettings(log_timings=False, saved_latency_every_n_steps=0)

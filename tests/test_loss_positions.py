@@ -13,7 +13,7 @@ from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from unit_utils import prompt_masked_batch
 
-from exactga.normalization import (
+from exactga.loss_units import (
     IGNORE_INDEX,
     LOSS_POSITIONS,
     count_loss_tokens,

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from grouping import GroupingNormalizer
 from omegaconf import OmegaConf
 from unit_utils import (
     CONFIGS,
@@ -27,6 +28,7 @@ from unit_utils import (
 )
 
 from exactga.data import build_dataloader, load_dataset
+from exactga.loss_units import IGNORE_INDEX
 from exactga.micro_batching import (
     MicroBatching,
     MicroBatchingSettings,
@@ -34,7 +36,6 @@ from exactga.micro_batching import (
     WindowCollator,
     plan_micro_batches,
 )
-from exactga.normalization import IGNORE_INDEX, LossNormalizer
 
 FIXED, BY_LENGTH, TOKEN_BUDGET = MicroBatching
 
@@ -119,7 +120,7 @@ def test_every_split_gives_the_full_batch_gradient(mode: MicroBatching) -> None:
     window_samples = collator(samples)
     if mode is not FIXED:
         assert window_samples.num_sample_positions < window_samples.num_fixed_positions
-    (window,) = LossNormalizer(loss_fn, 4).windows([window_samples])
+    (window,) = GroupingNormalizer(loss_fn, 4).windows([window_samples])
     for mb in window.micro_batches_to_run():
         window.scale(micro_batch_loss(model, loss_fn, mb.batch), mb).backward()
     assert rel_err(flat_grad(model), full_batch_grad(model, rows)) < EXACT_TOL
@@ -136,11 +137,11 @@ def test_skipped_empty_micro_batches_count_neither_as_processed_nor_as_padding()
             labels = [IGNORE_INDEX] * length
         samples.append({"tokens": list(range(1, length + 1)), "labels": labels})
     collator = WindowCollator(settings(BY_LENGTH, batch_size=2), 8, _collate_lists)
-    (window,) = LossNormalizer(make_loss("plain", tiny_model()), 4).windows([collator(samples)])
+    (window,) = GroupingNormalizer(make_loss("plain", tiny_model()), 4).windows([collator(samples)])
 
     work = window.work()
 
-    assert [mb.num_tokens for mb in window.micro_batches] == [16, 0, 4, 2]
+    assert [mb.num_units for mb in window.micro_batches] == [16, 0, 4, 2]
     assert work.num_positions == 2 * 9 + 2 * 3 + 2 * 2  # the empty micro-batch is not run
     assert work.num_sample_positions == 9 + 9 + 3 + 3 + 2 + 2  # nor are its samples counted
     assert 1 - work.num_sample_positions / work.num_positions >= 0
@@ -264,7 +265,7 @@ def _budget_worker(rank: int) -> dict:
     model = tiny_model()
     loss_fn = make_loss("chunked", model)
     collator = WindowCollator(settings(TOKEN_BUDGET, batch_size=2, tokens=64), 8, _collate_lists)
-    normalizer = LossNormalizer(loss_fn, 4, dp_group=dist.group.WORLD)
+    normalizer = GroupingNormalizer(loss_fn, 4, dp_group=dist.group.WORLD)
     (window,) = normalizer.windows([collator(rank_samples(rank))])
     num_run = 0
     for mb in window.micro_batches_to_run():

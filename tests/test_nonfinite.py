@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from grouping import GroupingNormalizer
 from torch import nn
 from unit_utils import make_rows, micro_batch_loss, split, tiny_model
 
-from exactga.normalization import LossNormalizer, Window
+from exactga.normalization import Window
 from exactga.options import as_option
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.training import (
@@ -41,7 +42,7 @@ def quiet_profiler(model: nn.Module) -> TrainingProfiler:
 
 def make_windows(loss_fn: nn.Module, rows: list, dp_group=None) -> list[Window]:
     """Windows of GA micro-batches of two rows each."""
-    return list(LossNormalizer(loss_fn, GA, dp_group=dp_group).windows(split(rows, 2)))
+    return list(GroupingNormalizer(loss_fn, GA, dp_group=dp_group).windows(split(rows, 2)))
 
 
 class PoisonedLossStep:

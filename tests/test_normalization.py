@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from grouping import GroupingNormalizer
 from torch import nn
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from unit_utils import (
@@ -28,16 +29,15 @@ from unit_utils import (
     tiny_model,
 )
 
-from exactga.normalization import (
+from exactga.loss_units import (
     IGNORE_INDEX,
-    LossNormalizer,
-    NormMode,
     count_loss_tokens,
     count_unshifted_tokens,
     loss_denominator,
     shift_labels,
     verify_loss_denominator,
 )
+from exactga.normalization import NormMode
 
 
 def accumulated_grads(
@@ -48,7 +48,7 @@ def accumulated_grads(
     mode: NormMode = NormMode.EXACT,
 ) -> list[torch.Tensor]:
     """One flat gradient per window, as the recipes accumulate it."""
-    normalizer = LossNormalizer(loss_fn, ga, mode=mode)
+    normalizer = GroupingNormalizer(loss_fn, ga, mode=mode)
     grads = []
     for window in normalizer.windows(batches):
         model.zero_grad(set_to_none=True)
@@ -96,16 +96,16 @@ def test_partial_window_is_a_step_of_its_own() -> None:
 def test_drop_partial_window_drops_it() -> None:
     loss_fn = CEWithChunkedOutputLoss()
     batches = split(make_rows(), 1)
-    normalizer = LossNormalizer(loss_fn, 3, drop_partial_window=True)
+    normalizer = GroupingNormalizer(loss_fn, 3, drop_partial_window=True)
     assert [len(w.micro_batches) for w in normalizer.windows(batches)] == [3, 3]
     assert normalizer.num_windows(len(batches)) == 2
-    keep = LossNormalizer(loss_fn, 3)
+    keep = GroupingNormalizer(loss_fn, 3)
     assert [len(w.micro_batches) for w in keep.windows(batches)] == [3, 3, 2]
     assert keep.num_windows(len(batches)) == 3
 
 
 def test_windows_stop_at_the_end_of_each_epoch_and_at_max_windows() -> None:
-    normalizer = LossNormalizer(CEWithChunkedOutputLoss(), 3)
+    normalizer = GroupingNormalizer(CEWithChunkedOutputLoss(), 3)
     epoch = split(make_rows(), 2)  # 4 batches per epoch
     sizes = [[len(w.micro_batches) for w in normalizer.windows(epoch)] for _ in range(2)]
     assert sizes == [[3, 1], [3, 1]]  # the short window is never topped up from the next epoch
@@ -114,7 +114,7 @@ def test_windows_stop_at_the_end_of_each_epoch_and_at_max_windows() -> None:
 
 def test_an_epoch_read_to_its_last_window_leaves_the_loader_exhausted() -> None:
     """A stateful loader must see StopIteration, or a resumed run starts an empty epoch."""
-    normalizer = LossNormalizer(CEWithChunkedOutputLoss(), 2)
+    normalizer = GroupingNormalizer(CEWithChunkedOutputLoss(), 2)
     epoch = iter(split(make_rows(), 2))  # 4 batches: exactly 2 windows
     assert len(list(normalizer.windows(epoch, max_windows=2))) == 2
     assert next(epoch, None) is None
@@ -122,11 +122,11 @@ def test_an_epoch_read_to_its_last_window_leaves_the_loader_exhausted() -> None:
 
 def test_zero_token_micro_batch_is_skipped_inside_a_window() -> None:
     rows = make_rows()
-    normalizer = LossNormalizer(CEWithChunkedOutputLoss(), 8)
+    normalizer = GroupingNormalizer(CEWithChunkedOutputLoss(), 8)
     (window,) = normalizer.windows(split(rows, 1))
-    counts = [mb.num_tokens for mb in window.micro_batches]
+    counts = [mb.num_units for mb in window.micro_batches]
     assert counts[3] == 0
-    assert [mb.num_tokens for mb in window.nonempty_micro_batches()] == counts[:3] + counts[4:]
+    assert [mb.num_units for mb in window.nonempty_micro_batches()] == counts[:3] + counts[4:]
     assert not window.should_skip_step()
 
 
@@ -135,7 +135,7 @@ def test_zero_token_window_skips_the_step_and_leaves_weights_unchanged() -> None
     loss_fn = make_loss("chunked", model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     empty = masked(make_rows()[:4])
-    normalizer = LossNormalizer(loss_fn, 2)
+    normalizer = GroupingNormalizer(loss_fn, 2)
     batches = split(make_rows()[:4], 2) + split(empty, 2)
     snapshots = []
     for window in normalizer.windows(batches):
@@ -153,11 +153,11 @@ def test_zero_token_window_skips_the_step_and_leaves_weights_unchanged() -> None
 def test_single_micro_batch_on_one_rank_applies_no_scaling_op() -> None:
     model = tiny_model()
     loss_fn = make_loss("chunked", model)
-    (window,) = LossNormalizer(loss_fn, 1).windows([collate(make_rows())])
+    (window,) = GroupingNormalizer(loss_fn, 1).windows([collate(make_rows())])
     (mb,) = window.nonempty_micro_batches()
     loss = micro_batch_loss(model, loss_fn, mb.batch)
     assert window.scale(loss, mb) is loss
-    (window,) = LossNormalizer(loss_fn, 2).windows(split(make_rows(), 4))
+    (window,) = GroupingNormalizer(loss_fn, 2).windows(split(make_rows(), 4))
     mb = next(window.nonempty_micro_batches())
     loss = micro_batch_loss(model, loss_fn, mb.batch)
     assert window.scale(loss, mb) is not loss
@@ -170,7 +170,7 @@ def test_logged_loss_is_the_exact_window_loss() -> None:
     batch = collate(rows)
     with torch.no_grad():
         expected = float(reference_window_loss(model(batch["tokens"]), batch["labels"]))
-        (window,) = LossNormalizer(loss_fn, 4).windows(split(rows, 2))
+        (window,) = GroupingNormalizer(loss_fn, 4).windows(split(rows, 2))
         for mb in window.nonempty_micro_batches():
             window.scale(micro_batch_loss(model, loss_fn, mb.batch), mb)
     assert window.local_mean_loss() == pytest.approx(expected, rel=1e-6)
@@ -223,13 +223,13 @@ def test_denominator_check_fails_loudly_on_a_disagreeing_loss(loss_fn: nn.Module
 
 def test_normalizer_checks_the_first_nonempty_batch() -> None:
     batches = split(make_rows(), 2)
-    bad = LossNormalizer(nn.CrossEntropyLoss(reduction="sum"), 2)
+    bad = GroupingNormalizer(nn.CrossEntropyLoss(reduction="sum"), 2)
     with pytest.raises(ValueError, match="exactga counts"):
         next(bad.windows(batches))
 
 
 def test_bad_settings_name_the_key() -> None:
     with pytest.raises(ValueError, match="'loss_normalization'='mean': choose one of exact"):
-        LossNormalizer(CEWithChunkedOutputLoss(), 2, mode="mean")
+        GroupingNormalizer(CEWithChunkedOutputLoss(), 2, mode="mean")
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
-        LossNormalizer(CEWithChunkedOutputLoss(), 0)
+        GroupingNormalizer(CEWithChunkedOutputLoss(), 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from grouping import GroupingNormalizer
 from unit_utils import (
     EXACT_TOL,
     flat_grad,
@@ -21,8 +22,6 @@ from unit_utils import (
     split,
     tiny_model,
 )
-
-from exactga.normalization import LossNormalizer
 
 WORLD_SIZE = 2
 
@@ -42,7 +41,7 @@ def _worker(rank: int, layout: str) -> dict:
     reference = full_batch_grad(model, all_rows)
 
     rows = rank_rows(layout, rank)
-    normalizer = LossNormalizer(loss_fn, 2, dp_group=dist.group.WORLD)
+    normalizer = GroupingNormalizer(loss_fn, 2, dp_group=dist.group.WORLD)
     calls = _count_all_reduces()
     (window,) = normalizer.windows(split(rows, len(rows) // 2))
     for mb in window.nonempty_micro_batches():
@@ -55,7 +54,7 @@ def _worker(rank: int, layout: str) -> dict:
         dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
     return {
         "rel_err": rel_err(flat_grad(model), reference),
-        "global_tokens": window.num_global_tokens,
+        "global_tokens": window.num_global_units,
         "skipped": skipped,
         "count_reductions": num_count_reductions,
     }
@@ -78,9 +77,9 @@ def _count_all_reduces():
 def test_two_ranks_accumulate_the_full_batch_gradient(layout: str, two_ranks) -> None:
     results = two_ranks(_worker, layout)
     expected_tokens = sum(
-        mb.num_tokens
+        mb.num_units
         for rank in range(WORLD_SIZE)
-        for window in LossNormalizer(make_loss("cross_entropy", tiny_model()), 2).windows(
+        for window in GroupingNormalizer(make_loss("cross_entropy", tiny_model()), 2).windows(
             split(rank_rows(layout, rank), len(rank_rows(layout, rank)) // 2)
         )
         for mb in window.micro_batches

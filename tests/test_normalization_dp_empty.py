@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from grouping import GroupingNormalizer
 from unit_utils import (
     EXACT_TOL,
     flat_grad,
@@ -25,7 +26,7 @@ from unit_utils import (
     tiny_model,
 )
 
-from exactga.normalization import IGNORE_INDEX, LossNormalizer, plant_dummy_label
+from exactga.loss_units import IGNORE_INDEX, plant_dummy_label
 
 
 def rank_rows(layout: str, rank: int) -> list:
@@ -42,7 +43,7 @@ def rank_rows(layout: str, rank: int) -> list:
 def _worker(rank: int, layout: str) -> dict:
     model = tiny_model()
     loss_fn = make_loss("chunked", model)
-    normalizer = LossNormalizer(loss_fn, 2, dp_group=dist.group.WORLD)
+    normalizer = GroupingNormalizer(loss_fn, 2, dp_group=dist.group.WORLD)
     (window,) = normalizer.windows(split(rank_rows(layout, rank), 2))
     skipped = window.should_skip_step()
     num_run, losses = 0, []
@@ -59,7 +60,7 @@ def _worker(rank: int, layout: str) -> dict:
         "num_run": num_run,
         "num_nonempty": len(list(window.nonempty_micro_batches())),
         "losses_finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
-        "global_tokens": window.num_global_tokens,
+        "global_tokens": window.num_global_units,
     }
     if not skipped:
         all_rows = rank_rows(layout, 0) + rank_rows(layout, 1)
@@ -98,7 +99,7 @@ def test_planted_label_leaves_the_callers_labels_and_count_alone() -> None:
 
 def test_one_rank_still_skips_empty_micro_batches() -> None:
     model = tiny_model()
-    normalizer = LossNormalizer(make_loss("cross_entropy", model), 2)
+    normalizer = GroupingNormalizer(make_loss("cross_entropy", model), 2)
     (window,) = normalizer.windows(split(masked(make_rows()[:2]) + make_rows()[4:6], 2))
     assert len(list(window.micro_batches_to_run())) == 1
     assert list(window.micro_batches_to_run()) == list(window.nonempty_micro_batches())

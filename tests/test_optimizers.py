@@ -13,13 +13,13 @@ import copy
 
 import pytest
 import torch
+from grouping import GroupingNormalizer
 from omegaconf import OmegaConf
 from torch import nn
 from torchtune import training
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from unit_utils import make_rows, micro_batch_loss, split, tiny_model
 
-from exactga.normalization import LossNormalizer
 from exactga.optimizers import OptimizerInBackward, build_optimizer, steps_in_backward
 from exactga.training import train_window
 
@@ -43,7 +43,7 @@ def windows() -> list:
     """``NUM_STEPS`` windows of one micro-batch of two rows (ga 1: what optimizer_in_bwd
     allows)."""
     rows = make_rows(0)
-    return list(LossNormalizer(nn.CrossEntropyLoss(), 1).windows(split(rows, 2)))[:NUM_STEPS]
+    return list(GroupingNormalizer(nn.CrossEntropyLoss(), 1).windows(split(rows, 2)))[:NUM_STEPS]
 
 
 def training_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:

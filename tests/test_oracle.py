@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from grouping import GroupingNormalizer
 from oracle_utils import flat, lr_for_unit_update, reference_gradient, step_gap, trainable
 from torch import nn
 from torchtune.models.llama3_2 import lora_llama3_2
@@ -33,13 +34,13 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training import shard_model
 from unit_utils import VOCAB, make_rows, run_on_ranks, tiny_model
 
-from exactga import distillation, normalization, training
+from exactga import distillation, loss_units, training
 from exactga.data import build_dataloader
 from exactga.distillation import Distiller
 from exactga.distributed import GradientSync, gradient_sync
 from exactga.frozen import freeze_model
+from exactga.loss_units import IGNORE_INDEX
 from exactga.micro_batching import MicroBatching, MicroBatchingSettings
-from exactga.normalization import IGNORE_INDEX, LossNormalizer
 from exactga.precision import Precision
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 
@@ -160,7 +161,7 @@ def real_step(
     )
     loader.sampler.set_epoch(0)
     loss_step, track = case.loss_step()
-    windows = LossNormalizer(case.loss_fn, ga, dp_group=group).windows(loader)
+    windows = GroupingNormalizer(case.loss_fn, ga, dp_group=group).windows(loader)
     (window,) = list(track(windows) if track else windows)
     settings = ProfilerSettings(log_timings=False, saved_latency_every_n_steps=0)
     training.train_window(
@@ -255,8 +256,8 @@ def _loss_one_percent_high(monkeypatch: pytest.MonkeyPatch) -> None:
 def _count_before_the_shift(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stock torchtune's count; the start-up checks that also catch it are switched off, so only
     the oracle is left to see it."""
-    monkeypatch.setattr(normalization, "count_loss_tokens", normalization.count_unshifted_tokens)
-    monkeypatch.setattr(normalization, "verify_loss_denominator", lambda *a, **k: None)
+    monkeypatch.setattr(loss_units, "count_loss_tokens", loss_units.count_unshifted_tokens)
+    monkeypatch.setattr(loss_units, "verify_loss_denominator", lambda *a, **k: None)
     monkeypatch.setattr(distillation, "verify_kd_loss_denominator", lambda *a, **k: None)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grouping import GroupingNormalizer
 from omegaconf import OmegaConf
 from profiling_utils import read_reports, time_gradient_pass
 from recipe_utils import read_scalars
@@ -21,7 +22,6 @@ from unit_utils import REPO_ROOT, make_loss, make_rows, micro_batch_loss, split,
 
 from exactga import profiling
 from exactga.micro_batching import WindowWork
-from exactga.normalization import LossNormalizer
 from exactga.profiling import (
     PHASES,
     ProfilerSection,
@@ -75,7 +75,7 @@ def clock(monkeypatch) -> FakeClock:
 
 def backward_once(model: torch.nn.Module) -> None:
     loss_fn = make_loss("cross_entropy", model)
-    (window,) = LossNormalizer(loss_fn, 2).windows(split(make_rows(), 4))
+    (window,) = GroupingNormalizer(loss_fn, 2).windows(split(make_rows(), 4))
     for mb in window.nonempty_micro_batches():
         window.scale(micro_batch_loss(model, loss_fn, mb.batch), mb).backward()
 
@@ -290,7 +290,7 @@ def test_traces_label_the_phases_and_are_named_after_their_last_step(tmp_path) -
     windows = [
         window
         for _ in range(5)
-        for window in LossNormalizer(loss_fn, 2).windows(split(make_rows(), 4))
+        for window in GroupingNormalizer(loss_fn, 2).windows(split(make_rows(), 4))
     ]
     with profiler:
         for step, window in enumerate(profiler.timed(windows), start=1):

@@ -9,11 +9,12 @@ on every step; exact mode with the profiler hook shows the few bounded samples a
 from __future__ import annotations
 
 import torch
+from grouping import GroupingNormalizer
 from torch.overrides import TorchFunctionMode
 from unit_utils import make_loss, make_rows, micro_batch_loss, split, tiny_model
 
 from exactga import profiling
-from exactga.normalization import LossNormalizer, NormMode
+from exactga.normalization import NormMode
 from exactga.profiling import setup_profiler
 from exactga.training import train_window
 
@@ -46,7 +47,7 @@ def scaled_elements_per_step(mode: NormMode, num_steps: int, every_n: int) -> tu
     profiler = setup_profiler(
         None, CPU, model, output_dir="/tmp/unused", saved_latency_every_n_steps=every_n
     )
-    normalizer = LossNormalizer(loss_fn, 2, mode=mode)
+    normalizer = GroupingNormalizer(loss_fn, 2, mode=mode)
     rows = [row for row in make_rows() if len(row[0]) < 10]  # short rows: cheap steps
     per_step = []
     with profiler:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from grouping import GroupingNormalizer
 from unit_utils import make_loss, make_rows, split, tiny_model
 
-from exactga.normalization import LossNormalizer
 from exactga.progress import TrainingProgress
 from exactga.steps import StepBook
 from exactga.training import NonFiniteLossError, NonFinitePolicy, StepOutcome
@@ -76,7 +76,7 @@ def _book(recorder: Recorder, **overrides) -> tuple[StepBook, Loader]:
     progress.start(num_windows_per_epoch=2, resumed_mid_run=False)
     settings = dict(
         dataloader=loader,
-        normalizer=LossNormalizer(make_loss("plain", model), 2),
+        normalizer=GroupingNormalizer(make_loss("plain", model), 2),
         profiler=recorder,
         optimizer=optimizer,
         lr_scheduler=recorder,
@@ -128,7 +128,7 @@ def test_a_logged_step_reports_its_loss_and_tokens_per_second_since_the_last_log
         for micro_batch in window.micro_batches_to_run():
             window.scale(torch.tensor(2.0), micro_batch)
     reports = [book.end_step(w, StepOutcome(skipped=False)) for w in windows]  # logged at 14 s
-    tokens = sum(w.num_global_tokens for w in windows)
+    tokens = sum(w.num_global_units for w in windows)
     metrics = recorder.logged[2]
     assert metrics["tokens_per_second_per_gpu"] == tokens / 4.0 / 2  # over 4 s and 2 ranks
     assert metrics["loss"] == pytest.approx(2.0) and reports[1].loss == metrics["loss"]

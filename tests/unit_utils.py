@@ -25,7 +25,7 @@ from torchtune._recipe_registry import get_all_recipes
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from exactga.normalization import IGNORE_INDEX, shift_labels
+from exactga.loss_units import IGNORE_INDEX, shift_labels
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"

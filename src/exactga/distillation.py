@@ -57,13 +57,8 @@ import torch.distributed as dist
 from torch import nn
 
 from exactga.frozen import frozen_forward
-from exactga.normalization import (
-    LOSS_POSITIONS,
-    Window,
-    count_loss_tokens,
-    loss_ignore_index,
-    shift_labels,
-)
+from exactga.loss_units import LOSS_POSITIONS, count_loss_tokens, loss_ignore_index, shift_labels
+from exactga.normalization import Window
 from exactga.precision import Precision
 from exactga.training import projecting_only
 
@@ -312,7 +307,7 @@ class Distiller:
             if not self._kd_denominator_verified:
                 for micro_batch in window.nonempty_micro_batches():
                     verify_kd_loss_denominator(
-                        self.kd_loss_fn, micro_batch.batch["labels"], micro_batch.num_tokens
+                        self.kd_loss_fn, micro_batch.batch["labels"], micro_batch.num_units
                     )
                     self._kd_denominator_verified = True
                     break
@@ -326,7 +321,7 @@ class Distiller:
         for a skipped window, as ``step_metrics`` logs no ``loss`` then."""
         if window.should_skip_step():
             return {}
-        weights = [mb.num_tokens for mb in window.micro_batches_to_run()]
+        weights = [mb.num_units for mb in window.micro_batches_to_run()]
         assert len(weights) == len(self._parts), "one record per micro-batch the window ran"
         sums = torch.zeros(2, dtype=torch.float64)
         if self._parts:
@@ -336,5 +331,5 @@ class Distiller:
             sums = sums.to(self.device)
             dist.all_reduce(sums, group=window.dp_group)
             sums = sums.cpu()
-        num_tokens = window.num_global_tokens
+        num_tokens = window.num_global_units
         return {"class_loss": float(sums[0]) / num_tokens, "kd_loss": float(sums[1]) / num_tokens}

@@ -1,43 +1,29 @@
 """Exact loss normalisation for gradient accumulation and data parallelism.
 
-This module is the one place where exactga decides how much each token weighs. Every recipe
-goes through it; nothing about token counts or loss scaling is written in a recipe.
+This module is the one place where exactga decides how much each micro-batch weighs. Every
+recipe goes through it; nothing about counts or loss scaling is written in a recipe.
 
-The loss of one optimizer step is the sum of per-token losses over the whole accumulation
-window, on every data-parallel rank, divided by the number of loss tokens in that window.
-The notes below are referred to from the code (and from the recipes) by name.
-
-Note [shifted token count]
-A causal LM predicts label t+1 at position t, so the loss sees ``labels[:, 1:]`` (torchtune
-pads the last column with the ignore index). The token count must be taken on those shifted
-labels: counted before the shift it also includes each row's first label, which the loss never
-sees. Stock torchtune 0.6.1 counts before the shift, so its normaliser disagrees with the
-loss's own denominator whenever a first label is not masked (``train_on_input: True``, text
-completion) and accumulation is then not exact.
+The loss of one optimizer step is the sum of per-unit losses over the whole accumulation
+window, on every data-parallel rank, divided by the number of units in that window. A unit is
+what the loss averages over: a loss token after the shift by default, see ``exactga.loss_units``
+([loss units], [shifted token count]). Windows come shaped from ``exactga.data``'s loader
+(``gradient_accumulation_steps``, ``micro_batching``, ``drop_partial_window`` are read there
+and nowhere else); this module counts and weighs them. The notes below are referred to from the
+code (and from the recipes) by name.
 
 Note [loss scaled before backward]
 Backward is linear, so scaling each micro-batch's mean loss by
-``dp_size * batch_tokens / window_tokens`` before ``backward()`` leaves exactly the gradient of
+``dp_size * batch_units / window_units`` before ``backward()`` leaves exactly the gradient of
 the window loss in ``.grad``: no gradient-scaling pass afterwards (a read and write of every
 gradient). ``dp_size`` undoes the averaging that FSDP/DDP apply across data-parallel ranks.
 With one micro-batch on one rank the factor is exactly 1 and no op is applied at all.
 
 Note [empty windows]
-A micro-batch with no loss token has a mean loss of 0/0. It contributes nothing to the window
+A micro-batch with no unit (loss token) has a mean loss of 0/0. It contributes nothing to the window
 gradient, so on one rank it is skipped outright. A window with no loss token on any rank
 carries no learning signal; stepping an optimizer on zero gradients would still move weights
 (momentum, weight decay), so the step is skipped and counted instead. Every rank reaches the
 same decision: a rank with a token of its own knows N > 0, one without waits for N.
-
-Note [empty micro-batches under FSDP]
-Under FSDP every data-parallel rank must run the same forwards and backwards, or the ranks'
-all-gathers and reduce-scatters pair up wrongly and hang. So with dp_size > 1 an empty
-micro-batch still runs, with weight exactly 0. Its mean loss would be 0/0 = NaN (the loss
-divides by its own token count) and NaN * 0 is NaN, in the loss and in every gradient. So one
-dummy label is planted on the host copy of its labels (``labels[0, 1] = 0``, the first
-position the loss scores): the loss is then a finite mean over that one token, while the
-micro-batch's recorded count stays 0, so its factor is exactly 0 and its gradient exactly
-zero. Nothing else reads the planted label.
 
 Note [baseline modes]
 ``post_scale`` reproduces stock torchtune 0.6.1 (loss times the token count taken before the
@@ -51,117 +37,20 @@ loss unscaled; a window whose ``post_scale_weights_by_count`` is False reproduce
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchtune.training import scale_grads
 
+from exactga.loss_units import LossUnits, ShiftedTokens
 from exactga.micro_batching import SampleWindow, WindowWork, filler_micro_batch
 from exactga.options import NormMode, as_option
 
-IGNORE_INDEX = -100
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Labels as the loss sees them: ``labels[:, 1:]`` plus one ignored column at the end.
-
-    Keeping the sequence length lets the model's logits be used unsliced. Pair of
-    :func:`count_loss_tokens`; see [shifted token count].
-    """
-    pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
-    return torch.cat((labels[..., 1:], pad), dim=-1)
-
-
-def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-    """Number of tokens the loss will see, counted on host labels after the shift.
-
-    See [shifted token count]. Call it before the batch moves to the device: on a CPU tensor
-    this is a host computation and never waits on an accelerator.
-    """
-    return int((labels[..., 1:] != ignore_index).sum())
-
-
-# The host-side index of a micro-batch's loss positions travels in its batch under this key; see
-# [logits only at loss positions] in ``exactga.training``.
-LOSS_POSITIONS = "loss_positions"
-
-
-def loss_positions(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Flat indices into ``labels.reshape(-1)`` of the positions the loss scores, after the
-    shift: those ``count_loss_tokens`` counts, so ``len(result)`` equals it. Host-side."""
-    scored = shift_labels(labels, ignore_index).reshape(-1) != ignore_index
-    return scored.nonzero().squeeze(1)
-
-
-def count_unshifted_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-    """Stock torchtune's count, taken before the shift; used only by ``post_scale``."""
-    return int((labels != ignore_index).sum())
-
-
-def loss_ignore_index(loss_fn: nn.Module) -> int:
-    """The label value ``loss_fn`` ignores (torchtune's and torch's losses expose it)."""
-    return int(getattr(loss_fn, "ignore_index", IGNORE_INDEX))
-
-
-# ---------------------------------------------------------------------------------------------
-# Start-up check: the loss's own denominator equals our count.
-
-
-def loss_denominator(loss_fn: nn.Module, shifted_labels: torch.Tensor) -> float:
-    """The number of tokens ``loss_fn`` divides by on these labels, measured by probing it.
-
-    With all-zero logits every counted token costs exactly ``log(2)`` over a two-way
-    vocabulary, so ``loss = num_counted * log(2) / denominator`` whatever the loss does
-    internally. The probe needs no model and costs one tiny loss call.
-    """
-    ignore_index = loss_ignore_index(loss_fn)
-    probe_labels = torch.where(shifted_labels == ignore_index, ignore_index, 0).cpu()
-    probe_logits = torch.zeros(*probe_labels.shape, 2)
-    num_chunks = getattr(loss_fn, "num_output_chunks", None)
-    if num_chunks is not None:
-        loss = loss_fn(list(probe_logits.chunk(num_chunks, dim=1)), probe_labels)
-    else:
-        loss = loss_fn(probe_logits.reshape(-1, 2), probe_labels.reshape(-1))
-    num_counted = int((probe_labels != ignore_index).sum())
-    if loss.numel() != 1:
-        raise ValueError(
-            f"loss {type(loss_fn).__name__} returned {loss.numel()} values; exactga needs a "
-            "mean-reduced scalar loss (set its reduction to 'mean')."
-        )
-    return num_counted * math.log(2.0) / float(loss)
-
-
-def verify_loss_denominator(
-    loss_fn: nn.Module, labels: torch.Tensor, num_tokens: int | None = None
-) -> None:
-    """Fail loudly if ``loss_fn`` does not divide by the host count of these labels.
-
-    ``labels`` are a batch's labels as the dataloader gives them (before the shift). A dataset
-    that masks with another value than the loss's ignore index, or a loss that sums or divides
-    by something else, would silently break exact accumulation; this check runs once, on the
-    first batch of a run.
-    """
-    ignore_index = loss_ignore_index(loss_fn)
-    if num_tokens is None:
-        num_tokens = count_loss_tokens(labels, ignore_index)
-    if num_tokens == 0:
-        return  # nothing to compare; the next non-empty batch is checked instead
-    measured = loss_denominator(loss_fn, shift_labels(labels, ignore_index))
-    if not math.isclose(measured, num_tokens, rel_tol=1e-5):
-        raise ValueError(
-            f"loss {type(loss_fn).__name__} divides the first batch by {measured:.1f} tokens, "
-            f"but exactga counts {num_tokens} loss tokens (labels after the one-position "
-            f"shift, ignore_index={ignore_index}). Check that the dataset masks labels with the "
-            "loss's ignore_index, does not shift labels itself, and that the loss is a mean "
-            "over non-ignored tokens."
-        )
-
+__all__ = ["LossNormalizer", "MicroBatch", "NormMode", "Window", "gradient_scaling_pass"]
 
 # ---------------------------------------------------------------------------------------------
 # Windows: ga micro-batches, counted on the host, reduced once over the data-parallel group.
@@ -172,7 +61,7 @@ class MicroBatch:
     """One micro-batch, still on the host, with its loss-token counts."""
 
     batch: dict[str, torch.Tensor]
-    num_tokens: int  # tokens the loss sees; see [shifted token count]
+    num_units: int  # what the loss divides by; see [loss units]
     num_unshifted_tokens: int  # stock torchtune's count, only for post_scale
 
 
@@ -180,19 +69,19 @@ class MicroBatch:
 class WindowCounts:
     """What one rank contributes to a window's one collective; see [one collective per window]."""
 
-    num_tokens: int  # loss tokens after the shift
+    num_units: int  # loss units (tokens after the shift by default)
     num_micro_batches: int  # micro-batches it planned (fillers excluded)
     num_positions: int  # positions those micro-batches process, padding included
 
     def as_list(self) -> list[int]:
-        return [self.num_tokens, self.num_micro_batches, self.num_positions]
+        return [self.num_units, self.num_micro_batches, self.num_positions]
 
 
 # Note [one collective per window]
 # Each rank writes its WindowCounts into its own slot of a (world_size x 3) int64 tensor of
 # zeros, and one asynchronous SUM all-reduce fills every slot on every rank: an all-gather that
 # every backend runs, issued when the window is opened and read only when the first loss is
-# scaled (by then the first forward has run). From it every rank knows the window's loss tokens
+# scaled (by then the first forward has run). From it every rank knows the window's loss units
 # (the sum), how many micro-batches the busiest rank runs (the max; ranks with fewer run
 # zero-weight fillers, see [empty micro-batches under FSDP]), and how unequal the ranks'
 # processed positions are. A few hundred bytes even on a thousand ranks.
@@ -223,7 +112,7 @@ class _PendingCounts:
         return self._rows
 
     def wait(self) -> int:
-        """The window's loss tokens over every rank."""
+        """The window's loss units over every rank."""
         return sum(row[0] for row in self.rows())
 
     def max_micro_batches(self) -> int:
@@ -247,7 +136,7 @@ class Window:
     dp_size: int
     _pending: _PendingCounts
     _losses: list[torch.Tensor] = field(default_factory=list)
-    _loss_tokens: list[int] = field(default_factory=list)
+    _loss_units: list[int] = field(default_factory=list)
     dp_group: dist.ProcessGroup | None = None
     # A zero-weight micro-batch to run when another rank runs more micro-batches than this one.
     filler: MicroBatch | None = None
@@ -263,8 +152,8 @@ class Window:
     counts_may_differ: bool = False
 
     @property
-    def num_local_tokens(self) -> int:
-        return sum(mb.num_tokens for mb in self.micro_batches)
+    def num_local_units(self) -> int:
+        return sum(mb.num_units for mb in self.micro_batches)
 
     @property
     def num_input_tokens(self) -> int:
@@ -278,8 +167,8 @@ class Window:
         return positions
 
     @property
-    def num_global_tokens(self) -> int:
-        """Loss tokens of the window over every data-parallel rank (waits for the reduction)."""
+    def num_global_units(self) -> int:
+        """Loss units of the window over every data-parallel rank (waits for the reduction)."""
         return self._pending.wait()
 
     def positions_per_rank(self) -> list[int]:
@@ -292,7 +181,7 @@ class Window:
         known = self.num_sample_positions > 0
         return WindowWork(
             num_positions=self.num_input_tokens,
-            num_loss_tokens=self.num_local_tokens,
+            num_loss_tokens=self.num_local_units,
             num_sample_positions=self._processed_sample_positions() if known else None,
             num_fixed_positions=self.num_fixed_positions if known else None,
             positions_per_rank=tuple(self.positions_per_rank()) if self.dp_size > 1 else (),
@@ -307,7 +196,7 @@ class Window:
         return sum(
             positions
             for positions, mb in zip(per_micro_batch, self.micro_batches, strict=True)
-            if mb.num_tokens > 0
+            if mb.num_units > 0
         )
 
     def should_skip_step(self) -> bool:
@@ -316,11 +205,11 @@ class Window:
         Only waits for the reduction when this rank has no token itself: otherwise the
         answer is already known to be False.
         """
-        return self.num_local_tokens == 0 and self.num_global_tokens == 0
+        return self.num_local_units == 0 and self.num_global_units == 0
 
     def nonempty_micro_batches(self) -> Iterator[MicroBatch]:
-        """The micro-batches that carry loss tokens; see [empty windows]."""
-        return (mb for mb in self.micro_batches if mb.num_tokens > 0)
+        """The micro-batches that carry loss units; see [empty windows]."""
+        return (mb for mb in self.micro_batches if mb.num_units > 0)
 
     def num_filler_micro_batches(self) -> int:
         """Zero-weight micro-batches this rank runs so that every rank runs as many as the
@@ -354,13 +243,13 @@ class Window:
         read back to the host here.
         """
         self._losses.append(loss.detach())
-        self._loss_tokens.append(micro_batch.num_tokens)
+        self._loss_units.append(micro_batch.num_units)
         factor = self._loss_factor(micro_batch)
         return loss if factor == 1.0 else loss * factor
 
     def _loss_factor(self, micro_batch: MicroBatch) -> float:
         if self.mode is NormMode.EXACT:
-            return self.dp_size * micro_batch.num_tokens / self.num_global_tokens
+            return self.dp_size * micro_batch.num_units / self.num_global_units
         if self.mode is NormMode.POST_SCALE:
             by_count = self.post_scale_weights_by_count
             return float(micro_batch.num_unshifted_tokens) if by_count else 1.0
@@ -378,13 +267,13 @@ class Window:
             gradient_scaling_pass(model, self.dp_size / num_unshifted)
 
     def local_mean_loss(self) -> float:
-        """The exact window loss on this rank: token-loss sum over its loss tokens.
+        """The exact window loss on this rank: the unit-loss sum over its loss units.
 
         Reads one value back from the device; call it only on steps that are logged.
         """
         if not self._losses:
             return float("nan")
-        weights = torch.tensor(self._loss_tokens, dtype=torch.float32)
+        weights = torch.tensor(self._loss_units, dtype=torch.float32)
         losses = torch.stack([loss.float() for loss in self._losses]).cpu()
         return float((losses * weights).sum() / weights.sum())
 
@@ -399,12 +288,12 @@ class Window:
             return self.local_mean_loss()
         local_sum = torch.zeros((), dtype=torch.float64)
         if self._losses:
-            weights = torch.tensor(self._loss_tokens, dtype=torch.float64)
+            weights = torch.tensor(self._loss_units, dtype=torch.float64)
             losses = torch.stack([loss.double() for loss in self._losses]).cpu()
             local_sum = (losses * weights).sum()
         summed = local_sum.to(self._pending.device)
         dist.all_reduce(summed, group=self.dp_group)
-        return float(summed) / self.num_global_tokens
+        return float(summed) / self.num_global_units
 
 
 def gradient_scaling_pass(model: nn.Module, factor: float) -> None:
@@ -417,113 +306,78 @@ def gradient_scaling_pass(model: nn.Module, factor: float) -> None:
 
 
 class LossNormalizer:
-    """Groups batches into accumulation windows and weights each micro-batch's loss.
+    """Counts each window's units and weights each micro-batch's loss.
 
     Args:
-        loss_fn: the recipe's loss; its ``ignore_index`` is what counts as masked.
-        gradient_accumulation_steps: micro-batches per optimizer step.
-        mode: ``exact`` for training; see [baseline modes] for the others. A member of
-            ``NormMode`` or its config spelling.
-        drop_partial_window: drop an epoch's last, short window instead of stepping on it.
+        loss_fn: the recipe's loss; with ``units`` left out, its loss tokens after the shift
+            are the units (:class:`exactga.loss_units.ShiftedTokens`).
+        mode: ``exact`` for training; see [baseline modes] for the others.
         dp_group: the data-parallel process group, or ``None`` on one device.
+        units: what the loss is a mean over; see [loss units].
     """
 
     def __init__(
         self,
         loss_fn: nn.Module,
-        gradient_accumulation_steps: int,
+        *,
         mode: NormMode | str = NormMode.EXACT,
-        drop_partial_window: bool = False,
         dp_group: dist.ProcessGroup | None = None,
+        units: LossUnits | None = None,
     ) -> None:
-        if gradient_accumulation_steps < 1:
-            raise ValueError(
-                "gradient_accumulation_steps must be at least 1, "
-                f"got {gradient_accumulation_steps}."
-            )
         self.loss_fn = loss_fn
-        self.ignore_index = loss_ignore_index(loss_fn)
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.units = ShiftedTokens(loss_fn) if units is None else units
         self.mode = as_option(NormMode, mode, "loss_normalization")
-        self.drop_partial_window = drop_partial_window
+        if self.mode is NormMode.POST_SCALE and not isinstance(self.units, ShiftedTokens):
+            raise ValueError("loss_normalization 'post_scale' is stock's token weighting only.")
         self.dp_group = dp_group
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
-        self._denominator_verified = False
-
-    def num_windows(self, num_batches: int) -> int:
-        """Optimizer steps in an epoch of ``num_batches`` collated micro-batches (a loader of
-        windows says its own length)."""
-        full, rest = divmod(num_batches, self.gradient_accumulation_steps)
-        return full + (1 if rest and not self.drop_partial_window else 0)
 
     def windows(
-        self,
-        batches: Iterable[SampleWindow] | Iterable[dict[str, torch.Tensor]],
-        max_windows: int | None = None,
+        self, sample_windows: Iterable[SampleWindow], max_windows: int | None = None
     ) -> Iterator[Window]:
         """One epoch of windows, each counted on the host with its collective issued.
 
-        ``batches`` is the recipes' loader of :class:`SampleWindow`s (``exactga.data``), or any
-        iterable of collated micro-batches, grouped ``gradient_accumulation_steps`` at a time in
-        their order. Call once per epoch: a window never spans epochs.
+        ``sample_windows`` is the recipes' loader (``exactga.data``), which alone decides what a
+        window holds. Call once per epoch: a window never spans epochs.
         """
-        iterator = iter(batches)
+        iterator = iter(sample_windows)
         num_yielded = 0
         while max_windows is None or num_yielded < max_windows:
-            window = self._next_window(iterator)
-            if window is None:
+            sample_window = next(iterator, None)
+            if sample_window is None:
                 return
-            yield window
+            if not isinstance(sample_window, SampleWindow):
+                raise TypeError(
+                    "LossNormalizer.windows takes windows of samples (exactga.data's loader), "
+                    f"not {type(sample_window).__name__}; build the loader with "
+                    "exactga.data.build_dataloader."
+                )
+            yield self._open_window(sample_window)
             num_yielded += 1
         # Stopped by max_windows: one more fetch lets a stateful loader that is at its end see
         # StopIteration, so a checkpoint taken now records a finished epoch and a resumed run
         # does not start with an empty one. An epoch cut short loses nothing: it ends here.
         next(iterator, None)
 
-    def _next_window(self, iterator: Iterator[Any]) -> Window | None:
-        first = next(iterator, None)
-        if first is None:
-            return None
-        if isinstance(first, SampleWindow):
-            return self._open_window(first)
-        batches = [first]
-        for _ in range(self.gradient_accumulation_steps - 1):
-            batch = next(iterator, None)
-            if batch is None:
-                break
-            batches.append(batch)
-        if len(batches) < self.gradient_accumulation_steps and self.drop_partial_window:
-            return None
-        # Collated elsewhere: the samples' own lengths are unknown (0 says so to work()).
-        return self._open_window(SampleWindow(batches, 0, 0, 0, False))
-
     def _count(self, batch: dict[str, torch.Tensor]) -> MicroBatch:
-        labels = batch["labels"]
-        num_tokens = count_loss_tokens(labels, self.ignore_index)
-        if not self._denominator_verified and num_tokens > 0:
-            verify_loss_denominator(self.loss_fn, labels, num_tokens)
-            self._denominator_verified = True
+        num_units = self.units.count(batch)
         unshifted = (
-            count_unshifted_tokens(labels, self.ignore_index)
-            if self.mode is NormMode.POST_SCALE
-            else num_tokens
+            self.units.count_unshifted(batch) if self.mode is NormMode.POST_SCALE else num_units
         )
-        if num_tokens == 0 and self.dp_size > 1:
-            batch = plant_dummy_label(batch, self.ignore_index)
-        batch = {**batch, LOSS_POSITIONS: loss_positions(batch["labels"], self.ignore_index)}
-        return MicroBatch(batch=batch, num_tokens=num_tokens, num_unshifted_tokens=unshifted)
+        runs_empty = num_units == 0 and self.dp_size > 1
+        batch = self.units.prepare(batch, num_units, runs_empty)
+        return MicroBatch(batch=batch, num_units=num_units, num_unshifted_tokens=unshifted)
 
     def _open_window(self, sample_window: SampleWindow) -> Window:
         micro_batches = [self._count(batch) for batch in sample_window.micro_batches]
         local = WindowCounts(
-            num_tokens=sum(mb.num_tokens for mb in micro_batches),
+            num_units=sum(mb.num_units for mb in micro_batches),
             num_micro_batches=len(micro_batches),
             num_positions=sum(mb.batch["tokens"].numel() for mb in micro_batches),
         )
         filler = None
         if self.dp_size > 1 and sample_window.by_budget and micro_batches:
-            filler_batch = filler_micro_batch(micro_batches[-1].batch)
-            filler = self._count(masked_labels(filler_batch, self.ignore_index))
+            filler = self._count(self.units.emptied(filler_micro_batch(micro_batches[-1].batch)))
         return Window(
             micro_batches,
             self.mode,
@@ -536,32 +390,6 @@ class LossNormalizer:
             num_fixed_positions=sample_window.num_fixed_positions,
             counts_may_differ=sample_window.by_budget,
         )
-
-
-def masked_labels(
-    batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX
-) -> dict[str, torch.Tensor]:
-    """A copy of ``batch`` in which every label is ignored (a zero-weight filler's)."""
-    return {**batch, "labels": torch.full_like(batch["labels"], ignore_index)}
-
-
-def plant_dummy_label(
-    batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX
-) -> dict[str, torch.Tensor]:
-    """A copy of ``batch`` whose labels hold one live label, so its mean loss is finite.
-
-    Only for micro-batches whose recorded count is 0, which therefore weigh exactly 0; see
-    [empty micro-batches under FSDP]. The caller's labels are left untouched.
-    """
-    labels = batch["labels"]
-    if labels.shape[-1] < 2:
-        raise ValueError(
-            "an empty micro-batch with sequences of length 1 has no position to score; "
-            "sequences need at least two tokens."
-        )
-    labels = labels.clone()
-    labels[..., 0, 1] = 0 if ignore_index != 0 else 1
-    return {**batch, "labels": labels}
 
 
 def warn_skipped_step(step: int) -> None:

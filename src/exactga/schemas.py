@@ -100,6 +100,9 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
     metric_logger: Any = MISSING
     profiler: Optional[ProfilerSection] = None
     cudnn_deterministic_mode: Optional[bool] = None
+    # exactga: cuDNN's fused attention re-plans for every new sequence length; see
+    # [cuDNN attention and variable shapes] in exactga.kernels.
+    cudnn_attention: bool = False
     compile: bool = False
     resume_from_checkpoint: bool = False
 

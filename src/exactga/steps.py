@@ -158,7 +158,7 @@ class StepBook:
                 weights_updated=steps_in_backward(self.optimizer),
                 save_checkpoint=self.save_step_checkpoint,
             )
-        self._num_tokens_since_log += window.num_global_tokens
+        self._num_tokens_since_log += window.num_global_units
         self.profiler.step(window.work())
         self._pbar.update(1)
         metrics: dict[str, float] = {}

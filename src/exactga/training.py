@@ -23,7 +23,8 @@ from torchtune.modules import TransformerDecoder
 from torchtune.training.lr_schedulers import get_lr
 
 from exactga.distributed import memory_stats
-from exactga.normalization import LOSS_POSITIONS, Window, shift_labels, warn_skipped_step
+from exactga.loss_units import LOSS_POSITIONS, shift_labels
+from exactga.normalization import Window, warn_skipped_step
 from exactga.optimizers import steps_in_backward
 from exactga.options import NonFinitePolicy
 from exactga.precision import Precision
@@ -300,7 +301,7 @@ def step_metrics(
     metrics = {
         "lr": get_lr(optimizer),
         "tokens_per_second_per_gpu": tokens_per_second_per_gpu,
-        "loss_tokens": float(window.num_global_tokens),
+        "loss_tokens": float(window.num_global_units),
         **progress.metrics(),
     }
     if not window.should_skip_step():
