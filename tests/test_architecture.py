@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,20 @@ def test_the_schemas_import_no_runtime_module() -> None:
     for module in imported:
         below = _exactga_imports(_module_path(module))
         assert not below, f"schemas.py imports {module}, which imports {sorted(below)}"
+
+
+def test_importing_the_schemas_loads_no_runtime_module() -> None:
+    """The same at run time: a package's ``__init__`` runs before its module, so importing
+    ``exactga.profiling.settings`` must not load the profiler hook (the package loads lazily)."""
+    code = (
+        "import sys, exactga.schemas; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'exactga'))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    allowed = {"exactga", "exactga.options", "exactga.profiling", "exactga.profiling.settings"}
+    assert set(ast.literal_eval(loaded)) == allowed | {"exactga.schemas"}
 
 
 # Config values validate_config has checked and handed over as enum members: a recipe reads

@@ -44,19 +44,39 @@ The benchmarks' and tests' own helpers (timing the whole gradient pass, reading 
 live in ``tests/profiling_utils.py``.
 """
 
-from exactga.profiling.flops import PEAK_FLOPS_BF16, device_peak_flops, model_flops_per_token
-from exactga.profiling.hook import TrainingProfiler, setup_profiler
-from exactga.profiling.phase_clock import PHASES
-from exactga.profiling.report import REPORT_CATEGORY, REPORT_RUN, REPORT_TAG
-from exactga.profiling.saved_latency import (
-    SAVED_LATENCY_FRACTION,
-    SAVED_LATENCY_NUM_SAMPLES,
-    SavedLatency,
-    SavedLatencySample,
-    sample_gradients,
-    time_scaling_pass,
-)
-from exactga.profiling.settings import ProfilerSection, ProfilerSettings, parse_settings
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it. Loaded on first use (PEP 562), so that importing
+# one light module of the package (``exactga.schemas`` imports ``profiling.settings``) does not
+# load the hook and, through it, the runtime.
+_HOMES = {
+    "PEAK_FLOPS_BF16": "flops",
+    "device_peak_flops": "flops",
+    "model_flops_per_token": "flops",
+    "TrainingProfiler": "hook",
+    "setup_profiler": "hook",
+    "PHASES": "phase_clock",
+    "REPORT_CATEGORY": "report",
+    "REPORT_RUN": "report",
+    "REPORT_TAG": "report",
+    "SAVED_LATENCY_FRACTION": "saved_latency",
+    "SAVED_LATENCY_NUM_SAMPLES": "saved_latency",
+    "SavedLatency": "saved_latency",
+    "SavedLatencySample": "saved_latency",
+    "sample_gradients": "saved_latency",
+    "time_scaling_pass": "saved_latency",
+    "ProfilerSection": "settings",
+    "ProfilerSettings": "settings",
+    "parse_settings": "settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'exactga.profiling' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"exactga.profiling.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "PEAK_FLOPS_BF16",
