@@ -15,10 +15,23 @@ GPU to two starts from the same adapters and writes the same files. See [adapter
 # They are drawn in fp32 (or fp64) and then cast: torch draws another stream for a bf16
 # tensor, so a bf16 run would start from adapters unrelated to the fp32 run's, and no
 # comparison of the precisions (docs/precision.md) would mean anything.
+
+# Note [DoRA in PEFT]
+# torchtune's HF checkpointer writes the PEFT adapter with ``tune_to_peft_adapter_weights``,
+# which renames each DoRA ``magnitude`` to PEFT's ``lora_magnitude_vector`` and permutes the
+# rows of q_proj's and k_proj's ``lora_B`` from torchtune's rotary order into Hugging Face's,
+# but leaves those projections' magnitudes (one value per output row, so per the same rows) in
+# torchtune's order; and the adapter config it writes has no ``use_dora``, so PEFT builds plain
+# LoRA and drops the magnitudes. On the tiny DoRA run PEFT's merged projections were then
+# 2.1e-2 to 3.3e-2 off the run's, and q_proj still 1.2e-1 off with ``use_dora`` alone. Here
+# the config says ``use_dora`` when the adapters have magnitudes, and those of q_proj and
+# k_proj get lora_B's row permutation in the file torchtune wrote, before the adapter folder
+# appears. LoRA adapters (no magnitudes) are left exactly as torchtune writes them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +39,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torchtune import training
 from torchtune.modules.peft import (
@@ -197,9 +211,13 @@ def epoch_checkpoint_weights(
     (on CPU, or gathered from one rank), whose frozen base would otherwise silently take the
     adapters in (stock 0.6.1's bug on CPU).
     """
+    adapters = get_adapter_state_dict(state_dict)
+    adapter_config = settings.adapter_config()
+    if any(key.endswith(".magnitude") for key in adapters):
+        adapter_config["use_dora"] = True  # see [DoRA in PEFT]
     weights: dict[str, Any] = {
-        training.ADAPTER_KEY: get_adapter_state_dict(state_dict),
-        training.ADAPTER_CONFIG: settings.adapter_config(),
+        training.ADAPTER_KEY: adapters,
+        training.ADAPTER_CONFIG: adapter_config,
     }
     if merge:
         weights[training.MODEL_KEY] = get_merged_lora_ckpt(
@@ -222,6 +240,7 @@ def save_epoch_checkpoint(
     training goes on; then the PEFT adapter moves to ``epoch_N/adapter/``, see [adapter
     folder]. Every recipe that trains adapters saves through this call (on rank 0)."""
     ckpt_dict = epoch_checkpoint_weights(state_dict, settings, merge=not adapter_only)
+    use_dora = ckpt_dict[training.ADAPTER_CONFIG].get("use_dora", False)
     if training_state is not None:
         ckpt_dict.update(training_state)
     checkpointer.save_checkpoint(
@@ -231,7 +250,55 @@ def save_epoch_checkpoint(
         adapter_only=adapter_only,
     )
     epoch_dir = Path(checkpointer._output_dir) / f"epoch_{epoch}"
+    if use_dora:
+        _put_peft_magnitudes_in_hf_order(epoch_dir, getattr(checkpointer, "_config", None))
     move_peft_adapter_to_own_folder(epoch_dir, base_model_of(checkpointer))
+
+
+def peft_magnitudes_in_hf_order(
+    weights: Mapping[str, torch.Tensor], *, num_heads: int, num_kv_heads: int, head_dim: int
+) -> dict[str, torch.Tensor]:
+    """``weights``, a PEFT adapter as ``tune_to_peft_adapter_weights`` returns it, with the DoRA
+    magnitudes of q_proj and k_proj in Hugging Face's rotary row order: the permutation that
+    function applies to those projections' ``lora_B`` rows. See [DoRA in PEFT]."""
+    heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
+    suffix = ".lora_magnitude_vector"
+    permuted = dict(weights)
+    for key, magnitude in weights.items():
+        projection = key.removesuffix(suffix).rsplit(".", 1)[-1]
+        if key.endswith(suffix) and projection in heads:
+            n = heads[projection]
+            # torchtune's _permute_lora_matrix on a matrix of one column.
+            permuted[key] = magnitude.view(n, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+    return permuted
+
+
+def _put_peft_magnitudes_in_hf_order(epoch_dir: Path, hf_config: Mapping[str, Any] | None) -> None:
+    """Rewrite the PEFT adapter file torchtune wrote into ``epoch_dir`` (if it wrote one: only
+    its HF checkpointer does) with :func:`peft_magnitudes_in_hf_order`, reading the head counts
+    from the same Hugging Face ``config.json`` values torchtune used for ``lora_B``."""
+    safetensors_path = epoch_dir / "adapter_model.safetensors"
+    bin_path = epoch_dir / "adapter_model.bin"
+    if hf_config is None or not (safetensors_path.is_file() or bin_path.is_file()):
+        return
+    num_heads = hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim", None) or hf_config["hidden_size"] // num_heads
+    heads = {
+        "num_heads": num_heads,
+        "num_kv_heads": hf_config["num_key_value_heads"],
+        "head_dim": head_dim,
+    }
+    # Written beside and renamed over, so the file is torchtune's or the fixed one, never half.
+    if safetensors_path.is_file():
+        fixed = peft_magnitudes_in_hf_order(load_file(safetensors_path), **heads)
+        staging = safetensors_path.with_name(f".{safetensors_path.name}.tmp")
+        save_file(fixed, staging, metadata={"format": "pt"})  # torchtune's metadata
+        os.replace(staging, safetensors_path)
+    else:
+        weights = torch.load(bin_path, map_location="cpu", weights_only=True)
+        staging = bin_path.with_name(f".{bin_path.name}.tmp")
+        torch.save(peft_magnitudes_in_hf_order(weights, **heads), staging)
+        os.replace(staging, bin_path)
 
 
 def base_model_of(checkpointer: Any) -> str | None:
