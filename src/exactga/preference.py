@@ -1,0 +1,323 @@
+"""Preference pairs as loss units, and the DPO loss step of one micro-batch.
+
+A preference micro-batch is one tensor of ``2B`` rows: the ``B`` chosen sequences, then their
+``B`` rejected ones, right-padded to the longest of all of them (:func:`collate_pairs`, a dict
+where torchtune's ``padded_collate_dpo`` gives a tuple). Its loss is a mean over its pairs
+(:func:`dpo_loss_step`), so :class:`PreferencePairs` counts pairs for the one normaliser of
+``exactga.normalization``; the window, its collective and ``Window.scale`` are those of every
+other recipe. :class:`PreferenceMetrics` keeps stock's reward and log-prob metrics as exact
+window values. See [pairs as loss units].
+
+Note [pairs as loss units]
+torchtune's ``DPOLoss`` and ``RSOLoss`` give one loss per pair, ``l_p``, a function of that pair's
+four summed log-probs alone: no batch statistic enters it. So the mean over a micro-batch's
+``B_m`` pairs is a mean over units, and scaled by ``dp_size * B_m / P`` before backward (``P``
+the window's pairs on every rank) it leaves the gradient of ``sum_p l_p / P``: the full-batch
+mean, whatever the split (see [loss units] in exactga.loss_units). Stock divides each
+micro-batch's mean by ``gradient_accumulation_steps`` instead, which is that only when every
+micro-batch holds as many pairs. A pair's summed log-probs do not depend on the micro-batch
+either: rows are right-padded and attention is causal, so a sequence's positions never see the
+padding after it, however long the longest row is (a chosen row padded to its rejected one
+included); only float rounding moves. A pair with no response label after the shift (its
+response all prompt, or cut off) would make its log-prob an empty sum of 0: it is bad input,
+not a unit, and counting fails naming it.
+
+An emptied micro-batch, another rank's zero-weight filler under FSDP (see [empty micro-batches
+under FSDP] in exactga.loss_units), keeps one real pair, responses and all, and carries an
+``EMPTY`` marker that :meth:`PreferencePairs.count` reads as 0 pairs. Its loss is an ordinary
+finite DPO loss, so the zero factor gives an exactly zero gradient; and because that loss
+depends on every layer, backward runs the same FSDP collectives as on the other ranks (masking
+its labels would give a loss of log 2 that depends on no weight at all). The metrics skip it.
+
+Log-probs come only from response positions: the decoder's output projection runs only there
+(``projecting_only`` of exactga.training, the same ``LOSS_POSITIONS`` index the SFT step uses;
+see [logits only at loss positions]); stock projects all ``2B x L`` positions. Each position's
+``log p(label)`` is taken in fp32 at least (bf16 logits are upcast) and summed into its row in
+fp64. A response's sum reaches hundreds of nats, where fp32's spacing is ~6e-5, and DPO takes
+differences of four such sums, so fp32 sums cost more than the rest of the step's rounding put
+together: on tests/test_preference.py's data an fp32 step lands 2.3-2.6e-6 from the fp64 oracle
+with fp32 sums, 0.5-1.0e-6 with fp64 ones. fp64 on ``2B x L`` numbers costs nothing; the loss
+over the ``B`` pairs is then fp64 as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torchtune.modules.peft import disable_adapter
+
+from exactga.frozen import frozen_forward
+from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS, Batch, loss_positions, shift_labels
+from exactga.normalization import Window
+from exactga.precision import Precision
+from exactga.training import projecting_only
+
+# An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
+# no pair. See [pairs as loss units].
+EMPTY = "no_pairs"
+
+# (inputs on the device, response positions, their labels) -> (chosen, rejected) log-probs.
+Reference = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def collate_pairs(
+    samples: list[Mapping[str, Any]], padding_idx: int = 0, ignore_idx: int = IGNORE_INDEX
+) -> Batch:
+    """torchtune ``PreferenceDataset`` items as one micro-batch: ``tokens`` and ``labels`` of
+    shape ``(2B, L)``, the chosen rows first, then the rejected ones in the same order, all
+    right-padded to the longest (``padded_collate_dpo``'s layout, as a dict)."""
+    rows = [(s["chosen_input_ids"], s["chosen_labels"]) for s in samples]
+    rows += [(s["rejected_input_ids"], s["rejected_labels"]) for s in samples]
+    width = max(len(tokens) for tokens, _ in rows)
+    tokens = torch.full((len(rows), width), padding_idx, dtype=torch.long)
+    labels = torch.full((len(rows), width), ignore_idx, dtype=torch.long)
+    for row, (row_tokens, row_labels) in enumerate(rows):
+        tokens[row, : len(row_tokens)] = torch.as_tensor(row_tokens, dtype=torch.long)
+        labels[row, : len(row_labels)] = torch.as_tensor(row_labels, dtype=torch.long)
+    return {"tokens": tokens, "labels": labels}
+
+
+def split_pairs(per_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row values of a pair micro-batch as (chosen, rejected), ``B`` each."""
+    num_pairs = per_row.size(0) // 2
+    return per_row[:num_pairs], per_row[num_pairs:]
+
+
+class PreferencePairs:
+    """Preference pairs as the loss units (DPO, RSO); see [pairs as loss units].
+
+    Args:
+        ignore_index: the label value of prompt and padding positions (the dataset's and
+            :func:`collate_pairs`'s ``ignore_idx``).
+    """
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+        self.ignore_index = ignore_index
+
+    def count(self, batch: Batch) -> int:
+        """The micro-batch's pairs, after checking that each has a chosen and a rejected
+        response label after the shift.
+
+        Raises:
+            ValueError: an odd number of rows, or a pair without a response, named by its index
+                in the micro-batch.
+        """
+        if EMPTY in batch:
+            return 0
+        labels = batch["labels"]
+        num_rows = labels.size(0)
+        if num_rows % 2:
+            raise ValueError(
+                f"a preference micro-batch stacks its chosen rows, then its rejected rows, so "
+                f"it has an even number of rows; this one has {num_rows}. Collate preference "
+                "data with exactga.preference.collate_pairs."
+            )
+        num_pairs = num_rows // 2
+        without_response = ((labels[:, 1:] != self.ignore_index).sum(dim=1) == 0).nonzero()
+        if len(without_response):
+            row = int(without_response[0])
+            side, pair = ("chosen", row) if row < num_pairs else ("rejected", row - num_pairs)
+            raise ValueError(
+                f"preference pair {pair} of a micro-batch of {num_pairs}: its {side} response "
+                "has no label after the shift (every label is prompt or padding, e.g. a prompt "
+                "that fills max_seq_len), so there is no log-prob to compare. Drop the pair or "
+                "shorten its prompt."
+            )
+        return num_pairs
+
+    def prepare(self, batch: Batch, num_units: int, runs_empty: bool) -> Batch:
+        # An empty micro-batch is an emptied one: real pairs, so its loss is already finite.
+        assert not runs_empty or EMPTY in batch, "only an emptied pair batch has no pair"
+        return {**batch, LOSS_POSITIONS: loss_positions(batch["labels"], self.ignore_index)}
+
+    def emptied(self, batch: Batch) -> Batch:
+        """One pair of ``batch`` (its last) marked as carrying none; see [pairs as loss units].
+
+        ``batch`` may be cut to its last row already (``filler_micro_batch`` cuts a batch whose
+        every entry has a row per sample): that row then serves as chosen and rejected alike.
+        """
+        num_rows = batch["tokens"].size(0)
+        last_chosen = num_rows // 2 - 1 if num_rows % 2 == 0 else num_rows - 1
+        keep = torch.tensor([last_chosen, num_rows - 1])
+        emptied = {
+            key: value.index_select(0, keep) if _has_rows(value, num_rows) else value
+            for key, value in batch.items()
+            if key != LOSS_POSITIONS
+        }
+        return {**emptied, EMPTY: torch.tensor(True)}
+
+
+def _has_rows(value: Any, num_rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == num_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs at the response positions, the reference's, and the loss step.
+
+
+def sequence_log_probs(
+    model: nn.Module,
+    inputs: Batch,
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    precision: Precision | None = None,
+    activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+) -> torch.Tensor:
+    """Each row's summed ``log p(label)`` over its response positions, shape ``(2B,)``: each
+    term in fp32 at least, the sums in fp64.
+
+    ``positions`` are flat indices into the ``(2B, L)`` batch (``LOSS_POSITIONS``), ``targets``
+    the shifted labels there. The projection runs only at ``positions`` where the model allows
+    it; otherwise the full logits are cut after the forward. See [pairs as loss units].
+    """
+    num_rows, seq_len = inputs["tokens"].shape
+    autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
+    activations = activations_ctx or contextlib.nullcontext()
+    with activations, autocast, projecting_only(model, positions) as cut:
+        logits = model(**inputs)
+    if isinstance(logits, list):  # a chunked output, chunked along the sequence
+        logits = torch.cat(logits, dim=1)
+    logits = logits.reshape(-1, logits.size(-1))
+    if not cut:
+        logits = logits.index_select(0, positions)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    token_log_probs = -F.cross_entropy(logits, targets, reduction="none").double()
+    del logits
+    # Scattered to a dense (2B, L) grid and summed per row: index_copy with distinct indices is
+    # deterministic on every device, where an index_add into rows would use atomics on CUDA.
+    grid = token_log_probs.new_zeros(num_rows * seq_len).index_copy(0, positions, token_log_probs)
+    return grid.view(num_rows, seq_len).sum(dim=1)
+
+
+def lora_reference(model: nn.Module, precision: Precision | None = None) -> Reference:
+    """The reference of LoRA DPO: the policy with its adapters off, without a graph."""
+
+    def reference(inputs: Batch, positions: torch.Tensor, targets: torch.Tensor):
+        with frozen_forward(), disable_adapter(model):
+            return split_pairs(sequence_log_probs(model, inputs, positions, targets, precision))
+
+    return reference
+
+
+def frozen_model_reference(ref_model: nn.Module, precision: Precision | None = None) -> Reference:
+    """The reference of full DPO: a separate model, frozen at setup with
+    ``exactga.frozen.freeze_model`` (and sharded like the policy under FSDP)."""
+
+    def reference(inputs: Batch, positions: torch.Tensor, targets: torch.Tensor):
+        with frozen_forward():
+            return split_pairs(sequence_log_probs(ref_model, inputs, positions, targets, precision))
+
+    return reference
+
+
+def dpo_loss_step(
+    model: nn.Module,
+    loss_fn: nn.Module,
+    batch: Batch,
+    reference: Reference,
+    *,
+    metrics: PreferenceMetrics | None = None,
+    precision: Precision | None = None,
+    activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+) -> torch.Tensor:
+    """The mean loss over the pairs of one micro-batch already on the device, for
+    ``Window.scale`` (which weighs it by its pairs); see [pairs as loss units].
+
+    ``loss_fn`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (or any loss with their signature
+    that returns one loss per pair). The reference runs first, so its activations are gone
+    before the policy's are made. ``metrics`` records the pairs' rewards and log-probs.
+    """
+    labels = batch.pop("labels")
+    positions = batch.pop(LOSS_POSITIONS, None)
+    is_empty = batch.pop(EMPTY, None) is not None
+    if positions is None:  # a batch that did not come through the normaliser
+        positions = loss_positions(labels)
+    targets = shift_labels(labels).reshape(-1).index_select(0, positions)
+    reference_chosen, reference_rejected = reference(batch, positions, targets)
+    policy = sequence_log_probs(model, batch, positions, targets, precision, activations_ctx)
+    chosen, rejected = split_pairs(policy)
+    losses, chosen_rewards, rejected_rewards = loss_fn(
+        chosen, rejected, reference_chosen, reference_rejected
+    )
+    if losses.shape != chosen.shape:
+        raise ValueError(
+            f"loss {type(loss_fn).__name__} returned losses of shape {tuple(losses.shape)} for "
+            f"{chosen.numel()} pairs; exactga averages one loss per pair itself, so the loss "
+            "must not reduce them (see [pairs as loss units] in exactga.preference)."
+        )
+    if metrics is not None and not is_empty:
+        metrics.record(chosen_rewards, rejected_rewards, chosen, rejected)
+    return losses.mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stock's metrics, as exact window values.
+
+
+class PreferenceMetrics:
+    """Stock's DPO metrics, each the mean over the window's pairs on every rank (stock logs the
+    last micro-batch's means). Sums per pair are kept on the device, read only when logged.
+
+    Args:
+        device: where the metrics' all-reduce runs (the data-parallel backend's device).
+    """
+
+    NAMES = (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "log_probs/chosen",
+        "log_probs/rejected",
+    )
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._sums: torch.Tensor | None = None
+
+    def record(
+        self,
+        chosen_rewards: torch.Tensor,
+        rejected_rewards: torch.Tensor,
+        chosen_log_probs: torch.Tensor,
+        rejected_log_probs: torch.Tensor,
+    ) -> None:
+        """Add one micro-batch's per-pair values (detached, no host read)."""
+        per_pair = torch.stack(
+            [
+                chosen_rewards,
+                rejected_rewards,
+                (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype),
+                chosen_rewards - rejected_rewards,
+                chosen_log_probs,
+                rejected_log_probs,
+            ]
+        ).detach()
+        sums = per_pair.double().sum(dim=1)
+        self._sums = sums if self._sums is None else self._sums + sums
+
+    def track(self, windows: Iterable[Window]) -> Iterator[Window]:
+        """The windows, with the record cleared as each one opens."""
+        for window in windows:
+            self._sums = None
+            yield window
+
+    def window_metrics(self, window: Window) -> dict[str, float]:
+        """Each metric's mean over the window's pairs on every rank: one all-reduce of six
+        numbers under data parallelism (call on every rank, on logged steps only); nothing for
+        a skipped window."""
+        if window.should_skip_step():
+            return {}
+        sums = torch.zeros(len(self.NAMES), dtype=torch.float64, device=self.device)
+        if self._sums is not None:
+            sums = self._sums.to(self.device, copy=True)  # reduced in place below
+        if window.dp_group is not None and window.dp_size > 1:
+            dist.all_reduce(sums, group=window.dp_group)
+        means = (sums / window.num_global_units).tolist()
+        return dict(zip(self.NAMES, means, strict=True))
