@@ -14,7 +14,9 @@ over the units it is a mean over (pairs, completions, completion tokens).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -75,8 +77,28 @@ def reference_gradient(
     trainable parameters in their order; ``model`` itself is left untouched."""
     student = copy.deepcopy(model).double()
     teacher = copy.deepcopy(teacher).double() if teacher is not None else None
-    reference_loss(student, rows, teacher, kd_ratio).backward()
+    with fp64():
+        reference_loss(student, rows, teacher, kd_ratio).backward()
     return flat([p.grad for p in trainable(student)])
+
+
+@contextlib.contextmanager
+def fp64() -> Iterator[None]:
+    """Double models computed in double throughout. torchtune's llama computes three steps in
+    fp32 whatever the model's dtype (``x.float()`` in RMSNorm, in the rotary embedding, and on
+    the logits in ``unembed``), so a double copy of it is not an fp64 reference by itself.
+    Within this context ``.float()`` leaves a double tensor as it is (fp32 tensors are
+    unaffected)."""
+    to_float = torch.Tensor.float
+
+    def keep_double(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
+
+    torch.Tensor.float = keep_double
+    try:
+        yield
+    finally:
+        torch.Tensor.float = to_float
 
 
 def lr_for_unit_update(initial: torch.Tensor, gradient: torch.Tensor) -> float:

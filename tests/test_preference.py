@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from oracle_utils import flat, lr_for_unit_update, step_gap, trainable
+from oracle_utils import flat, fp64, lr_for_unit_update, step_gap, trainable
 from torch import nn
 from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
@@ -105,25 +105,6 @@ PAIRS = make_pairs()
 
 
 # --- the oracle: plain PyTorch, fp64, every sequence on its own --------------------------------
-
-
-@contextlib.contextmanager
-def fp64():
-    """Double models computed in double throughout. torchtune's llama computes three steps in
-    fp32 whatever the model's dtype (``x.float()`` in RMSNorm, in the rotary embedding, and on
-    the logits in ``unembed``); log-probs summed over a response reach ~1e3 here, where fp32's
-    spacing is 6e-5, so a reference with those casts is no fp64 reference for DPO. Within this
-    context ``.float()`` leaves a double tensor as it is (fp32 tensors are unaffected)."""
-    to_float = torch.Tensor.float
-
-    def keep_double(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
-
-    torch.Tensor.float = keep_double
-    try:
-        yield
-    finally:
-        torch.Tensor.float = to_float
 
 
 def oracle_log_prob(model: nn.Module, tokens: list[int], labels: list[int]) -> torch.Tensor:
