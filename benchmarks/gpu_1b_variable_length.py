@@ -45,6 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -137,12 +138,17 @@ def benchmark_args(args: argparse.Namespace, root: Path, extra: list[str]) -> ar
     )  # fmt: skip
 
 
+def bundled_data(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The tiny config's dataset and tokenizer at ``--max-seq-len``, as the runs load them."""
+    cfg = OmegaConf.load(mb.REPO_ROOT / "configs/tiny/full_single_device.yaml")
+    tokenizer = config.instantiate(cfg.tokenizer, max_seq_len=args.max_seq_len)
+    return load_dataset(cfg.dataset, tokenizer, LLAMA_3_2_1B["vocab_size"]), tokenizer
+
+
 def replay_windows(args: argparse.Namespace, mode: str) -> list[list[tuple[int, int]]]:
     """Each timed run's micro-batch shapes per step, from exactga's own loader on the host (the
     recipe's sampler, seed 0 and epoch 0, and split); stock trains the ``fixed`` split."""
-    cfg = OmegaConf.load(mb.REPO_ROOT / "configs/tiny/full_single_device.yaml")
-    tokenizer = config.instantiate(cfg.tokenizer, max_seq_len=args.max_seq_len)
-    dataset = load_dataset(cfg.dataset, tokenizer, LLAMA_3_2_1B["vocab_size"])
+    dataset, tokenizer = bundled_data(args)
     budget = mode == "token_budget"
     batch_size = args.batch_size * args.ga if budget else args.batch_size
     settings = MicroBatchingSettings(
@@ -171,9 +177,7 @@ def replay_windows(args: argparse.Namespace, mode: str) -> list[list[tuple[int, 
 
 def sample_lengths(args: argparse.Namespace) -> list[list[int]]:
     """The samples' own token counts, per step (the fixed split's rows without padding)."""
-    cfg = OmegaConf.load(mb.REPO_ROOT / "configs/tiny/full_single_device.yaml")
-    tokenizer = config.instantiate(cfg.tokenizer, max_seq_len=args.max_seq_len)
-    dataset = load_dataset(cfg.dataset, tokenizer, LLAMA_3_2_1B["vocab_size"])
+    dataset, tokenizer = bundled_data(args)
     loader = build_dataloader(
         dataset,
         batch_size=args.batch_size,

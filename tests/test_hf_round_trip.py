@@ -88,7 +88,11 @@ SMALL_TEACHER = [
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory) -> Path:
     """A tiny Llama folder as transformers writes it (config.json, model.safetensors)."""
-    folder = tmp_path_factory.mktemp("hf_base")
+    return make_hf_base(tmp_path_factory.mktemp("hf_base"))
+
+
+def make_hf_base(folder: Path) -> Path:
+    """Write a seeded tiny Llama into ``folder`` with transformers' ``save_pretrained``."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG))
     model.save_pretrained(folder)

@@ -28,11 +28,9 @@ import torch.distributed as dist
 from grouping import GroupingNormalizer
 from oracle_utils import flat, lr_for_unit_update, reference_gradient, step_gap, trainable
 from torch import nn
-from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss, ForwardKLWithChunkedOutputLoss
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training import shard_model
-from unit_utils import VOCAB, make_rows, run_on_ranks, tiny_model
+from unit_utils import make_rows, run_on_ranks, tiny_lora, tiny_model
 
 from exactga import distillation, loss_units, training
 from exactga.data import build_dataloader
@@ -89,35 +87,6 @@ class Case:
             device=CPU,
         )
         return distiller.loss_step, distiller.track
-
-
-def tiny_lora() -> nn.Module:
-    """LoRA on every projection of a toy llama3_2, base and adapters drawn from fixed seeds.
-
-    ``lora_b`` is drawn too (a fresh adapter's is zero, which leaves ``lora_a`` without a
-    gradient on the first step), so every adapter weight takes part in the one step compared.
-    """
-    torch.manual_seed(0)
-    model = lora_llama3_2(
-        lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
-        apply_lora_to_mlp=True,
-        apply_lora_to_output=False,
-        lora_rank=4,
-        lora_alpha=8,
-        vocab_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        embed_dim=32,
-        intermediate_dim=64,
-        max_seq_len=64,
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_b" in name:
-                param.normal_(std=0.05)
-    set_trainable_params(model, get_adapter_params(model))
-    return model
 
 
 class RowDataset(torch.utils.data.Dataset):

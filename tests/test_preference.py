@@ -26,11 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from oracle_utils import flat, fp64, lr_for_unit_update, step_gap, trainable
 from torch import nn
-from torchtune.models.llama3_2 import lora_llama3_2
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.rlhf.loss import DPOLoss, RSOLoss
 from torchtune.training import shard_model
-from unit_utils import VOCAB, run_on_ranks, tiny_model
+from unit_utils import VOCAB, run_on_ranks, tiny_lora, tiny_model
 
 from exactga import preference, training
 from exactga.distributed import GradientSync, gradient_sync
@@ -191,31 +189,6 @@ class Case:
     def gap(self) -> float:
         trained = flat([_full(p) for p in trainable(self.model)])
         return step_gap(trained, self.initial, self.gradient, self.lr)
-
-
-def tiny_lora() -> nn.Module:
-    """LoRA on every projection of tiny_model's llama3_2, ``lora_b`` drawn non-zero so that the
-    policy differs from its reference and every adapter weight has a gradient."""
-    torch.manual_seed(0)
-    model = lora_llama3_2(
-        lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
-        apply_lora_to_mlp=True,
-        lora_rank=4,
-        lora_alpha=8,
-        vocab_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        embed_dim=32,
-        intermediate_dim=64,
-        max_seq_len=64,
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_b" in name:
-                param.normal_(std=0.05)
-    set_trainable_params(model, get_adapter_params(model))
-    return model
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,9 @@ import torchtune
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune._recipe_registry import get_all_recipes
-from torchtune.models.llama3_2 import llama3_2
+from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga.loss_units import IGNORE_INDEX, shift_labels
 
@@ -65,6 +66,36 @@ def tiny_model(
         **kwargs,
     )
     return model.to(dtype)
+
+
+def tiny_lora() -> nn.Module:
+    """LoRA on every projection of a toy llama3_2 (tiny_model's shape), base and adapters drawn
+    from fixed seeds, only the adapters trainable.
+
+    ``lora_b`` is drawn too (a fresh adapter's is zero, which leaves ``lora_a`` without a
+    gradient on the first step and the policy equal to its reference), so every adapter weight
+    takes part in the one step a test compares.
+    """
+    torch.manual_seed(0)
+    model = lora_llama3_2(
+        lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
+        apply_lora_to_mlp=True,
+        lora_rank=4,
+        lora_alpha=8,
+        vocab_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        embed_dim=32,
+        intermediate_dim=64,
+        max_seq_len=64,
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_b" in name:
+                param.normal_(std=0.05)
+    set_trainable_params(model, get_adapter_params(model))
+    return model
 
 
 def make_rows(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

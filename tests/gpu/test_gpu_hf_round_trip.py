@@ -29,11 +29,7 @@ NAMES = ["full_single_device", "lora_single_device", "kd_distributed_1_rank"]
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("hf_base")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cpu_test.HF_CONFIG))
-    model.save_pretrained(folder)
-    return folder
+    return cpu_test.make_hf_base(tmp_path_factory.mktemp("hf_base"))
 
 
 @pytest.fixture(scope="module")
