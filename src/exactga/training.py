@@ -124,7 +124,7 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """Forward and mean loss of one micro-batch already on the device.
 
-    See [shifted token count] in ``exactga.normalization``: the count that weights this loss
+    See [shifted token count] in ``exactga.loss_units``: the count that weights this loss
     was taken on exactly these shifted labels. ``precision`` runs the forward under its
     autocast (bf16 compute over fp32 master weights; see [fp32 master weights] in
     ``exactga.precision``), the loss outside it. Logits are computed only at the positions
