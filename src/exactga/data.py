@@ -14,14 +14,17 @@ Note [checked rows]
 Two kinds of check, chosen so that a good dataset pays next to nothing:
 
 - At start-up, the columns of the datasets whose columns we know (the Alpaca, input/output,
-  ShareGPT and OpenAI transforms, also inside a ``ConcatDataset`` or ``PackedDataset``) are checked
-  from the Arrow schema: a column of the right type without nulls costs O(1), and only a column that
-  is not one is scanned, to name its first bad row. A wrong type then fails before the first
-  step instead of hours into an epoch, or never.
+  ShareGPT and OpenAI transforms, and the preference pairs of ``ChosenRejectedToMessages``, also
+  inside a ``ConcatDataset`` or ``PackedDataset``) are checked from the Arrow schema: a column
+  of the right type without nulls costs O(1), and only a column that is not one is scanned, to
+  name its first bad row. A wrong type then fails before the first step instead of hours into
+  an epoch, or never.
 - Per sample, in the DataLoader: any exception from loading or transforming a row becomes a
   ``ValueError`` naming the row, and the tokenized sample must hold ``tokens`` and ``labels``
-  of equal length with every id in ``[0, vocab_size)``. That is a min and a max over at most
-  ``max_seq_len`` ints on the host, small next to tokenizing the row.
+  of equal length with every id in ``[0, vocab_size)``; a preference pair must hold both its
+  sides so, each with a response label after the shift (the checks are
+  exactga.preference_rows's). That is a min and a max over at most ``max_seq_len`` ints on the
+  host, small next to tokenizing the row.
 
 Rows are counted from 0, and the messages say so ("dataset row 5 (0-based)": the sixth), in
 the order of the dataset as instantiated (after any ``filter_fn``); for a JSON file without a
@@ -44,18 +47,25 @@ from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import (
     AlpacaToMessages,
+    ChosenRejectedToMessages,
     InputOutputToMessages,
     OpenAIToMessages,
     ShareGPTToMessages,
     padded_collate_packed,
 )
-from torchtune.datasets import ConcatDataset, PackedDataset, SFTDataset
+from torchtune.datasets import ConcatDataset, PackedDataset, PreferenceDataset, SFTDataset
 
 from exactga.micro_batching import (
     MicroBatchingSettings,
     SampleWindow,
     WindowCollator,
     whole_micro_batches,
+)
+from exactga.preference_rows import (
+    is_preference_sample,
+    pair_problem,
+    sequence_problem,
+    tokenizer_max_seq_len,
 )
 
 # The columns each known message transform reads, by their default name (a column map may rename
@@ -67,6 +77,7 @@ _COLUMNS: dict[type, dict[str, tuple[type, bool]]] = {
     InputOutputToMessages: {"input": (str, False), "output": (str, False)},
     ShareGPTToMessages: {"conversations": (list, False)},
     OpenAIToMessages: {"messages": (list, False)},
+    ChosenRejectedToMessages: {"chosen": (list, False), "rejected": (list, False)},
 }
 
 
@@ -252,8 +263,9 @@ def checked_dataset(dataset: Dataset, vocab_size: int, source: str) -> Dataset:
     """``dataset`` with bad rows reported by row, ``source`` and problem. See [checked rows].
 
     Args:
-        dataset: the map-style dataset a recipe instantiated (an ``SFTDataset``, or a
-            ``ConcatDataset`` or ``PackedDataset`` of them, or any other).
+        dataset: the map-style dataset a recipe instantiated (an ``SFTDataset`` or a
+            ``PreferenceDataset``, or a ``ConcatDataset`` or ``PackedDataset`` of them, or any
+            other).
         vocab_size: rows of the model's embedding table; token ids must be below it.
         source: the dataset as the user configured it, for messages, e.g.
             ``"dataset (json: configs/tiny/data.json)"``.
@@ -264,8 +276,8 @@ def checked_dataset(dataset: Dataset, vocab_size: int, source: str) -> Dataset:
             ``__getitem__``, for any row that fails to load or tokenize.
     """
     assert vocab_size > 0, f"vocab_size must be positive, got {vocab_size}"
-    for sft, sft_source in _sft_datasets(dataset, source):
-        _check_columns(sft, sft_source)
+    for part, part_source in _message_datasets(dataset, source):
+        _check_columns(part, part_source)
     return CheckedDataset(dataset, vocab_size, source)
 
 
@@ -325,48 +337,36 @@ class CheckedDataset(Dataset):
         return sample
 
     def _where(self, index: int) -> str:
-        source = self._source
+        _, index, source = self._locate(index)
+        return f"{self._unit} {index} (0-based) of {source}"
+
+    def _locate(self, index: int) -> tuple[Dataset, int, str]:
+        """The dataset holding ``index``, the index within it, and its name for messages."""
         if isinstance(self._dataset, ConcatDataset) and not self.packed:
             for start, stop, part in self._dataset._indexes:  # (first, end, dataset) per part
                 if start <= index < stop:
-                    index, source = index - start, f"{source}[{part}]"
-                    break
-        return f"{self._unit} {index} (0-based) of {source}"
+                    part_dataset = self._dataset._datasets[part]
+                    return part_dataset, index - start, f"{self._source}[{part}]"
+        return self._dataset, index, self._source
 
     def _check_sample(self, index: int, sample: Any) -> None:
+        problem = self._sample_problem(index, sample)
+        if problem is not None:
+            raise ValueError(f"{self._where(index)}: {problem}")
+
+    def _sample_problem(self, index: int, sample: Any) -> str | None:
+        """What is wrong with a tokenized sample, an SFT one or a preference pair, or None."""
+        if is_preference_sample(sample):
+            max_seq_len = tokenizer_max_seq_len(self._locate(index)[0])
+            return pair_problem(sample, self._vocab_size, max_seq_len)
         if not isinstance(sample, Mapping) or "tokens" not in sample or "labels" not in sample:
             keys = ", ".join(map(str, sample)) if isinstance(sample, Mapping) else type(sample)
-            raise ValueError(
-                f"{self._where(index)}: a sample must hold 'tokens' and 'labels', got {keys}."
+            return (
+                f"a sample must hold 'tokens' and 'labels', got {keys}. (A preference sample "
+                "holds 'chosen_input_ids', 'chosen_labels', 'rejected_input_ids' and "
+                "'rejected_labels' instead.)"
             )
-        tokens, labels = sample["tokens"], sample["labels"]
-        if len(tokens) != len(labels):
-            raise ValueError(
-                f"{self._where(index)}: {len(tokens)} tokens but {len(labels)} labels; the "
-                "dataset's transform must give one label per token."
-            )
-        if len(tokens) == 0:
-            return
-        lowest, highest = _min_max(tokens)
-        if lowest < 0:
-            raise ValueError(
-                f"{self._where(index)}: token id {lowest} is negative; the dataset's transform "
-                "(config key 'tokenizer' or 'dataset') produced an invalid id."
-            )
-        if highest >= self._vocab_size:
-            raise ValueError(
-                f"{self._where(index)}: token id {highest} (its largest) is beyond the model's "
-                f"vocabulary (vocab_size {self._vocab_size}). The tokenizer "
-                "(config key 'tokenizer') does not match the model (config key "
-                "'model.vocab_size'): use the model's own tokenizer, or a vocab_size at least "
-                f"{highest + 1}."
-            )
-
-
-def _min_max(tokens: Any) -> tuple[int, int]:
-    if isinstance(tokens, torch.Tensor):  # packed samples are tensors
-        return int(tokens.min()), int(tokens.max())
-    return int(min(tokens)), int(max(tokens))
+        return sequence_problem(sample["tokens"], sample["labels"], self._vocab_size)
 
 
 def _describe(err: Exception) -> str:
@@ -376,18 +376,22 @@ def _describe(err: Exception) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _sft_datasets(dataset: Dataset, source: str) -> Iterator[tuple[SFTDataset, str]]:
-    """The ``SFTDataset``s inside ``dataset``, each with the name its messages should use."""
-    if isinstance(dataset, SFTDataset):
+def _message_datasets(
+    dataset: Dataset, source: str
+) -> Iterator[tuple[SFTDataset | PreferenceDataset, str]]:
+    """The ``SFTDataset``s and ``PreferenceDataset``s inside ``dataset`` (both keep their rows
+    in ``_data`` and their transform in ``_message_transform``), each with the name its
+    messages should use."""
+    if isinstance(dataset, (SFTDataset, PreferenceDataset)):
         yield dataset, source
     elif isinstance(dataset, PackedDataset):
-        yield from _sft_datasets(dataset.ds, source)
+        yield from _message_datasets(dataset.ds, source)
     elif isinstance(dataset, ConcatDataset):
         for i, part in enumerate(getattr(dataset, "_datasets", [])):
-            yield from _sft_datasets(part, f"{source}[{i}]")
+            yield from _message_datasets(part, f"{source}[{i}]")
 
 
-def _check_columns(dataset: SFTDataset, source: str) -> None:
+def _check_columns(dataset: SFTDataset | PreferenceDataset, source: str) -> None:
     """Raise naming the first row whose column is absent or of the wrong type.
 
     Only for message transforms whose columns we know; any other dataset is left to the
@@ -398,7 +402,7 @@ def _check_columns(dataset: SFTDataset, source: str) -> None:
     data = getattr(dataset, "_data", None)
     if columns is None or not hasattr(data, "features"):  # e.g. a streaming dataset
         return
-    # Alpaca and input/output keep their map public, the chat transforms private.
+    # Alpaca and input/output keep their map public, the chat and preference transforms private.
     column_map = getattr(transform, "column_map", None) or getattr(transform, "_column_map", {})
     present = list(data.column_names)
     for default_name, (kind, optional) in columns.items():
