@@ -162,6 +162,15 @@ def test_the_schemas_import_no_runtime_module() -> None:
         assert not below, f"schemas.py imports {module}, which imports {sorted(below)}"
 
 
+def test_the_dpo_schemas_import_only_the_schemas_and_bottom_modules() -> None:
+    """exactga.preference_schemas extends exactga.schemas by the same rule."""
+    imported = _exactga_imports(REPO / "src" / "exactga" / "preference_schemas.py")
+    assert "exactga.schemas" in imported
+    for module in imported - {"exactga.schemas"}:
+        below = _exactga_imports(_module_path(module))
+        assert not below, f"preference_schemas.py imports {module}, which imports {sorted(below)}"
+
+
 def test_importing_the_schemas_loads_no_runtime_module() -> None:
     """The same at run time: a package's ``__init__`` runs before its module, so importing
     ``exactga.profiling.settings`` must not load the profiler hook (the package loads lazily)."""

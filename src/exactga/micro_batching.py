@@ -32,6 +32,11 @@ Note [micro-batching modes]
 An epoch's last window may hold fewer samples; it keeps whole micro-batches of ``batch_size``
 in the loader's order (the samples stock torchtune's ``drop_last`` loader would give) before
 any regrouping, so every mode steps on the same samples.
+
+A preference pair is one sample of two rows (its chosen and its rejected sequence, collated as
+rows of one micro-batch padded to the longest of all; see exactga.preference). Its length is
+its longer side, which is what the padding of a micro-batch depends on, and its cost in the
+budget is both rows: ``micro_batch_tokens`` bounds the ``2B x L`` positions the model runs.
 """
 
 from __future__ import annotations
@@ -72,10 +77,13 @@ class MicroBatchingSettings:
         )
 
 
-def plan_micro_batches(lengths: Sequence[int], settings: MicroBatchingSettings) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: Sequence[int], settings: MicroBatchingSettings, rows_per_sample: int = 1
+) -> list[list[int]]:
     """The micro-batches of a window whose samples have these ``lengths``, as sample indices.
 
     ``len(lengths)`` is a multiple of ``settings.batch_size`` (see :func:`whole_micro_batches`).
+    A sample collates to ``rows_per_sample`` rows of its length (2 for a preference pair).
     See [micro-batching modes].
     """
     indices = list(range(len(lengths)))
@@ -85,7 +93,7 @@ def plan_micro_batches(lengths: Sequence[int], settings: MicroBatchingSettings) 
     if settings.mode is MicroBatching.BY_LENGTH:
         return _cut(longest_first, settings.batch_size)
     assert settings.micro_batch_tokens is not None
-    return _fill_budget(longest_first, lengths, settings.micro_batch_tokens)
+    return _fill_budget(longest_first, lengths, settings.micro_batch_tokens // rows_per_sample)
 
 
 def _cut(indices: list[int], size: int) -> list[list[int]]:
@@ -110,13 +118,29 @@ def whole_micro_batches(num_samples: int, batch_size: int) -> int:
     return num_samples - num_samples % batch_size
 
 
-def padded_positions(lengths: Sequence[int], groups: list[list[int]]) -> int:
+def padded_positions(
+    lengths: Sequence[int], groups: list[list[int]], rows_per_sample: int = 1
+) -> int:
     """Positions the model processes for these micro-batches (each padded to its longest)."""
-    return sum(len(group) * max(lengths[i] for i in group) for group in groups)
+    return rows_per_sample * sum(len(group) * max(lengths[i] for i in group) for group in groups)
+
+
+def is_pair(sample: Sample) -> bool:
+    """Whether a sample is a preference pair (torchtune's ``PreferenceDataset`` layout)."""
+    return "chosen_input_ids" in sample
 
 
 def sample_length(sample: Sample) -> int:
-    """Positions one sample takes before padding."""
+    """The length a sample is padded by: its positions, or a pair's longer side."""
+    if is_pair(sample):
+        return max(len(sample["chosen_input_ids"]), len(sample["rejected_input_ids"]))
+    return len(sample["tokens"])
+
+
+def sample_positions(sample: Sample) -> int:
+    """Positions one sample takes before padding (a pair's two sequences together)."""
+    if is_pair(sample):
+        return len(sample["chosen_input_ids"]) + len(sample["rejected_input_ids"])
     return len(sample["tokens"])
 
 
@@ -162,16 +186,18 @@ class WindowCollator:
         num_kept = whole_micro_batches(len(samples), self.settings.batch_size)
         samples = samples[:num_kept]
         lengths = [sample_length(sample) for sample in samples]
-        groups = plan_micro_batches(lengths, self.settings)
+        positions = [sample_positions(sample) for sample in samples]
+        rows = 2 if samples and is_pair(samples[0]) else 1
+        groups = plan_micro_batches(lengths, self.settings, rows)
         fixed = _cut(list(range(num_kept)), self.settings.batch_size)
         return SampleWindow(
             micro_batches=[self.collate([samples[i] for i in group]) for group in groups],
             num_samples=num_kept,
-            num_sample_positions=sum(lengths),
-            num_fixed_positions=padded_positions(lengths, fixed),
+            num_sample_positions=sum(positions),
+            num_fixed_positions=padded_positions(lengths, fixed, rows),
             is_partial=num_kept < self.window_size,
             by_budget=self.settings.mode is MicroBatching.TOKEN_BUDGET,
-            micro_batch_sample_positions=tuple(sum(lengths[i] for i in g) for g in groups),
+            micro_batch_sample_positions=tuple(sum(positions[i] for i in g) for g in groups),
         )
 
 

@@ -1,0 +1,469 @@
+"""Full DPO with FSDP2 on one node or many, GPUs or CPUs, each step the full-batch step.
+
+A drop-in for torchtune 0.6.1's ``full_dpo_distributed``: its configs run unchanged and it
+writes the same artefacts through torchtune's checkpoint client (rank 0). The reference is a
+frozen copy of the model read from ``ref_checkpointer``, sharded like the policy and run under
+no_grad. What differs: each step's loss is the mean per-pair DPO loss over every pair of the
+window on every rank, whatever the split into ranks and micro-batches (stock divides each
+micro-batch's mean by the accumulation count and lets FSDP average ranks); ``device: cpu``
+runs (gloo), which stock 0.6.1 does not. See [pairs as loss units] in ``exactga.preference``
+and docs/dpo.md.
+
+Launch from the repository root::
+
+    tune run --nproc_per_node 2 recipes/full_dpo_distributed.py \\
+        --config configs/tiny/full_dpo_distributed.yaml
+    tune run --nproc_per_node 8 recipes/full_dpo_distributed.py --config llama3_1/8B_full_dpo
+
+Copy this file to change the loop; the numerics stay in ``exactga``.
+"""
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.optim import Optimizer
+from torchtune import config, modules, training, utils
+from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training.activations import apply_selective_activation_checkpointing
+from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
+
+from exactga import distributed
+from exactga.checkpointing import step_checkpointer_for
+from exactga.cli import run_recipe
+from exactga.config import validate_config
+from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.frozen import freeze_model
+from exactga.kernels import choose_attention_kernels
+from exactga.loss_units import IGNORE_INDEX
+from exactga.model_state import load_model_state
+from exactga.normalization import LossNormalizer
+from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
+from exactga.precision import Precision
+from exactga.preference import (
+    PreferenceMetrics,
+    PreferencePairs,
+    dpo_loss_step,
+    frozen_model_reference,
+)
+from exactga.preference_schemas import FULL_DPO_FINGERPRINT_KEYS, FullDpoDistributedConfig
+from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
+from exactga.steps import StepBook
+from exactga.training import train_window
+
+log = utils.get_logger("INFO")
+
+RECIPE_NAME = "full_dpo_distributed"
+
+
+class FullDPORecipeDistributed(FTRecipeInterface):
+    """Direct preference optimisation of every weight of a dense decoder with FSDP2.
+
+    Policy and reference are sharded over the data-parallel ranks; the reference (weights from
+    ``ref_checkpointer``, frozen at setup) runs under no_grad before the policy's forward.
+
+    Features (each a config key; defaults in ``exactga.schemas`` and
+    ``exactga.preference_schemas``):
+        - Exact accumulation over pairs, micro-batches and data-parallel ranks: one all-reduce
+          of the window's pair count per step, each micro-batch's mean loss over its pairs
+          scaled by ``dp_size * batch_pairs / window_pairs`` before backward, which undoes
+          FSDP's averaging; ``token_budget`` fillers as in the LoRA DPO recipe.
+        - ``micro_batching`` on pairs per rank, log-probs only at response positions,
+          ``loss_normalization`` (``exact`` or stock's ``naive``), precision and
+          ``master_weights``, activation checkpointing (also selective with ``ac_mode``) and
+          offloading, ``compile``, ``optimizer_in_bwd`` (ga = 1), ``clip_grad_norm``,
+          ``gradient_sync``, FSDP2 keys: as in the full fine-tuning recipe.
+        - Checkpoints of the policy at each epoch's end through torchtune's checkpoint client;
+          with ``save_every_n_steps`` atomic step checkpoints that ``resume_from_checkpoint``
+          goes on from with the next window on the same world size. The reference is never
+          saved: it is read from ``ref_checkpointer`` again on resume.
+        - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step everywhere or stops.
+        - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
+          stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
+          rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded).
+
+    Args:
+        cfg: the validated config (see ``recipe_main``).
+
+    Raises:
+        ValueError: bad values and impossible combinations of config keys, at start-up.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+        self._gradient_sync = cfg.gradient_sync
+
+        self._enable_async_checkpointing = cfg.enable_async_checkpointing
+        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
+        distributed.init_distributed(
+            self._device,
+            offload_ops_to_cpu=self._fsdp_cpu_offload or self._enable_async_checkpointing,
+        )
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+        # Pure data parallelism, as stock (the schema refuses tensor_parallel_dim > 1).
+        self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
+        self.dp_size = self._mesh["dp"].size()
+        self.dp_rank = self._mesh["dp"].get_local_rank()
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
+
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._optimizer_in_bwd = cfg.optimizer_in_bwd
+        self._clip_grad_norm = cfg.clip_grad_norm
+        self._loss_normalization = cfg.loss_normalization
+        self._compile = cfg.compile
+        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
+        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = cfg.nonfinite_loss
+
+        # Epochs, steps and their outcomes; a resume sets them in setup.
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
+
+    def setup(self, cfg: DictConfig) -> None:
+        if self._fsdp_cpu_offload:
+            training.set_torch_num_threads()  # fused AdamW on CPU is ~2x faster with all cores
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+
+        self._step_checkpointer = step_checkpointer_for(
+            cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
+        )
+        self._fingerprint = run_fingerprint(
+            cfg, FULL_DPO_FINGERPRINT_KEYS, world_size=self.world_size
+        )
+        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        # torchtune's client reads the base weights, or with an epoch resume the epoch's.
+        self._checkpoint_client = self._precision.saving_in_dtype(  # weights for users in dtype
+            CheckpointClient(
+                OmegaConf.merge(cfg, {"resume_from_checkpoint": resume.from_epoch_checkpoint})
+            )
+        )
+        ckpt_dict = self._checkpoint_client.load_base_checkpoint()
+        self._model = self._setup_model(
+            cfg, resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)
+        )
+        self._ref_model = self._setup_reference_model(cfg)
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+        if resume.from_epoch_checkpoint and self._enable_async_checkpointing:
+            # torchtune's distributed checkpoint loads weights and optimizer state in place.
+            ckpt_dict = self._checkpoint_client.load_distributed_checkpoint(
+                self._model, self._optimizer
+            )
+        resume.restore_progress(self._progress, ckpt_dict)
+
+        # One loss per pair; the normaliser weighs micro-batches by their pairs on every rank.
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._normalizer = LossNormalizer(
+            self._loss_fn,
+            mode=self._loss_normalization,
+            dp_group=distributed.dp_group(self._mesh),
+            units=PreferencePairs(),
+        )
+        self._reference = frozen_model_reference(self._ref_model, self._precision)
+        self._metrics = PreferenceMetrics(self._device)
+
+        # Data order, row checks and loader position: see [data order] in exactga.data.
+        dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        self._dataloader = dataloader_from_config(
+            dataset,
+            cfg,
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=IGNORE_INDEX,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
+            state_dict=resume.dataloader_state(ckpt_dict),
+        )
+        self._progress.start(
+            len(self._dataloader),  # windows per epoch
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg.lr_scheduler,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
+        )
+        # Traces, memory snapshots and the report from rank 0 only; every rank times its phases.
+        self._profiler = setup_profiler(
+            cfg.profiler,
+            self._device,
+            self._model,
+            output_dir=cfg.output_dir,
+            micro_batching=cfg.micro_batching,
+            log_timings=cfg.log_timings,
+            saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
+            peak_flops=cfg.peak_flops,
+            rank=self.rank,
+            metric_logger=self._metric_logger if self._is_rank_zero else None,
+        )
+        self._checkpoint_dir = cfg.checkpointer.output_dir
+        self._log_dir = (
+            getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
+        )
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
+
+    def _setup_model(
+        self, cfg: DictConfig, model_state_dict: dict[str, Any], source: str
+    ) -> nn.Module:
+        """Build on the meta device, apply activation checkpointing and FSDP2, then load the
+        full state dict shard by shard."""
+        t0 = time.perf_counter()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        self._precision.cast_trainable(model)  # fp32 master weights, if asked for
+        if self._compile:
+            training.compile_model(model, verbose=self._is_rank_zero)
+
+        # As in torchtune: ``ac_mode`` selects selective AC only when full AC is off.
+        if not self._enable_activation_checkpointing and cfg.ac_mode is not None:
+            apply_selective_activation_checkpointing(model, cfg.ac_mode, cfg.ac_option)
+        if self._enable_activation_checkpointing and cfg.ac_mode is None:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        if self.dp_size > 1:  # torchtune's sharding, with a bf16 policy over fp32 master weights
+            self._precision.shard_model(
+                model=model,
+                shard_conditions=[
+                    partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
+                ],
+                cpu_offload=self._fsdp_cpu_offload,
+                reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                dp_mesh=self._mesh["dp"],
+            )
+
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
+                    m.rope_init()
+        load_model_state(
+            model,
+            model_state_dict,
+            source,
+            load=partial(
+                training.load_from_full_model_state_dict,
+                device=self._device,
+                strict=True,
+                cpu_offload=self._fsdp_cpu_offload,
+            ),
+        )
+        training.validate_no_params_on_meta_device(model)
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        distributed.log_rank_zero(
+            f"Model built, sharded over dp={self.dp_size} and loaded in "
+            f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}."
+        )
+        distributed.log_rank_zero(self._attention_kernels)
+        if self._is_rank_zero and self._device.type != "cpu":
+            training.log_memory_stats(distributed.memory_stats(self._device))
+        distributed.barrier()
+        return model
+
+    def _setup_reference_model(self, cfg: DictConfig) -> nn.Module:
+        """The frozen reference: ``model`` with the weights of ``ref_checkpointer`` (stock's
+        rule: the original weights, also on resume), sharded like the policy, never saved."""
+        t0 = time.perf_counter()
+        ref_state = config.instantiate(
+            cfg.ref_checkpointer, should_load_recipe_state=False
+        ).load_checkpoint()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            ref_model = config.instantiate(cfg.model)
+        freeze_model(ref_model)
+        if self._compile:
+            training.compile_model(ref_model, verbose=self._is_rank_zero)
+        if self.dp_size > 1:  # no trainable parameter, so no precision policy
+            training.shard_model(
+                model=ref_model,
+                shard_conditions=[
+                    partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
+                ],
+                cpu_offload=self._fsdp_cpu_offload,
+                reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                dp_mesh=self._mesh["dp"],
+            )
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in ref_model.modules():
+                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
+                    m.rope_init()
+        training.load_from_full_model_state_dict(
+            ref_model,
+            ref_state[training.MODEL_KEY],
+            self._device,
+            strict=True,
+            cpu_offload=self._fsdp_cpu_offload,
+        )
+        training.validate_no_params_on_meta_device(ref_model)
+        distributed.log_rank_zero(
+            f"Reference built, sharded over dp={self.dp_size} and loaded in "
+            f"{time.perf_counter() - t0:.2f} s, precision {self._dtype}; frozen."
+        )
+        distributed.barrier()
+        return ref_model
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
+    ) -> Optimizer:
+        # optimizer_in_bwd: one optimizer per parameter, stepped inside backward on its sharded,
+        # reduced gradient, behind the optimizer's interface; see [optimizer in backward] in
+        # exactga.optimizers.
+        optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
+        if opt_state_dict:
+            load_full_optimizer_state(self._model, optimizer, opt_state_dict, self._device)
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
+    ) -> Any:
+        if cfg_lr_scheduler is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """Gather the full state on rank 0 and write it there (all ranks must call this)."""
+        self._checkpoint_client.save_checkpoint(
+            model=self._model,
+            optimizer=self._optimizer,
+            training_progress=self._progress.for_checkpoint_client(),
+            epoch=epoch,
+        )
+
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; all ranks call this.
+
+        Rank 0 gathers and writes the full weights and optimizer state, every rank its RNG and
+        data-loader position; the folder appears atomically once all are on disk.
+        """
+        model_state = training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device
+        )
+        optimizer_state = full_optimizer_state(
+            self._model, self._optimizer, self._is_rank_zero, device=self._device
+        )
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
+            model_state=model_state if self._is_rank_zero else None,
+            optimizer_state=optimizer_state if self._is_rank_zero else None,
+        )
+
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Reference and policy log-probs, and the mean DPO loss over the micro-batch's pairs."""
+        return dpo_loss_step(
+            self._model,
+            self._loss_fn,
+            batch,
+            self._reference,
+            metrics=self._metrics,
+            precision=self._precision,
+            activations_ctx=self._activations_handling_ctx,
+        )
+
+    def train(self) -> None:
+        distributed.cleanup_before_training(self._device)
+        if self._compile:
+            distributed.log_rank_zero("torch.compile is on: expect a slow first step.")
+        self._optimizer.zero_grad()
+        progress = self._progress
+        steps = self._step_book()
+        with self._profiler:
+            for curr_epoch in progress.epochs():
+                for window in steps.windows(curr_epoch):
+                    outcome = train_window(
+                        window,
+                        model=self._model,
+                        loss_step=self._loss_step,
+                        optimizer=self._optimizer,
+                        profiler=self._profiler,
+                        device=self._device,
+                        step=progress.global_step + 1,
+                        clip_grad_norm=self._clip_grad_norm,
+                        micro_batch_context=partial(
+                            distributed.gradient_sync, self._model, self._gradient_sync
+                        ),
+                        announce_skip=self._is_rank_zero,
+                    )
+                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                steps.end_epoch(curr_epoch)
+        self._report_outputs()
+
+    def _step_book(self) -> StepBook:
+        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        return StepBook(
+            self._progress,
+            dataloader=self._dataloader,
+            normalizer=self._normalizer,
+            profiler=self._profiler,
+            optimizer=self._optimizer,
+            lr_scheduler=self._lr_scheduler,
+            nonfinite_policy=self._nonfinite_policy,
+            save_step_checkpoint=self.save_step_checkpoint,
+            save_epoch_checkpoint=self.save_checkpoint,
+            save_every_n_steps=self._save_every_n_steps,
+            log_every_n_steps=self._log_every_n_steps,
+            metric_logger=self._metric_logger if self._is_rank_zero else None,
+            world_size=self.world_size,
+            memory_device=self._device if self._log_peak_memory_stats else None,
+            window_metrics=self._metrics.window_metrics,
+            track=self._metrics.track,
+            show_progress=self._is_rank_zero,
+            units_name="pairs",
+        )
+
+    def _report_outputs(self) -> None:
+        distributed.log_rank_zero(self._profiler.summary())
+        distributed.log_rank_zero(f"Checkpoints are in {self._checkpoint_dir}")
+        if self._log_dir is not None:
+            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
+
+    def cleanup(self) -> None:
+        if self._is_rank_zero:
+            self._metric_logger.close()
+        distributed.destroy()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: validates the config strictly, then trains."""
+    cfg = validate_config(cfg, FullDpoDistributedConfig, RECIPE_NAME, check_files=True)
+    if distributed.is_rank_zero():
+        config.log_config(recipe_name="FullDPORecipeDistributed", cfg=cfg)
+    recipe = FullDPORecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]

@@ -1,0 +1,454 @@
+"""LoRA DPO with FSDP2 on one node or many, GPUs or CPUs, each step the full-batch step.
+
+A drop-in for torchtune 0.6.1's ``lora_dpo_distributed``: its configs run unchanged, with the
+same artefacts written by rank 0 (adapters in torchtune's and PEFT's format, merged weights
+unless ``save_adapter_weights_only``). The reference is the policy with its adapters off. What
+differs: each step's loss is the mean per-pair DPO loss over every pair of the window on every
+rank, whatever the split into ranks and micro-batches (stock divides each micro-batch's mean by
+the accumulation count and lets FSDP average ranks); ranks may hold different numbers of pairs;
+``device: cpu`` runs (gloo), which stock 0.6.1 does not. See [pairs as loss units] in
+``exactga.preference`` and docs/dpo.md.
+
+Launch from the repository root::
+
+    tune run --nproc_per_node 2 recipes/lora_dpo_distributed.py \\
+        --config configs/tiny/lora_dpo_distributed.yaml
+    tune run --nproc_per_node 8 recipes/lora_dpo_distributed.py --config llama3_1/8B_lora_dpo
+
+Copy this file to change the loop; the numerics stay in ``exactga``.
+"""
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim import Optimizer
+from torchtune import config, modules, training, utils
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.recipe_interfaces import FTRecipeInterface
+
+from exactga import distributed
+from exactga.checkpointing import step_checkpointer_for
+from exactga.cli import run_recipe
+from exactga.config import validate_config
+from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.kernels import choose_attention_kernels
+from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
+from exactga.loss_units import IGNORE_INDEX
+from exactga.normalization import LossNormalizer
+from exactga.precision import Precision
+from exactga.preference import PreferenceMetrics, PreferencePairs, dpo_loss_step, lora_reference
+from exactga.preference_schemas import DPO_FINGERPRINT_KEYS, LoraDpoDistributedConfig
+from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import (
+    checkpointer_source,
+    find_resume_point,
+    run_fingerprint,
+    write_step_checkpoint,
+)
+from exactga.steps import StepBook
+from exactga.training import train_window
+
+log = utils.get_logger("INFO")
+
+RECIPE_NAME = "lora_dpo_distributed"
+
+
+class LoRADPORecipeDistributed(FTRecipeInterface):
+    """Direct preference optimisation of LoRA (DoRA, QLoRA) adapters with FSDP2.
+
+    The base is frozen and sharded; only the adapters train and are reduced across ranks. The
+    reference log-probs come from the same model with its adapters off, under no_grad.
+
+    Features (each a config key; defaults in ``exactga.schemas`` and
+    ``exactga.preference_schemas``):
+        - Exact accumulation over pairs, micro-batches and data-parallel ranks: one all-reduce
+          of the window's pair count per step, each micro-batch's mean loss over its pairs
+          scaled by ``dp_size * batch_pairs / window_pairs`` before backward. With
+          ``token_budget`` a rank with fewer micro-batches runs zero-weight fillers (one real
+          pair each, so FSDP's collectives pair up and the gradient is exactly unchanged).
+        - ``micro_batching`` on pairs per rank, log-probs only at response positions,
+          ``loss_normalization`` (``exact`` or stock's ``naive``), precision, master weights,
+          activation checkpointing and offloading, ``compile``, ``clip_grad_norm``,
+          ``gradient_sync``, FSDP2 keys (``fsdp_cpu_offload``, ``fsdp_reshard_after_forward``,
+          ``custom_sharded_layers``): as in the single-device DPO and distributed LoRA recipes.
+        - Checkpoints at each epoch's end, gathered to and written by rank 0; with
+          ``save_every_n_steps`` atomic step checkpoints that ``resume_from_checkpoint`` goes
+          on from with the next window on the same world size.
+        - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step everywhere or stops.
+        - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
+          stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
+          rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded).
+
+    Args:
+        cfg: the validated config (see ``recipe_main``).
+
+    Raises:
+        ValueError: bad values and impossible combinations of config keys, at start-up.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+        self._gradient_sync = cfg.gradient_sync
+
+        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
+        distributed.init_distributed(self._device, offload_ops_to_cpu=self._fsdp_cpu_offload)
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+        # Pure data parallelism (stock LoRA has no tensor-parallel dimension).
+        self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
+        self.dp_size = self._mesh["dp"].size()
+        self.dp_rank = self._mesh["dp"].get_local_rank()
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
+
+        self._save_adapter_weights_only = cfg.save_adapter_weights_only
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._clip_grad_norm = cfg.clip_grad_norm
+        self._loss_normalization = cfg.loss_normalization
+        self._compile = cfg.compile
+        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
+        self._enable_activation_offloading = cfg.enable_activation_offloading
+
+        # LoRA settings, read from the model section as stock does.
+        self._lora = LoraSettings.from_config(cfg.model)
+
+        # Epochs, steps and their outcomes; a resume sets them in setup. The seed is the
+        # config's on every rank (torchtune seeds ``seed + rank`` for the global RNG).
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = cfg.nonfinite_loss
+
+    def setup(self, cfg: DictConfig) -> None:
+        if self._fsdp_cpu_offload:
+            training.set_torch_num_threads()  # fused AdamW on CPU is ~2x faster with all cores
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+
+        self._step_checkpointer = step_checkpointer_for(
+            cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
+        )
+        self._fingerprint = run_fingerprint(cfg, DPO_FINGERPRINT_KEYS, world_size=self.world_size)
+        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
+            config.instantiate(
+                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+            )
+        )
+        ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
+        resume.restore_progress(self._progress, ckpt_dict)
+
+        self._model = self._setup_model(
+            cfg,
+            base_model_state_dict=ckpt_dict[training.MODEL_KEY],
+            base_source=checkpointer_source(cfg.checkpointer),
+            lora_weights_state_dict=resume.adapter_weights(ckpt_dict),
+        )
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+
+        # One loss per pair; the normaliser weighs micro-batches by their pairs on every rank.
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._normalizer = LossNormalizer(
+            self._loss_fn,
+            mode=self._loss_normalization,
+            dp_group=distributed.dp_group(self._mesh),
+            units=PreferencePairs(),
+        )
+        self._reference = lora_reference(self._model, self._precision)
+        self._metrics = PreferenceMetrics(self._device)
+
+        # Data order, row checks and loader position: see [data order] in exactga.data.
+        dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        self._dataloader = dataloader_from_config(
+            dataset,
+            cfg,
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=IGNORE_INDEX,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
+            state_dict=resume.dataloader_state(ckpt_dict),
+        )
+        self._progress.start(
+            len(self._dataloader),  # windows per epoch
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg.lr_scheduler,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
+        )
+        # Traces, memory snapshots and the report from rank 0 only; every rank times its phases.
+        self._profiler = setup_profiler(
+            cfg.profiler,
+            self._device,
+            self._model,
+            output_dir=cfg.output_dir,
+            micro_batching=cfg.micro_batching,
+            log_timings=cfg.log_timings,
+            saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
+            peak_flops=cfg.peak_flops,
+            rank=self.rank,
+            metric_logger=self._metric_logger if self._is_rank_zero else None,
+        )
+        self._checkpoint_dir = cfg.checkpointer.output_dir
+        self._log_dir = (
+            getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
+        )
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
+
+    def _setup_model(
+        self,
+        cfg: DictConfig,
+        base_model_state_dict: dict[str, Any],
+        base_source: str,
+        lora_weights_state_dict: dict[str, Any] | None,
+    ) -> nn.Module:
+        """Build on the meta device, freeze the base, apply activation checkpointing and FSDP2,
+        then load base weights and adapters shard by shard."""
+        t0 = time.perf_counter()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        set_trainable_params(model, get_adapter_params(model))
+        self._precision.cast_trainable(model)  # fp32 adapters over the base, if asked for
+        if self._compile:
+            training.compile_model(model, verbose=self._is_rank_zero)
+        if self._enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        # torchtune's LoRA-aware sharding, as stock: each layer is its own FSDP unit, so frozen
+        # and trainable parameters share units and only the adapters' gradients are reduced
+        # (in fp32 under fp32 master weights).
+        self._precision.shard_model(
+            model=model,
+            shard_conditions=[
+                partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
+            ],
+            cpu_offload=self._fsdp_cpu_offload,
+            reshard_after_forward=cfg.fsdp_reshard_after_forward,
+            dp_mesh=self._mesh["dp"],
+        )
+
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
+                    m.rope_init()
+        # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
+        # the same on any number of ranks; see [adapter init] in exactga.lora.
+        load_lora_weights(
+            model,
+            self._lora,
+            base_state=base_model_state_dict,
+            base_source=base_source,
+            adapters=lora_weights_state_dict,
+            load=partial(
+                training.load_from_full_model_state_dict,
+                device=self._device,
+                cpu_offload=self._fsdp_cpu_offload,
+            ),
+            seed=self._progress.seed,
+            dtype=self._precision.param_dtype,
+        )
+        training.validate_no_params_on_meta_device(model)
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        distributed.log_rank_zero(
+            f"Model built, sharded over dp={self.dp_size} and loaded in "
+            f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}; "
+            f"{num_trainable:,} trainable adapter parameters (sharded count)."
+        )
+        distributed.log_rank_zero(self._attention_kernels)
+        if self._is_rank_zero and self._device.type != "cpu":
+            training.log_memory_stats(distributed.memory_stats(self._device))
+        distributed.barrier()
+        return model
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
+    ) -> Optimizer:
+        # All parameters, as stock passes them; the frozen ones never get a gradient.
+        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+        if opt_state_dict:
+            training.load_from_full_optimizer_state_dict(
+                self._model, optimizer, opt_state_dict, self._device
+            )
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
+    ) -> Any:
+        if cfg_lr_scheduler is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """Gather on rank 0 and write there what stock writes (all ranks must call this):
+        adapters and adapter config, merged weights unless adapter-only, recipe and optimizer
+        state if training goes on."""
+        intermediate = not self._progress.is_last_epoch(epoch)
+        t0 = time.perf_counter()
+        cpu_state_dict = training.gather_cpu_state_dict(
+            self._model,
+            self._is_rank_zero,
+            device=self._device,
+            adapter_weights_only=self._save_adapter_weights_only,
+        )
+        opt_state_dict = None
+        if intermediate:
+            opt_state_dict = training.get_full_optimizer_state_dict(
+                self._model, self._optimizer, self._is_rank_zero, device=self._device
+            )
+        if self._is_rank_zero:
+            training_state = None  # recipe and optimizer state, if training goes on
+            if intermediate:
+                training_state = self._progress.epoch_checkpoint_state()
+                training_state[training.OPT_KEY] = opt_state_dict
+            save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/: docs/using_outputs.md
+                self._checkpointer,
+                cpu_state_dict,
+                self._lora,
+                epoch=epoch,
+                adapter_only=self._save_adapter_weights_only,
+                training_state=training_state,
+            )
+            log.info(f"Checkpoint gathered and written in {time.perf_counter() - t0:.2f} s")
+        distributed.barrier()
+
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; all ranks call this.
+
+        Rank 0 gathers and writes the full adapters and optimizer state, every rank its RNG
+        and data-loader position; the folder appears atomically once all are on disk.
+        """
+        adapters = training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device, adapter_weights_only=True
+        )
+        optimizer_state = training.get_full_optimizer_state_dict(
+            self._model, self._optimizer, self._is_rank_zero, device=self._device
+        )
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
+            model_state=adapters if self._is_rank_zero else None,
+            optimizer_state=optimizer_state if self._is_rank_zero else None,
+        )
+
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Reference and policy log-probs, and the mean DPO loss over the micro-batch's pairs."""
+        return dpo_loss_step(
+            self._model,
+            self._loss_fn,
+            batch,
+            self._reference,
+            metrics=self._metrics,
+            precision=self._precision,
+            activations_ctx=self._activations_handling_ctx,
+        )
+
+    def train(self) -> None:
+        distributed.cleanup_before_training(self._device)
+        if self._compile:
+            distributed.log_rank_zero("torch.compile is on: expect a slow first step.")
+        self._optimizer.zero_grad()
+        progress = self._progress
+        steps = self._step_book()
+        with self._profiler:
+            for curr_epoch in progress.epochs():
+                for window in steps.windows(curr_epoch):
+                    outcome = train_window(
+                        window,
+                        model=self._model,
+                        loss_step=self._loss_step,
+                        optimizer=self._optimizer,
+                        profiler=self._profiler,
+                        device=self._device,
+                        step=progress.global_step + 1,
+                        clip_grad_norm=self._clip_grad_norm,
+                        micro_batch_context=partial(
+                            distributed.gradient_sync, self._model, self._gradient_sync
+                        ),
+                        announce_skip=self._is_rank_zero,
+                    )
+                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                steps.end_epoch(curr_epoch)
+        self._report_outputs()
+
+    def _step_book(self) -> StepBook:
+        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        return StepBook(
+            self._progress,
+            dataloader=self._dataloader,
+            normalizer=self._normalizer,
+            profiler=self._profiler,
+            optimizer=self._optimizer,
+            lr_scheduler=self._lr_scheduler,
+            nonfinite_policy=self._nonfinite_policy,
+            save_step_checkpoint=self.save_step_checkpoint,
+            save_epoch_checkpoint=self.save_checkpoint,
+            save_every_n_steps=self._save_every_n_steps,
+            log_every_n_steps=self._log_every_n_steps,
+            metric_logger=self._metric_logger if self._is_rank_zero else None,
+            world_size=self.world_size,
+            memory_device=self._device if self._log_peak_memory_stats else None,
+            window_metrics=self._metrics.window_metrics,
+            track=self._metrics.track,
+            show_progress=self._is_rank_zero,
+            units_name="pairs",
+        )
+
+    def _report_outputs(self) -> None:
+        distributed.log_rank_zero(self._profiler.summary())
+        distributed.log_rank_zero(f"Adapters and checkpoints are in {self._checkpoint_dir}")
+        if self._log_dir is not None:
+            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
+
+    def cleanup(self) -> None:
+        if self._is_rank_zero:
+            self._metric_logger.close()
+        distributed.destroy()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: validates the config strictly, then trains."""
+    cfg = validate_config(cfg, LoraDpoDistributedConfig, RECIPE_NAME, check_files=True)
+    if distributed.is_rank_zero():
+        config.log_config(recipe_name="LoRADPORecipeDistributed", cfg=cfg)
+    recipe = LoRADPORecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]

@@ -1,0 +1,375 @@
+"""LoRA DPO on one device, whose every step is the full-batch step of its window.
+
+A drop-in for torchtune 0.6.1's ``lora_dpo_single_device``: its configs run unchanged and it
+writes the same artefacts (adapter weights in torchtune's and PEFT's format with
+``adapter_config.json``; merged full weights unless ``save_adapter_weights_only``). The
+reference is the policy with its adapters off. What differs is each optimizer step: the loss is
+the mean of torchtune's per-pair ``DPOLoss`` (or ``RSOLoss``) over every pair of the window,
+whatever the split into micro-batches, where stock divides each micro-batch's mean by the
+accumulation count; see [pairs as loss units] in ``exactga.preference`` and docs/dpo.md.
+
+Launch from the repository root (or any folder holding your copy of this file)::
+
+    tune run recipes/lora_dpo_single_device.py --config configs/tiny/lora_dpo_single_device.yaml
+    tune run recipes/lora_dpo_single_device.py --config llama3_1/8B_lora_dpo_single_device
+
+Copy this file to change the loop; the numerics stay in ``exactga``.
+"""
+
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchtune.modules.common_utils as common_utils
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim import Optimizer
+from torchtune import config, modules, training, utils
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.recipe_interfaces import FTRecipeInterface
+
+from exactga.checkpointing import step_checkpointer_for
+from exactga.cli import run_recipe
+from exactga.config import validate_config
+from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.kernels import choose_attention_kernels
+from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
+from exactga.loss_units import IGNORE_INDEX
+from exactga.normalization import LossNormalizer
+from exactga.precision import Precision
+from exactga.preference import PreferenceMetrics, PreferencePairs, dpo_loss_step, lora_reference
+from exactga.preference_schemas import DPO_FINGERPRINT_KEYS, LoraDpoSingleDeviceConfig
+from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import (
+    checkpointer_source,
+    find_resume_point,
+    run_fingerprint,
+    write_step_checkpoint,
+)
+from exactga.steps import StepBook
+from exactga.training import train_window
+
+log = utils.get_logger("INFO")
+
+RECIPE_NAME = "lora_dpo_single_device"
+
+
+class LoRADPORecipeSingleDevice(FTRecipeInterface):
+    """Direct preference optimisation of LoRA (DoRA, QLoRA) adapters on one device.
+
+    The base weights are frozen; only the adapters train. The reference log-probs come from
+    the same model with its adapters off, under no_grad, before the policy's forward.
+
+    Features (each a config key; defaults in ``exactga.schemas`` and
+    ``exactga.preference_schemas``):
+        - Exact accumulation over pairs (``gradient_accumulation_steps``): each window's pairs
+          are counted on the host and each micro-batch's mean loss over its pairs is scaled by
+          ``batch_pairs / window_pairs`` before backward. An epoch's last, short window is a
+          step of its own (``drop_partial_window: True`` drops it); stock leaks its leftover
+          micro-batches' gradient into the next epoch's first step.
+        - ``micro_batching`` on pairs: ``by_length`` (default: pairs sorted by their longer
+          side), ``fixed`` (stock's order), ``token_budget`` (``micro_batch_tokens`` bounds
+          the ``2 x pairs x longest`` positions of a micro-batch). Exact in every mode.
+        - Log-probs only at response positions (the output projection runs nowhere else),
+          each term in fp32 at least, summed in fp64.
+        - ``loss_normalization``: ``exact`` (default) or ``naive``, stock's weighting (each
+          micro-batch's mean over its pairs divided by the number of micro-batches).
+        - Precision, ``master_weights``, activation checkpointing and offloading, ``compile``,
+          ``clip_grad_norm``, schedulers, low-bit optimizers: as in the LoRA SFT recipe.
+        - Checkpoints at each epoch's end as stock; with ``save_every_n_steps`` atomic step
+          checkpoints that ``resume_from_checkpoint`` goes on from with the next window.
+        - ``nonfinite_loss``: a NaN/inf loss skips the step (``skip``) or stops (``stop``).
+        - Logging: ``loss`` (the exact window loss), ``lr``, ``pairs`` (the window's pairs),
+          ``tokens_per_second_per_gpu`` (the pairs' own tokens, padding excluded), stock's
+          ``rewards/*`` and ``log_probs/*`` as means over the window's pairs (stock logs the
+          last micro-batch's), and the profiler's scalars. Stock's ``logits/*`` (means over
+          every padded position's logits) are not logged: no logits exist off the responses.
+
+    Args:
+        cfg: the validated config (see ``recipe_main``).
+
+    Raises:
+        ValueError: bad values and impossible combinations of config keys, at start-up.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
+
+        self._save_adapter_weights_only = cfg.save_adapter_weights_only
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._clip_grad_norm = cfg.clip_grad_norm
+        self._loss_normalization = cfg.loss_normalization
+        self._compile = cfg.compile
+        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
+        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._nonfinite_policy = cfg.nonfinite_loss
+
+        # LoRA settings, read from the model section as stock does.
+        self._lora = LoraSettings.from_config(cfg.model)
+
+        # Epochs, steps and their outcomes; a resume sets them in setup.
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
+
+    def setup(self, cfg: DictConfig) -> None:
+        self._metric_logger = config.instantiate(cfg.metric_logger)
+        self._metric_logger.log_config(cfg)
+
+        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
+        self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
+        self._fingerprint = run_fingerprint(cfg, DPO_FINGERPRINT_KEYS, world_size=1)
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
+            config.instantiate(
+                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
+            )
+        )
+        ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
+        resume.restore_progress(self._progress, ckpt_dict)
+
+        # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
+        common_utils._use_low_cpu_ram = cfg.low_cpu_ram
+        self._model = self._setup_model(
+            cfg.model,
+            base_model_state_dict=ckpt_dict[training.MODEL_KEY],
+            base_source=checkpointer_source(cfg.checkpointer),
+            lora_weights_state_dict=resume.adapter_weights(ckpt_dict),
+        )
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+
+        # One loss per pair; the normaliser weighs micro-batches by their pairs.
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._normalizer = LossNormalizer(
+            self._loss_fn, mode=self._loss_normalization, units=PreferencePairs()
+        )
+        self._reference = lora_reference(self._model, self._precision)
+        self._metrics = PreferenceMetrics(self._device)
+
+        # Data order, row checks and loader position: see [data order] in exactga.data.
+        dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        self._dataloader = dataloader_from_config(
+            dataset,
+            cfg,
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=IGNORE_INDEX,
+            state_dict=resume.dataloader_state(ckpt_dict),
+        )
+        self._progress.start(
+            len(self._dataloader),  # windows per epoch
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg.lr_scheduler,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
+        )
+        self._profiler = setup_profiler(
+            cfg.profiler,
+            self._device,
+            self._model,
+            output_dir=cfg.output_dir,
+            micro_batching=cfg.micro_batching,
+            log_timings=cfg.log_timings,
+            saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
+            peak_flops=cfg.peak_flops,
+            metric_logger=self._metric_logger,
+        )
+        self._checkpoint_dir = cfg.checkpointer.output_dir
+        self._log_dir = getattr(self._metric_logger, "log_dir", None)
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
+
+    def _setup_model(
+        self,
+        cfg_model: DictConfig,
+        base_model_state_dict: dict[str, Any],
+        base_source: str,
+        lora_weights_state_dict: dict[str, Any] | None,
+    ) -> nn.Module:
+        with training.set_default_dtype(self._dtype), self._device:
+            model = config.instantiate(cfg_model)
+        self.adapter_params = get_adapter_params(model)
+        set_trainable_params(model, self.adapter_params)
+        self._precision.cast_trainable(model)  # fp32 adapters over the base, if asked for
+        if self._compile:
+            training.compile_model(model)
+        if self._enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+
+        # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
+        # as the distributed recipe does; see [adapter init] in exactga.lora.
+        load_lora_weights(
+            model,
+            self._lora,
+            base_state=base_model_state_dict,
+            base_source=base_source,
+            adapters=lora_weights_state_dict,
+            load=partial(nn.Module.load_state_dict, strict=False),
+            seed=self._progress.seed,
+            dtype=self._precision.param_dtype,
+        )
+        training.validate_expected_param_dtype(
+            self.adapter_params.items(), dtype=self._precision.param_dtype
+        )
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        num_trainable = sum(p.numel() for p in self.adapter_params.values())
+        log.info(
+            f"Model is initialized with {self._precision.describe()}; "
+            f"{num_trainable:,} trainable adapter parameters."
+        )
+        log.info(self._attention_kernels)
+        if self._device.type != "cpu":
+            training.log_memory_stats(training.get_memory_stats(device=self._device))
+        return model
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
+    ) -> Optimizer:
+        # All parameters, as stock passes them; the frozen ones never get a gradient.
+        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+        if opt_state_dict:
+            optimizer.load_state_dict(opt_state_dict)
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
+    ) -> Any:
+        if cfg_lr_scheduler is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """Adapter weights and config, merged weights unless adapter-only, recipe state if
+        training goes on: the same dictionary stock hands its checkpointer."""
+        # Host tensors: merging then needs no second model on the device.
+        state_dict = {k: v.cpu() for k, v in self._model.state_dict().items()}
+        training_state = None  # recipe and optimizer state, if training goes on
+        if not self._progress.is_last_epoch(epoch):
+            training_state = self._progress.epoch_checkpoint_state()
+            training_state[training.OPT_KEY] = self._optimizer.state_dict()
+        save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/, see docs/using_outputs.md
+            self._checkpointer,
+            state_dict,
+            self._lora,
+            epoch=epoch,
+            adapter_only=self._save_adapter_weights_only,
+            training_state=training_state,
+        )
+
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; atomic. The frozen
+        base is not in it: a resumed run reads it from the checkpointer again."""
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
+            model_state=adapter_state(self._model),
+            optimizer_state=self._optimizer.state_dict(),
+        )
+
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Reference and policy log-probs, and the mean DPO loss over the micro-batch's pairs."""
+        return dpo_loss_step(
+            self._model,
+            self._loss_fn,
+            batch,
+            self._reference,
+            metrics=self._metrics,
+            precision=self._precision,
+            activations_ctx=self._activations_handling_ctx,
+        )
+
+    def train(self) -> None:
+        if self._compile:
+            log.info("torch.compile is on: expect a slow first step while it compiles.")
+        self._optimizer.zero_grad()
+        progress = self._progress
+        steps = self._step_book()
+        with self._profiler:
+            for curr_epoch in progress.epochs():
+                for window in steps.windows(curr_epoch):
+                    outcome = train_window(
+                        window,
+                        model=self._model,
+                        loss_step=self._loss_step,
+                        optimizer=self._optimizer,
+                        profiler=self._profiler,
+                        device=self._device,
+                        step=progress.global_step + 1,
+                        clip_grad_norm=self._clip_grad_norm,
+                    )
+                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                steps.end_epoch(curr_epoch)
+        self._report_outputs()
+
+    def _step_book(self) -> StepBook:
+        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        return StepBook(
+            self._progress,
+            dataloader=self._dataloader,
+            normalizer=self._normalizer,
+            profiler=self._profiler,
+            optimizer=self._optimizer,
+            lr_scheduler=self._lr_scheduler,
+            nonfinite_policy=self._nonfinite_policy,
+            save_step_checkpoint=self.save_step_checkpoint,
+            save_epoch_checkpoint=self.save_checkpoint,
+            save_every_n_steps=self._save_every_n_steps,
+            log_every_n_steps=self._log_every_n_steps,
+            metric_logger=self._metric_logger,
+            memory_device=self._device if self._log_peak_memory_stats else None,
+            window_metrics=self._metrics.window_metrics,
+            track=self._metrics.track,
+            units_name="pairs",
+        )
+
+    def _report_outputs(self) -> None:
+        log.info(self._profiler.summary())
+        log.info(f"Adapters and checkpoints are in {self._checkpoint_dir}")
+        if self._log_dir is not None:
+            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
+
+    def cleanup(self) -> None:
+        self._metric_logger.close()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: validates the config strictly, then trains."""
+    cfg = validate_config(cfg, LoraDpoSingleDeviceConfig, RECIPE_NAME, check_files=True)
+    config.log_config(recipe_name="LoRADPORecipeSingleDevice", cfg=cfg)
+    recipe = LoRADPORecipeSingleDevice(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]

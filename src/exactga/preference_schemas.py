@@ -1,0 +1,95 @@
+"""The keys of the DPO recipes, with their one default and their checks (see exactga.schemas).
+
+torchtune 0.6.1's ``lora_dpo_single_device``, ``lora_dpo_distributed`` and
+``full_dpo_distributed`` read the keys of the fine-tuning recipe of the same kind, plus the
+reference's checkpointer for full DPO; their configs run unchanged here. Like exactga.schemas,
+this module imports only bottom modules (``tests/test_architecture.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING, DictConfig
+
+from exactga.options import NormMode
+from exactga.schemas import (
+    FullFinetuneDistributedConfig,
+    LoraFinetuneDistributedConfig,
+    LoraFinetuneSingleDeviceConfig,
+)
+
+# Stock collates pairs with torchtune's ``padded_collate_dpo`` and reads no ``collate_fn`` key;
+# this is the same layout as a dict, which the loader and the normaliser take.
+PAIR_COLLATE = "exactga.preference.collate_pairs"
+
+# A resume with another DPO loss (or beta) is refused like one with another model; see
+# [what a resume may change] in exactga.resume.
+DPO_FINGERPRINT_KEYS = ("loss",)
+FULL_DPO_FINGERPRINT_KEYS = ("loss", "ref_checkpointer")
+
+
+def check_preference_keys(cfg: DictConfig) -> None:
+    """The keys every DPO recipe checks: a pair collate and a per-pair weighting.
+
+    Raises:
+        ValueError: naming the key, for a collate that does not stack pairs or a token
+            weighting (``post_scale``).
+    """
+    if cfg.loss_normalization is NormMode.POST_SCALE:
+        raise ValueError(
+            "config key 'loss_normalization': post_scale is stock's token weighting of "
+            "fine-tuning; stock DPO weighs each micro-batch's mean over its pairs by 1/ga, "
+            "which is naive here. Choose exact (default) or naive."
+        )
+    if cfg.collate_fn != PAIR_COLLATE and not cfg.collate_fn.endswith("collate_pairs"):
+        raise ValueError(
+            f"config key 'collate_fn'={cfg.collate_fn}: DPO micro-batches stack each pair's "
+            f"chosen and rejected rows; use {PAIR_COLLATE} (torchtune's padded_collate_dpo "
+            "layout, as a dict), or remove the key."
+        )
+
+
+@dataclass
+class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig):
+    """``lora_dpo_single_device``: the LoRA keys; the reference is the policy without its
+    adapters. ``loss`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (one loss per pair)."""
+
+    collate_fn: str = PAIR_COLLATE
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        check_preference_keys(cfg)
+
+
+@dataclass
+class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig):
+    """``lora_dpo_distributed``: the distributed LoRA keys; the reference as on one device."""
+
+    collate_fn: str = PAIR_COLLATE
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        check_preference_keys(cfg)
+
+
+@dataclass
+class FullDpoDistributedConfig(FullFinetuneDistributedConfig):
+    """``full_dpo_distributed``: the full distributed keys plus ``ref_checkpointer``, the
+    reference's weights (a frozen copy of ``model``, sharded like it)."""
+
+    collate_fn: str = PAIR_COLLATE
+    ref_checkpointer: Any = MISSING
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        check_preference_keys(cfg)
+        if cfg.tensor_parallel_dim > 1:
+            raise ValueError(
+                "config key 'tensor_parallel_dim': full DPO shards policy and reference over "
+                "data-parallel ranks only (as stock); set tensor_parallel_dim=1."
+            )

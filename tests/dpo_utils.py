@@ -1,0 +1,114 @@
+"""Launch arguments and readers shared by the DPO recipe tests (nothing here is a test).
+
+Every run trains the small tiny model (``SMALL_MODEL``) on the first ``NUM_PAIRS`` pairs of the
+shipped preference data (configs/tiny/preference_data.json: 29-512 tokens a sequence), so a
+window of 8 pairs pads heavily unless regrouped, and an epoch ends on a partial window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from recipe_utils import REPO_ROOT, SMALL_MODEL, load_adapters, load_weights, output_of, run_tune
+from torchtune import config
+
+LORA_SINGLE = ("recipes/lora_dpo_single_device.py", "configs/tiny/lora_dpo_single_device.yaml")
+LORA_DISTRIBUTED = ("recipes/lora_dpo_distributed.py", "configs/tiny/lora_dpo_distributed.yaml")
+FULL_DISTRIBUTED = ("recipes/full_dpo_distributed.py", "configs/tiny/full_dpo_distributed.yaml")
+
+# Two windows of 8 pairs and a partial one of 4 in each epoch (splits of batch size 1, 2, 4).
+NUM_PAIRS = 20
+# The shape of every run: no warm-up (the first step moves the weights already).
+COMMON: dict[str, object] = {
+    **SMALL_MODEL,
+    "dataset.split": f"train[:{NUM_PAIRS}]",
+    "max_steps_per_epoch": "null",
+    "lr_scheduler.num_warmup_steps": 0,
+    "saved_latency_every_n_steps": 0,
+}
+# Plain gradient descent for the LoRA splits, with an lr that moves the adapters ~10% of their
+# norm in 6 steps: lora_b starts at zero, where AdamW turns fp32 rounding into lr-sized steps of
+# the elements whose gradient nearly cancels (the tiny config's AdamW measured 1.8e-5 between 1x8
+# and 2x4 after 3 steps; SGD 5e-7), so SGD measures the normalisation, not that amplification.
+LORA_OPTIMIZER: dict[str, object] = {
+    "optimizer._component_": "torch.optim.SGD",
+    "optimizer.lr": 0.5,
+    "optimizer.weight_decay": 0.0,
+}
+FULL_LR = 2e-4
+
+# The single-device LoRA runs: the splits of one global batch of 8 pairs.
+LORA_SPLITS: dict[str, dict[str, object]] = {
+    "1x8": {"batch_size": 1, "gradient_accumulation_steps": 8},
+    "2x4": {"batch_size": 2, "gradient_accumulation_steps": 4},
+    # 2 x 512 positions: one long pair alone, or several short ones, per micro-batch.
+    "4x2_budget": {
+        "batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "micro_batching": "token_budget",
+        "micro_batch_tokens": 1024,
+    },
+    "8x1": {"batch_size": 8, "gradient_accumulation_steps": 1},
+    "1x8_drop": {"batch_size": 1, "gradient_accumulation_steps": 8, "drop_partial_window": True},
+}
+
+
+def lora_dpo_run(run_once, split: str) -> Path:
+    """The two-epoch single-device LoRA DPO run of ``split`` (a key of :data:`LORA_SPLITS`),
+    launched once per session whichever test module asks first."""
+    return run_once(
+        f"dpo_lora_{split}",
+        lambda out: train(
+            dpo_args(LORA_SINGLE, out, epochs=2, **LORA_OPTIMIZER, **LORA_SPLITS[split]), out
+        ),
+    )
+
+
+def dpo_args(
+    recipe: tuple[str, str], output_dir: Path, nproc: int = 0, **overrides: object
+) -> list[str]:
+    """``tune run`` arguments: ``nproc`` ranks (0: a single-device recipe), the tiny DPO config,
+    :data:`COMMON`, ``output_dir``, then ``overrides`` (``.`` written as ``__``)."""
+    merged = {**COMMON, "output_dir": str(output_dir)}
+    merged.update({key.replace("__", "."): value for key, value in overrides.items()})
+    launcher = ["--nproc_per_node", str(nproc)] if nproc else []
+    path, cfg = recipe
+    return [*launcher, path, "--config", cfg, *(f"{k}={v}" for k, v in merged.items())]
+
+
+def train(args: list[str], output_dir: Path) -> None:
+    """Launch, fail with the launch's output if it fails, keep that output in ``launch.log``."""
+    proc = run_tune(args, timeout=600)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "launch.log").write_text(output_of(proc))
+    assert proc.returncode == 0, output_of(proc)[-6000:]
+
+
+def trained_adapters(output_dir: Path, epoch: int) -> dict[str, torch.Tensor]:
+    """The adapters a LoRA DPO run wrote at the end of ``epoch`` (torchtune's names)."""
+    return load_adapters(output_dir / f"epoch_{epoch}" / "adapter_model.pt")
+
+
+def trained_weights(output_dir: Path, epoch: int) -> dict[str, torch.Tensor]:
+    """The full weights a full DPO run wrote at the end of ``epoch``."""
+    return load_weights(output_dir / f"epoch_{epoch}" / "model-00001-of-00001.safetensors")
+
+
+def initial_adapters() -> dict[str, torch.Tensor]:
+    """The adapters every LoRA DPO run starts from, drawn in-process by the library call the
+    recipes make (``exactga.lora.initialize_adapters`` from the config's seed) on the small
+    model built on the meta device: no launch."""
+    from exactga.lora import initialize_adapters
+
+    cfg = OmegaConf.load(REPO_ROOT / LORA_SINGLE[1])
+    for key, value in SMALL_MODEL.items():
+        OmegaConf.update(cfg, key, value)
+    with torch.device("meta"):
+        model = config.instantiate(cfg.model)
+    drawn: dict[str, torch.Tensor] = {}
+    initialize_adapters(
+        model, dtype=torch.float32, seed=cfg.seed, load=lambda _, sd: drawn.update(sd)
+    )
+    return drawn
