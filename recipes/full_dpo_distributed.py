@@ -438,7 +438,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             window_metrics=self._metrics.window_metrics,
             track=self._metrics.track,
             show_progress=self._is_rank_zero,
-            units_name="pairs",
         )
 
     def _report_outputs(self) -> None:

@@ -423,7 +423,6 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
             window_metrics=self._metrics.window_metrics,
             track=self._metrics.track,
             show_progress=self._is_rank_zero,
-            units_name="pairs",
         )
 
     def _report_outputs(self) -> None:

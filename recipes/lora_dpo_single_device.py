@@ -347,7 +347,6 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             memory_device=self._device if self._log_peak_memory_stats else None,
             window_metrics=self._metrics.window_metrics,
             track=self._metrics.track,
-            units_name="pairs",
         )
 
     def _report_outputs(self) -> None:

@@ -9,7 +9,9 @@ from test_steps import Clock, Recorder, _book
 
 from exactga.micro_batching import (
     MicroBatchingSettings,
+    PaddingMeter,
     WindowCollator,
+    WindowWork,
     padded_positions,
     plan_micro_batches,
 )
@@ -62,12 +64,20 @@ def test_a_token_budget_counts_both_rows_of_a_pair() -> None:
 
 def test_a_logged_preference_step_names_its_pairs_and_counts_their_own_tokens() -> None:
     recorder = Recorder()
-    book, _ = _book(recorder, units_name="pairs", world_size=2, clock=Clock(10.0, 14.0, 99.0))
+    book, _ = _book(recorder, world_size=2, clock=Clock(10.0, 14.0, 99.0))
     windows = list(book.windows(0))
-    for window in windows:
-        window.num_sample_positions = 100  # this rank's own tokens (the loader's count)
+    for window in windows:  # as the normaliser opens a window of PreferencePairs
+        window.units_name, window.num_sample_positions = "pairs", 100  # the rank's own tokens
     for window in windows:
         book.end_step(window, StepOutcome(skipped=False))
     metrics = recorder.logged[2]
     assert "loss_tokens" not in metrics and metrics["pairs"] == windows[1].num_global_units
     assert metrics["tokens_per_second_per_gpu"] == pytest.approx(2 * 100 / 4.0)  # rank's, 4 s
+
+
+def test_the_padding_meter_names_the_rate_of_the_units_it_counts() -> None:
+    meter = PaddingMeter()
+    meter.add(WindowWork(num_positions=100, num_loss_tokens=6, units_name="pairs"))
+    metrics = meter.read_interval(elapsed_s=2.0)
+    assert metrics["throughput/pairs_per_second"] == 3.0
+    assert "throughput/loss_tokens_per_second" not in metrics

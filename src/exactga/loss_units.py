@@ -179,6 +179,8 @@ def plant_dummy_label(
 class LossUnits(Protocol):
     """What a micro-batch's loss is a mean over; see [loss units]."""
 
+    name: str  # as the logged metrics name a window's units: loss_tokens, pairs
+
     def count(self, batch: Batch) -> int:
         """The units the loss will divide this host batch by (before it moves to a device)."""
         ...
@@ -200,6 +202,8 @@ class ShiftedTokens:
     (:func:`verify_loss_denominator`), so a dataset or loss that counts otherwise fails at
     start-up instead of training on silently wrong weights.
     """
+
+    name = "loss_tokens"
 
     def __init__(self, loss_fn: nn.Module) -> None:
         self.loss_fn = loss_fn

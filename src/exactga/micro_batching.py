@@ -225,10 +225,11 @@ class WindowWork:
     """
 
     num_positions: int
-    num_loss_tokens: int = 0
+    num_loss_tokens: int = 0  # the window's loss units on this rank (pairs for DPO)
     num_sample_positions: int | None = None
     num_fixed_positions: int | None = None
     positions_per_rank: tuple[int, ...] = ()
+    units_name: str = "loss_tokens"  # what num_loss_tokens counts, as its metric is named
 
 
 class PaddingMeter:
@@ -243,10 +244,12 @@ class PaddingMeter:
         self.run.add(work)
 
     def read_interval(self, elapsed_s: float) -> dict[str, float]:
-        """``throughput/padding_fraction``, ``throughput/loss_tokens_per_second`` and, under
-        data parallelism, ``throughput/rank_imbalance`` since the last read; then resets."""
+        """``throughput/padding_fraction``, ``throughput/loss_tokens_per_second`` (or
+        ``pairs_per_second``: the loss units) and, under data parallelism,
+        ``throughput/rank_imbalance`` since the last read; then resets."""
         totals, self.interval = self.interval, _PaddingTotals()
-        metrics = {"throughput/loss_tokens_per_second": totals.num_loss_tokens / elapsed_s}
+        rate = f"throughput/{totals.units_name}_per_second"
+        metrics = {rate: totals.num_loss_tokens / elapsed_s}
         if totals.known and totals.num_positions:
             metrics["throughput/padding_fraction"] = totals.padding_fraction
         if totals.imbalance:
@@ -278,11 +281,13 @@ class _PaddingTotals:
     num_sample_positions: int = 0
     num_fixed_positions: int = 0
     known: bool = True  # every window said its sample positions
+    units_name: str = "loss_tokens"
     imbalance: list[float] = dataclasses.field(default_factory=list)  # max/mean per step
 
     def add(self, work: WindowWork) -> None:
         self.num_positions += work.num_positions
         self.num_loss_tokens += work.num_loss_tokens
+        self.units_name = work.units_name
         if work.num_sample_positions is None or work.num_fixed_positions is None:
             self.known = False
         else:

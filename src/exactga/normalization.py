@@ -150,6 +150,8 @@ class Window:
     # Whether ranks may plan different micro-batch counts (``token_budget``). Otherwise the
     # counts are equal by construction and the collective is not waited for to know it.
     counts_may_differ: bool = False
+    # What the units are, as metrics name them (``LossUnits.name``).
+    units_name: str = "loss_tokens"
 
     @property
     def num_local_units(self) -> int:
@@ -185,6 +187,7 @@ class Window:
             num_sample_positions=self._processed_sample_positions() if known else None,
             num_fixed_positions=self.num_fixed_positions if known else None,
             positions_per_rank=tuple(self.positions_per_rank()) if self.dp_size > 1 else (),
+            units_name=self.units_name,
         )
 
     def _processed_sample_positions(self) -> int:
@@ -389,6 +392,7 @@ class LossNormalizer:
             micro_batch_sample_positions=sample_window.micro_batch_sample_positions,
             num_fixed_positions=sample_window.num_fixed_positions,
             counts_may_differ=sample_window.by_budget,
+            units_name=self.units.name,
         )
 
 

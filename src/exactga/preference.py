@@ -97,6 +97,8 @@ class PreferencePairs:
             :func:`collate_pairs`'s ``ignore_idx``).
     """
 
+    name = "pairs"
+
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
         self.ignore_index = ignore_index
 

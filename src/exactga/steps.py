@@ -80,9 +80,6 @@ class StepBook:
         memory_device: logs peak-memory statistics of this device, or ``None``.
         window_metrics: the recipe's own metrics of a logged window (every rank calls it).
         track: wraps each epoch's windows (the distiller's ``track``), or ``None``.
-        units_name: the metric naming the window's loss units; with anything but
-            ``loss_tokens`` (a preference recipe's ``pairs``), tokens per second count the
-            samples' own positions on this rank instead of loss units.
         show_progress: draw the progress bar (rank 0).
         clock: seconds, for the tokens-per-second figure; injected by tests.
     """
@@ -107,7 +104,6 @@ class StepBook:
         window_metrics: Callable[[Window], dict[str, float]] | None = None,
         track: Callable[[Iterable[Window]], Iterable[Window]] | None = None,
         show_progress: bool = True,
-        units_name: str = "loss_tokens",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.progress = progress
@@ -127,7 +123,6 @@ class StepBook:
         self.window_metrics = window_metrics
         self.track = track
         self.show_progress = show_progress
-        self.units_name = units_name
         self.clock = clock
         self._epoch = 0
         self._pbar: Any = None
@@ -180,9 +175,9 @@ class StepBook:
 
     def _tokens_of(self, window: Window) -> int:
         """The tokens a step counts for ``tokens_per_second_per_gpu``: the loss tokens of every
-        rank, or, when the units are not tokens, the samples' own positions on all ranks as
-        this rank's times the world size (padding is not work)."""
-        if self.units_name == "loss_tokens":
+        rank, or, when the units are not tokens (pairs), the samples' own positions on all
+        ranks as this rank's times the world size (padding is not work)."""
+        if window.units_name == "loss_tokens":
             return window.num_global_units
         return window.num_sample_positions * self.world_size
 
@@ -196,7 +191,6 @@ class StepBook:
             progress=self.progress,
             tokens_per_second_per_gpu=self._num_tokens_since_log / elapsed / self.world_size,
             memory_device=self.memory_device,
-            units_name=self.units_name,
         )
         if self.window_metrics is not None:
             metrics.update(self.window_metrics(window))

@@ -290,20 +290,19 @@ def step_metrics(
     progress: TrainingProgress,
     tokens_per_second_per_gpu: float,
     memory_device: torch.device | None = None,
-    units_name: str = "loss_tokens",
 ) -> dict[str, float]:
     """The scalars every recipe logs on a logged step: stock torchtune's names and ours.
 
     ``loss`` is the exact window loss over every data-parallel rank (one all-reduce of one
     number, so every rank calls this); a skipped window logs no loss rather than a NaN one.
     These are the only host read-backs of the step. ``memory_device`` adds peak-memory
-    statistics (``log_peak_memory_stats``; nothing on CPU). ``units_name`` names the window's
-    loss units over every rank (``loss_tokens``; ``pairs`` for a preference loss).
+    statistics (``log_peak_memory_stats``; nothing on CPU). The window's loss units over every
+    rank are logged under their name (``loss_tokens``; ``pairs`` for a preference loss).
     """
     metrics = {
         "lr": get_lr(optimizer),
         "tokens_per_second_per_gpu": tokens_per_second_per_gpu,
-        units_name: float(window.num_global_units),
+        window.units_name: float(window.num_global_units),
         **progress.metrics(),
     }
     if not window.should_skip_step():
