@@ -60,8 +60,8 @@ class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig):
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
+        check_preference_keys(cfg)  # first: stock's own checks would name post_scale otherwise
         super().check_flags(cfg)
-        check_preference_keys(cfg)
 
 
 @dataclass
@@ -72,8 +72,8 @@ class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig):
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
+        check_preference_keys(cfg)  # first: stock's own checks would name post_scale otherwise
         super().check_flags(cfg)
-        check_preference_keys(cfg)
 
 
 @dataclass
@@ -86,10 +86,10 @@ class FullDpoDistributedConfig(FullFinetuneDistributedConfig):
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
-        super().check_flags(cfg)
-        check_preference_keys(cfg)
+        check_preference_keys(cfg)  # first: stock's own checks would name post_scale otherwise
         if cfg.tensor_parallel_dim > 1:
             raise ValueError(
                 "config key 'tensor_parallel_dim': full DPO shards policy and reference over "
                 "data-parallel ranks only (as stock); set tensor_parallel_dim=1."
             )
+        super().check_flags(cfg)
