@@ -1,0 +1,185 @@
+"""Several recipe runs in one ``tune run`` launch, for the tests' sweeps of configs.
+
+Most of a tiny launch is start-up: the ``tune`` process and every rank import torch and
+torchtune (about 6 s of CPU each, so 15 to 20 s for two ranks) before a step of milliseconds.
+``launch_runs`` pays that once for a list of runs: it launches ``tune run [--nproc_per_node N]
+tests/many_runs.py --config <plan.json>``, and each rank runs the plan's recipes one after
+another exactly as ``tune run`` starts one (``python -m recipes.<name> --config ...``): the
+recipe file executed afresh as ``__main__`` by ``runpy``, its own ``recipe_main``, config
+parsing, process group, training, checkpoints and ``sys.exit``. Nothing here imports a recipe
+into a test (STYLE.md point 10); the recipes still run only in the launched processes.
+
+What a fresh process would give each run, and a shared one would not, is reset per run:
+- its own process group: rank 0 serves the run's rendezvous store on a port of its own (the
+  ``env://`` rendezvous the recipe calls, without torchrun's agent store), since a second
+  group on the agent's store reads the first group's stale gloo addresses and fails to
+  connect, intermittently;
+- Python's "once per location" warnings (``warnings.catch_warnings``) and torchtune's
+  ``log_once``, so a run prints the warnings it would print alone;
+- its output: file descriptors 1 and 2 of each rank go to ``<folder>/rank<R>.log``.
+
+A run that fails ends the launch (its peer may be waiting in one of its collectives); the runs
+it did not reach are launched again, so a failure shows as that run's own, and never hides
+another run's result. Each run's folder then holds ``output.txt`` (its ranks' output, and the
+launch's when it failed) and ``returncode``, as one launch of its own would leave.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import runpy
+import socket
+import subprocess
+import sys
+import traceback
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+DRIVER = "tests/many_runs.py"
+
+
+class Run(NamedTuple):
+    """One recipe run: ``tune run <recipe> *args``, its output kept in ``folder``."""
+
+    recipe: str  # a path relative to the repository, as given to tune run
+    args: list[str]
+    folder: Path
+
+
+def launch_runs(
+    runs: Sequence[Run],
+    nproc: int = 2,
+    timeout_per_run: float = 300,
+    extra_env: dict[str, str] | None = None,
+) -> None:
+    """Run every run of ``runs`` on ``nproc`` ranks (0: no torchrun), as few launches as
+    possible; each run's folder gets ``output.txt`` and ``returncode``."""
+    from recipe_utils import output_of, run_tune  # host side only; the ranks never need it
+
+    pending = list(runs)
+    for run in pending:
+        run.folder.mkdir(parents=True, exist_ok=True)
+    launch = 0
+    while pending:
+        plan = pending[0].folder / f"plan_{launch}.json"
+        plan.write_text(json.dumps([[r.recipe, r.args, str(r.folder)] for r in pending]))
+        launcher = ["--nproc_per_node", str(nproc)] if nproc else []
+        try:
+            proc = run_tune(
+                [*launcher, DRIVER, "--config", str(plan)],
+                extra_env=extra_env,
+                timeout=timeout_per_run * len(pending),
+            )
+            launch_output, launch_status = output_of(proc), proc.returncode
+        except subprocess.TimeoutExpired as err:
+            launch_output, launch_status = f"launch timed out: {err}", -9
+        while pending:
+            run = pending.pop(0)
+            statuses = [_read_status(run.folder, rank) for rank in range(max(nproc, 1))]
+            output = "\n".join(_read_log(run.folder, rank) for rank in range(max(nproc, 1)))
+            if all(status == 0 for status in statuses):
+                _finish(run.folder, output, 0)
+                continue
+            # The run that ended the launch: its failure is its own.
+            failed = next((s for s in statuses if s not in (None, 0)), None)
+            status = failed if failed is not None else (launch_status or 1)
+            _finish(run.folder, f"{launch_output}\n--- the run's ranks ---\n{output}", status)
+            break
+        launch += 1
+
+
+def _finish(folder: Path, output: str, status: int) -> None:
+    (folder / "output.txt").write_text(output)
+    (folder / "returncode").write_text(str(status))
+
+
+def _read_status(folder: Path, rank: int) -> int | None:
+    path = folder / f"exit{rank}"
+    return int(path.read_text()) if path.exists() else None
+
+
+def _read_log(folder: Path, rank: int) -> str:
+    path = folder / f"rank{rank}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+# --- in each rank ----------------------------------------------------------------------------
+
+
+def _main() -> None:
+    plan = json.loads(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    agent_store = _agent_store()
+    for index, (recipe, args, folder) in enumerate(plan):
+        if agent_store is not None:
+            _own_rendezvous(agent_store, rank, index)
+        status = _run(recipe, args, Path(folder) / f"rank{rank}.log")
+        (Path(folder) / f"exit{rank}").write_text(str(status))
+        if status != 0:
+            os._exit(status)  # torchrun ends the peer, which may wait in a collective
+
+
+def _agent_store():
+    """torchrun's store (its agent serves it), to agree on each run's rendezvous port."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+
+
+def _own_rendezvous(agent_store, rank: int, index: int) -> None:
+    """Point ``env://`` at a store of this run's own, served by rank 0 on a free port."""
+    key = f"exactga_many_runs/{index}/port"
+    if rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        agent_store.set(key, str(port))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = agent_store.get(key).decode()
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+
+def _run(recipe: str, args: list[str], log_path: Path) -> int:
+    """``python -m recipes.<name> *args`` in this interpreter; the exit status."""
+    from torchtune.utils._logging import log_once
+
+    module = recipe.removesuffix(".py").replace("/", ".")
+    log_once.cache_clear()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    argv = sys.argv
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            sys.argv = [recipe, *args]
+            with warnings.catch_warnings():
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            status = 0
+        except SystemExit as exit_:
+            code = exit_.code
+            status = code if isinstance(code, int) else (0 if code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        finally:
+            sys.argv = argv
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    return status
+
+
+if __name__ == "__main__":
+    _main()
