@@ -1,18 +1,20 @@
 """GA parity report: does accumulation give the full-batch model on *your* config and data?
 
-Takes a normal full or LoRA fine-tuning config, or a knowledge-distillation one (its teacher
-built once, frozen, and every run trained with the KD recipes' loss step), and trains it several
-times from the same initial weights on the same global batches: once as the full batch on one
-device (``batch_size = B*G*N``, ``gradient_accumulation_steps = 1``), then as every split in
-``parity.splits`` under every normalisation mode in ``parity.modes`` (``naive``, ``post_scale``
-= stock torchtune, ``exact`` = exactga), exact runs under every ``micro_batching`` in
-``parity.micro_batching`` too (``fixed``, ``by_length``, ``token_budget``: how a window's
-samples are grouped into micro-batches, which changes no step; the baselines run ``fixed``
-only). A split ``BxG`` trains on one device; ``BxGxN`` trains data-parallel over the N processes
-of a distributed launch, sharded with FSDP2 exactly as recipes/full_finetune_distributed.py and
-recipes/lora_finetune_distributed.py shard, its window token count reduced over the
-data-parallel group, each rank reading its share of the same global batches. Every run takes the
-recipes' own step (``exactga.training.train_window``).
+Takes a normal full or LoRA fine-tuning config, a knowledge-distillation one (its teacher built
+once, frozen, and every run trained with the KD recipes' loss step), or a LoRA or full DPO one
+(every run trained on preference pairs with the DPO recipes' loss step and reference), and trains
+it several times from the same initial weights on the same global batches: once as the full
+batch on one device (``batch_size = B*G*N``, ``gradient_accumulation_steps = 1``), then as every
+split in ``parity.splits`` under every normalisation mode in ``parity.modes`` (``naive``,
+``post_scale`` = stock torchtune, ``exact`` = exactga; for DPO ``naive`` is stock's and there is
+no ``post_scale``), exact runs under every ``micro_batching`` in ``parity.micro_batching`` too
+(``fixed``, ``by_length``, ``token_budget``: how a window's samples are grouped into
+micro-batches, which changes no step; the baselines run ``fixed`` only, a DPO config's ``naive``
+also ``token_budget``). A split ``BxG`` trains on one device; ``BxGxN`` trains data-parallel
+over the N processes of a distributed launch, sharded with FSDP2 exactly as
+recipes/full_finetune_distributed.py and recipes/lora_finetune_distributed.py shard, its window
+token count reduced over the data-parallel group, each rank reading its share of the same global
+batches. Every run takes the recipes' own step (``exactga.training.train_window``).
 Rank 0 writes into ``<output_dir>/parity/``:
 
 - ``tensorboard/<mode>/<micro_batching>/<split>/``: one TensorBoard run per run, so the loss
@@ -35,6 +37,7 @@ Launch from the repository root::
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_lora.yaml
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_kd.yaml
+    tune run recipes/ga_parity.py --config configs/tiny/ga_parity_dpo.yaml
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml \\
         'parity.splits=[16x1,4x4,1x16]' parity.num_steps=20
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_full.yaml \\
@@ -51,7 +54,7 @@ runs it trains against its own copy, so only numbers travel to rank 0), the ``xN
 on all ranks together, and the one-device ``BxG`` runs are dealt out to the ranks in turn.
 
 On your own config, add a ``parity`` section (see docs/ga_parity.md); everything else is read as
-the full, LoRA or KD recipe reads it.
+the full, LoRA, KD or DPO recipe reads it.
 """
 
 import copy
@@ -64,7 +67,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config, training, utils
@@ -78,9 +80,19 @@ from exactga.data import WindowLoader, build_dataloader, load_dataset, model_voc
 from exactga.distillation import Distiller, check_kd_losses, check_vocabularies
 from exactga.frozen import freeze_model
 from exactga.lora import LoraSettings, load_lora_weights
+from exactga.loss_units import loss_ignore_index
 from exactga.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.normalization import LossNormalizer, NormMode
+from exactga.parity.preference import (
+    Preference,
+    check_pairs,
+    check_preference_keys,
+    collate_fn_for,
+    frozen_reference_model,
+    preference_loss_step,
+)
 from exactga.parity.report import DataShape, Distillation, write_report
+from exactga.parity.runs import RunTally, gather_summaries, trained_weights
 from exactga.parity.scoring import (
     ParityRun,
     PrecisionView,
@@ -92,6 +104,7 @@ from exactga.parity.scoring import (
     summarize,
 )
 from exactga.precision import MasterWeights, Precision
+from exactga.preference import PreferencePairs
 from exactga.profiling import setup_profiler
 from exactga.resume import checkpointer_source
 from exactga.schemas import GaParityConfig
@@ -130,13 +143,20 @@ class GaParityRecipe:
           ``dtype`` (one copy per rank, unsharded: it only runs forwards), and every run trains
           ``exactga.distillation.Distiller``'s loss step; ``post_scale`` is then stock's KD
           weighting (see [stock kd weighting] there).
+        - DPO (a ``loss`` that weighs pairs, torchtune's ``DPOLoss`` or ``RSOLoss``, on a
+          preference dataset): every run trains the DPO recipes' loss step on pairs, counted
+          in pairs; the reference is the policy with its adapters off (LoRA) or a frozen copy
+          of ``model`` with ``ref_checkpointer``'s weights, built once in ``dtype`` (sharded
+          like the policy for ``BxGxN`` runs). ``naive`` is stock DPO's weighting and also runs
+          ``token_budget``; no ``post_scale`` (see exactga.parity.preference).
 
     Args:
         cfg: the validated config (see ``recipe_main``).
 
     Raises:
         ValueError: a bad ``parity.splits`` (see ``exactga.parity.scoring.parse_splits``),
-            ``parity.num_steps`` beyond one epoch, ``optimizer_in_bwd``, a packed dataset.
+            ``parity.num_steps`` beyond one epoch, ``optimizer_in_bwd``, a packed dataset, a
+            loss and a dataset of different kinds (pairs or sequences).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -146,6 +166,8 @@ class GaParityRecipe:
         self._is_lora = "lora" in str(cfg.model._component_)
         self._is_kd = cfg.teacher_model is not None
         self._kd_ratio = cfg.kd_ratio
+        self._is_preference = GaParityConfig.is_preference(cfg)  # DPO: the units are pairs
+        self._collate_fn = collate_fn_for(cfg.collate_fn, self._is_preference)
         self._master_weights = GaParityConfig.master_weights_for(cfg, is_lora=self._is_lora)
         self._precision = Precision.from_config(self._dtype, self._master_weights, self._device)
         # Below fp32 an fp32 full batch shows what the precision costs; see
@@ -158,8 +180,9 @@ class GaParityRecipe:
         # torchrun sets WORLD_SIZE; a plain ``tune run`` is one process and starts no group.
         launched_world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._splits = parse_splits(cfg.parity.splits, launched_world_size)
-        self._modes = list(cfg.parity.modes)
+        self._modes = GaParityConfig.modes_for(cfg)
         self._micro_batchings = list(cfg.parity.micro_batching)
+        self._baseline_micro_batchings = GaParityConfig.baseline_micro_batchings(cfg)
         self._micro_batch_tokens = cfg.parity.micro_batch_tokens
         self._num_steps = cfg.parity.num_steps
         self._noise_floor = cfg.parity.noise_floor
@@ -173,6 +196,7 @@ class GaParityRecipe:
             self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
         self._world_size, self._rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self._rank == 0
+        check_preference_keys(cfg, is_preference=self._is_preference, is_lora=self._is_lora)
         # torchtune's set_seed seeds ``seed + rank``; it is called once to agree on a seed when
         # ``seed`` is null, and every run then reseeds with that seed alone (see _reseed).
         self._seed = training.set_seed(seed=cfg.seed)
@@ -183,6 +207,8 @@ class GaParityRecipe:
         self._reference_to_fp32: float | None = None  # relative L2, below fp32 only
         self._summaries: list[RunSummary] = []
         self._teacher: nn.Module | None = None  # a KD config's, built once in setup
+        self._ref_state: dict[str, Any] | None = None  # full DPO's reference weights
+        self._ref_models: dict[bool, nn.Module] = {}  # built on first use, by sharded
         self._data_shape: DataShape | None = None  # of the full batch's samples
         self._num_runs = 0  # for the progress lines: "run k of n"
 
@@ -194,11 +220,17 @@ class GaParityRecipe:
         self._initial_state = self._initial_model_state(cfg.model, base_state)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
+        self._ignore_index = loss_ignore_index(self._loss_fn)  # padding's label; a pair loss's too
+        if self._is_preference and not self._is_lora:
+            self._ref_state = config.instantiate(cfg.ref_checkpointer).load_checkpoint()[
+                training.MODEL_KEY
+            ]
         if self._is_kd:
             self._kd_loss_fn = config.instantiate(cfg.kd_loss)
             check_kd_losses(self._loss_fn, self._kd_loss_fn)
             self._teacher = self._setup_teacher(cfg.teacher_model, cfg.teacher_checkpointer)
         self._dataset = self._setup_dataset(cfg.dataset)
+        check_pairs(self._dataset, self._is_preference, type(self._loss_fn).__name__)
         # Past one epoch the splits would end on different partial windows.
         num_available = len(self._dataset) // self._global_batch
         if self._num_steps > num_available:
@@ -299,9 +331,9 @@ class GaParityRecipe:
                 micro_batch_tokens=self._micro_batch_tokens if by_budget else None,
             ),
             shuffle=self._cfg.shuffle,
-            collate_fn=self._cfg.collate_fn,
+            collate_fn=self._collate_fn,
             padding_idx=self._tokenizer.pad_id,
-            ignore_idx=self._loss_fn.ignore_index,
+            ignore_idx=self._ignore_index,
             num_replicas=num_replicas,
             rank=rank,
         )
@@ -310,7 +342,13 @@ class GaParityRecipe:
         """Train the full-batch reference (and below fp32 the fp32 one), then every planned
         run, and gather the scores."""
         reference_split = Split(self._global_batch, 1)
-        plan = plan_runs(self._modes, self._micro_batchings, self._splits, reference_split)
+        plan = plan_runs(
+            self._modes,
+            self._micro_batchings,
+            self._splits,
+            reference_split,
+            self._baseline_micro_batchings,
+        )
         num_references = 1 if self._fp32_precision is None else 2
         self._num_runs = num_references + len(plan)
         distributed.log_rank_zero(
@@ -341,7 +379,7 @@ class GaParityRecipe:
             )
             if run.weights:  # a sharded run's weights are gathered on rank 0 only
                 local[index] = summarize(run, self._reference, initial, self._fp32_reference)
-        self._summaries = [summary for _, summary in sorted(self._gather(local).items())]
+        self._summaries = [summary for _, summary in sorted(gather_summaries(local).items())]
 
     def _train(
         self,
@@ -385,6 +423,7 @@ class GaParityRecipe:
             self._loss_fn,
             mode=mode,
             dp_group=distributed.dp_group(self._mesh) if sharded else None,
+            units=PreferencePairs(self._ignore_index) if self._is_preference else None,
         )
         micro_batch_context = None
         if sharded:  # the distributed recipes' default policy
@@ -400,10 +439,12 @@ class GaParityRecipe:
             micro_batching=micro_batching.value,
             log_timings=False,
         )
-        losses, loss_tokens = [], []
-        num_micro_batches = num_positions = num_sample_positions = 0
         windows = normalizer.windows(self._dataloader(split, micro_batching), self._num_steps)
         loss_step = partial(causal_lm_loss, model, self._loss_fn, precision=precision)
+        if self._is_preference:  # the DPO recipes' loss step, against their reference
+            loss_step = preference_loss_step(
+                model, self._loss_fn, precision, self._reference_model(sharded)
+            )
         if self._teacher is not None:  # the KD recipes' loss step and windows
             distiller = Distiller(
                 model,
@@ -421,6 +462,7 @@ class GaParityRecipe:
             desc=f"run {run}/{self._num_runs}",
             disable=not self._is_rank_zero,
         )
+        tally = RunTally()
         labels = []  # the full batch's, for the report's data shape
         for step, window in enumerate(windows, start=1):
             if run == 1:
@@ -439,62 +481,34 @@ class GaParityRecipe:
             )
             if lr_scheduler is not None:
                 lr_scheduler.step()
-            # The exact window loss over every rank of the run (one all-reduce when sharded).
-            loss_tokens.append(window.num_global_units)
-            losses.append(float("nan") if window.should_skip_step() else window.global_mean_loss())
-            # What this rank ran: padding and token_budget's fillers included.
-            num_micro_batches += sum(1 for _ in window.micro_batches_to_run())
-            work = window.work()
-            num_positions += work.num_positions
-            num_sample_positions += work.num_sample_positions or 0
+            tally.add(window)  # its loss over every rank of the run, what this rank ran
             bar.update(1)
         bar.close()
         if run == 1:
             train_on_input = None  # several datasets have several settings
             if not OmegaConf.is_list(self._cfg.dataset):
                 train_on_input = self._cfg.dataset.get("train_on_input")
-            self._data_shape = DataShape.of_labels(
-                labels, self._loss_fn.ignore_index, train_on_input
+            self._data_shape = DataShape.of_labels(labels, self._ignore_index, train_on_input)
+        if sharded:  # summed over the run's ranks
+            tally.reduce(distributed.dp_group(self._mesh), self._device)
+        keep = not sharded or self._is_rank_zero  # a sharded run's weights: on rank 0
+        weights = trained_weights(model, adapters_only=self._is_lora, keep=keep)
+        return tally.run(mode.value, micro_batching.value, str(split), weights)
+
+    def _reference_model(self, sharded: bool) -> nn.Module | None:
+        """Full DPO's frozen reference in ``dtype``, built on first use once on one device and
+        once sharded like the policy; None for LoRA DPO (the policy with its adapters off)."""
+        if self._ref_state is None:
+            return None
+        if sharded not in self._ref_models:
+            self._ref_models[sharded] = frozen_reference_model(
+                self._cfg.model,
+                self._ref_state,
+                dtype=self._dtype,
+                device=self._device,
+                dp_mesh=self._mesh["dp"] if sharded else None,
             )
-        counts = [num_micro_batches, num_positions, num_sample_positions]
-        if sharded:  # summed over the run's ranks: one reduction per run
-            summed = torch.tensor(counts, device=self._device)
-            dist.all_reduce(summed, group=distributed.dp_group(self._mesh))
-            counts = [int(n) for n in summed.tolist()]
-        return ParityRun(
-            mode=mode.value,
-            micro_batching=micro_batching.value,
-            split=str(split),
-            losses=losses,
-            loss_tokens=loss_tokens,
-            weights=self._trained_weights(model, sharded),
-            num_micro_batches=counts[0],
-            num_positions=counts[1],
-            num_sample_positions=counts[2],
-        )
-
-    def _trained_weights(self, model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
-        """The trained tensors (the adapters, for LoRA) as full fp32 CPU tensors; a sharded
-        run's are gathered from every rank and kept on rank 0 only."""
-        weights = {}
-        for name, param in model.named_parameters():
-            if self._is_lora and not param.requires_grad:
-                continue
-            full = distributed.full_tensor(param.detach())  # a collective when sharded
-            if not sharded or self._is_rank_zero:
-                weights[name] = full.float().cpu().clone()
-        return weights
-
-    def _gather(self, local: dict[int, RunSummary]) -> dict[int, RunSummary]:
-        """Every rank's scores on rank 0 (empty elsewhere): numbers only, no weights."""
-        if self._world_size == 1:
-            return local
-        parts: list[Any] | None = [None] * self._world_size if self._is_rank_zero else None
-        dist.gather_object(local, parts, dst=0)
-        merged: dict[int, RunSummary] = {}
-        for part in parts or []:
-            merged.update(part)
-        return merged
+        return self._ref_models[sharded]
 
     def save_report(self) -> Path | None:
         """Rank 0 writes the report, figure, summary and TensorBoard runs."""
@@ -514,8 +528,9 @@ class GaParityRecipe:
             what="adapter weights" if self._is_lora else "weights",
             micro_batch_tokens=self._micro_batch_tokens,
             fp32_reference=self._fp32_reference,
-            data=self._data_shape,
+            data=None if self._is_preference else self._data_shape,
             distillation=self._distillation(),
+            preference=Preference.of(self._loss_fn, self._is_lora) if self._is_preference else None,
         )
         log.info(f"Parity report: {report} (figure: {self._report_dir / 'parity.png'})")
         return report

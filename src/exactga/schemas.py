@@ -20,6 +20,7 @@ To add a knob to a recipe you copied, subclass its schema in the recipe file::
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -357,9 +358,7 @@ class ParitySettings:
     # launch's process count); all with the same global batch. The full batch (global x 1) on
     # one device is always trained as the reference.
     splits: list[str] = field(default_factory=lambda: ["1x8", "2x4", "4x2"])
-    modes: list[NormMode] = field(
-        default_factory=lambda: [NormMode.NAIVE, NormMode.POST_SCALE, NormMode.EXACT]
-    )
+    modes: Optional[list[NormMode]] = None  # null: the loss's modes (GaParityConfig.modes_for)
     num_steps: int = 12
     # Relative L2 an exact split may differ by in fp32. Below fp32 (dtype: bf16) the floor is
     # the larger of this and twice the bf16 full batch's distance to an fp32 full batch, which
@@ -374,17 +373,17 @@ class ParitySettings:
 
 @dataclass
 class GaParityConfig(TrainingRunConfig):
-    """``ga_parity``: the keys of a full, LoRA or knowledge-distillation single-device config it
-    reads, plus ``parity``.
+    """``ga_parity``: the keys of a full, LoRA, KD or DPO config it reads, plus ``parity``.
 
-    The other keys of those recipes are accepted, so a training config runs with a ``parity``
-    section added, and named in one warning: the report trains ``parity.num_steps`` steps of
-    each split in memory from the initial weights, so batching, epochs, checkpoints, logging,
-    compile and memory settings change nothing in it. With ``teacher_model`` set (a KD config),
-    every run distils it into the student as the KD recipes do (see exactga.distillation).
+    The other keys of those recipes (single-device or distributed) are accepted, so a training
+    config runs with a ``parity`` section added, and named in one warning: the report trains
+    ``parity.num_steps`` steps of each split in memory from the initial weights, so batching,
+    epochs, checkpoints, logging, compile and memory settings change nothing in it. A KD config
+    (``teacher_model``) or a DPO one (:meth:`is_preference`) trains its recipes' loss step.
     """
 
     optimizer_in_bwd: bool = False  # read by full configs; must stay False here
+    collate_fn: Optional[str] = None  # null: padded_collate_sft, or collate_pairs for DPO
     # As the training recipes read it (see [fp32 master weights] in exactga.precision); null:
     # the default of the recipe the config is for, fp32 for LoRA and none for full
     # (master_weights_for). One schema covers both kinds, so its default cannot be either.
@@ -396,11 +395,12 @@ class GaParityConfig(TrainingRunConfig):
     teacher_checkpointer: Any = None
     kd_loss: Any = None
     kd_ratio: float = 0.5
+    ref_checkpointer: Any = None  # full DPO's reference weights; LoRA DPO's is the base
 
-    # Schemas whose other keys are accepted and ignored with a warning (see the docstring).
+    # Keys of these (and so of the single-device) recipes are accepted, named in a warning.
     accepts_unread_keys_of: ClassVar[tuple[type, ...]] = (
-        FullFinetuneSingleDeviceConfig,
-        LoraFinetuneSingleDeviceConfig,
+        FullFinetuneDistributedConfig,
+        LoraFinetuneDistributedConfig,
     )
 
     @classmethod
@@ -410,7 +410,7 @@ class GaParityConfig(TrainingRunConfig):
         dataset_sections = cfg.dataset if OmegaConf.is_list(cfg.dataset) else [cfg.dataset]
         if any(section.get("packed", False) for section in dataset_sections):
             raise ValueError("config key 'dataset.packed' is not supported by the parity report.")
-        cls._check_micro_batching(cfg.parity)
+        cls._check_micro_batching(cfg)  # and the modes (modes_for)
         cls._check_distillation(cfg)
 
     @staticmethod
@@ -440,8 +440,40 @@ class GaParityConfig(TrainingRunConfig):
         return recipe.master_weights
 
     @staticmethod
-    def _check_micro_batching(parity: DictConfig) -> None:
-        listed = list(parity.micro_batching)
+    def is_preference(cfg: DictConfig) -> bool:
+        """Whether ``loss`` weighs pairs (DPO): its forward takes summed log-probs, as torchtune's
+        DPOLoss and RSOLoss do. A path that does not resolve is left to instantiation to name."""
+        from torchtune.config._utils import _get_component_from_path
+
+        try:
+            forward = _get_component_from_path(str(cfg.loss["_component_"])).forward
+        except Exception:  # instantiating the loss names what is wrong
+            return False
+        return "policy_chosen_logps" in inspect.signature(forward).parameters
+
+    @classmethod
+    def modes_for(cls, cfg: DictConfig) -> list[NormMode]:
+        """``parity.modes``; where null, naive, post_scale and exact, without post_scale for a
+        preference loss: a token weighting, which raises ValueError naming the key there."""
+        preference = cls.is_preference(cfg)
+        default = [NormMode.NAIVE, *([] if preference else [NormMode.POST_SCALE]), NormMode.EXACT]
+        modes = default if cfg.parity.modes is None else list(cfg.parity.modes)
+        if preference and NormMode.POST_SCALE in modes:
+            raise ValueError(
+                "config key 'parity.modes': post_scale is a token weighting and a preference "
+                "loss weighs pairs (stock DPO's weighting is naive); list naive and exact."
+            )
+        return modes
+
+    @classmethod
+    def baseline_micro_batchings(cls, cfg: DictConfig) -> list[MicroBatching]:
+        """``fixed``; for a preference loss also ``token_budget``, see [stock dpo weighting]."""
+        budget = [MicroBatching.TOKEN_BUDGET] if cls.is_preference(cfg) else []
+        return [MicroBatching.FIXED, *budget]
+
+    @classmethod
+    def _check_micro_batching(cls, cfg: DictConfig) -> None:
+        listed = list(cfg.parity.micro_batching)
         if not listed:
             raise ValueError(
                 "config key 'parity.micro_batching' is empty; list at least one of "
@@ -452,14 +484,17 @@ class GaParityConfig(TrainingRunConfig):
             raise ValueError(
                 f"config key 'parity.micro_batching' lists {', '.join(duplicates)} twice."
             )
-        if parity.micro_batch_tokens < 1:
+        if cfg.parity.micro_batch_tokens < 1:
             raise ValueError(
                 "config key 'parity.micro_batch_tokens' must be at least 1, got "
-                f"{parity.micro_batch_tokens}."
+                f"{cfg.parity.micro_batch_tokens}."
             )
-        regrouped = [m for m in listed if m is not MicroBatching.FIXED]
-        if regrouped and NormMode.EXACT not in parity.modes:
+        modes = cls.modes_for(cfg)
+        regrouping = cls.baseline_micro_batchings(cfg) if NormMode.NAIVE in modes else ()
+        regrouped = [m for m in listed if m is not MicroBatching.FIXED and m not in regrouping]
+        if regrouped and NormMode.EXACT not in modes:
             _warn_once(
                 f"config key 'parity.micro_batching': {', '.join(regrouped)} is ignored: only "
-                "exact runs regroup, and 'parity.modes' lists no exact."
+                "exact runs regroup (and naive under token_budget, for a preference loss), and "
+                "'parity.modes' lists no exact."
             )

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exactga.parity.scoring import (
     MODE_LABELS,
@@ -22,6 +23,9 @@ from exactga.parity.scoring import (
     split_legend,
     verdict,
 )
+
+if TYPE_CHECKING:
+    from exactga.parity.preference import Preference
 
 
 def markdown_table(
@@ -363,13 +367,15 @@ def write_report(
     fp32_reference: ParityRun | None = None,
     data: DataShape | None = None,
     distillation: Distillation | None = None,
+    preference: Preference | None = None,
 ) -> Path:
     """Write ``report.md``, ``parity.png``, ``summary.json`` and ``tensorboard/`` into ``out_dir``.
 
     ``micro_batch_tokens`` is the budget of the ``token_budget`` runs, for the report to name;
     ``fp32_reference`` the fp32 full-batch run below fp32 (``precision.below_fp32``);
     ``data`` what the full batch's samples say about stock torchtune's gap; ``distillation``
-    the KD mix every run trained, for a KD config.
+    the KD mix every run trained, for a KD config; ``preference`` what a DPO config trained
+    (its section on stock's gap then replaces ``data``'s).
     Returns the report's path.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -385,18 +391,25 @@ def write_report(
         where = " A split BxGxN trains data-parallel over N ranks (FSDP2), BxG on one device."
     comparison = micro_batching_section(summaries, reference, micro_batch_tokens, what)
     gap_section = stock_gap_section if distillation is None else stock_kd_gap_section
+    gaps = [gap_section(data)] if data is not None else []
+    baselines = "The baselines run fixed micro-batches only (regrouping changes what they "
+    baselines += "optimise)."
+    objective = [distillation.describe()] if distillation is not None else []
+    if preference is not None:
+        objective, baselines = [preference.describe()], preference.baselines()
+        gaps = [preference.gap_section(reference, summaries)]
     text = "\n\n".join(
         [
             "# GA parity report",
-            *([distillation.describe()] if distillation is not None else []),
+            *objective,
             f"Full-batch reference: {reference.split} on one device, {len(reference.losses)} "
             f"optimizer steps.{where} Relative L2 = ||w - w_full|| / ||w_full - w_0|| over the "
             f"{what}; max loss gap = largest per-step difference of the logged window loss. "
-            "The baselines run fixed micro-batches only (regrouping changes what they optimise).",
+            f"{baselines}",
             *([precision_section(precision, what)] if precision.below_fp32 else []),
             markdown_table(summaries, reference, precision, what),
             f"**Verdict:** {verdict(summaries, precision)}",
-            *([gap_section(data)] if data is not None else []),
+            *gaps,
             *([comparison] if comparison else []),
             figure,
         ]
@@ -419,6 +432,9 @@ def write_report(
         "data": dataclasses.asdict(data) if data is not None else None,
         # A KD config's mix (kd_ratio, losses, teacher); None for the causal-LM loss alone.
         "distillation": dataclasses.asdict(distillation) if distillation is not None else None,
+        # A DPO config's loss and reference; None for a token loss. Counts are in `units`.
+        "preference": preference.as_json() if preference is not None else None,
+        "units": reference.units_name,  # what units_per_micro_batch counts: loss_tokens, pairs
         "runs": [
             {**dataclasses.asdict(s), "padding_fraction": s.padding_fraction}
             for s in sorted_runs(summaries)

@@ -29,7 +29,9 @@ in bf16": less than bf16 itself. Measured on the tiny config: docs/ga_parity.md,
 Which runs train is :func:`plan_runs`: every normalisation mode under ``fixed`` micro-batches,
 and ``exact`` also under every other listed ``micro_batching`` (see [regrouping is exact] in
 :mod:`exactga.micro_batching`: the baselines weight micro-batches by their split, so regrouping
-would change what they optimise, and only ``fixed`` is theirs).
+would change what they optimise, and only ``fixed`` is theirs). A DPO config's ``naive`` also
+trains under ``token_budget``, to show what that does to stock's weighting (see [stock dpo
+weighting] in :mod:`exactga.parity.preference`).
 """
 
 from __future__ import annotations
@@ -137,22 +139,32 @@ def plan_runs(
     micro_batchings: Iterable[MicroBatching],
     splits: Iterable[Split],
     reference: Split,
+    baseline_micro_batchings: Iterable[MicroBatching] = (MicroBatching.FIXED,),
 ) -> list[tuple[NormMode, MicroBatching, Split]]:
     """The runs besides the full-batch ``reference``, as (mode, micro_batching, split).
 
-    Baselines train ``fixed`` only, ``exact`` each listed ``micro_batching``, every split each.
-    The reference split under ``fixed`` is the reference itself and is not trained again; under
-    ``by_length`` or ``token_budget`` it is a run of its own (``token_budget`` cuts the one
-    large micro-batch by the budget).
+    Baselines train ``fixed``, and each listed ``micro_batching`` that is also among
+    ``baseline_micro_batchings`` (for DPO ``token_budget``; see
+    GaParityConfig.baseline_micro_batchings) on one device; ``exact`` each listed
+    ``micro_batching``; every split each. The reference split under
+    ``fixed`` is the reference itself and is not trained again; under ``by_length`` or
+    ``token_budget`` it is a run of its own (``token_budget`` cuts the one large micro-batch by
+    the budget).
     """
     micro_batchings = list(micro_batchings)
     splits = list(splits)
+    regrouping = [m for m in baseline_micro_batchings if m is not MicroBatching.FIXED]
+    baselines = [MicroBatching.FIXED, *(m for m in micro_batchings if m in regrouping)]
     plan = []
     for mode in modes:
-        listed = micro_batchings if mode is NormMode.EXACT else [MicroBatching.FIXED]
+        listed = micro_batchings if mode is NormMode.EXACT else baselines
         for micro_batching in listed:
             for split in splits:
                 if split == reference and micro_batching is MicroBatching.FIXED:
+                    continue
+                # Across ranks token_budget runs fillers, which weigh 0 only under exact.
+                regrouped_baseline = mode is not NormMode.EXACT and micro_batching in regrouping
+                if regrouped_baseline and split.num_ranks > 1:
                     continue
                 plan.append((mode, micro_batching, split))
     return plan
@@ -160,9 +172,10 @@ def plan_runs(
 
 @dataclass
 class ParityRun:
-    """One trained run: its per-step window losses and loss-token counts, its final weights,
-    and what it processed, summed over its steps and ranks: micro-batches (fillers included),
-    positions (padding and fillers included) and the samples' own positions.
+    """One trained run: its per-step window losses and loss units (loss tokens, or pairs for
+    DPO), its final weights, and what it processed, summed over its steps and ranks:
+    micro-batches (fillers included), positions (padding and fillers included), the samples'
+    own positions, and the fewest and most units a micro-batch held (fillers excluded).
 
     ``weights`` is empty on the ranks that did not gather a sharded run's weights.
     """
@@ -171,11 +184,13 @@ class ParityRun:
     micro_batching: str
     split: str
     losses: list[float]
-    loss_tokens: list[int]
+    units: list[int]
     weights: dict[str, torch.Tensor]
     num_micro_batches: int
     num_positions: int
     num_sample_positions: int
+    units_per_micro_batch: tuple[int, int] = (0, 0)
+    units_name: str = "loss_tokens"  # as the window names them: loss_tokens, pairs
 
 
 @dataclass(frozen=True)
@@ -192,6 +207,7 @@ class RunSummary:
     num_positions: int
     num_sample_positions: int
     relative_l2_to_fp32: float | None = None  # below fp32: to the fp32 full batch
+    units_per_micro_batch: tuple[int, int] = (0, 0)  # the fewest and most (ParityRun's)
 
     @property
     def label(self) -> str:
@@ -296,10 +312,10 @@ def summarize(
     ``fp32_reference`` where there is one, all started from ``initial``."""
     # Equal counts per step mean every split saw the same global batches as the reference;
     # a difference is a bug in how the data was split, not a numerical effect.
-    assert run.loss_tokens == reference.loss_tokens, (
-        f"{run.mode}/{run.micro_batching} {run.split} saw loss tokens {run.loss_tokens} per "
-        f"step, the full batch {reference.loss_tokens}: the runs did not train on the same "
-        "global batches."
+    assert run.units == reference.units, (
+        f"{run.mode}/{run.micro_batching} {run.split} saw {run.units_name} {run.units} per "
+        f"step, the full batch {reference.units}: the runs did not train on the same global "
+        "batches."
     )
     return RunSummary(
         mode=run.mode,
@@ -316,6 +332,7 @@ def summarize(
             if fp32_reference is not None
             else None
         ),
+        units_per_micro_batch=run.units_per_micro_batch,
     )
 
 
