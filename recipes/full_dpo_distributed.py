@@ -48,12 +48,14 @@ from exactga.precision import Precision
 from exactga.preference import (
     PreferenceMetrics,
     PreferencePairs,
+    collate_pairs,
     dpo_loss_step,
     frozen_model_reference,
 )
 from exactga.preference_schemas import FULL_DPO_FINGERPRINT_KEYS, FullDpoDistributedConfig
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
+from exactga.reference_logprobs import with_precomputed_reference
 from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
 from exactga.steps import StepBook
 from exactga.training import train_window
@@ -162,7 +164,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._model = self._setup_model(
             cfg, resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)
         )
-        self._ref_model = self._setup_reference_model(cfg)
+        ref_model = self._setup_reference_model(cfg)  # held only by the reference below
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
         if resume.from_epoch_checkpoint and self._enable_async_checkpointing:
@@ -180,11 +182,22 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             dp_group=distributed.dp_group(self._mesh),
             units=PreferencePairs(),
         )
-        self._reference = frozen_model_reference(self._ref_model, self._precision)
+        self._reference = frozen_model_reference(ref_model, self._precision)
+        del ref_model  # precomputed log-probs replace the reference, and free the model
         self._metrics = PreferenceMetrics(self._device)
 
         # Data order, row checks and loader position: see [data order] in exactga.data.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        # See [precomputed reference] in exactga.reference_logprobs.
+        if cfg.precompute_reference_logprobs:
+            self._reference, dataset = with_precomputed_reference(
+                self._reference,
+                dataset,
+                collate=partial(collate_pairs, padding_idx=self._tokenizer.pad_id),
+                batch_size=cfg.batch_size,
+                device=self._device,
+                dp_group=distributed.dp_group(self._mesh),
+            )
         self._dataloader = dataloader_from_config(
             dataset,
             cfg,

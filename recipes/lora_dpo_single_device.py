@@ -39,10 +39,17 @@ from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_ep
 from exactga.loss_units import IGNORE_INDEX
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
-from exactga.preference import PreferenceMetrics, PreferencePairs, dpo_loss_step, lora_reference
+from exactga.preference import (
+    PreferenceMetrics,
+    PreferencePairs,
+    collate_pairs,
+    dpo_loss_step,
+    lora_reference,
+)
 from exactga.preference_schemas import DPO_FINGERPRINT_KEYS, LoraDpoSingleDeviceConfig
 from exactga.profiling import setup_profiler
 from exactga.progress import TrainingProgress
+from exactga.reference_logprobs import with_precomputed_reference
 from exactga.resume import (
     checkpointer_source,
     find_resume_point,
@@ -162,6 +169,15 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
 
         # Data order, row checks and loader position: see [data order] in exactga.data.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
+        # See [precomputed reference] in exactga.reference_logprobs.
+        if cfg.precompute_reference_logprobs:
+            self._reference, dataset = with_precomputed_reference(
+                self._reference,
+                dataset,
+                collate=partial(collate_pairs, padding_idx=self._tokenizer.pad_id),
+                batch_size=cfg.batch_size,
+                device=self._device,
+            )
         self._dataloader = dataloader_from_config(
             dataset,
             cfg,

@@ -52,6 +52,12 @@ LORA_SPLITS: dict[str, dict[str, object]] = {
     },
     "8x1": {"batch_size": 8, "gradient_accumulation_steps": 1},
     "1x8_drop": {"batch_size": 1, "gradient_accumulation_steps": 8, "drop_partial_window": True},
+    # Reference log-probs computed before training and looked up, as 2x4 splits the window.
+    "2x4_precomputed": {
+        "batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "precompute_reference_logprobs": True,
+    },
 }
 
 

@@ -56,6 +56,7 @@ from exactga.frozen import frozen_forward
 from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS, Batch, loss_positions, shift_labels
 from exactga.normalization import Window
 from exactga.precision import Precision
+from exactga.reference_logprobs import PAIR_INDEX, ReferenceTable
 from exactga.training import projecting_only
 
 # An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
@@ -71,7 +72,8 @@ def collate_pairs(
 ) -> Batch:
     """torchtune ``PreferenceDataset`` items as one micro-batch: ``tokens`` and ``labels`` of
     shape ``(2B, L)``, the chosen rows first, then the rejected ones in the same order, all
-    right-padded to the longest (``padded_collate_dpo``'s layout, as a dict)."""
+    right-padded to the longest (``padded_collate_dpo``'s layout, as a dict); and the pairs'
+    dataset indices (``(B,)``) when they carry them (``precompute_reference_logprobs``)."""
     rows = [(s["chosen_input_ids"], s["chosen_labels"]) for s in samples]
     rows += [(s["rejected_input_ids"], s["rejected_labels"]) for s in samples]
     width = max(len(tokens) for tokens, _ in rows)
@@ -80,7 +82,10 @@ def collate_pairs(
     for row, (row_tokens, row_labels) in enumerate(rows):
         tokens[row, : len(row_tokens)] = torch.as_tensor(row_tokens, dtype=torch.long)
         labels[row, : len(row_labels)] = torch.as_tensor(row_labels, dtype=torch.long)
-    return {"tokens": tokens, "labels": labels}
+    batch = {"tokens": tokens, "labels": labels}
+    if samples and PAIR_INDEX in samples[0]:
+        batch[PAIR_INDEX] = torch.tensor([s[PAIR_INDEX] for s in samples], dtype=torch.long)
+    return batch
 
 
 def split_pairs(per_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +157,8 @@ class PreferencePairs:
             for key, value in batch.items()
             if key != LOSS_POSITIONS
         }
+        if PAIR_INDEX in batch:  # one entry per pair: the last pair's
+            emptied[PAIR_INDEX] = batch[PAIR_INDEX][-1:]
         return {**emptied, EMPTY: torch.tensor(True)}
 
 
@@ -222,7 +229,7 @@ def dpo_loss_step(
     model: nn.Module,
     loss_fn: nn.Module,
     batch: Batch,
-    reference: Reference,
+    reference: Reference | ReferenceTable,
     *,
     metrics: PreferenceMetrics | None = None,
     precision: Precision | None = None,
@@ -233,15 +240,23 @@ def dpo_loss_step(
 
     ``loss_fn`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (or any loss with their signature
     that returns one loss per pair). The reference runs first, so its activations are gone
-    before the policy's are made. ``metrics`` records the pairs' rewards and log-probs.
+    before the policy's are made; a ``ReferenceTable`` (``precompute_reference_logprobs``)
+    is looked up by the batch's pair indices instead. ``metrics`` records the pairs' rewards
+    and log-probs.
     """
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     is_empty = batch.pop(EMPTY, None) is not None
+    pair_index = batch.pop(PAIR_INDEX, None)
     if positions is None:  # a batch that did not come through the normaliser
         positions = loss_positions(labels)
     targets = shift_labels(labels).reshape(-1).index_select(0, positions)
-    reference_chosen, reference_rejected = reference(batch, positions, targets)
+    if isinstance(reference, ReferenceTable):
+        if pair_index is None:
+            raise ValueError("a precomputed reference needs the pairs' indices (IndexedPairs)")
+        reference_chosen, reference_rejected = reference.lookup(pair_index)
+    else:
+        reference_chosen, reference_rejected = reference(batch, positions, targets)
     policy = sequence_log_probs(model, batch, positions, targets, precision, activations_ctx)
     chosen, rejected = split_pairs(policy)
     losses, chosen_rewards, rejected_rewards = loss_fn(

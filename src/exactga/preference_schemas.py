@@ -57,6 +57,9 @@ class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig):
     adapters. ``loss`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (one loss per pair)."""
 
     collate_fn: str = PAIR_COLLATE
+    # exactga: each pair's reference log-probs computed once, before training, and looked up
+    # (see [precomputed reference] in exactga.reference_logprobs and docs/dpo.md).
+    precompute_reference_logprobs: bool = False
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -69,6 +72,9 @@ class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig):
     """``lora_dpo_distributed``: the distributed LoRA keys; the reference as on one device."""
 
     collate_fn: str = PAIR_COLLATE
+    # exactga: each pair's reference log-probs computed once, before training, and looked up
+    # (see [precomputed reference] in exactga.reference_logprobs and docs/dpo.md).
+    precompute_reference_logprobs: bool = False
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -83,6 +89,8 @@ class FullDpoDistributedConfig(FullFinetuneDistributedConfig):
 
     collate_fn: str = PAIR_COLLATE
     ref_checkpointer: Any = MISSING
+    # exactga: as in the LoRA DPO recipes; the reference model is also freed after the pre-pass.
+    precompute_reference_logprobs: bool = False
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
