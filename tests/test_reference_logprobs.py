@@ -142,3 +142,9 @@ def _fake_gather(gathered, padded, group) -> None:
     other[:4, 0] = torch.tensor([0.0, 2.0, 4.0, 6.0])
     gathered[0].copy_(other)
     gathered[1].copy_(padded)
+
+
+def test_the_table_is_the_same_bit_for_bit_when_computed_again(cases) -> None:
+    """What a resumed run relies on: its pre-pass recomputes the uninterrupted run's table."""
+    case = cases["full"]
+    assert torch.equal(_table(case, 3).table, _table(case, 3).table)
