@@ -1,4 +1,10 @@
-"""Fixtures shared by the test modules, and one rule about the ``slow`` marker.
+"""Fixtures shared by the test modules, one rule about the ``slow`` marker, and the hook that
+makes ``xdist_group`` marks work under pytest 9.2.
+
+A test that reads a module fixture which launches ``tune run`` (a ``run_once`` one, or one of
+``tmp_path_factory``) carries ``pytest.mark.xdist_group``: ``make test`` (``--dist loadgroup``)
+then runs all of them on one worker, which makes the fixture once while the other worker runs
+other tests, instead of waiting on the fixture's lock or making it a second time.
 
 The plain helpers are modules of their own, imported by name: tests/recipe_utils.py (launch
 ``tune run`` and read what it wrote) and tests/unit_utils.py (a tiny model, hand-made rows, the
@@ -85,3 +91,29 @@ def _tune_run_needs_the_slow_marker(request: pytest.FixtureRequest, monkeypatch)
         popen_init(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse_tune)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Make ``--dist loadgroup`` (``make test``) keep an ``xdist_group`` on one worker again.
+
+    pytest-xdist 3.8 marks a grouped test by appending ``@<group>`` to ``item._nodeid``, which
+    pytest 9.2 no longer reads (a node's id is ``item._id``, a ``NodeId``; see
+    pytest-dev/pytest-xdist#1386), so the groups were ignored and ``loadgroup`` spread a group
+    over both workers. For the tests that share one module fixture that costs a worker: a
+    ``run_once`` fixture leaves the second worker waiting on its lock, and a plain module
+    fixture (``tmp_path_factory``) is made twice, once per worker. Here the suffix goes where
+    pytest 9.2 reads it; where xdist's own suffix took, nothing changes.
+    """
+    if not getattr(config.option, "loadgroup", False):  # set on xdist's workers only
+        return
+    for item in items:
+        groups = {
+            str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            for mark in item.iter_markers("xdist_group")
+        }
+        suffix = "@" + "_".join(sorted(groups))
+        if groups and not item.nodeid.endswith(suffix):
+            from _pytest.nodeid import NodeId  # pytest 9.2's; older versions take xdist's suffix
+
+            item._id = NodeId.parse(item.nodeid + suffix)

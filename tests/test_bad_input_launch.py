@@ -192,6 +192,7 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.xdist_group("bad_input_finished_run")
 def test_resume_after_a_run_finished_without_step_checkpoints(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     shutil.rmtree(out / "step_checkpoints")
@@ -204,6 +205,7 @@ def test_resume_after_a_run_finished_without_step_checkpoints(finished_run, tmp_
     assert_fails_naming(run_tune(args), tmp_path / "no_new_output", names)
 
 
+@pytest.mark.xdist_group("bad_input_finished_run")
 def test_resume_from_a_truncated_step_checkpoint_names_the_file(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     weights = out / "step_checkpoints" / "step_000001" / "model.safetensors"
@@ -224,6 +226,7 @@ STOCK_CHECKPOINTER = {
 WITHOUT_INITIALIZER = ["~checkpointer.model", "~checkpointer.init_seed"]
 
 
+@pytest.mark.xdist_group("bad_input_finished_run")
 @pytest.mark.parametrize(
     "problem", ["missing_files", "missing_folder", "no_config_json", "output_inside", "truncated"]
 )

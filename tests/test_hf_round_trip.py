@@ -200,6 +200,7 @@ def _torchtune_model(name: str, base: Path, out: Path) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.xdist_group("hf_round_trip")
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_way_of_loading_gives_the_fine_tuned_model(runs, hf_base, name):
     out = runs[name]
@@ -224,6 +225,7 @@ def test_every_way_of_loading_gives_the_fine_tuned_model(runs, hf_base, name):
         assert gap <= BOUND, (way, gap)
 
 
+@pytest.mark.xdist_group("hf_round_trip")
 def test_the_layout_is_what_keeps_the_adapter_from_applying_twice(runs, tmp_path):
     """The check above can fail: put the adapter back beside the merged weights (stock's
     layout) and transformers no longer gives the fine-tuned model. With a PEFT that its
@@ -246,6 +248,7 @@ def test_the_layout_is_what_keeps_the_adapter_from_applying_twice(runs, tmp_path
     assert gap > 100 * BOUND
 
 
+@pytest.mark.xdist_group("hf_round_trip")
 def test_adapter_only_writes_the_adapter_alone(hf_base, tmp_path):
     """``save_adapter_weights_only: True`` writes no merged weights; the adapter still loads
     into the base with PEFT (its config names the base folder)."""

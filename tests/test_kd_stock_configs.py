@@ -70,6 +70,7 @@ def test_every_stock_kd_config_adapts(recipe: str, name: str, tmp_path: Path) ->
         assert OmegaConf.to_container(cfg)[key] == OmegaConf.to_container(stock)[key], key
 
 
+@pytest.mark.xdist_group("kd_stock_configs")
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, name", _params(SELECTION))
 def test_stock_kd_config_runs(runs: Path, recipe: str, name: str) -> None:

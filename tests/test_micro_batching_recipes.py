@@ -225,6 +225,7 @@ def lora_runs(run_once) -> Path:
 # --- full fine-tuning, one device ----------------------------------------------------------
 
 
+@pytest.mark.xdist_group("micro_batching_recipes")
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_modes_end_at_the_same_weights(full_runs, optimizer):
     """by_length 8x8 and token_budget 64x1 train to the weights of fixed 64x1 (relative
@@ -243,6 +244,7 @@ def test_modes_end_at_the_same_weights(full_runs, optimizer):
         assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
 
 
+@pytest.mark.xdist_group("micro_batching_recipes")
 def test_regrouping_lowers_the_logged_padding(full_runs):
     """The modes really split differently: ``throughput/padding_fraction`` is lower under
     by_length and token_budget than under fixed at every step, and each run logs it and
@@ -263,6 +265,7 @@ def test_regrouping_lowers_the_logged_padding(full_runs):
 # --- LoRA, one device ----------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("micro_batching_recipes")
 @pytest.mark.parametrize("precision", list(LORA_PRECISIONS))
 def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
     """The modes train to the adapters of fixed 64x1: fp32 within 2e-6 (by_length 8x8 and
@@ -287,6 +290,7 @@ def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
 # --- two ranks ---------------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("micro_batching_recipes")
 @pytest.mark.parametrize("mode", list(TWO_RANKS))
 def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode):
     """2 ranks x (4x8 by_length, 32x1 token_budget) train to the weights of one device's fixed
@@ -338,6 +342,7 @@ def _planned_micro_batches(rank: int) -> list[int]:
     return [len(window.micro_batches) for window in itertools.islice(loader, STEPS)]
 
 
+@pytest.mark.xdist_group("micro_batching_recipes")
 def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
     """Under token_budget the ranks plan different micro-batch counts; every rank then runs as
     many as the busiest (the counter sees one reduce-scatter per FSDP unit per micro-batch

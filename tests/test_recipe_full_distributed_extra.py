@@ -69,6 +69,7 @@ def runs(tmp_path_factory):
     return {name: (launches[name][0], proc) for name, proc in procs.items()}
 
 
+@pytest.mark.xdist_group("full_distributed_extra")
 def test_optimizer_in_bwd_matches_optimizer_step(runs):
     """2 ranks 4x1: the per-parameter optimizers inside backward train the weights of one
     optimizer step after backward (relative L2 <= 1e-5), with the same logged losses."""
@@ -88,6 +89,7 @@ def test_optimizer_in_bwd_matches_optimizer_step(runs):
     assert scalars["lr"] == pytest.approx(ref_scalars["lr"])
 
 
+@pytest.mark.xdist_group("full_distributed_extra")
 def test_optimizer_in_bwd_with_accumulation_is_refused_naming_both_keys(runs):
     _, proc = runs["in_bwd_ga2"]
     output = output_of(proc)

@@ -176,6 +176,7 @@ def bf16_report(run_once):
     return (report_dir / "report.md").read_text(), summary
 
 
+@pytest.mark.xdist_group("ga_parity_bf16")
 @pytest.mark.slow
 def test_bf16_report_shows_what_the_split_and_the_precision_cost(bf16_report):
     report, summary = bf16_report
@@ -203,6 +204,7 @@ def test_bf16_report_shows_what_the_split_and_the_precision_cost(bf16_report):
         assert f"| {run['relative_l2_to_fp32']:.3e} |" in table
 
 
+@pytest.mark.xdist_group("ga_parity_bf16")
 @pytest.mark.slow
 def test_bf16_exact_splits_sit_within_the_precisions_floor_and_naive_above(bf16_report):
     report, summary = bf16_report

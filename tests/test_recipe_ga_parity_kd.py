@@ -54,6 +54,7 @@ def kd_report(run_once):
     return (report_dir / "report.md").read_text(), summary
 
 
+@pytest.mark.xdist_group("ga_parity_kd")
 @pytest.mark.slow
 def test_kd_report_lands_exact_splits_at_the_floor_and_stocks_above(kd_report):
     report, summary = kd_report
@@ -74,6 +75,7 @@ def test_kd_report_lands_exact_splits_at_the_floor_and_stocks_above(kd_report):
     assert "**Verdict:** EXACT: every exact-mode run (fixed, by_length" in report
 
 
+@pytest.mark.xdist_group("ga_parity_kd")
 @pytest.mark.slow
 def test_kd_report_says_it_distilled_and_with_which_mix(kd_report):
     report, summary = kd_report

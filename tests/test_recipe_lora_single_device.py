@@ -116,6 +116,7 @@ def initial_adapters(initial_adapters_at) -> dict[str, torch.Tensor]:
     return initial_adapters_at("fp32")
 
 
+@pytest.mark.xdist_group("lora_initial_adapters")
 def test_adapter_init_is_seeded_and_b_starts_at_zero(tmp_path, initial_adapters):
     """The config's ``seed`` draws the adapters: a second launch with it draws them again bit
     for bit, another seed draws other A matrices. B starts at zero whatever the seed."""
@@ -139,6 +140,7 @@ def test_adapter_init_is_seeded_and_b_starts_at_zero(tmp_path, initial_adapters)
     assert all(not torch.equal(other[k], v) for k, v in initial_adapters.items() if "lora_a" in k)
 
 
+@pytest.mark.xdist_group("lora_initial_adapters")
 @pytest.mark.parametrize(
     ("precision", "optimizer", "train_on_input"),
     PARITY_CASES,
@@ -182,6 +184,7 @@ def test_accumulation_splits_match_full_batch(
         assert rel <= tolerance, f"{bs}x{ga} differs from 8x1 by {rel:.3e}"
 
 
+@pytest.mark.xdist_group("lora_initial_adapters")
 def test_naive_normalization_breaks_parity(tmp_path, initial_adapters):
     """Negative control: the mean of micro-batch means moves 1x8 far from 8x1."""
     from recipe_utils import relative_l2
@@ -348,6 +351,7 @@ def _in_torchtune_layout(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
+@pytest.mark.xdist_group("lora_dora")
 def test_dora_trains_magnitudes_that_rebuild_the_merged_weights(dora_run):
     """``model.use_dora=True``: every adapted linear saves a magnitude, which starts as the row
     norms of the loaded base weight (B starts at zero; checked on stock's DoRA config in
@@ -374,6 +378,7 @@ def test_dora_trains_magnitudes_that_rebuild_the_merged_weights(dora_run):
         assert rebuilt <= DORA_ROUND_TRIP, (module, rebuilt)
 
 
+@pytest.mark.xdist_group("lora_dora")
 def test_dora_peft_adapter_rebuilds_the_merged_weights(dora_run):
     """``PeftModel.from_pretrained(base, epoch_0/adapter)``, merged, gives the merged weights
     the run wrote, as it does for LoRA (tests/test_hf_round_trip.py): the config says

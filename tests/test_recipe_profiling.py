@@ -26,7 +26,7 @@ from recipe_utils import (
 
 from exactga.profiling import PHASES, REPORT_CATEGORY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("recipe_profiling")]
 
 STEPS = 6
 

@@ -140,6 +140,7 @@ def _check_trained_only_the_rest(log_dir: Path, reference: Path, after_step: int
         assert loss == pytest.approx(uninterrupted[step], rel=1e-6), step
 
 
+@pytest.mark.xdist_group("resume_uninterrupted")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, scenario):
     seed = _kill_seed()
@@ -155,6 +156,7 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted
     _check_trained_only_the_rest(tmp_path / "resumed_logs", uninterrupted(scenario), checkpoint)
 
 
+@pytest.mark.xdist_group("resume_uninterrupted")
 def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
     out = tmp_path / "run"
     _run_and_kill("full", out, random.Random(_kill_seed()), first_step=2)  # two checkpoints
@@ -172,6 +174,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninte
     _check_trained_only_the_rest(log_dir, uninterrupted("full"), after_step=step - 1)
 
 
+@pytest.mark.xdist_group("resume_uninterrupted")
 def test_resume_refuses_a_changed_batch_split(uninterrupted, tmp_path):
     done = uninterrupted("full")
     out = tmp_path / "copy"
@@ -217,6 +220,7 @@ def test_nonfinite_loss_stops_with_a_checkpoint_then_skips(tmp_path):
     assert all(torch.isfinite(w).all() for w in final.values())
 
 
+@pytest.mark.xdist_group("resume_uninterrupted")
 def test_checkpoint_of_another_model_is_named(tmp_path, uninterrupted):
     """The tiny config's own sizes (embed_dim 256) pointed at the small model's weights (64)."""
     small = uninterrupted("full")

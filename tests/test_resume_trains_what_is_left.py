@@ -25,6 +25,9 @@ from recipe_utils import (
     tiny_args,
 )
 
+# One worker makes the module fixture under ``pytest -n``, not each (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("resume_fast")
+
 STEPS = 3
 RESUME_AFTER = 2
 
