@@ -43,11 +43,22 @@ DRIVER = "tests/many_runs.py"
 
 
 class Run(NamedTuple):
-    """One recipe run: ``tune run <recipe> *args``, its output kept in ``folder``."""
+    """One recipe run: ``tune run <recipe> *args``, its output kept in ``folder``; ``env``
+    holds variables set for this run alone (the launch's own are ``launch_runs``' argument)."""
 
     recipe: str  # a path relative to the repository, as given to tune run
     args: list[str]
     folder: Path
+    env: dict[str, str] | None = None
+
+
+def run_of(args: Sequence[str], folder: Path) -> tuple[int, Run]:
+    """The ranks (0: no torchrun) and the run of ``tune run *args``, whose only launcher
+    option may be ``--nproc_per_node N``; its output is kept in ``folder``."""
+    nproc = 0
+    if args[0] == "--nproc_per_node":
+        nproc, args = int(args[1]), args[2:]
+    return nproc, Run(args[0], list(args[1:]), folder)
 
 
 def launch_runs(
@@ -66,7 +77,9 @@ def launch_runs(
     launch = 0
     while pending:
         plan = pending[0].folder / f"plan_{launch}.json"
-        plan.write_text(json.dumps([[r.recipe, r.args, str(r.folder)] for r in pending]))
+        plan.write_text(
+            json.dumps([[r.recipe, r.args, str(r.folder), r.env or {}] for r in pending])
+        )
         launcher = ["--nproc_per_node", str(nproc)] if nproc else []
         try:
             proc = run_tune(
@@ -114,10 +127,17 @@ def _main() -> None:
     plan = json.loads(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
     rank = int(os.environ.get("RANK", "0"))
     agent_store = _agent_store()
-    for index, (recipe, args, folder) in enumerate(plan):
+    for index, (recipe, args, folder, env) in enumerate(plan):
         if agent_store is not None:
             _own_rendezvous(agent_store, rank, index)
+        launch_env = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
         status = _run(recipe, args, Path(folder) / f"rank{rank}.log")
+        for key, value in launch_env.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
         (Path(folder) / f"exit{rank}").write_text(str(status))
         if status != 0:
             os._exit(status)  # torchrun ends the peer, which may wait in a collective

@@ -1,7 +1,9 @@
 """recipes/full_finetune_distributed.py through the real ``tune run --nproc_per_node 2`` on CPU.
 
-Tier (b) of STYLE.md point 9, gloo ranks, offline. All launches of the module run once, two
-at a time, in a module fixture; each test then reads what they wrote. The one-rank reference
+Tier (b) of STYLE.md point 9, gloo ranks, offline. All runs of the module are made once, in a
+module fixture, by one launch per number of ranks (tests/many_runs.py: each run still goes
+through the recipe as ``tune run`` starts it, one after another in the launch's processes) and
+the two-node launch; each test then reads what they wrote. The one-rank reference
 is the single-device recipe (same sampler order, same initial checkpoint), so these runs also
 check the two recipes against each other.
 
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from many_runs import Run, launch_runs
 from recipe_utils import (
     REPO_ROOT,
     SMALL_MODEL,
@@ -30,7 +34,7 @@ from recipe_utils import (
     run_tune,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("full_distributed")]
 
 SINGLE = "recipes/full_finetune_single_device.py"
 SINGLE_CONFIG = "configs/tiny/full_single_device.yaml"
@@ -89,25 +93,17 @@ def _args(recipe: str, config: str, out: Path, settings: dict[str, object]) -> l
     return [recipe, "--config", config, *overrides]
 
 
-def _launch(name: str, nproc: int, settings: dict[str, object], root: Path) -> Path:
+def _run(name: str, nproc: int, settings: dict[str, object], root: Path) -> Run:
+    """The run ``name`` on ``nproc`` ranks (1: the single-device recipe, 0: the distributed one
+    without torchrun), its collectives counted into ``<name>_collectives``."""
     out = root / name
     counts = root / f"{name}_collectives"
     counts.mkdir(parents=True)
     if nproc == 1:
         args = _args(SINGLE, SINGLE_CONFIG, out, settings)
-    elif nproc == 0:  # the distributed recipe without torchrun
-        args = _args(DISTRIBUTED, DISTRIBUTED_CONFIG, out, settings)
     else:
-        args = [
-            "--nproc_per_node",
-            str(nproc),
-            *_args(DISTRIBUTED, DISTRIBUTED_CONFIG, out, settings),
-        ]
-    env = {"PYTHONPATH": str(COUNTER), "EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)}
-    proc = run_tune(args, extra_env=env, timeout=600)
-    assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
-    (out / "output.txt").write_text(output_of(proc))
-    return out
+        args = _args(DISTRIBUTED, DISTRIBUTED_CONFIG, out, settings)
+    return Run(args[0], args[1:], out, env={"EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)})
 
 
 def _launch_two_nodes(name: str, settings: dict[str, object], root: Path) -> Path:
@@ -175,14 +171,25 @@ def _launch_all(root: Path) -> None:
         "ragged_1rank_8x1": (1, {**ragged, "batch_size": 8, "gradient_accumulation_steps": 1}),
         "ragged_2ranks_2x2": (2, {**ragged, "batch_size": 2, "gradient_accumulation_steps": 2}),
     }
-    # Two launches at a time: each is mostly single-threaded start-up on a small machine.
+    # One launch per number of ranks, side by side, each running its runs one after another
+    # (tests/many_runs.py): the one-device runs and the distributed recipe without torchrun in
+    # one, the 2-rank runs in the other.
+    by_ranks: dict[int, list[Run]] = {0: [], 2: []}
+    for name, (nproc, settings) in launches.items():
+        by_ranks[2 if nproc == 2 else 0].append(_run(name, nproc, settings, root))
+    # The counter needs its variable at start-up; each run then names its own folder.
+    python_path = os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")]))
+    counter = {"PYTHONPATH": python_path, "EXACTGA_COUNT_COLLECTIVES_DIR": str(root)}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(_launch, name, nproc, settings, root)
-            for name, (nproc, settings) in launches.items()
-        }
-        for future in futures.values():
+        futures = [
+            pool.submit(launch_runs, runs, nproc, extra_env=counter)
+            for nproc, runs in by_ranks.items()
+        ]
+        for future in futures:
             future.result()
+    for name in launches:
+        output = (root / name / "output.txt").read_text()
+        assert (root / name / "returncode").read_text() == "0", f"{name}:\n{output[-4000:]}"
     two_nodes = {**PARITY, "batch_size": 4, "gradient_accumulation_steps": 1}
     _launch_two_nodes("2nodes_4x1", two_nodes, root)
 

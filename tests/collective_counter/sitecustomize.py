@@ -3,8 +3,11 @@
 Put this folder on ``PYTHONPATH`` and set ``EXACTGA_COUNT_COLLECTIVES_DIR``: every interpreter
 started under it (the ``tune run`` workers) wraps ``dist.all_reduce`` and FSDP2's reduce-scatter
 entry points, closes an interval at each optimizer step (a global step post-hook) and writes
-``rank<RANK>.json`` at exit: one dict of counts per optimizer step. Without the variable this
-module does nothing and imports nothing. Tests only; recipes never see it.
+``rank<RANK>.json`` when the run ends its default process group (or at exit): one dict of
+counts per optimizer step. The folder is the one the variable names at that moment, so a
+process that runs several recipes one after another (tests/many_runs.py, which sets the
+variable per run) writes each run's counts to that run's folder. Without the variable at start
+this module does nothing and imports nothing. Tests only; recipes never see it.
 """
 
 import os
@@ -54,8 +57,19 @@ if _OUT:
 
     def _write():
         rank = os.environ.get("RANK")
+        out = os.environ.get("EXACTGA_COUNT_COLLECTIVES_DIR", _OUT)
         if rank is not None and _steps:
-            with open(os.path.join(_OUT, f"rank{rank}.json"), "w") as f:
+            with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
                 json.dump(_steps, f)
+        _steps.clear()
+        _current.clear()
 
+    _destroy = dist.destroy_process_group
+
+    def _destroy_and_write(group=None):
+        if group is None:  # the run's default group: the run is over
+            _write()
+        return _destroy(group)
+
+    dist.destroy_process_group = _destroy_and_write
     atexit.register(_write)
