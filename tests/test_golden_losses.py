@@ -4,9 +4,11 @@ knowledge distillation, each on one device and on 2 ranks.
 
 The runs are those of tests/assets/losses/regenerate.py (imported from there, so the two cannot
 drift): the shipped tiny config with the small model, its fixed seed, 8 optimizer steps, the
-distributed recipes on 2 gloo ranks. They are launched once per session, two at a time, by one
-module fixture; a change that is meant to move the losses regenerates the files with that script
-and shows the new curves.
+distributed recipes on 2 gloo ranks. They are made once per session by one module fixture, in two
+launches side by side: the one-device runs one after another in one, the 2-rank runs in the other
+(tests/many_runs.py: each still a recipe run as ``tune run`` starts it, only the start-up of
+torch and torchtune shared). A change that is meant to move the losses regenerates the files with
+that script and shows the new curves.
 
 Tolerance: relative 1e-6 per step (``pytest.approx(rel=1e-6, abs=0)``). On one machine the
 losses repeat bit for bit, and ``regenerate.py --check`` shows that; the tolerance is for other
@@ -25,14 +27,15 @@ model's whatever the seed.)
 from __future__ import annotations
 
 import importlib.util
-import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from many_runs import Run, launch_runs, run_of
 from recipe_utils import REPO_ROOT
 
-# The group would keep these tests on one xdist worker; with pytest 9.2 and xdist 3.8 it does not
-# (pytest-dev/pytest-xdist#1386), and the file lock in ``run_once`` is what launches them once.
+# The group keeps these tests on one xdist worker (tests/conftest.py makes groups work under
+# pytest 9.2); the file lock in ``run_once`` is what launches the runs once in any case.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("golden_losses")]
 
 RTOL = 1e-6
@@ -43,26 +46,36 @@ golden = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(golden)
 
 
+def _launch_all(root: Path) -> None:
+    """Every run of regenerate.py, with its arguments: one launch per number of ranks."""
+    by_ranks: dict[int, list[Run]] = {}
+    for name in golden.RUNS:
+        nproc, run = run_of(golden.launch_args(name, root / name), root / name)
+        by_ranks.setdefault(nproc, []).append(run)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(launch_runs, runs, nproc) for nproc, runs in by_ranks.items()]
+        for future in futures:
+            future.result()
+
+
 @pytest.fixture(scope="module")
-def curves(run_once) -> dict[str, list[float]]:
-    """Every run's losses, launched once per session (two at a time) whichever worker asks."""
-
-    def launch_all(root: Path) -> None:
-        losses = golden.run_all(list(golden.RUNS), root, jobs=2)
-        (root / "losses.json").write_text(json.dumps(losses))
-
-    return json.loads((run_once("golden_losses", launch_all) / "losses.json").read_text())
+def runs(run_once) -> Path:
+    """The runs' folders, made once per session whichever worker asks."""
+    return run_once("golden_losses", _launch_all)
 
 
 @pytest.mark.parametrize("name", list(golden.RUNS))
-def test_losses_match_the_golden_curve(curves, name):
+def test_losses_match_the_golden_curve(runs, name):
     recorded = golden.recorded(name)
     settings = golden.run_settings(name)
     assert {key: recorded[key] for key in settings} == settings, (
         f"tests/assets/losses/{name}.json was made with other run settings: run "
         "tests/assets/losses/regenerate.py"
     )
-    losses = curves[name]
+    out = runs / name
+    output = (out / "output.txt").read_text()
+    assert (out / "returncode").read_text() == "0", f"{name}:\n{output[-4000:]}"
+    losses = golden.read_losses(out / "logs")
     assert losses == pytest.approx(recorded["loss"], rel=RTOL, abs=0), (
         f"{name}: the losses moved from tests/assets/losses/{name}.json (made with "
         f"{recorded['made_with']}). If that is intended, run tests/assets/losses/regenerate.py "
