@@ -1,8 +1,10 @@
 """recipes/lora_finetune_distributed.py through the real ``tune run --nproc_per_node N`` on CPU.
 
-Tier (b) of STYLE.md point 9, gloo ranks, offline. All launches run once, two at a time, in a
-module fixture; each test then reads what they wrote. Under ``pytest -n 2`` the fixture's runs
-are shared between the workers through a file lock, so they are launched once per session.
+Tier (b) of STYLE.md point 9, gloo ranks, offline. All runs are made once, in a module fixture,
+by one launch per number of ranks (tests/many_runs.py: each run still goes through the recipe as
+``tune run`` starts it, one after another in the launch's processes); each test then reads what
+they wrote. Under ``pytest -n 2`` the fixture's runs are shared between the workers through a
+file lock, so they are made once per session.
 The one-rank reference is this recipe with ``--nproc_per_node 1``: the adapters start from the
 same values whatever the number of ranks (``exactga.distributed.initialize_adapters``).
 
@@ -24,17 +26,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from many_runs import Run, launch_runs
 from recipe_utils import (
     SMALL_MODEL,
     load_adapters,
     load_weights,
-    output_of,
     read_scalars,
     relative_l2,
-    run_tune,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lora_distributed")]
 
 RECIPE = "recipes/lora_finetune_distributed.py"
 CONFIG = "configs/tiny/lora_distributed.yaml"
@@ -86,19 +87,14 @@ def empty_rank_rows() -> list[dict[str, str]]:
     return [row for step in steps for row in step]
 
 
-def _launch(name: str, nproc: int, settings: dict[str, object], root: Path) -> Path:
-    """``nproc`` ranks of this recipe; 0 launches the single-device recipe instead."""
+def _run(name: str, nproc: int, settings: dict[str, object], root: Path) -> Run:
+    """A run of this recipe, or of the single-device recipe for ``nproc`` 0."""
     out = root / name
     merged = {**SMALL_MODEL, "output_dir": out, **settings}
     overrides = [k if v is None else f"{k}={v}" for k, v in merged.items()]
     if nproc == 0:
-        args = [SINGLE_RECIPE, "--config", SINGLE_CONFIG, *overrides]
-    else:
-        args = ["--nproc_per_node", str(nproc), RECIPE, "--config", CONFIG, *overrides]
-    proc = run_tune(args, timeout=600)
-    assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
-    (out / "output.txt").write_text(output_of(proc))
-    return out
+        return Run(SINGLE_RECIPE, ["--config", SINGLE_CONFIG, *overrides], out)
+    return Run(RECIPE, ["--config", CONFIG, *overrides], out)
 
 
 def _launch_all(root: Path) -> None:
@@ -154,14 +150,18 @@ def _launch_all(root: Path) -> None:
             {**EMPTY_RANK, "batch_size": 8, "gradient_accumulation_steps": 1},
         ),
     }
-    # Two launches at a time: each is mostly single-threaded start-up on a small machine.
+    # One launch per number of ranks (2, 1, and the single-device recipe's), two side by side,
+    # each running its runs one after another (tests/many_runs.py).
+    by_ranks: dict[int, list[Run]] = {2: [], 1: [], 0: []}
+    for name, (nproc, settings) in launches.items():
+        by_ranks[nproc].append(_run(name, nproc, settings, root))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = [
-            pool.submit(_launch, name, nproc, settings, root)
-            for name, (nproc, settings) in launches.items()
-        ]
+        futures = [pool.submit(launch_runs, runs, nproc) for nproc, runs in by_ranks.items()]
         for future in futures:
             future.result()
+    for name in launches:
+        output = (root / name / "output.txt").read_text()
+        assert (root / name / "returncode").read_text() == "0", f"{name}:\n{output[-4000:]}"
 
 
 @pytest.fixture(scope="module")
