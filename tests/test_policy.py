@@ -1,0 +1,491 @@
+"""Exact GRPO: one optimizer step over rollouts against a full-batch oracle, per aggregation.
+
+The oracle is written here in plain PyTorch, fp64, knowing nothing of exactga: every rollout
+forwarded on its own (no padding), each completion token's ``log p`` at the positions whose
+label after the one-position shift is a completion token, the clipped surrogate with its
+completion's advantage plus ``KL_COEFF`` times the k3 estimator, then each aggregation's
+denominator in plain loops: the step's completion tokens (``token_mean``), each completion's
+own tokens then the completions (``sequence_mean``), ``MAX_GENERATED`` then the completions
+(``constant``). The rollouts' old and reference log-probs are data (fp32, as generation records
+them); the old ones are the policy's own plus noise, so clipping bites on both sides. SGD
+without momentum makes the step ``w - lr * g``, compared with the trained weights directly, as
+in tests/test_preference.py.
+
+The real path is a recipe's: ``collate_rollouts``, ``LossNormalizer(units=loss_units_for(...))``,
+``train_window`` with ``grpo_loss_step`` (and ``Window.scale``), on one process and on 2 gloo
+ranks under FSDP2. See [three policy denominators] in exactga.policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from oracle_utils import flat, fp64, lr_for_unit_update, step_gap, trainable
+from torch import nn
+from torchtune.training import shard_model
+from unit_utils import VOCAB, run_on_ranks, tiny_model
+
+from exactga import policy, training
+from exactga.distributed import GradientSync, gradient_sync
+from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS
+from exactga.micro_batching import SampleWindow
+from exactga.normalization import LossNormalizer, NormMode
+from exactga.policy import (
+    ADVANTAGES,
+    EMPTY,
+    Completions,
+    CompletionTokens,
+    LossAggregation,
+    collate_rollouts,
+    group_advantages,
+    grpo_loss_step,
+    loss_units_for,
+)
+from exactga.profiling import ProfilerSettings, TrainingProfiler
+
+CPU = torch.device("cpu")
+EPSILON, KL_COEFF, MAX_GENERATED = 0.2, 0.1, 32
+AGGREGATIONS = [a.value for a in LossAggregation]  # token_mean, sequence_mean, constant
+# Relative L2 of the trained weights from the oracle step (an update as large as the weights).
+# fp64: measured 2.4e-16 to 6.4e-16 over every aggregation and split (summation order only).
+# fp32: measured 2.1e-7 to 3.7e-7 on one process, 2.0e-7 to 3.3e-7 on 2 ranks. The naive
+# weighting is 3.1 (token_mean), 1.07 (sequence_mean), 0.97 (constant) off on the unequal split.
+ORACLE_BOUND = 2e-6
+FP64_BOUND = 1e-12
+BOUNDS = {torch.float32: ORACLE_BOUND, torch.float64: FP64_BOUND}
+
+GROUP_SIZE = 4
+# Per prompt: its length, then its group's completion lengths (1 to 30 tokens) and rewards. The
+# last group's rewards are all equal: advantages 0, only the KL term moves it.
+GROUPS = [
+    (3, [1, 20, 6, 13], [1.0, 0.0, 0.5, 0.0]),
+    (9, [25, 2, 9, 4], [0.2, 0.9, 0.9, 0.1]),
+    (1, [7, 30, 3, 16], [1.0, 1.0, 1.0, 1.0]),
+]
+# Completion 4's completion holds two masked positions (say, a tool's output): not its tokens.
+MASKED_IN_COMPLETION = (4, [5, 6])
+# Micro-batches as completion indices: whole, one each, fixed, regrouped by length (shortest
+# first, 5 + 4 + 3), and an unequal regrouping out of order (1, 5 and 6 completions).
+SPLITS = {
+    "12x1": [list(range(12))],
+    "1x12": [[i] for i in range(12)],
+    "3x4": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]],
+    "by_length": [[0, 10, 8, 2, 5], [7, 3, 11, 6], [1, 9, 4]],
+    "unequal": [[7], [0, 5, 11, 2, 9], [1, 3, 4, 6, 8, 10]],
+}
+# On two ranks: 8 and 4 completions (95 and 39 completion tokens), 2 and 1 micro-batches, so
+# rank 1 runs one emptied filler.
+RANK_GROUPS = [[[1, 4, 9, 0, 2], [5, 6, 7]], [[3, 8, 10, 11]]]
+
+
+def policy_model() -> nn.Module:
+    """The toy llama3_2 with its own output projection: next-token log-probs of a few nats, as
+    a language model's are (tied to its unit-variance embeddings, its logits spread over tens
+    of nats, and fp32 log-probs of tokens it is sure of lose most of their digits)."""
+    return tiny_model(tie_word_embeddings=False)
+
+
+def make_rollouts(policy: nn.Module, seed: int = 0) -> list[dict]:
+    """Rollouts as generation leaves them, before the log-probs: tokens (completions sampled
+    from ``policy`` at temperature 1), labels (prompt masked), each completion's group-relative
+    advantage."""
+    gen = torch.Generator().manual_seed(seed)
+    rollouts, rewards = [], []
+    for prompt_len, completion_lens, group_rewards in GROUPS:
+        prompt = torch.randint(1, VOCAB, (prompt_len,), generator=gen).tolist()
+        for length in completion_lens:
+            tokens = list(prompt)
+            for _ in range(length):
+                probs = torch.softmax(policy(torch.tensor([tokens]))[0, -1], dim=-1)
+                tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+            labels = [IGNORE_INDEX] * prompt_len + tokens[prompt_len:]
+            rollouts.append({"tokens": tokens, "labels": labels})
+        rewards += group_rewards
+    index, masked = MASKED_IN_COMPLETION
+    prompt_len = GROUPS[index // GROUP_SIZE][0]
+    for position in masked:
+        rollouts[index]["labels"][prompt_len + position] = IGNORE_INDEX
+    advantages = group_advantages(torch.tensor(rewards), GROUP_SIZE)
+    for rollout, advantage in zip(rollouts, advantages.tolist(), strict=True):
+        rollout["advantage"] = advantage
+    return rollouts
+
+
+# --- the oracle: plain PyTorch, fp64, every rollout on its own ---------------------------------
+
+
+def oracle_token_log_probs(model: nn.Module, rollout: dict) -> tuple[torch.Tensor, list[int]]:
+    """``log p(token t + 1)`` at each scored position ``t`` of one rollout, and those ``t``."""
+    logits = model(torch.tensor([rollout["tokens"]]))[0, :-1]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    scored = [t for t, label in enumerate(rollout["labels"][1:]) if label != IGNORE_INDEX]
+    targets = torch.tensor([rollout["tokens"][t + 1] for t in scored])
+    return log_probs[scored].gather(1, targets[:, None]).squeeze(1), scored
+
+
+def per_token_record(rollout: dict, values: torch.Tensor, scored: list[int]) -> list[float]:
+    """Log-probs as generation records them: one per token of ``tokens``, 0 where none."""
+    record = [0.0] * len(rollout["tokens"])
+    for t, value in zip(scored, values.tolist(), strict=True):
+        record[t + 1] = value
+    return record
+
+
+@functools.cache
+def rollouts() -> tuple[dict, ...]:
+    """The step's rollouts with their log-probs in fp32, as generation records them: the old
+    policy's are the policy's plus noise of 0.3 nats (a later PPO epoch's, so the ratio leaves
+    the clip range on both sides), the reference's the policy's plus noise of 0.5 nats (a
+    reference some steps behind; another random model would sit nats away, where the k3
+    estimator's ``exp`` swamps everything else)."""
+    policy64 = policy_model().double()
+    gen = torch.Generator().manual_seed(1)
+    with fp64(), torch.no_grad():
+        result = make_rollouts(policy64)
+        for rollout in result:
+            current, scored = oracle_token_log_probs(policy64, rollout)
+            for key, spread in (("old_log_probs", 0.3), ("ref_log_probs", 0.5)):
+                noise = spread * torch.randn(len(scored), generator=gen, dtype=torch.float64)
+                recorded = (current + noise).to(torch.float32)  # not .float(): see fp64()
+                rollout[key] = per_token_record(rollout, recorded, scored)
+    return tuple(result)
+
+
+def oracle_loss(model: nn.Module, aggregation: str) -> torch.Tensor:
+    completion_losses, num_tokens = [], 0
+    for rollout in rollouts():
+        log_probs, scored = oracle_token_log_probs(model, rollout)
+        advantage = rollout["advantage"]  # an fp32 value, as the batch carries it
+        token_losses = []
+        for log_prob, t in zip(log_probs, scored, strict=True):
+            ratio = torch.exp(log_prob - rollout["old_log_probs"][t + 1])
+            clipped = torch.clamp(ratio, 1 - EPSILON, 1 + EPSILON)
+            surrogate = -torch.minimum(ratio * advantage, clipped * advantage)
+            log_ratio = rollout["ref_log_probs"][t + 1] - log_prob
+            kl = torch.exp(log_ratio) - log_ratio - 1
+            token_losses.append(surrogate + KL_COEFF * kl)
+        completion_losses.append(sum(token_losses))
+        num_tokens += len(token_losses)
+        if aggregation == "sequence_mean":
+            completion_losses[-1] = completion_losses[-1] / len(token_losses)
+        elif aggregation == "constant":
+            completion_losses[-1] = completion_losses[-1] / MAX_GENERATED
+    if aggregation == "token_mean":
+        return sum(completion_losses) / num_tokens
+    return sum(completion_losses) / len(completion_losses)
+
+
+@functools.cache
+def oracle(aggregation: str) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Initial trainable weights, the fp64 full-batch gradient, the SGD lr, the loss."""
+    model = policy_model()
+    initial = flat(trainable(model))
+    policy64 = copy.deepcopy(model).double()
+    with fp64():
+        loss = oracle_loss(policy64, aggregation)
+        loss.backward()
+    gradient = flat([p.grad for p in trainable(policy64)])
+    return initial, gradient, lr_for_unit_update(initial, gradient), float(loss.detach())
+
+
+class Case:
+    """A fresh policy and what the oracle computes for it."""
+
+    def __init__(self, aggregation: str, dtype: torch.dtype = torch.float32) -> None:
+        self.aggregation, self.dtype = aggregation, dtype
+        self.model = policy_model().to(dtype)
+        self.initial, self.gradient, self.lr, self.oracle_loss = oracle(aggregation)
+
+    def precision(self) -> contextlib.AbstractContextManager[None]:
+        return fp64() if self.dtype == torch.float64 else contextlib.nullcontext()
+
+    def loss_step(self, batch: dict) -> torch.Tensor:
+        return grpo_loss_step(
+            self.model,
+            batch,
+            aggregation=self.aggregation,
+            epsilon=EPSILON,
+            kl_coeff=KL_COEFF,
+            max_generated_tokens=MAX_GENERATED,
+        )
+
+    def gap(self) -> float:
+        trained = flat([_full(p) for p in trainable(self.model)])
+        return step_gap(trained, self.initial, self.gradient, self.lr)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+# --- the real step ----------------------------------------------------------------------------
+
+
+def real_step(
+    case: Case, groups: list[list[int]], mode: NormMode = NormMode.EXACT, by_budget: bool = False
+) -> tuple[float, int]:
+    """One SGD step of ``case.model`` over the completions in ``groups`` (this rank's
+    micro-batches), as a GRPO recipe would take it; the logged loss and this rank's fillers."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    micro_batches = [collate_rollouts([rollouts()[i] for i in g]) for g in groups]
+    sample_window = SampleWindow(micro_batches, sum(map(len, groups)), 0, 0, False, by_budget)
+    units = loss_units_for(case.aggregation)
+    normalizer = LossNormalizer(None, mode=mode, dp_group=group, units=units)
+    (window,) = normalizer.windows([sample_window])
+    settings = ProfilerSettings(log_timings=False, saved_latency_every_n_steps=0)
+    with case.precision():
+        training.train_window(
+            window,
+            model=case.model,
+            loss_step=case.loss_step,
+            optimizer=torch.optim.SGD(trainable(case.model), lr=case.lr),
+            profiler=TrainingProfiler(settings, CPU, case.model),
+            device=CPU,
+            step=1,
+            micro_batch_context=functools.partial(
+                gradient_sync, case.model, GradientSync.ONCE_PER_WINDOW
+            ),
+        )
+    return window.global_mean_loss(), window.num_filler_micro_batches()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster, and does not fight a suite run beside it."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64], ids=lambda d: str(d).removeprefix("torch.")
+)
+
+
+# --- (a) one process, every split -------------------------------------------------------------
+
+
+@DTYPES
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_one_step_is_the_full_batch_grpo_step(
+    aggregation: str, split: str, dtype: torch.dtype
+) -> None:
+    case = Case(aggregation, dtype)
+    loss, _ = real_step(case, SPLITS[split])
+    gap = case.gap()
+    print(f"{aggregation} {split} {dtype}: relative L2 to the oracle step {gap:.2e}")
+    assert gap <= BOUNDS[dtype]
+    assert loss == pytest.approx(case.oracle_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_the_naive_mean_of_micro_batch_means_is_far_off(aggregation: str) -> None:
+    """Each micro-batch's own mean over the micro-batch count, on the unequal regrouping: the
+    oracle sees it, so the checks above can fail."""
+    case = Case(aggregation)
+    real_step(case, SPLITS["unequal"], mode=NormMode.NAIVE)
+    gap = case.gap()
+    print(f"{aggregation} naive unequal: {gap:.2e}")
+    assert gap > 1000 * ORACLE_BOUND
+
+
+def test_the_three_aggregations_are_three_different_losses() -> None:
+    """On rollouts of unequal lengths ``sequence_mean`` points elsewhere than ``token_mean``;
+    ``constant`` is ``token_mean`` times ``T / (C G)`` within a step (its scale does not move
+    with the step's lengths, which one step cannot show)."""
+    token, sequence = oracle("token_mean")[1], oracle("sequence_mean")[1]
+    cosine = float(token @ sequence / (token.norm() * sequence.norm()))
+    print(f"token_mean / sequence_mean gradients: cosine {cosine:.4f}")
+    assert cosine < 0.95
+    num_tokens = sum(len(oracle_token_log_probs(policy_model(), r)[1]) for r in rollouts())
+    # token_mean = constant * (C G / T): the same direction, another scale.
+    scale = num_tokens / (len(rollouts()) * MAX_GENERATED)
+    assert oracle("constant")[3] / oracle("token_mean")[3] == pytest.approx(scale, rel=1e-9)
+    assert float((oracle("constant")[1] - scale * token).norm() / token.norm()) < 1e-9
+
+
+# --- (b) two ranks under FSDP2, unequal completion tokens, one emptied filler -----------------
+
+
+def _two_rank_worker(rank: int) -> dict:
+    torch.set_num_threads(1)
+    results = {}
+    for aggregation in AGGREGATIONS:
+        case = Case(aggregation)
+        shard_model(case.model, [_is_layer], cpu_offload=False, reshard_after_forward=True)
+        loss, num_fillers = real_step(case, RANK_GROUPS[rank], by_budget=True)
+        results[aggregation] = {
+            "gap": case.gap(),
+            "loss": loss,
+            "oracle_loss": case.oracle_loss,
+            "fillers": num_fillers,
+        }
+    return results
+
+
+def _is_layer(name: str, module: nn.Module) -> bool:
+    return name.startswith("layers.") and name.count(".") == 1
+
+
+def test_two_ranks_with_unequal_completions_and_a_filler_take_the_full_batch_step(
+    tmp_path,
+) -> None:
+    results = run_on_ranks(_two_rank_worker, (), tmp_path)
+    for aggregation in AGGREGATIONS:
+        on_rank = [r[aggregation] for r in results]
+        assert [r["fillers"] for r in on_rank] == [0, 1]
+        assert on_rank[0]["gap"] == on_rank[1]["gap"]  # the same full weights on both ranks
+        print(f"{aggregation} 2 ranks (8 + 4 completions, one filler): {on_rank[0]['gap']:.2e}")
+        assert on_rank[0]["gap"] <= ORACLE_BOUND
+        assert on_rank[0]["loss"] == pytest.approx(on_rank[0]["oracle_loss"], rel=1e-6)
+
+
+# --- (c) the filler, the advantages, bad input -------------------------------------------------
+
+
+@pytest.mark.parametrize("units", [CompletionTokens(), Completions()], ids=lambda u: u.name)
+def test_an_emptied_micro_batch_has_no_unit_a_finite_loss_and_a_zero_gradient(units) -> None:
+    """Its loss reaches every weight (so FSDP's collectives pair up) and, weighed 0 by the
+    normaliser, leaves every gradient exactly 0."""
+    case = Case("sequence_mean")
+    batch = collate_rollouts(rollouts()[:3])
+    for source in (batch, {k: v[-1:] for k, v in batch.items()}):  # as filler_micro_batch cuts
+        emptied = units.emptied(source)
+        assert units.count(emptied) == 0 and emptied["tokens"].size(0) == 1
+        prepared = units.prepare(emptied, 0, runs_empty=True)
+        sample_window = SampleWindow([batch, emptied], 6, 0, 0, False, True)
+        (window,) = LossNormalizer(None, units=units).windows([sample_window])
+        case.model.zero_grad(set_to_none=True)
+        loss = case.loss_step(prepared)
+        assert torch.isfinite(loss) and EMPTY not in prepared and LOSS_POSITIONS not in prepared
+        window.scale(loss, window.micro_batches[1]).backward()
+        grads = [p.grad for p in trainable(case.model)]
+        assert all(g is not None for g in grads)  # every weight took part
+        assert all(bool((g == 0).all()) for g in grads)
+
+
+def test_group_advantages_are_each_groups_standardised_rewards() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.2, 0.9, 0.9, 0.1, 3.0, 3.0, 3.0, 3.0])
+    advantages = group_advantages(rewards, GROUP_SIZE)
+    for g in range(3):
+        group = rewards[g * GROUP_SIZE : (g + 1) * GROUP_SIZE].tolist()
+        mean = sum(group) / GROUP_SIZE
+        std = (sum((r - mean) ** 2 for r in group) / (GROUP_SIZE - 1)) ** 0.5
+        for i, r in enumerate(group):
+            assert float(advantages[g * GROUP_SIZE + i]) == pytest.approx((r - mean) / (std + 1e-4))
+    with pytest.raises(ValueError, match=r"rewards of shape \(3, 4\): expected one reward per"):
+        group_advantages(rewards.view(3, 4), GROUP_SIZE)
+    with pytest.raises(ValueError, match="whole groups of 5"):
+        group_advantages(rewards, 5)
+    with pytest.raises(ValueError, match="group_size=1"):
+        group_advantages(rewards, 1)
+    with pytest.raises(ValueError, match="reward of completion 2 is nan"):
+        group_advantages(torch.tensor([1.0, 0.0, float("nan"), 1.0]), 2)
+
+
+@pytest.mark.parametrize("units", [CompletionTokens(), Completions()], ids=lambda u: u.name)
+def test_a_completion_without_a_completion_token_is_named(units) -> None:
+    bad = [dict(r) for r in rollouts()[:3]]
+    bad[1]["labels"] = [IGNORE_INDEX] * len(bad[1]["labels"])
+    with pytest.raises(ValueError, match="completion 1 of a micro-batch of 3: no completion token"):
+        units.count(collate_rollouts(bad))
+    # A completion whose one label sits at position 0 has none after the shift.
+    zeros = {"old_log_probs": [0.0, 0.0], "ref_log_probs": [0.0, 0.0], "advantage": 0.0}
+    bad = [{"tokens": [5, 6], "labels": [5, IGNORE_INDEX], **zeros}]
+    with pytest.raises(ValueError, match="completion 0 of a micro-batch of 1: no completion"):
+        units.count(collate_rollouts(bad))
+
+
+@pytest.mark.parametrize("units", [CompletionTokens(), Completions()], ids=lambda u: u.name)
+def test_advantages_of_the_wrong_shape_are_named(units) -> None:
+    batch = collate_rollouts(rollouts()[:3])
+    for advantages in (torch.zeros(2), torch.zeros(3, 1)):
+        with pytest.raises(ValueError, match=r"advantages of shape .* expected \(3,\), one per"):
+            units.count({**batch, ADVANTAGES: advantages})
+    with pytest.raises(ValueError, match=r"ref_log_probs of shape \(3, 5\)"):
+        units.count({**batch, "ref_log_probs": torch.zeros(3, 5)})
+    with pytest.raises(ValueError, match="loss_aggregation 'constant' divides by"):
+        grpo_loss_step(
+            policy_model(), batch, aggregation="constant", epsilon=EPSILON, kl_coeff=KL_COEFF
+        )
+    with pytest.raises(ValueError, match="config key 'loss_aggregation'='mean': choose one of"):
+        loss_units_for("mean")
+
+
+# --- (d) the old policy, and logits only at completion positions --------------------------------
+
+
+def test_without_old_log_probs_the_old_policy_is_the_current_one() -> None:
+    """``ppo_epochs: 1``: the same loss and gradient as old log-probs recorded from the policy
+    itself (ratio 1, the surrogate's gradient ``-A grad logp``)."""
+    model = policy_model()
+    batch = CompletionTokens().prepare(collate_rollouts(rollouts()[:4]), 0, runs_empty=False)
+    with torch.no_grad():
+        current = policy.token_log_probs(
+            model, {"tokens": batch["tokens"]}, batch[LOSS_POSITIONS], _targets(batch)
+        )
+    recorded = torch.zeros_like(batch["ref_log_probs"]).reshape(-1)
+    recorded[batch[LOSS_POSITIONS] + 1] = current
+    recorded = recorded.view_as(batch["ref_log_probs"])
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        loss = grpo_loss_step(
+            model, dict(batch), aggregation="token_mean", epsilon=EPSILON, kl_coeff=KL_COEFF
+        )
+        loss.backward()
+        return float(loss.detach()), flat([p.grad for p in model.parameters()])
+
+    without = {k: v for k, v in batch.items() if k != "old_log_probs"}
+    loss, grads = loss_and_grads(without)
+    recorded_loss, recorded_grads = loss_and_grads({**batch, "old_log_probs": recorded})
+    assert loss == pytest.approx(recorded_loss, rel=1e-6)
+    assert float((grads - recorded_grads).norm() / recorded_grads.norm()) < 1e-6
+
+
+def _targets(batch: dict) -> torch.Tensor:
+    labels = batch["labels"]
+    shifted = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), 1)
+    return shifted.reshape(-1)[batch[LOSS_POSITIONS]]
+
+
+def test_the_projection_sees_only_completion_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = policy_model()
+    rows_projected: list[int] = []
+    model.output.register_forward_hook(
+        lambda module, args, out: rows_projected.append(args[0].reshape(-1, 32).size(0))
+    )
+    batch = Completions().prepare(collate_rollouts(rollouts()), 12, runs_empty=False)
+    num_completion_tokens = sum(
+        sum(label != IGNORE_INDEX for label in r["labels"][1:]) for r in rollouts()
+    )
+    assert len(batch[LOSS_POSITIONS]) == num_completion_tokens
+    assert num_completion_tokens < batch["tokens"].numel() / 2  # most are prompt or padding
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = grpo_loss_step(
+            model, dict(batch), aggregation="sequence_mean", epsilon=EPSILON, kl_coeff=KL_COEFF
+        )
+        loss.backward()
+        return float(loss.detach()), flat([p.grad for p in model.parameters()])
+
+    cut_loss, cut_grads = loss_and_grads()
+    assert rows_projected == [num_completion_tokens]
+    monkeypatch.setattr(policy, "projecting_only", _never_cut)
+    full_loss, full_grads = loss_and_grads()
+    assert rows_projected[-1] == batch["tokens"].numel()  # every position
+    assert cut_loss == pytest.approx(full_loss, rel=1e-6)
+    assert float((cut_grads - full_grads).norm() / full_grads.norm()) < 1e-6
+
+
+@contextlib.contextmanager
+def _never_cut(model, positions):
+    yield False
