@@ -4,8 +4,11 @@ Tier (b) of STYLE.md point 9. The runs are those of benchmarks/precision_table.p
 there, so the docs' table and these bounds measure the same runs): the tiny configs with the
 small model, 12 steps of 8 shuffled variable-length sequences of the bundled data, SGD or AdamW
 (learning rates in ``LEARNING_RATES`` there), the trained weights read from the last step
-checkpoint as the run holds them (fp32 master weights in fp32). Each run is launched once per
-session, whichever test worker asks first (``run_once``). Distances are relative L2
+checkpoint as the run holds them (fp32 master weights in fp32). The runs the tests read are
+made once per session, whichever test worker asks first (``run_once``), in two launches side by
+side: the one-device runs one after another in one, the 2-rank runs in the other
+(tests/many_runs.py: each run still a recipe run as ``tune run`` starts it; the start-up of
+torch and torchtune, most of a launch of its own, is paid once). Distances are relative L2
 (``||w - w_ref|| / ||w_ref - w_init||``) to the fp32 8x1 run on one device; run with ``-rP`` to
 see them.
 
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from many_runs import Run, launch_runs, run_of
 from recipe_utils import (
     REPO_ROOT,
     load_adapters,
@@ -58,6 +63,38 @@ LORA_BANDS = {  # optimizer: {precision: (low, high)}
 }
 
 
+# The runs of benchmarks/precision_table.py that the tests below read.
+FULL_RUNS = [
+    f"full-{precision}-{optimizer}-{split}"
+    for optimizer in ("sgd", "adamw")
+    for precision, split in [
+        ("fp32", "8x1"),
+        *(("bf16_master", split) for split in ("8x1", "1x8", "2x4x1", "2x1x4")),
+    ]
+]
+LORA_RUNS = [
+    f"lora-{precision}-{optimizer}-8x1"
+    for optimizer in ("sgd", "adamw")
+    for precision in ("fp32", "bf16", "bf16_master")
+]
+RUNS_READ = [*FULL_RUNS, *LORA_RUNS, "lora-init"]
+
+
+def _launch_all(root: Path) -> None:
+    """Every run of ``RUNS_READ`` as ``table.launch`` makes it (its arguments, on CPU): the
+    one-device runs in one launch, the 2-rank runs in another, side by side."""
+    by_ranks: dict[int, list[Run]] = {}
+    for name in RUNS_READ:
+        run = table.RUNS[name]
+        assert run.precision != "bf16_sr", name  # table.launch runs those with table.EAGER
+        nproc, launch = run_of([*run.args(root / name), "device=cpu"], root / name)
+        by_ranks.setdefault(nproc, []).append(launch)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(launch_runs, runs, nproc) for nproc, runs in by_ranks.items()]
+        for future in futures:
+            future.result()
+
+
 @pytest.fixture(scope="module")
 def trained(run_once):
     """``trained(name) -> weights``: the final weights of run ``name`` of
@@ -65,7 +102,10 @@ def trained(run_once):
     ``lora``: the weights training starts from)."""
 
     def folder(name: str) -> Path:
-        return run_once(f"precision_{name}", lambda out: table.launch(name, out)) / name
+        out = run_once("precision_runs", _launch_all) / name
+        output = (out / "output.txt").read_text()
+        assert (out / "returncode").read_text() == "0", f"run {name} failed:\n{output[-4000:]}"
+        return out
 
     def get(name: str) -> dict[str, torch.Tensor]:
         if name == "full-init":  # the fp32 checkpoint every full run starts from
@@ -80,6 +120,7 @@ def _distance(trained, run: str, reference: str) -> float:
     return relative_l2(trained(run), trained(reference), initial)
 
 
+@pytest.mark.xdist_group("precision_recipes")
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_full_bf16_master_weights_land_near_fp32_on_one_device(trained, optimizer):
     reference = f"full-fp32-{optimizer}-8x1"
@@ -90,6 +131,7 @@ def test_full_bf16_master_weights_land_near_fp32_on_one_device(trained, optimize
         assert rel <= BOUND[optimizer], run
 
 
+@pytest.mark.xdist_group("precision_recipes")
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_full_bf16_master_weights_land_near_fp32_on_two_ranks(trained, optimizer):
     reference = f"full-fp32-{optimizer}-8x1"
@@ -100,6 +142,7 @@ def test_full_bf16_master_weights_land_near_fp32_on_two_ranks(trained, optimizer
         assert rel <= BOUND[optimizer], run
 
 
+@pytest.mark.xdist_group("precision_recipes")
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_lora_fp32_adapters_are_closer_to_fp32_lora_than_pure_bf16(trained, optimizer):
     reference = f"lora-fp32-{optimizer}-8x1"
