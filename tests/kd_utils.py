@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from many_runs import launch_runs, run_of
 from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT, SMALL_MODEL, output_of, run_tune
 from torchtune import config
@@ -103,12 +104,29 @@ def train(args: list[str], extra: list[str] | None = None) -> None:
 
 
 def one_rank_run(run_once, case: str, split: tuple[int, int]) -> Path:
-    """The one-device run of ``case`` with ``split`` (batch size, ga), once per session."""
+    """The one-device run of ``case`` with ``split`` (batch size, ga). Every case under every
+    split of ``ONE_DEVICE_SPLITS`` is made once per session, on first use, one after another in
+    one launch (tests/many_runs.py: each still the recipe as ``tune run`` starts it)."""
     batch_size, ga = split
-    return run_once(
-        f"kd_{case}_{batch_size}x{ga}",
-        lambda out: train(parity_args(out, case, batch_size, ga)),
-    )
+    assert split in ONE_DEVICE_SPLITS, split
+    out = run_once("kd_one_device_runs", _one_device_runs) / f"{case}_{batch_size}x{ga}"
+    output = (out / "output.txt").read_text()
+    assert (out / "returncode").read_text() == "0", output[-4000:]
+    return out
+
+
+ONE_DEVICE_SPLITS = [(8, 1), (1, 8), (2, 4)]
+
+
+def _one_device_runs(root: Path) -> None:
+    runs = []
+    for case in CASES:
+        for batch_size, ga in ONE_DEVICE_SPLITS:
+            out = root / f"{case}_{batch_size}x{ga}"
+            nproc, run = run_of(parity_args(out, case, batch_size, ga), out)
+            assert nproc == 0
+            runs.append(run)
+    launch_runs(runs, nproc=0)
 
 
 def initial_adapters(case: str) -> dict[str, torch.Tensor]:

@@ -5,8 +5,9 @@ distil into the adapters one rank does with the same global batch (the 1-rank 8x
 tests/test_recipe_kd_single_device.py, shared through ``run_once``), and a window with no loss
 token on any rank must skip its step while micro-batches empty on one rank still run with
 weight 0. One rank of the distributed recipe (through torchrun and without it, with a tied and an
-untied teacher) must land where two ranks do: issue #22 crashed there. Launches: six (plus the
-shared 8x1 runs when this module runs alone).
+untied teacher) must land where two ranks do: issue #22 crashed there. Launches: three, one per
+number of ranks (2, 1 through torchrun, 1 without), each making its runs one after another
+(tests/many_runs.py); plus the shared one-device runs' launch when this module runs alone.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from kd_utils import (
     kd_args,
     one_rank_run,
     parity_args,
-    train,
 )
+from many_runs import Run, launch_runs, run_of
 from recipe_utils import (
     EMPTY_WINDOW_RUN,
     load_adapters,
@@ -41,7 +42,7 @@ from recipe_utils import (
     rows_with_an_empty_window,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("kd_recipes")]
 
 TWO_RANKS = {"recipe": KD_DISTRIBUTED_RECIPE, "config": KD_DISTRIBUTED_CONFIG, "nproc": 2}
 # (case, batch size, ga) on two ranks: the same 8 sequences per step as 8x1 on one.
@@ -55,49 +56,63 @@ ONE_RANK_RUNS = {
 }
 
 
-def _two_rank_run(out: Path, case: str, batch_size: int, ga: int) -> None:
+def _two_rank_args(out: Path, case: str, batch_size: int, ga: int) -> list[str]:
     # The fp32 case's step checkpoints are the single-device resume test's; not needed here.
-    train(parity_args(out, case, batch_size, ga, **TWO_RANKS), ["save_every_n_steps=null"])
+    return [*parity_args(out, case, batch_size, ga, **TWO_RANKS), "save_every_n_steps=null"]
 
 
-def _one_rank_run(out: Path, torchrun: bool, teacher: list[str]) -> None:
+def _one_rank_args(out: Path, torchrun: bool, teacher: list[str]) -> list[str]:
     args = parity_args(out, "fp32_train_on_input", 8, 1, recipe=KD_DISTRIBUTED_RECIPE)
     head = ["--nproc_per_node", "1"] if torchrun else []
-    train(head + args, ["save_every_n_steps=null", *teacher])
+    return [*head, *args, "save_every_n_steps=null", *teacher]
 
 
-def _two_rank_untied_run(out: Path) -> None:
-    train(
-        parity_args(out, "fp32_train_on_input", 1, 4, **TWO_RANKS),
-        ["save_every_n_steps=null", *UNTIED_TEACHER],
-    )
+def _two_rank_untied_args(out: Path) -> list[str]:
+    args = parity_args(out, "fp32_train_on_input", 1, 4, **TWO_RANKS)
+    return [*args, "save_every_n_steps=null", *UNTIED_TEACHER]
 
 
-def _empty_window_run(out: Path) -> None:
+def _empty_window_args(out: Path) -> list[str]:
+    out.mkdir(parents=True)
     data = out / "data.json"
     data.write_text(json.dumps(rows_with_an_empty_window()))
     # One sequence per micro-batch on each of 2 ranks: the windows of the single-device test.
     settings = {**EMPTY_WINDOW_RUN, "batch_size": 1, "dataset__data_files": data}
-    train(kd_args(out / "run", **TWO_RANKS, **settings))
+    return kd_args(out / "run", **TWO_RANKS, **settings)
+
+
+def _launch_all(root: Path) -> None:
+    """Every run of this module, one launch per number of ranks (tests/many_runs.py: the
+    runs one after another, each through the recipe as ``tune run`` starts it)."""
+    launches = {
+        f"{case}_{bs}x{ga}x2": _two_rank_args(root / f"{case}_{bs}x{ga}x2", case, bs, ga)
+        for case, bs, ga in RANK_SPLITS
+    }
+    launches["empty_window"] = _empty_window_args(root / "empty_window")
+    for name, (torchrun, teacher) in ONE_RANK_RUNS.items():
+        launches[name] = _one_rank_args(root / name, torchrun, teacher)
+    launches["untied_1x4x2"] = _two_rank_untied_args(root / "untied_1x4x2")
+    by_ranks: dict[int, list[Run]] = {}
+    for name, args in launches.items():
+        nproc, run = run_of(args, root / name)
+        by_ranks.setdefault(nproc, []).append(run)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(launch_runs, runs, nproc) for nproc, runs in by_ranks.items()]
+        for future in futures:
+            future.result()
+    for name in launches:
+        output = (root / name / "output.txt").read_text()
+        assert (root / name / "returncode").read_text() == "0", f"{name}:\n{output[-4000:]}"
 
 
 @pytest.fixture(scope="module")
 def runs(run_once) -> dict[str, Path]:
-    """The two-rank runs and the one-rank references, two launches at a time."""
-    jobs = {
-        f"{case}_{bs}x{ga}x2": lambda out, c=case, b=bs, g=ga: _two_rank_run(out, c, b, g)
-        for case, bs, ga in RANK_SPLITS
-    }
-    jobs["empty_window"] = _empty_window_run
-    for name, (torchrun, teacher) in ONE_RANK_RUNS.items():
-        jobs[name] = lambda out, t=torchrun, o=teacher: _one_rank_run(out, t, o)
-    jobs["untied_1x4x2"] = _two_rank_untied_run
+    """This module's runs and the one-rank references (tests/kd_utils.py), once per session."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(run_once, f"kd_dist_{name}", make) for name, make in jobs.items()
-        }
+        made = pool.submit(run_once, "kd_dist_runs", _launch_all)
         refs = {case: pool.submit(one_rank_run, run_once, case, (8, 1)) for case in CASES}
-        found = {name: future.result() for name, future in futures.items()}
+        root = made.result()
+        found = {path.name: path for path in root.iterdir() if path.is_dir()}
         found.update({f"{case}_8x1": future.result() for case, future in refs.items()})
     return found
 

@@ -4,9 +4,9 @@ Tier (b) of STYLE.md point 9: the tiny KD config (a teacher twice as wide as the
 on the shipped data, in a subprocess, offline. The recipe is never imported; everything is read
 back from what a run writes. Run with ``-rP`` to see the measured distances docs/ quotes.
 
-Launches: six parity runs (two cases x 8x1, 1x8, 2x4; the 8x1 runs are shared with
-tests/test_recipe_kd_distributed.py), a killed and a resumed run, and one run with an empty
-window: nine.
+Launches: one for the six parity runs (two cases x 8x1, 1x8, 2x4, one after another: see
+tests/many_runs.py; the 8x1 runs are shared with tests/test_recipe_kd_distributed.py), a killed
+and a resumed run, and one run with an empty window: four.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import math
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from kd_utils import (
     BASE,
     CASES,
     MERGED,
+    ONE_DEVICE_SPLITS,
     PARITY_STEPS,
     PEFT_ADAPTERS,
     initial_adapters,
@@ -52,19 +52,18 @@ from exactga.profiling import REPORT_CATEGORY
 
 pytestmark = pytest.mark.slow
 
-SPLITS = [(8, 1), (1, 8), (2, 4)]
+SPLITS = ONE_DEVICE_SPLITS
 RESUME_CASE = "fp32_train_on_input"  # AdamW moments, a warm-up and cosine schedule to resume
 
 
 @pytest.fixture(scope="module")
 def parity_runs(run_once) -> dict[tuple[str, tuple[int, int]], Path]:
-    """Every case under every split, two launches at a time, once per session."""
+    """Every case under every split, made once per session in one launch."""
     keys = [(case, split) for case in CASES for split in SPLITS]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {key: pool.submit(one_rank_run, run_once, *key) for key in keys}
-        return {key: future.result() for key, future in futures.items()}
+    return {key: one_rank_run(run_once, *key) for key in keys}
 
 
+@pytest.mark.xdist_group("kd_recipes")
 @pytest.mark.parametrize("case", list(CASES))
 def test_accumulation_splits_match_full_batch(parity_runs, case):
     """8x1, 1x8 and 2x4 distil into the same student adapters (fp64 <= 1e-7, fp32 <= 2e-6)."""
@@ -86,6 +85,7 @@ def test_accumulation_splits_match_full_batch(parity_runs, case):
                 assert math.isclose(ours, ref, rel_tol=1e-5), (name, ours, ref)
 
 
+@pytest.mark.xdist_group("kd_recipes")
 def test_metrics_are_stocks_and_ours_and_loss_mixes_both(parity_runs):
     """Stock's names (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
     ``tokens_per_second_per_gpu``) and ours on every step; ``loss`` is the kd_ratio mix."""
@@ -101,6 +101,7 @@ def test_metrics_are_stocks_and_ours_and_loss_mixes_both(parity_runs):
         assert ce > 0 and kd > 0 and ce != kd
 
 
+@pytest.mark.xdist_group("kd_recipes")
 def test_profiling_report_is_written_to_tensorboard(parity_runs):
     """The SFT recipes' TensorBoard report: the custom-scalars layout and the text summary."""
     ((_, report),) = read_reports(parity_runs[(RESUME_CASE, (8, 1))] / "logs").items()
@@ -109,6 +110,7 @@ def test_profiling_report_is_written_to_tensorboard(parity_runs):
     assert "**Saved latency**" in report["markdown"] and "| forward |" in report["markdown"]
 
 
+@pytest.mark.xdist_group("kd_recipes")
 def test_artefacts_match_stock_layout(parity_runs):
     """Student adapters (torchtune's and PEFT's format), adapter config and merged student
     weights; the merged weights differ from the student's base only where LoRA applies, and
@@ -132,6 +134,7 @@ def test_artefacts_match_stock_layout(parity_runs):
     assert adapter_config["base_model_name_or_path"] == str((out / "base_model").resolve())
 
 
+@pytest.mark.xdist_group("kd_recipes")
 def test_killed_run_resumes_bit_identically(tmp_path, run_once):
     """SIGKILL once a random step's checkpoint exists (plus a random delay, so mid-step or
     mid-save); the resumed run ends with exactly the uninterrupted run's adapters, and trains
