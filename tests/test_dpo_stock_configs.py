@@ -118,6 +118,7 @@ def test_every_stock_dpo_config_adapts(recipe: str, name: str, tmp_path: Path) -
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("dpo_stock_configs")  # one worker makes the runs, the other goes on
 @pytest.mark.parametrize("recipe, name", [pytest.param(r, n, id=n) for r, n in SELECTION])
 def test_stock_dpo_config_runs(runs: Path, recipe: str, name: str) -> None:
     """Exit status 0, a finite loss at both steps, the stock artefacts."""

@@ -22,6 +22,9 @@ from exactga.reference_logprobs import (
     with_precomputed_reference,
 )
 
+# The module's cases are made once, on one worker (they cost an fp64 oracle each).
+pytestmark = pytest.mark.xdist_group("reference_logprobs")
+
 # fp32 forwards summed in fp64: a reference sum of ~-900 nats lands within ~1e-4 of the fp64
 # oracle's, whatever the grouping (measured 1.5e-5 at most).
 ABS = 2e-4

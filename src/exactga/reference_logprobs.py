@@ -6,13 +6,13 @@ dataset and each step looks its pairs up instead of running the reference. See [
 reference].
 
 Note [precomputed reference]
-What it saves, measured on CPU with the tiny model (8 pairs per micro-batch, by length): the
-reference's forward is 24% of a LoRA DPO step and 21% of a full DPO step
-(docs/dpo.md, "Precomputed reference log-probs"). The pre-pass costs one reference forward per
-pair, what the first epoch would spend anyway, so a run of E epochs saves (E - 1) of those
-forwards and a one-epoch run (every stock config) saves nothing in time. Full DPO also drops its
-reference model after the pre-pass: its weights, a second copy of the model's, leave the
-device for the rest of the run. Hence off by default.
+What it saves, measured on CPU with the tiny models (8 pairs per micro-batch, by length; one
+thread; ``benchmarks/dpo_reference_share.py``): the reference's forward is 24% of a LoRA DPO
+step and 26% of a full DPO step (docs/dpo.md, "Precomputed reference log-probs"). The pre-pass
+costs one reference forward per pair, what the first epoch would spend anyway, so a run of E
+epochs saves (E - 1) of those forwards and a one-epoch run (every stock config) saves nothing in
+time. Full DPO also drops its reference model after the pre-pass: its weights, a second copy of
+the model's, leave the device for the rest of the run. Hence off by default.
 
 Exactness is unchanged: a pair's summed log-probs do not depend on the micro-batch it is in
 (see [pairs as loss units] in exactga.preference), so the looked-up values are the in-step ones
