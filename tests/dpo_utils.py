@@ -37,7 +37,14 @@ LORA_OPTIMIZER: dict[str, object] = {
     "optimizer.lr": 0.5,
     "optimizer.weight_decay": 0.0,
 }
-FULL_LR = 2e-4
+# Full DPO's splits with SGD too: AdamW's rounding amplification left 2 ranks 8.3e-6 to 8.5e-6
+# from 1 rank (lr 2e-4), too near the 1e-5 bound to hold on every CPU; SGD lands at 3.4e-6
+# whether the weights move 3% (lr 0.5) or 12% (lr 2.0) of their norm, so that is fp32's floor here.
+FULL_OPTIMIZER: dict[str, object] = {
+    "optimizer._component_": "torch.optim.SGD",
+    "optimizer.lr": 0.5,
+    "optimizer.weight_decay": 0.0,
+}
 
 # The single-device LoRA runs: the splits of one global batch of 8 pairs.
 LORA_SPLITS: dict[str, dict[str, object]] = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from dpo_utils import (
     FULL_DISTRIBUTED,
-    FULL_LR,
+    FULL_OPTIMIZER,
     LORA_DISTRIBUTED,
     LORA_OPTIMIZER,
     dpo_args,
@@ -49,7 +49,7 @@ def full_args(out, split: str) -> list[str]:
         out,
         nproc,
         dataset__split=f"train[:{FULL_PAIRS}]",
-        optimizer__lr=FULL_LR,
+        **FULL_OPTIMIZER,
         **overrides,
     )
 
@@ -91,8 +91,11 @@ def test_full_dpo_metrics_are_the_window_values_over_every_rank(full_runs, split
     reference = read_scalars(full_runs["1rank_8x1"] / "logs")
     scalars = read_scalars(full_runs[split] / "logs")
     assert scalars["pairs"] == reference["pairs"] == [8.0] * 3
+    # A margin is beta times differences of log-prob sums of hundreds of nats, so the weights'
+    # 3e-6 relative difference shows in it at ~1e-5 (measured 1.02e-5); the last micro-batch's
+    # means (stock's figures) would be off by tens of percent.
     for name in ("loss", "rewards/margins", "rewards/accuracies", "log_probs/rejected"):
-        assert scalars[name] == pytest.approx(reference[name], rel=1e-5, abs=1e-6), name
+        assert scalars[name] == pytest.approx(reference[name], rel=1e-4, abs=1e-6), name
 
 
 @pytest.mark.parametrize("epoch", [0, 1])
