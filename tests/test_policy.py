@@ -479,7 +479,7 @@ def test_the_projection_sees_only_completion_positions(monkeypatch: pytest.Monke
 
     cut_loss, cut_grads = loss_and_grads()
     assert rows_projected == [num_completion_tokens]
-    monkeypatch.setattr(policy, "projecting_only", _never_cut)
+    monkeypatch.setattr(training, "projecting_only", _never_cut)  # where the log-probs project
     full_loss, full_grads = loss_and_grads()
     assert rows_projected[-1] == batch["tokens"].numel()  # every position
     assert cut_loss == pytest.approx(full_loss, rel=1e-6)

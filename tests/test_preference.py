@@ -30,7 +30,7 @@ from torchtune.rlhf.loss import DPOLoss, RSOLoss
 from torchtune.training import shard_model
 from unit_utils import VOCAB, run_on_ranks, tiny_lora, tiny_model
 
-from exactga import preference, training
+from exactga import training
 from exactga.distributed import GradientSync, gradient_sync
 from exactga.frozen import freeze_model
 from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS
@@ -406,7 +406,7 @@ def test_the_projection_sees_only_response_positions_and_the_loss_is_the_full_lo
 
     cut_loss, cut_grads = loss_and_grads(batch)
     assert rows_projected == [num_responses]
-    monkeypatch.setattr(preference, "projecting_only", _never_cut)
+    monkeypatch.setattr(training, "projecting_only", _never_cut)  # where the log-probs project
     full_loss, full_grads = loss_and_grads(batch)
     assert rows_projected[-1] == batch["tokens"].numel()  # every position, as stock projects
     assert cut_loss == pytest.approx(full_loss, rel=1e-6)

@@ -58,7 +58,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from exactga.loss_units import (
@@ -72,7 +71,7 @@ from exactga.loss_units import (
 )
 from exactga.options import Option, as_option
 from exactga.precision import Precision
-from exactga.training import projecting_only
+from exactga.training import token_log_probs
 
 OLD_LOG_PROBS = "old_log_probs"
 REF_LOG_PROBS = "ref_log_probs"
@@ -260,30 +259,6 @@ def _has_rows(value: Any, num_rows: int) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Per-token log-probs at the completion positions, and the loss step.
-
-
-def token_log_probs(
-    model: nn.Module,
-    inputs: Batch,
-    positions: torch.Tensor,
-    targets: torch.Tensor,
-    precision: Precision | None = None,
-    activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
-) -> torch.Tensor:
-    """``log p(target)`` at each of ``positions`` (flat indices into the ``(B, L)`` batch after
-    the shift), in fp32 at least. The projection runs only there where the model allows it, as
-    in ``exactga.preference.sequence_log_probs``, which sums these per row."""
-    autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
-    activations = activations_ctx or contextlib.nullcontext()
-    with activations, autocast, projecting_only(model, positions) as cut:
-        logits = model(**inputs)
-    if isinstance(logits, list):  # a chunked output, chunked along the sequence
-        logits = torch.cat(logits, dim=1)
-    logits = logits.reshape(-1, logits.size(-1))
-    if not cut:
-        logits = logits.index_select(0, positions)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return -F.cross_entropy(logits, targets, reduction="none")
 
 
 def policy_token_losses(

@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torchtune.modules.peft import disable_adapter
 
@@ -57,7 +56,7 @@ from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS, Batch, loss_positio
 from exactga.normalization import Window
 from exactga.precision import Precision
 from exactga.reference_logprobs import PAIR_INDEX, ReferenceTable
-from exactga.training import projecting_only
+from exactga.training import token_log_probs
 
 # An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
 # no pair. See [pairs as loss units].
@@ -186,21 +185,12 @@ def sequence_log_probs(
     it; otherwise the full logits are cut after the forward. See [pairs as loss units].
     """
     num_rows, seq_len = inputs["tokens"].shape
-    autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
-    activations = activations_ctx or contextlib.nullcontext()
-    with activations, autocast, projecting_only(model, positions) as cut:
-        logits = model(**inputs)
-    if isinstance(logits, list):  # a chunked output, chunked along the sequence
-        logits = torch.cat(logits, dim=1)
-    logits = logits.reshape(-1, logits.size(-1))
-    if not cut:
-        logits = logits.index_select(0, positions)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    token_log_probs = -F.cross_entropy(logits, targets, reduction="none").double()
-    del logits
+    token_log_probs_ = token_log_probs(
+        model, inputs, positions, targets, precision, activations_ctx
+    ).double()
     # Scattered to a dense (2B, L) grid and summed per row: index_copy with distinct indices is
     # deterministic on every device, where an index_add into rows would use atomics on CUDA.
-    grid = token_log_probs.new_zeros(num_rows * seq_len).index_copy(0, positions, token_log_probs)
+    grid = token_log_probs_.new_zeros(num_rows * seq_len).index_copy(0, positions, token_log_probs_)
     return grid.view(num_rows, seq_len).sum(dim=1)
 
 

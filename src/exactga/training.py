@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
 from torchtune import utils
@@ -169,6 +170,31 @@ def projecting_only(model: nn.Module, positions: torch.Tensor | None) -> Iterato
         yield True
     finally:
         del model.unembed  # the class's method again
+
+
+def token_log_probs(
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    precision: Precision | None = None,
+    activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+) -> torch.Tensor:
+    """``log p(target)`` at each of ``positions`` (flat indices into the ``(B, L)`` batch after
+    the shift), in fp32 at least: the per-token log-probs of the preference and policy losses
+    (``exactga.preference.sequence_log_probs`` sums them per row). The projection runs only at
+    ``positions`` where the model allows it; see [logits only at loss positions]."""
+    autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
+    activations = activations_ctx or contextlib.nullcontext()
+    with activations, autocast, projecting_only(model, positions) as cut:
+        logits = model(**inputs)
+    if isinstance(logits, list):  # a chunked output, chunked along the sequence
+        logits = torch.cat(logits, dim=1)
+    logits = logits.reshape(-1, logits.size(-1))
+    if not cut:
+        logits = logits.index_select(0, positions)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return -F.cross_entropy(logits, targets, reduction="none")
 
 
 def _can_cut_output(model: nn.Module) -> bool:
