@@ -46,8 +46,8 @@ from exactga.normalization import LossNormalizer
 from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
 from exactga.precision import Precision
 from exactga.preference import (
+    DpoTerms,
     PreferenceMetrics,
-    PreferencePairs,
     collate_pairs,
     dpo_loss_step,
     frozen_model_reference,
@@ -77,6 +77,10 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           of the window's pair count per step, each micro-batch's mean loss over its pairs
           scaled by ``dp_size * batch_pairs / window_pairs`` before backward, which undoes
           FSDP's averaging; ``token_budget`` fillers as in the LoRA DPO recipe.
+        - ``rpo_alpha`` (exactga): adds ``rpo_alpha`` times the chosen responses' NLL, a mean
+          over the window's chosen tokens, weighted by its own units (RPO; exact where TRL
+          averages per micro-batch); ``sequence_log_prob: mean`` length-normalises each
+          response's log-prob (IPO, SimPO). Off by default: stock's loss, by the same code.
         - ``micro_batching`` on pairs per rank, log-probs only at response positions,
           ``loss_normalization`` (``exact`` or stock's ``naive``), precision and
           ``master_weights``, activation checkpointing (also selective with ``ac_mode``) and
@@ -89,7 +93,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step everywhere or stops.
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
           stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
-          rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded).
+          rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded); with
+          ``rpo_alpha``, ``dpo_loss`` and ``chosen_nll``, the loss's two terms.
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -126,6 +131,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
+        # What the loss is beyond the per-pair ``loss``: see exactga.preference.DpoTerms.
+        self._dpo_terms = DpoTerms(rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob)
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
@@ -174,17 +181,18 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             )
         resume.restore_progress(self._progress, ckpt_dict)
 
-        # One loss per pair; the normaliser weighs micro-batches by their pairs on every rank.
+        # One loss per pair (with rpo_alpha also an NLL over the chosen tokens); the normaliser
+        # weighs each term by its units on every rank.
         self._loss_fn = config.instantiate(cfg.loss)
         self._normalizer = LossNormalizer(
             self._loss_fn,
             mode=self._loss_normalization,
             dp_group=distributed.dp_group(self._mesh),
-            units=PreferencePairs(),
+            units=self._dpo_terms.units(),
         )
         self._reference = frozen_model_reference(ref_model, self._precision)
         del ref_model  # precomputed log-probs replace the reference, and free the model
-        self._metrics = PreferenceMetrics(self._device)
+        self._metrics = PreferenceMetrics(self._device, self._dpo_terms)
 
         # Data order, row checks and loader position: see [data order] in exactga.data.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
@@ -397,6 +405,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             self._loss_fn,
             batch,
             self._reference,
+            terms=self._dpo_terms,
             metrics=self._metrics,
             precision=self._precision,
             activations_ctx=self._activations_handling_ctx,

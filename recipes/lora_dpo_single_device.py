@@ -40,8 +40,8 @@ from exactga.loss_units import IGNORE_INDEX
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.preference import (
+    DpoTerms,
     PreferenceMetrics,
-    PreferencePairs,
     collate_pairs,
     dpo_loss_step,
     lora_reference,
@@ -77,6 +77,10 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
           ``batch_pairs / window_pairs`` before backward. An epoch's last, short window is a
           step of its own (``drop_partial_window: True`` drops it); stock leaks its leftover
           micro-batches' gradient into the next epoch's first step.
+        - ``rpo_alpha`` (exactga): adds ``rpo_alpha`` times the chosen responses' NLL, a mean
+          over the window's chosen tokens, weighted by its own units (RPO; exact where TRL
+          averages per micro-batch); ``sequence_log_prob: mean`` length-normalises each
+          response's log-prob (IPO, SimPO). Off by default: stock's loss, by the same code.
         - ``micro_batching`` on pairs: ``by_length`` (default: pairs sorted by their longer
           side), ``fixed`` (stock's order), ``token_budget`` (``micro_batch_tokens`` bounds
           the ``2 x pairs x longest`` positions of a micro-batch). Exact in every mode.
@@ -94,6 +98,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
           ``rewards/*`` and ``log_probs/*`` as means over the window's pairs (stock logs the
           last micro-batch's), and the profiler's scalars. Stock's ``logits/*`` (means over
           every padded position's logits) are not logged: no logits exist off the responses.
+          With ``rpo_alpha``: ``dpo_loss`` and ``chosen_nll``, the loss's two terms.
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -116,6 +121,8 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
+        # What the loss is beyond the per-pair ``loss``: see exactga.preference.DpoTerms.
+        self._dpo_terms = DpoTerms(rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob)
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
@@ -159,13 +166,14 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
 
-        # One loss per pair; the normaliser weighs micro-batches by their pairs.
+        # One loss per pair (with rpo_alpha also an NLL over the chosen tokens); the normaliser
+        # weighs each term by its units.
         self._loss_fn = config.instantiate(cfg.loss)
         self._normalizer = LossNormalizer(
-            self._loss_fn, mode=self._loss_normalization, units=PreferencePairs()
+            self._loss_fn, mode=self._loss_normalization, units=self._dpo_terms.units()
         )
         self._reference = lora_reference(self._model, self._precision)
-        self._metrics = PreferenceMetrics(self._device)
+        self._metrics = PreferenceMetrics(self._device, self._dpo_terms)
 
         # Data order, row checks and loader position: see [data order] in exactga.data.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
@@ -316,6 +324,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             self._loss_fn,
             batch,
             self._reference,
+            terms=self._dpo_terms,
             metrics=self._metrics,
             precision=self._precision,
             activations_ctx=self._activations_handling_ctx,

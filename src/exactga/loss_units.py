@@ -6,7 +6,10 @@ every data-parallel rank; this module says what a unit is. Supervised fine-tunin
 distillation average over loss tokens, counted after the one-position shift
 (:class:`ShiftedTokens`, the default); a preference loss averages over pairs, a policy loss
 over completion tokens or completions. A recipe with another loss hands the normaliser another
-:class:`LossUnits`; the window, the collective and the scaling stay the same code.
+:class:`LossUnits`; the window, the collective and the scaling stay the same code. A loss that is
+a sum of terms, each a mean over units of its own (DPO over pairs plus an NLL over the chosen
+responses' tokens), declares the further units too (:class:`TermUnits`; see [loss terms over
+their own units]).
 
 Note [loss units]
 A loss that is a mean over units, ``L_m = (1/u_m) sum_{i in m} l_i``, gives the window loss
@@ -18,6 +21,23 @@ tokens, counted after the shift), the batch as the loss step needs it (for token
 the scored positions), and how a micro-batch with no unit still runs under FSDP with weight 0
 (for tokens, one planted label; see [empty micro-batches under FSDP]) or is emptied to serve as
 another rank's filler.
+
+Note [loss terms over their own units]
+A loss may be a sum of terms, each a mean over units of its own: ``L_m = sum_k L_mk`` with
+``L_mk = (1/u_mk) sum_{i in m} l_ik`` over the ``u_mk`` units of kind ``k`` in micro-batch ``m``
+(RPO: the DPO loss over pairs plus ``alpha`` times an NLL over the chosen responses' tokens).
+The window loss is then ``sum_k (1/U_k) sum_i l_ik``, one denominator per kind, and each term
+must be weighted on its own, by ``dp_size * u_mk / U_k``: one factor for the whole micro-batch
+cannot do it unless every micro-batch holds the same share of every kind of unit (a micro-batch
+of two short pairs holds a third of the window's pairs but a tenth of its chosen tokens). The
+per-micro-batch token mean that TRL's ``rpo_alpha`` takes is this mistake for the NLL term:
+each micro-batch's chosen tokens weigh ``1/(ga * u_mk)`` instead of ``1/U_k``. The further
+counts are counted on the host with the first and travel as further columns of the window's
+one collective ([one collective per window] in exactga.normalization), and ``Window.scale``
+weighs a vector of term means, the first unit's term first. The first unit stays the one that
+decides everything else (empty micro-batches and windows, fillers, the logged unit count), so
+a further unit must be present wherever the first is, or its term must still be finite: a term
+with no unit in a micro-batch that runs weighs exactly 0, and 0 times NaN is NaN.
 
 Note [shifted token count]
 A causal LM predicts label t+1 at position t, so the loss sees ``labels[:, 1:]`` (torchtune
@@ -41,7 +61,7 @@ zero. Nothing else reads the planted label.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -193,6 +213,31 @@ class LossUnits(Protocol):
     def emptied(self, batch: Batch) -> Batch:
         """A copy of ``batch`` with no unit: another rank's zero-weight filler."""
         ...
+
+
+@runtime_checkable
+class TermUnits(LossUnits, Protocol):
+    """Units of a loss that is a sum of terms, each a mean over units of its own: the first
+    term's are :class:`LossUnits`'; the further terms' are declared here. The loss step then
+    returns the vector of its term means, in this order. See [loss terms over their own units].
+    """
+
+    term_names: tuple[str, ...]  # the further terms' units, as metrics name them
+
+    def count_terms(self, batch: Batch) -> tuple[int, ...]:
+        """Each further term's units in this host batch, in ``term_names``' order; called after
+        :meth:`count` (which checks the batch), and all 0 for an emptied batch."""
+        ...
+
+
+def term_names(units: LossUnits) -> tuple[str, ...]:
+    """The further units ``units`` declares (none for a single-mean loss, the usual case)."""
+    return tuple(units.term_names) if isinstance(units, TermUnits) else ()
+
+
+def count_terms(units: LossUnits, batch: Batch) -> tuple[int, ...]:
+    """The further units of this host batch (none for a single-mean loss)."""
+    return tuple(units.count_terms(batch)) if isinstance(units, TermUnits) else ()
 
 
 class ShiftedTokens:

@@ -6,10 +6,11 @@ recipe goes through it; nothing about counts or loss scaling is written in a rec
 The loss of one optimizer step is the sum of per-unit losses over the whole accumulation
 window, on every data-parallel rank, divided by the number of units in that window. A unit is
 what the loss averages over: a loss token after the shift by default, see ``exactga.loss_units``
-([loss units], [shifted token count]). Windows come shaped from ``exactga.data``'s loader
-(``gradient_accumulation_steps``, ``micro_batching``, ``drop_partial_window`` are read there
-and nowhere else); this module counts and weighs them. The notes below are referred to from the
-code (and from the recipes) by name.
+([loss units], [shifted token count]); a loss that is a sum of terms over units of their own
+weighs each term by its own ([loss terms over their own units]). Windows come shaped from
+``exactga.data``'s loader (``gradient_accumulation_steps``, ``micro_batching``,
+``drop_partial_window`` are read there and nowhere else); this module counts and weighs them.
+The notes below are referred to from the code (and from the recipes) by name.
 
 Note [loss scaled before backward]
 Backward is linear, so scaling each micro-batch's mean loss by
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torchtune.training import scale_grads
 
-from exactga.loss_units import LossUnits, ShiftedTokens
+from exactga.loss_units import LossUnits, ShiftedTokens, count_terms, term_names
 from exactga.micro_batching import SampleWindow, WindowWork, filler_micro_batch
 from exactga.options import NormMode, as_option
 
@@ -63,6 +64,8 @@ class MicroBatch:
     batch: dict[str, torch.Tensor]
     num_units: int  # what the loss divides by; see [loss units]
     num_unshifted_tokens: int  # stock torchtune's count, only for post_scale
+    # Further terms' units, if the loss declares any; see [loss terms over their own units].
+    num_term_units: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,10 @@ class WindowCounts:
     num_units: int  # loss units (tokens after the shift by default)
     num_micro_batches: int  # micro-batches it planned (fillers excluded)
     num_positions: int  # positions those micro-batches process, padding included
+    num_term_units: tuple[int, ...] = ()  # further terms' units, one column each
 
     def as_list(self) -> list[int]:
-        return [self.num_units, self.num_micro_batches, self.num_positions]
+        return [self.num_units, self.num_micro_batches, self.num_positions, *self.num_term_units]
 
 
 # Note [one collective per window]
@@ -84,7 +88,9 @@ class WindowCounts:
 # scaled (by then the first forward has run). From it every rank knows the window's loss units
 # (the sum), how many micro-batches the busiest rank runs (the max; ranks with fewer run
 # zero-weight fillers, see [empty micro-batches under FSDP]), and how unequal the ranks'
-# processed positions are. A few hundred bytes even on a thousand ranks.
+# processed positions are. A few hundred bytes even on a thousand ranks. A loss whose terms
+# are means over units of their own adds one column per further unit, summed the same way:
+# still one collective (see [loss terms over their own units]).
 
 
 class _PendingCounts:
@@ -99,7 +105,8 @@ class _PendingCounts:
         backend = dist.get_backend(group)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         self.device = torch.device(device)
-        slots = torch.zeros(dist.get_world_size(group), 3, dtype=torch.int64)
+        num_columns = len(local.as_list())
+        slots = torch.zeros(dist.get_world_size(group), num_columns, dtype=torch.int64)
         slots[dist.get_rank(group)] = torch.tensor(local.as_list())
         self._tensor = slots.to(self.device)
         self._work = dist.all_reduce(self._tensor, group=group, async_op=True)
@@ -114,6 +121,11 @@ class _PendingCounts:
     def wait(self) -> int:
         """The window's loss units over every rank."""
         return sum(row[0] for row in self.rows())
+
+    def term_units(self) -> tuple[int, ...]:
+        """Each term's units over every rank, the first unit's first."""
+        rows = self.rows()
+        return (self.wait(), *(sum(row[c] for row in rows) for c in range(3, len(rows[0]))))
 
     def max_micro_batches(self) -> int:
         return max(row[1] for row in self.rows())
@@ -136,7 +148,8 @@ class Window:
     dp_size: int
     _pending: _PendingCounts
     _losses: list[torch.Tensor] = field(default_factory=list)
-    _loss_units: list[int] = field(default_factory=list)
+    # Each micro-batch's units: an int, or one per term (see [loss terms over their own units]).
+    _loss_units: list[int | tuple[int, ...]] = field(default_factory=list)
     dp_group: dist.ProcessGroup | None = None
     # A zero-weight micro-batch to run when another rank runs more micro-batches than this one.
     filler: MicroBatch | None = None
@@ -152,6 +165,8 @@ class Window:
     counts_may_differ: bool = False
     # What the units are, as metrics name them (``LossUnits.name``).
     units_name: str = "loss_tokens"
+    # The further terms' units (``TermUnits.term_names``); empty for a single-mean loss.
+    term_names: tuple[str, ...] = ()
 
     @property
     def num_local_units(self) -> int:
@@ -172,6 +187,12 @@ class Window:
     def num_global_units(self) -> int:
         """Loss units of the window over every data-parallel rank (waits for the reduction)."""
         return self._pending.wait()
+
+    @property
+    def num_global_term_units(self) -> tuple[int, ...]:
+        """Each term's units of the window over every rank, the first unit's first (waits for
+        the reduction); ``(num_global_units,)`` for a single-mean loss."""
+        return self._pending.term_units()
 
     def positions_per_rank(self) -> list[int]:
         """Positions each rank's planned micro-batches process (fillers excluded)."""
@@ -243,8 +264,11 @@ class Window:
         """The micro-batch's mean loss weighted for backward; see [loss scaled before backward].
 
         Also keeps a detached reference to the loss for :meth:`local_mean_loss`; nothing is
-        read back to the host here.
+        read back to the host here. Under units with further terms ``loss`` is the vector of
+        the term means, handed to :meth:`scale_terms`.
         """
+        if self.term_names:
+            return self.scale_terms(loss, micro_batch)
         self._losses.append(loss.detach())
         self._loss_units.append(micro_batch.num_units)
         factor = self._loss_factor(micro_batch)
@@ -257,6 +281,32 @@ class Window:
             by_count = self.post_scale_weights_by_count
             return float(micro_batch.num_unshifted_tokens) if by_count else 1.0
         return 1.0 / len(self.micro_batches)
+
+    def scale_terms(self, term_means: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
+        """The micro-batch's loss for backward from its term means, ``(K,)``, the first unit's
+        term first: each weighted by ``dp_size * u_mk / U_k``, its own units over the window's
+        (``naive``: each by one over the micro-batches). See [loss terms over their own units].
+        """
+        units = (micro_batch.num_units, *micro_batch.num_term_units)
+        assert term_means.shape == (len(units),), (
+            f"a loss over {len(units)} kinds of units returns {len(units)} term means, got "
+            f"shape {tuple(term_means.shape)}"
+        )
+        self._losses.append(term_means.detach())
+        self._loss_units.append(units)
+        if self.mode is NormMode.EXACT:
+            totals = self.num_global_term_units
+            # A term with no unit here weighs exactly 0 (its mean is finite, see the note).
+            factors = [
+                self.dp_size * num / total if num else 0.0
+                for num, total in zip(units, totals, strict=True)
+            ]
+        else:
+            factors = [1.0 / len(self.micro_batches)] * len(units)
+        weighted = [
+            mean * factor for mean, factor in zip(term_means.unbind(), factors, strict=True)
+        ]
+        return torch.stack(weighted).sum()
 
     def finish_gradients(self, model: nn.Module) -> None:
         """Post-backward gradient work; a no-op except in the ``post_scale`` baseline."""
@@ -276,6 +326,9 @@ class Window:
         """
         if not self._losses:
             return float("nan")
+        if self.term_names:
+            sums, units = self._term_sums()
+            return _sum_of_means(sums.tolist(), units)
         weights = torch.tensor(self._loss_units, dtype=torch.float32)
         losses = torch.stack([loss.float() for loss in self._losses]).cpu()
         return float((losses * weights).sum() / weights.sum())
@@ -289,6 +342,10 @@ class Window:
         """
         if self.dp_group is None or self.dp_size == 1:
             return self.local_mean_loss()
+        if self.term_names:  # one all-reduce of the K term sums
+            summed = self._term_sums()[0].to(self._pending.device)
+            dist.all_reduce(summed, group=self.dp_group)
+            return _sum_of_means(summed.tolist(), self.num_global_term_units)
         local_sum = torch.zeros((), dtype=torch.float64)
         if self._losses:
             weights = torch.tensor(self._loss_units, dtype=torch.float64)
@@ -297,6 +354,23 @@ class Window:
         summed = local_sum.to(self._pending.device)
         dist.all_reduce(summed, group=self.dp_group)
         return float(summed) / self.num_global_units
+
+    def _term_sums(self) -> tuple[torch.Tensor, list[int]]:
+        """This rank's sum of each term over its units, ``sum_m u_mk L_mk`` (fp64, host), and
+        its units of each kind: what the window loss divides per term."""
+        num_terms = 1 + len(self.term_names)
+        if not self._losses:
+            return torch.zeros(num_terms, dtype=torch.float64), [0] * num_terms
+        weights = torch.tensor(self._loss_units, dtype=torch.float64)  # (M, K)
+        losses = torch.stack([loss.double() for loss in self._losses]).cpu()
+        # A term with no unit in a micro-batch weighs 0 there, whatever its finite mean.
+        return (losses * weights).sum(dim=0), weights.sum(dim=0).long().tolist()
+
+
+def _sum_of_means(sums: list[float], units: Iterable[int]) -> float:
+    """The window loss from each term's sum over its units: the sum of the terms' means (a term
+    with no unit adds nothing)."""
+    return sum(total / num for total, num in zip(sums, units, strict=True) if num)
 
 
 def gradient_scaling_pass(model: nn.Module, factor: float) -> None:
@@ -334,6 +408,7 @@ class LossNormalizer:
             raise ValueError("loss_normalization 'post_scale' is stock's token weighting only.")
         self.dp_group = dp_group
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self._term_names = term_names(self.units)  # see [loss terms over their own units]
 
     def windows(
         self, sample_windows: Iterable[SampleWindow], max_windows: int | None = None
@@ -367,9 +442,15 @@ class LossNormalizer:
         unshifted = (
             self.units.count_unshifted(batch) if self.mode is NormMode.POST_SCALE else num_units
         )
+        num_term_units = count_terms(self.units, batch)
         runs_empty = num_units == 0 and self.dp_size > 1
         batch = self.units.prepare(batch, num_units, runs_empty)
-        return MicroBatch(batch=batch, num_units=num_units, num_unshifted_tokens=unshifted)
+        return MicroBatch(
+            batch=batch,
+            num_units=num_units,
+            num_unshifted_tokens=unshifted,
+            num_term_units=num_term_units,
+        )
 
     def _open_window(self, sample_window: SampleWindow) -> Window:
         micro_batches = [self._count(batch) for batch in sample_window.micro_batches]
@@ -377,6 +458,10 @@ class LossNormalizer:
             num_units=sum(mb.num_units for mb in micro_batches),
             num_micro_batches=len(micro_batches),
             num_positions=sum(mb.batch["tokens"].numel() for mb in micro_batches),
+            num_term_units=tuple(
+                sum(mb.num_term_units[k] for mb in micro_batches)
+                for k in range(len(self._term_names))
+            ),
         )
         filler = None
         if self.dp_size > 1 and sample_window.by_budget and micro_batches:
@@ -393,6 +478,7 @@ class LossNormalizer:
             num_fixed_positions=sample_window.num_fixed_positions,
             counts_may_differ=sample_window.by_budget,
             units_name=self.units.name,
+            term_names=self._term_names,
         )
 
 

@@ -67,6 +67,16 @@ class NonFinitePolicy(Option):
     SKIP, STOP = skip, stop
 
 
+class SequenceLogProb(Option):
+    """``sequence_log_prob``: a DPO response's log-prob from its tokens', their sum (stock) or
+    their mean (length-normalised, as IPO and SimPO take it); see [length-normalised log-probs
+    are per pair] in exactga.preference."""
+
+    sum = "sum"
+    mean = "mean"
+    SUM, MEAN = sum, mean
+
+
 class GradientSync(Option):
     """``gradient_sync``: when FSDP reduces gradients under accumulation; see [gradient sync
     policy] in exactga.distributed."""

@@ -6,7 +6,11 @@ where torchtune's ``padded_collate_dpo`` gives a tuple). Its loss is a mean over
 (:func:`dpo_loss_step`), so :class:`PreferencePairs` counts pairs for the one normaliser of
 ``exactga.normalization``; the window, its collective and ``Window.scale`` are those of every
 other recipe. :class:`PreferenceMetrics` keeps stock's reward and log-prob metrics as exact
-window values. See [pairs as loss units].
+window values. See [pairs as loss units]. A loss with a token-level term, RPO's NLL on the chosen
+responses (``rpo_alpha``), adds the chosen tokens as units of that term
+(:class:`PairsAndChosenTokens`; see [chosen tokens as the NLL's units]); length-normalised
+log-probs (``sequence_log_prob: mean``) need none (see [length-normalised log-probs are per
+pair]). :class:`DpoTerms` holds both settings for the units, the loss step and the metrics.
 
 Note [pairs as loss units]
 torchtune's ``DPOLoss`` and ``RSOLoss`` give one loss per pair, ``l_p``, a function of that pair's
@@ -38,12 +42,41 @@ differences of four such sums, so fp32 sums cost more than the rest of the step'
 together: on tests/test_preference.py's data an fp32 step lands 2.3-2.6e-6 from the fp64 oracle
 with fp32 sums, 0.5-1.0e-6 with fp64 ones. fp64 on ``2B x L`` numbers costs nothing; the loss
 over the ``B`` pairs is then fp64 as well.
+
+Note [chosen tokens as the NLL's units]
+RPO (Pang et al. 2024; TRL's ``rpo_alpha``) adds to the DPO loss ``alpha`` times the negative
+log-likelihood of the chosen responses, a mean over their tokens (after the one-position shift,
+the positions ``sequence_log_probs`` scores), not over pairs. The window loss is then
+``(1/P) sum_p l_p + alpha * (1/T) sum_t -log p(t)``, ``T`` the window's chosen tokens on every
+rank: two denominators, so the micro-batch returns two term means and each is weighted by its
+own units (see [loss terms over their own units] in exactga.loss_units). A mean over pairs of
+each pair's own token mean would be yet another loss (a short chosen response's tokens would
+weigh more); the chosen tokens are the units because that is what TRL's NLL, a cross-entropy
+over the chosen rows, averages over. TRL takes that mean per micro-batch and divides it by the
+accumulation count, so a token of a micro-batch with few chosen tokens weighs more than one of
+a micro-batch with many: wrong whenever micro-batches (or ranks) hold different numbers of
+chosen tokens, which regrouping pairs by length (``by_length``, ``token_budget``) makes the
+rule. The NLL reuses the chosen rows' summed log-probs the DPO term computed already: no second
+forward, and the count on the device is the host's (both count the labels after the shift).
+A micro-batch with a pair has a chosen token (:meth:`PreferencePairs.count` checks it), so the
+NLL term is never 0/0; an emptied filler's pair is real, its term finite, its weight 0.
+
+Note [length-normalised log-probs are per pair]
+With ``sequence_log_prob: mean`` each response's log-prob is the mean over its own response
+tokens (as IPO and SimPO take it), for the policy and the reference alike. That mean is a
+function of the response alone, so ``l_p`` still depends on its own pair only and the pairs
+stay the units: no count is added, and the split cannot change it (tests/test_dpo_token_terms.py
+checks it against the full-batch oracle). The lengths are counted on the device from the same
+shifted labels as the positions; a precomputed reference's summed log-probs are divided by them
+at each step. The metrics ``log_probs/*`` are then these means, what the loss sees.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +87,7 @@ from torchtune.modules.peft import disable_adapter
 from exactga.frozen import frozen_forward
 from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS, Batch, loss_positions, shift_labels
 from exactga.normalization import Window
+from exactga.options import SequenceLogProb, as_option
 from exactga.precision import Precision
 from exactga.reference_logprobs import PAIR_INDEX, ReferenceTable
 from exactga.training import token_log_probs
@@ -161,6 +195,64 @@ class PreferencePairs:
         return {**emptied, EMPTY: torch.tensor(True)}
 
 
+class PairsAndChosenTokens(PreferencePairs):
+    """Pairs for the per-pair loss and the chosen responses' tokens after the shift for an NLL
+    term on them (RPO); see [chosen tokens as the NLL's units]."""
+
+    term_names = ("chosen_tokens",)
+
+    def count_terms(self, batch: Batch) -> tuple[int, ...]:
+        if EMPTY in batch:
+            return (0,)
+        labels = batch["labels"]
+        chosen = labels[: labels.size(0) // 2, 1:]
+        return (int((chosen != self.ignore_index).sum()),)
+
+
+@dataclass(frozen=True)
+class DpoTerms:
+    """What a DPO step's loss is made of beyond the per-pair loss (``loss``): the settings the
+    units, the loss step and the metrics read, in one object so they cannot disagree. The
+    recipes pass the config's keys (their defaults are in exactga.preference_schemas).
+
+    Args:
+        rpo_alpha: the weight of the chosen responses' NLL, a mean over their tokens; 0 adds
+            no term (stock DPO). See [chosen tokens as the NLL's units].
+        sequence_log_prob: each response's log-prob as the ``sum`` of its tokens' (stock) or
+            their ``mean``. See [length-normalised log-probs are per pair].
+
+    Raises:
+        ValueError: naming the key, for a negative or non-finite ``rpo_alpha`` or another
+            ``sequence_log_prob``.
+    """
+
+    rpo_alpha: float
+    sequence_log_prob: SequenceLogProb
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.rpo_alpha) or self.rpo_alpha < 0:
+            raise ValueError(
+                f"rpo_alpha must be at least 0 (0: no NLL term), got {self.rpo_alpha}."
+            )
+        value = as_option(SequenceLogProb, self.sequence_log_prob, "sequence_log_prob")
+        object.__setattr__(self, "sequence_log_prob", value)
+
+    @property
+    def has_nll(self) -> bool:
+        return self.rpo_alpha > 0
+
+    def units(self, ignore_index: int = IGNORE_INDEX) -> PreferencePairs:
+        """What the step's loss is a mean over: pairs, and with an NLL term its chosen tokens
+        too. Without one, exactly the units of stock-weighted DPO (:class:`PreferencePairs`)."""
+        if self.has_nll:
+            return PairsAndChosenTokens(ignore_index)
+        return PreferencePairs(ignore_index)
+
+
+# Stock DPO: the per-pair loss on summed log-probs, nothing added.
+DPO = DpoTerms(rpo_alpha=0.0, sequence_log_prob=SequenceLogProb.SUM)
+
+
 def _has_rows(value: Any, num_rows: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == num_rows
 
@@ -221,19 +313,24 @@ def dpo_loss_step(
     batch: Batch,
     reference: Reference | ReferenceTable,
     *,
+    terms: DpoTerms | None = None,
     metrics: PreferenceMetrics | None = None,
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
 ) -> torch.Tensor:
     """The mean loss over the pairs of one micro-batch already on the device, for
-    ``Window.scale`` (which weighs it by its pairs); see [pairs as loss units].
+    ``Window.scale`` (which weighs it by its pairs); see [pairs as loss units]. With an NLL
+    term (``terms.rpo_alpha``) the two term means instead, ``[mean DPO loss over the pairs,
+    rpo_alpha * mean NLL over the chosen tokens]``, which ``Window.scale`` weighs by the pairs
+    and the chosen tokens (units from ``terms.units()``); see [chosen tokens as the NLL's units].
 
     ``loss_fn`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (or any loss with their signature
     that returns one loss per pair). The reference runs first, so its activations are gone
     before the policy's are made; a ``ReferenceTable`` (``precompute_reference_logprobs``)
     is looked up by the batch's pair indices instead. ``metrics`` records the pairs' rewards
-    and log-probs.
+    and log-probs (and the terms, with an NLL term).
     """
+    terms = DPO if terms is None else terms
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     is_empty = batch.pop(EMPTY, None) is not None
@@ -249,6 +346,12 @@ def dpo_loss_step(
         reference_chosen, reference_rejected = reference(batch, positions, targets)
     policy = sequence_log_probs(model, batch, positions, targets, precision, activations_ctx)
     chosen, rejected = split_pairs(policy)
+    if terms.sequence_log_prob is SequenceLogProb.MEAN:
+        # See [length-normalised log-probs are per pair].
+        chosen_lengths, rejected_lengths = split_pairs(response_lengths(labels).to(policy.dtype))
+        chosen, rejected = chosen / chosen_lengths, rejected / rejected_lengths
+        reference_chosen = reference_chosen / chosen_lengths
+        reference_rejected = reference_rejected / rejected_lengths
     losses, chosen_rewards, rejected_rewards = loss_fn(
         chosen, rejected, reference_chosen, reference_rejected
     )
@@ -260,7 +363,19 @@ def dpo_loss_step(
         )
     if metrics is not None and not is_empty:
         metrics.record(chosen_rewards, rejected_rewards, chosen, rejected)
-    return losses.mean()
+    if not terms.has_nll:
+        return losses.mean()
+    # See [chosen tokens as the NLL's units]: the chosen rows' sums, before any length mean.
+    chosen_nll_sum = -split_pairs(policy)[0].sum()
+    num_chosen_tokens = split_pairs(response_lengths(labels))[0].sum()
+    if metrics is not None and not is_empty:
+        metrics.record_terms(losses, chosen_nll_sum)
+    return torch.stack([losses.mean(), terms.rpo_alpha * (chosen_nll_sum / num_chosen_tokens)])
+
+
+def response_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's scored labels after the shift, ``(2B,)``: the tokens its log-prob sums."""
+    return (shift_labels(labels) != IGNORE_INDEX).sum(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,8 +386,13 @@ class PreferenceMetrics:
     """Stock's DPO metrics, each the mean over the window's pairs on every rank (stock logs the
     last micro-batch's means). Sums per pair are kept on the device, read only when logged.
 
+    With an NLL term (``terms.rpo_alpha``) also the two terms of the loss: ``dpo_loss``, the
+    mean per-pair loss, and ``chosen_nll``, the mean NLL over the window's chosen tokens (not
+    weighted by ``rpo_alpha``), so ``loss = dpo_loss + rpo_alpha * chosen_nll``.
+
     Args:
         device: where the metrics' all-reduce runs (the data-parallel backend's device).
+        terms: the step's loss terms (:class:`DpoTerms`); stock DPO's by default.
     """
 
     NAMES = (
@@ -283,10 +403,14 @@ class PreferenceMetrics:
         "log_probs/chosen",
         "log_probs/rejected",
     )
+    TERM_NAMES = ("dpo_loss", "chosen_nll")
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", terms: DpoTerms | None = None) -> None:
         self.device = torch.device(device)
+        self.has_terms = terms is not None and terms.has_nll
+        self.names = self.NAMES + (self.TERM_NAMES if self.has_terms else ())
         self._sums: torch.Tensor | None = None
+        self._term_sums: torch.Tensor | None = None
 
     def record(
         self,
@@ -309,22 +433,35 @@ class PreferenceMetrics:
         sums = per_pair.double().sum(dim=1)
         self._sums = sums if self._sums is None else self._sums + sums
 
+    def record_terms(self, pair_losses: torch.Tensor, chosen_nll_sum: torch.Tensor) -> None:
+        """Add one micro-batch's per-pair losses and its chosen tokens' summed NLL."""
+        sums = torch.stack([pair_losses.double().sum(), chosen_nll_sum.double()]).detach()
+        self._term_sums = sums if self._term_sums is None else self._term_sums + sums
+
     def track(self, windows: Iterable[Window]) -> Iterator[Window]:
         """The windows, with the record cleared as each one opens."""
         for window in windows:
             self._sums = None
+            self._term_sums = None
             yield window
 
     def window_metrics(self, window: Window) -> dict[str, float]:
-        """Each metric's mean over the window's pairs on every rank: one all-reduce of six
-        numbers under data parallelism (call on every rank, on logged steps only); nothing for
-        a skipped window."""
+        """Each metric's mean over the window's pairs on every rank (``chosen_nll``: over its
+        chosen tokens): one all-reduce of six numbers, eight with the terms, under data
+        parallelism (call on every rank, on logged steps only); nothing for a skipped window."""
         if window.should_skip_step():
             return {}
         sums = torch.zeros(len(self.NAMES), dtype=torch.float64, device=self.device)
         if self._sums is not None:
             sums = self._sums.to(self.device, copy=True)  # reduced in place below
+        if self.has_terms:
+            term_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+            if self._term_sums is not None:
+                term_sums = self._term_sums.to(self.device)
+            sums = torch.cat([sums, term_sums])
         if window.dp_group is not None and window.dp_size > 1:
             dist.all_reduce(sums, group=window.dp_group)
         means = (sums / window.num_global_units).tolist()
-        return dict(zip(self.NAMES, means, strict=True))
+        if self.has_terms:  # chosen_nll: over the chosen tokens
+            means[-1] = float(sums[-1]) / window.num_global_term_units[1]
+        return dict(zip(self.names, means, strict=True))

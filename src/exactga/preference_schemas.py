@@ -8,12 +8,13 @@ this module imports only bottom modules (``tests/test_architecture.py``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from exactga.options import NormMode
+from exactga.options import NormMode, SequenceLogProb
 from exactga.schemas import (
     FullFinetuneDistributedConfig,
     LoraFinetuneDistributedConfig,
@@ -24,19 +25,37 @@ from exactga.schemas import (
 # this is the same layout as a dict, which the loader and the normaliser take.
 PAIR_COLLATE = "exactga.preference.collate_pairs"
 
-# A resume with another DPO loss (or beta) is refused like one with another model; see
-# [what a resume may change] in exactga.resume.
-DPO_FINGERPRINT_KEYS = ("loss",)
-FULL_DPO_FINGERPRINT_KEYS = ("loss", "ref_checkpointer")
+# A resume with another DPO loss (or beta, or its terms) is refused like one with another model;
+# see [what a resume may change] in exactga.resume.
+DPO_FINGERPRINT_KEYS = ("loss", "rpo_alpha", "sequence_log_prob")
+FULL_DPO_FINGERPRINT_KEYS = (*DPO_FINGERPRINT_KEYS, "ref_checkpointer")
+
+
+@dataclass
+class DpoLossKeys:
+    """exactga's keys for what the DPO loss is made of beyond ``loss``, read by all three
+    recipes (``exactga.preference.DpoTerms`` takes them). Neither is stock's: left at their
+    defaults, the loss is stock's per-pair ``loss`` on summed log-probs, with the same code."""
+
+    # The weight of an NLL term on the chosen responses, a mean over their tokens (RPO; TRL's
+    # name); 0: none. See [chosen tokens as the NLL's units] in exactga.preference.
+    rpo_alpha: float = 0.0
+    # A response's log-prob from its tokens': their sum (stock) or mean (length-normalised,
+    # IPO/SimPO). See [length-normalised log-probs are per pair] in exactga.preference.
+    sequence_log_prob: SequenceLogProb = SequenceLogProb.SUM
 
 
 def check_preference_keys(cfg: DictConfig) -> None:
     """The keys every DPO recipe checks: a pair collate and a per-pair weighting.
 
     Raises:
-        ValueError: naming the key, for a collate that does not stack pairs or a token
-            weighting (``post_scale``).
+        ValueError: naming the key, for a collate that does not stack pairs, a token
+            weighting (``post_scale``) or a negative ``rpo_alpha``.
     """
+    if not math.isfinite(cfg.rpo_alpha) or cfg.rpo_alpha < 0:
+        raise ValueError(
+            f"config key 'rpo_alpha' must be at least 0 (0: no NLL term), got {cfg.rpo_alpha}."
+        )
     if cfg.loss_normalization is NormMode.POST_SCALE:
         raise ValueError(
             "config key 'loss_normalization': post_scale is stock's token weighting of "
@@ -52,7 +71,7 @@ def check_preference_keys(cfg: DictConfig) -> None:
 
 
 @dataclass
-class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig):
+class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, DpoLossKeys):
     """``lora_dpo_single_device``: the LoRA keys; the reference is the policy without its
     adapters. ``loss`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (one loss per pair)."""
 
@@ -68,7 +87,7 @@ class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig):
 
 
 @dataclass
-class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig):
+class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig, DpoLossKeys):
     """``lora_dpo_distributed``: the distributed LoRA keys; the reference as on one device."""
 
     collate_fn: str = PAIR_COLLATE
@@ -83,7 +102,7 @@ class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig):
 
 
 @dataclass
-class FullDpoDistributedConfig(FullFinetuneDistributedConfig):
+class FullDpoDistributedConfig(FullFinetuneDistributedConfig, DpoLossKeys):
     """``full_dpo_distributed``: the full distributed keys plus ``ref_checkpointer``, the
     reference's weights (a frozen copy of ``model``, sharded like it)."""
 
