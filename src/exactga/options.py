@@ -86,6 +86,16 @@ class GradientSync(Option):
     EVERY_MICRO_BATCH, ONCE_PER_WINDOW = every_micro_batch, once_per_window
 
 
+class LossAggregation(Option):
+    """``loss_aggregation``: what the GRPO policy loss is a mean over; see [three policy
+    denominators] in exactga.policy."""
+
+    token_mean = "token_mean"
+    sequence_mean = "sequence_mean"
+    constant = "constant"
+    TOKEN_MEAN, SEQUENCE_MEAN, CONSTANT = token_mean, sequence_mean, constant
+
+
 # Precisions the recipes train in (``dtype``, torchtune's names); fp16 needs loss scaling, which
 # they lack. Strings, not an enum: torchtune's ``training.get_dtype`` reads them.
 PRECISIONS = ("bf16", "fp32", "fp64")

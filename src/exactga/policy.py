@@ -69,7 +69,7 @@ from exactga.loss_units import (
     loss_positions,
     shift_labels,
 )
-from exactga.options import Option, as_option
+from exactga.options import LossAggregation, as_option
 from exactga.precision import Precision
 from exactga.training import token_log_probs
 
@@ -79,16 +79,6 @@ ADVANTAGES = "advantages"
 # An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
 # no unit. See [three policy denominators].
 EMPTY = "no_completions"
-
-
-class LossAggregation(Option):
-    """``loss_aggregation``: what the policy loss is a mean over; see [three policy
-    denominators]. (It joins the other knobs in ``exactga.options`` with the GRPO schema.)"""
-
-    token_mean = "token_mean"
-    sequence_mean = "sequence_mean"
-    constant = "constant"
-    TOKEN_MEAN, SEQUENCE_MEAN, CONSTANT = token_mean, sequence_mean, constant
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,9 +279,11 @@ def grpo_loss_step(
     max_generated_tokens: int | None = None,
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+    metrics: PolicyMetrics | None = None,
 ) -> torch.Tensor:
     """The mean policy loss over the units of one rollout micro-batch already on the device,
-    for ``Window.scale``; see [three policy denominators].
+    for ``Window.scale``; see [three policy denominators]. ``metrics`` records the KL and
+    clipping of its completion tokens (an emptied micro-batch records nothing).
 
     The units must be ``loss_units_for(aggregation)``'s. Without ``old_log_probs`` in the batch
     the old policy is the current one (``ppo_epochs: 1``): the ratio is ``exp(logp -
@@ -303,7 +295,7 @@ def grpo_loss_step(
         raise ValueError("loss_aggregation 'constant' divides by max_generated_tokens; set it.")
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
-    batch.pop(EMPTY, None)
+    is_empty = batch.pop(EMPTY, None) is not None
     old = batch.pop(OLD_LOG_PROBS, None)
     ref = batch.pop(REF_LOG_PROBS)
     advantages = batch.pop(ADVANTAGES)
@@ -320,14 +312,17 @@ def grpo_loss_step(
         log_probs.detach() if old is None else old.reshape(-1).index_select(0, positions + 1)
     )
     rows = torch.div(positions, seq_len, rounding_mode="floor")
+    token_advantages = advantages.double().index_select(0, rows)
     losses = policy_token_losses(
         log_probs,
         token_old.double(),
         token_ref,
-        advantages.double().index_select(0, rows),
+        token_advantages,
         epsilon=epsilon,
         kl_coeff=kl_coeff,
     )
+    if metrics is not None and not is_empty:
+        metrics.record(log_probs.detach(), token_old.double(), token_ref, token_advantages, epsilon)
     if aggregation is LossAggregation.TOKEN_MEAN:
         return losses.sum() / len(positions)
     # Per row, through a dense (B, L) grid: index_copy with distinct indices is deterministic on
@@ -338,3 +333,66 @@ def grpo_loss_step(
         scored = torch.zeros_like(grid).index_fill(0, positions, 1.0)
         return (row_sums / scored.view(num_rows, seq_len).sum(dim=1)).mean()
     return (row_sums / max_generated_tokens).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# What the policy step logs, as exact window values.
+
+
+class PolicyMetrics:
+    """The policy step's KL and clipping, each a mean over the window's completion tokens on
+    every rank, whatever the split (a per-micro-batch mean would weigh short micro-batches
+    more). Sums stay on the device and are read only when logged.
+
+    - ``policy/kl``: the k3 estimator of the KL to the reference, per completion token;
+    - ``policy/clip_fraction``: tokens whose surrogate is the clipped one (the ratio left
+      ``[1 - eps, 1 + eps]`` on the side the advantage pushes towards);
+    - ``policy/ratio``: the mean probability ratio to the policy that generated the rollouts
+      (1 on the first pass over them).
+
+    Args:
+        device: where the metrics' all-reduce runs (the data-parallel backend's device).
+    """
+
+    NAMES = ("policy/kl", "policy/clip_fraction", "policy/ratio")
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._sums: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        """Forget what was recorded; call as each window opens."""
+        self._sums = None
+
+    def record(
+        self,
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        ref_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        epsilon: float,
+    ) -> None:
+        """Add one micro-batch's per-token values (detached; no host read)."""
+        ratio = torch.exp(log_probs - old_log_probs)
+        log_ratio = ref_log_probs - log_probs
+        kl = torch.exp(log_ratio) - log_ratio - 1.0
+        clipped = ((ratio > 1.0 + epsilon) & (advantages > 0)) | (
+            (ratio < 1.0 - epsilon) & (advantages < 0)
+        )
+        sums = torch.stack(
+            [kl.sum(), clipped.double().sum(), ratio.sum(), kl.new_tensor(float(kl.numel()))]
+        )
+        self._sums = sums if self._sums is None else self._sums + sums
+
+    def window_metrics(self, dp_group: Any = None) -> dict[str, float]:
+        """Each metric's mean over the window's completion tokens on every rank: one
+        all-reduce of four numbers under data parallelism (call on every rank)."""
+        sums = torch.zeros(len(self.NAMES) + 1, dtype=torch.float64, device=self.device)
+        if self._sums is not None:
+            sums = self._sums.to(self.device, dtype=torch.float64, copy=True)
+        if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+            torch.distributed.all_reduce(sums, group=dp_group)
+        num_tokens = float(sums[-1])
+        if num_tokens == 0:
+            return {}
+        return dict(zip(self.NAMES, (sums[:-1] / num_tokens).tolist(), strict=True))

@@ -132,6 +132,14 @@ class StepBook:
     def windows(self, epoch: int) -> Iterator[Window]:
         """The windows of ``epoch`` still to train (all of them, or what a resume left), timed
         by the profiler."""
+        self.open_epoch(epoch)
+        windows = self.normalizer.windows(self.dataloader, self.progress.windows_left_in(epoch))
+        yield from self.profiler.timed(self.track(windows) if self.track else windows)
+
+    def open_epoch(self, epoch: int) -> None:
+        """Start ``epoch``: the loader's shuffle, the progress bar, the first logged interval.
+        :meth:`windows` calls it; a recipe whose windows do not come from its loader (GRPO's
+        come from generated rollouts) calls it and then :meth:`end_step` for each window."""
         if self._last_log_time is None:  # the first logged interval starts with training
             self._last_log_time = self.clock()
         self._epoch = epoch
@@ -142,8 +150,6 @@ class StepBook:
             desc=f"epoch {epoch + 1}",
             disable=not self.show_progress,
         )
-        windows = self.normalizer.windows(self.dataloader, self.progress.windows_left_in(epoch))
-        yield from self.profiler.timed(self.track(windows) if self.track else windows)
 
     def end_step(self, window: Window, outcome: StepOutcome) -> StepReport:
         """Everything after ``train_window`` returned; see [step bookkeeping]."""

@@ -135,6 +135,15 @@ class TrainingProfiler:
         for number, phase in enumerate(PHASES, start=1):
             stacked += metrics[f"time/{phase}_ms"]
             metrics[f"time/stacked_{number}_{phase}_ms"] = stacked
+        own_phases = phase_ms.keys() - set(PHASES)  # a recipe's own phases (GRPO's generate)
+        for phase in own_phases:
+            metrics[f"time/{phase}_ms"] = phase_ms[phase] / steps
+        if own_phases:  # the step holds other work: the training phases' own speed apart
+            training_ms = sum(phase_ms[phase] for phase in ("forward", "backward", "optimizer"))
+            if training_ms > 0:
+                metrics["throughput/training_tokens_per_second"] = (
+                    self._tokens_since_read / training_ms * 1e3
+                )
         metrics["time/step_ms"] = step_ms
         tokens_per_second = self._tokens_since_read / elapsed_s
         metrics["throughput/tokens_per_second"] = tokens_per_second

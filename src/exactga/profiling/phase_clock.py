@@ -1,7 +1,8 @@
 """The phase clock: the time of each phase of an optimizer step, read once per logging interval.
 
-The phases are ``data``, ``forward``, ``backward`` and ``optimizer``. On CUDA the clock records
-CUDA events and reads them only when asked, so no micro-batch waits on the device; host work
+The phases are ``data``, ``forward``, ``backward`` and ``optimizer``; a recipe may time more
+(GRPO's ``generate``, ``reward``, ``reference``), which are read after them. On CUDA the clock
+records CUDA events and reads them only when asked, so no micro-batch waits on the device; host work
 (data loading) is timed on the host.
 """
 
@@ -28,6 +29,10 @@ class PhaseClock:
 
     @contextlib.contextmanager
     def time(self, phase: str, on_host: bool = False) -> Iterator[None]:
+        if phase not in self.run_ms:  # a recipe's own phase, read after the standard ones
+            self._host_ms[phase] = 0.0
+            self._events[phase] = []
+            self.run_ms[phase] = 0.0
         if self._cuda and not on_host:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -48,7 +53,7 @@ class PhaseClock:
                 pairs[-1][1].synchronize()
                 totals[phase] += sum(start.elapsed_time(end) for start, end in pairs)
                 pairs.clear()
-        self._host_ms = dict.fromkeys(PHASES, 0.0)
+        self._host_ms = dict.fromkeys(self.run_ms, 0.0)
         for phase, ms in totals.items():
             self.run_ms[phase] += ms
         return totals

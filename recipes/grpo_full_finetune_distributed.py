@@ -1,0 +1,591 @@
+"""GRPO with FSDP2 on one node or many, GPUs or CPUs, each step the full-batch step.
+
+Group relative policy optimisation of every weight of a dense decoder, after torchtune
+0.6.1's ``recipes/dev/grpo_full_finetune_distributed.py`` (same keys; that recipe imports
+``torchtune.dev.grpo`` modules the pip package lacks). Each step takes ``batch_size`` prompts
+per rank, generates ``grpo_samples`` completions of each with torchtune's ``generate`` and KV
+cache, scores them with the config's ``rewards``, and trains ``ppo_epochs`` optimizer steps on
+them. What differs from stock: the rollouts go through ``gradient_accumulation_steps``
+micro-batches whose step is exactly the full-batch step for the chosen ``loss_aggregation``
+(completion tokens or completions counted over every micro-batch and rank by the one
+normaliser; stock has no accumulation and FSDP averages ranks with equal weight), and the
+completions do not depend on the rank layout, so 1 rank and 4 ranks train the same step.
+See [a GRPO step] in ``exactga.grpo``, [three policy denominators] in ``exactga.policy`` and
+docs/grpo.md.
+
+Launch from the repository root::
+
+    tune run --nproc_per_node 2 recipes/grpo_full_finetune_distributed.py \\
+        --config configs/tiny/grpo_distributed.yaml
+
+Copy this file to change the loop; the numerics stay in ``exactga``.
+"""
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.optim import Optimizer
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training.activations import apply_selective_activation_checkpointing
+from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
+
+from exactga import distributed
+from exactga.checkpointing import step_checkpointer_for
+from exactga.cli import run_recipe
+from exactga.config import validate_config
+from exactga.frozen import freeze_model
+from exactga.grpo import (
+    StepRollouts,
+    generate_rollouts,
+    micro_batching_for_rollouts,
+    record_reference_and_old,
+    rollout_metrics,
+    rollout_window,
+    score_rollouts,
+)
+from exactga.grpo_schemas import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig, loss_settings
+from exactga.kernels import choose_attention_kernels
+from exactga.model_state import load_model_state
+from exactga.normalization import LossNormalizer, Window
+from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
+from exactga.policy import PolicyMetrics, grpo_loss_step, loss_units_for
+from exactga.precision import Precision
+from exactga.profiling import setup_profiler
+from exactga.progress import TrainingProgress
+from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
+from exactga.rewards import build_rewards
+from exactga.rollouts import SamplingSettings, check_prompt
+from exactga.steps import StepBook
+from exactga.training import train_window
+
+log = utils.get_logger("INFO")
+
+RECIPE_NAME = "grpo_full_finetune_distributed"
+
+
+class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
+    """GRPO of every weight of a dense decoder with FSDP2, exact under any split.
+
+    Policy and reference are sharded over the data-parallel ranks; the reference (weights from
+    ``ref_checkpointer``, frozen at setup) is run under no_grad on each step's rollouts.
+
+    Features (each a config key; defaults in ``exactga.schemas`` and
+    ``exactga.grpo_schemas``):
+        - Rollouts: ``grpo_samples`` completions per prompt, ``max_generated_tokens``,
+          ``temperature``, ``top_k``, ``stop_token_ids``, with randomness drawn from (seed,
+          step, prompt, sample) only; see [rollouts independent of the rank layout] in
+          ``exactga.rollouts``. Rewards are the config's ``rewards`` components, summed.
+        - Exact accumulation over micro-batches and ranks for each ``loss_aggregation``
+          (``token_mean``, ``sequence_mean``, ``constant``): one all-reduce of the window's
+          units per step, each micro-batch's mean scaled before backward; ``naive`` in
+          ``loss_normalization`` is the per-micro-batch baseline, for the parity report.
+        - ``ppo_epochs`` optimizer steps per batch of rollouts; ``micro_batching`` of the
+          rollouts, log-probs only at completion positions; precision, ``master_weights``,
+          activation checkpointing, ``compile``, ``clip_grad_norm``, ``gradient_sync`` and
+          the FSDP2 keys as in the full fine-tuning recipe.
+        - Checkpoints of the policy at each epoch's end through torchtune's checkpoint client;
+          with ``save_every_n_steps`` (counted in rollout steps) atomic step checkpoints that
+          ``resume_from_checkpoint`` goes on from, bit-identically.
+        - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), rewards mean,
+          spread, components and success rate, completion lengths, ``policy/kl``,
+          ``policy/clip_fraction``, and the phases (generate, reward, reference, forward,
+          backward, optimizer) with generation and training tokens per second apart.
+
+    Args:
+        cfg: the validated config (see ``recipe_main``).
+
+    Raises:
+        ValueError: bad values and impossible combinations of config keys, at start-up.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
+        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+        self._gradient_sync = cfg.gradient_sync
+
+        self._enable_async_checkpointing = cfg.enable_async_checkpointing
+        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
+        distributed.init_distributed(
+            self._device,
+            offload_ops_to_cpu=self._fsdp_cpu_offload or self._enable_async_checkpointing,
+        )
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+        self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
+        self.dp_size = self._mesh["dp"].size()
+        self.dp_rank = self._mesh["dp"].get_local_rank()
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
+
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._optimizer_in_bwd = cfg.optimizer_in_bwd
+        self._clip_grad_norm = cfg.clip_grad_norm
+        self._loss_normalization = cfg.loss_normalization
+        self._compile = cfg.compile
+        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
+        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._nonfinite_policy = cfg.nonfinite_loss
+
+        # The RL keys (stock's names).
+        self._batch_size = cfg.batch_size
+        self._grpo_samples = cfg.grpo_samples
+        self._ppo_epochs = cfg.ppo_epochs
+        self._max_generated_tokens = cfg.max_generated_tokens
+        self._loss_aggregation = cfg.loss_aggregation
+        self._loss_settings = loss_settings(cfg)
+        num_completions = cfg.batch_size * cfg.grpo_samples
+        self._forward_batch_size = cfg.forward_batch_size or max(
+            1, num_completions // cfg.gradient_accumulation_steps
+        )
+        self._micro_batching = micro_batching_for_rollouts(
+            cfg.micro_batching,
+            num_completions,
+            cfg.gradient_accumulation_steps,
+            cfg.micro_batch_tokens,
+        )
+        # Step checkpoints only between rollout steps: the rollouts themselves are not saved.
+        self._save_every_n_steps = (
+            cfg.save_every_n_steps * cfg.ppo_epochs if cfg.save_every_n_steps else None
+        )
+
+        # Epochs, steps and their outcomes; a resume sets them in setup. An epoch is at most
+        # num_steps rollout steps, each ppo_epochs optimizer steps.
+        self._num_steps = cfg.num_steps
+        self._progress = TrainingProgress(
+            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
+
+    def setup(self, cfg: DictConfig) -> None:
+        if self._fsdp_cpu_offload:
+            training.set_torch_num_threads()  # fused AdamW on CPU is ~2x faster with all cores
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+
+        self._step_checkpointer = step_checkpointer_for(
+            cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
+        )
+        self._fingerprint = run_fingerprint(cfg, GRPO_FINGERPRINT_KEYS, world_size=self.world_size)
+        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._checkpoint_client = self._precision.saving_in_dtype(  # weights for users in dtype
+            CheckpointClient(
+                OmegaConf.merge(cfg, {"resume_from_checkpoint": resume.from_epoch_checkpoint})
+            )
+        )
+        ckpt_dict = self._checkpoint_client.load_base_checkpoint()
+        self._model = self._setup_model(
+            cfg, resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)
+        )
+        self._ref_model = self._setup_reference_model(cfg)
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._stop_tokens = list(cfg.stop_token_ids or [self._tokenizer.eos_id])
+        self._sampling = SamplingSettings(
+            max_generated_tokens=cfg.max_generated_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            stop_tokens=tuple(self._stop_tokens),
+        )
+        self._rewards = build_rewards(cfg.rewards)
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+        resume.restore_progress(self._progress, ckpt_dict)
+
+        # The policy loss is a mean over completion tokens or completions; the normaliser
+        # weighs micro-batches by those units on every rank.
+        self._normalizer = LossNormalizer(
+            None,
+            mode=self._loss_normalization,
+            dp_group=distributed.dp_group(self._mesh),
+            units=loss_units_for(self._loss_aggregation),
+        )
+        self._policy_metrics = PolicyMetrics(self._device)
+        self._rollout_metrics: dict[str, float] = {}
+        self._generation_seconds = 0.0
+
+        # Prompts: batch_size per rank per step, dealt out of one shuffled order, so the
+        # step's global batch is the same prompts on any number of ranks.
+        dataset = config.instantiate(cfg.dataset, self._tokenizer)
+        for prompt in dataset:  # every rank fails alike at start-up, not one rank mid-run
+            check_prompt(
+                self._model,
+                prompt["prompt_tokens"],
+                prompt_index=prompt["index"],
+                max_generated_tokens=self._max_generated_tokens,
+            )
+        self._dataloader = self._setup_prompt_loader(
+            dataset, cfg.shuffle, resume.dataloader_state(ckpt_dict)
+        )
+        rollout_steps = min(len(self._dataloader), self._num_steps)
+        self._progress.start(
+            rollout_steps * self._ppo_epochs,  # optimizer steps per epoch
+            resumed_mid_run=resume.from_step_checkpoint,
+        )
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg.lr_scheduler,
+            num_training_steps=self._progress.num_training_steps,
+            last_epoch=self._progress.global_step - 1,
+        )
+        self._profiler = setup_profiler(
+            cfg.profiler,
+            self._device,
+            self._model,
+            output_dir=cfg.output_dir,
+            micro_batching=cfg.micro_batching,
+            log_timings=cfg.log_timings,
+            saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
+            peak_flops=cfg.peak_flops,
+            rank=self.rank,
+            metric_logger=self._metric_logger if self._is_rank_zero else None,
+        )
+        self._checkpoint_dir = cfg.checkpointer.output_dir
+        self._log_dir = (
+            getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
+        )
+        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
+
+    def _setup_prompt_loader(
+        self, dataset: Any, shuffle: bool, state_dict: dict[str, Any] | None
+    ) -> StatefulDataLoader:
+        sampler = StatefulDistributedSampler(
+            dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=0
+        )
+        loader = StatefulDataLoader(
+            dataset,
+            batch_size=self._batch_size,
+            sampler=sampler,
+            collate_fn=list,  # prompts stay items; generation takes them one by one
+            drop_last=True,  # every rank needs its batch_size prompts
+            generator=torch.Generator(),
+        )
+        if state_dict is not None:
+            loader.load_state_dict(state_dict)
+        return loader
+
+    def _setup_model(
+        self, cfg: DictConfig, model_state_dict: dict[str, Any], source: str
+    ) -> nn.Module:
+        """Build on the meta device, apply activation checkpointing and FSDP2, then load the
+        full state dict shard by shard."""
+        t0 = time.perf_counter()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        self._precision.cast_trainable(model)  # fp32 master weights, if asked for
+        if self._compile:
+            training.compile_model(model, verbose=self._is_rank_zero)
+
+        # As in torchtune: ``ac_mode`` selects selective AC only when full AC is off.
+        if not self._enable_activation_checkpointing and cfg.ac_mode is not None:
+            apply_selective_activation_checkpointing(model, cfg.ac_mode, cfg.ac_option)
+        if self._enable_activation_checkpointing and cfg.ac_mode is None:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        if self.dp_size > 1:  # torchtune's sharding, with a bf16 policy over fp32 master weights
+            self._precision.shard_model(
+                model=model,
+                shard_conditions=[
+                    partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
+                ],
+                cpu_offload=self._fsdp_cpu_offload,
+                reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                dp_mesh=self._mesh["dp"],
+            )
+
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
+                    m.rope_init()
+        load_model_state(
+            model,
+            model_state_dict,
+            source,
+            load=partial(
+                training.load_from_full_model_state_dict,
+                device=self._device,
+                strict=True,
+                cpu_offload=self._fsdp_cpu_offload,
+            ),
+        )
+        training.validate_no_params_on_meta_device(model)
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        distributed.log_rank_zero(
+            f"Model built, sharded over dp={self.dp_size} and loaded in "
+            f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}."
+        )
+        distributed.log_rank_zero(self._attention_kernels)
+        if self._is_rank_zero and self._device.type != "cpu":
+            training.log_memory_stats(distributed.memory_stats(self._device))
+        distributed.barrier()
+        return model
+
+    def _setup_reference_model(self, cfg: DictConfig) -> nn.Module:
+        """The frozen reference: ``model`` with the weights of ``ref_checkpointer`` (stock's
+        rule: the original weights, also on resume), sharded like the policy, never saved."""
+        t0 = time.perf_counter()
+        ref_state = config.instantiate(
+            cfg.ref_checkpointer, should_load_recipe_state=False
+        ).load_checkpoint()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            ref_model = config.instantiate(cfg.model)
+        freeze_model(ref_model)
+        if self._compile:
+            training.compile_model(ref_model, verbose=self._is_rank_zero)
+        if self.dp_size > 1:  # no trainable parameter, so no precision policy
+            training.shard_model(
+                model=ref_model,
+                shard_conditions=[
+                    partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
+                ],
+                cpu_offload=self._fsdp_cpu_offload,
+                reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                dp_mesh=self._mesh["dp"],
+            )
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in ref_model.modules():
+                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
+                    m.rope_init()
+        training.load_from_full_model_state_dict(
+            ref_model,
+            ref_state[training.MODEL_KEY],
+            self._device,
+            strict=True,
+            cpu_offload=self._fsdp_cpu_offload,
+        )
+        training.validate_no_params_on_meta_device(ref_model)
+        distributed.log_rank_zero(
+            f"Reference built, sharded over dp={self.dp_size} and loaded in "
+            f"{time.perf_counter() - t0:.2f} s, precision {self._dtype}; frozen."
+        )
+        distributed.barrier()
+        return ref_model
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
+    ) -> Optimizer:
+        # optimizer_in_bwd: one optimizer per parameter, stepped inside backward on its sharded,
+        # reduced gradient, behind the optimizer's interface; see [optimizer in backward] in
+        # exactga.optimizers.
+        optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
+        if opt_state_dict:
+            load_full_optimizer_state(self._model, optimizer, opt_state_dict, self._device)
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
+    ) -> Any:
+        if cfg_lr_scheduler is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """Gather the full state on rank 0 and write it there (all ranks must call this)."""
+        self._checkpoint_client.save_checkpoint(
+            model=self._model,
+            optimizer=self._optimizer,
+            training_progress=self._progress.for_checkpoint_client(),
+            epoch=epoch,
+        )
+
+    def save_step_checkpoint(self) -> Path:
+        """Everything a resumed run needs to go on with the next window; all ranks call this.
+
+        Rank 0 gathers and writes the full weights and optimizer state, every rank its RNG and
+        data-loader position; the folder appears atomically once all are on disk.
+        """
+        model_state = training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device
+        )
+        optimizer_state = full_optimizer_state(
+            self._model, self._optimizer, self._is_rank_zero, device=self._device
+        )
+        return write_step_checkpoint(
+            self._step_checkpointer,
+            self._progress,
+            self._fingerprint,
+            device=self._device,
+            dataloader=self._dataloader,
+            model_state=model_state if self._is_rank_zero else None,
+            optimizer_state=optimizer_state if self._is_rank_zero else None,
+        )
+
+    def _make_rollouts(self, prompts: list[dict[str, Any]], rollout_step: int) -> StepRollouts:
+        """Generate, score and record log-probs for one step's prompts on this rank; see
+        [a GRPO step] in exactga.grpo."""
+        t0 = time.perf_counter()  # generation reads its tokens back: host time is its time
+        with self._profiler.phase("generate"):
+            samples, num_generated = generate_rollouts(
+                self._model,
+                prompts,
+                grpo_samples=self._grpo_samples,
+                sampling=self._sampling,
+                seed=self._progress.seed,
+                step=rollout_step,
+                device=self._device,
+                run_full_length=self.dp_size > 1,  # every rank runs as many forwards
+                precision=self._precision,
+            )
+        self._generation_seconds = time.perf_counter() - t0
+        with self._profiler.phase("reward"):
+            rollouts = score_rollouts(
+                samples,
+                prompts,
+                grpo_samples=self._grpo_samples,
+                reward_components=self._rewards,
+                tokenizer=self._tokenizer,
+                stop_tokens=self._stop_tokens,
+                num_generated_tokens=num_generated,
+            )
+        record_reference_and_old(
+            self._model,
+            self._ref_model,
+            rollouts.samples,
+            ppo_epochs=self._ppo_epochs,
+            forward_batch_size=self._forward_batch_size,
+            pad_id=self._tokenizer.pad_id,
+            device=self._device,
+            precision=self._precision,
+            phase=self._profiler.phase,
+        )
+        return rollouts
+
+    def _windows(self, rollouts: StepRollouts) -> Any:
+        """``ppo_epochs`` windows over the same rollouts, each collated afresh."""
+        for _ in range(self._ppo_epochs):
+            sample_window = rollout_window(
+                rollouts.samples, self._micro_batching, self._tokenizer.pad_id
+            )
+            self._policy_metrics.clear()
+            yield from self._normalizer.windows([sample_window])
+
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The policy's log-probs at completion positions, and the micro-batch's mean loss
+        over its units."""
+        return grpo_loss_step(
+            self._model,
+            batch,
+            aggregation=self._loss_aggregation,
+            max_generated_tokens=self._max_generated_tokens,
+            precision=self._precision,
+            activations_ctx=self._activations_handling_ctx,
+            metrics=self._policy_metrics,
+            **self._loss_settings,
+        )
+
+    def train(self) -> None:
+        distributed.cleanup_before_training(self._device)
+        if self._compile:
+            distributed.log_rank_zero("torch.compile is on: expect a slow first step.")
+        self._optimizer.zero_grad()
+        progress = self._progress
+        steps = self._step_book()
+        with self._profiler:
+            for curr_epoch in progress.epochs():
+                steps.open_epoch(curr_epoch)
+                rollout_steps_left = progress.windows_left_in(curr_epoch) // self._ppo_epochs
+                prompt_batches = iter(self._dataloader)
+                for _ in range(rollout_steps_left):
+                    prompts = next(prompt_batches)
+                    rollout_step = progress.global_step // self._ppo_epochs
+                    rollouts = self._make_rollouts(prompts, rollout_step)
+                    self._rollout_metrics = rollout_metrics(
+                        rollouts,
+                        distributed.dp_group(self._mesh),
+                        self._device,
+                        generation_seconds=self._generation_seconds,
+                    )
+                    for window in self._windows(rollouts):
+                        outcome = train_window(
+                            window,
+                            model=self._model,
+                            loss_step=self._loss_step,
+                            optimizer=self._optimizer,
+                            profiler=self._profiler,
+                            device=self._device,
+                            step=progress.global_step + 1,
+                            clip_grad_norm=self._clip_grad_norm,
+                            micro_batch_context=partial(
+                                distributed.gradient_sync, self._model, self._gradient_sync
+                            ),
+                            announce_skip=self._is_rank_zero,
+                        )
+                        steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                next(prompt_batches, None)  # lets the loader see its end, as exactga.normalization
+                steps.end_epoch(curr_epoch)
+        self._report_outputs()
+
+    def _window_metrics(self, window: Window) -> dict[str, float]:
+        """What a logged step adds: the policy's KL and clipping over the window, and the
+        rollouts' rewards and lengths (the same for each of a batch's PPO epochs)."""
+        metrics = self._policy_metrics.window_metrics(window.dp_group)
+        return {**metrics, **self._rollout_metrics}
+
+    def _step_book(self) -> StepBook:
+        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        return StepBook(
+            self._progress,
+            dataloader=self._dataloader,
+            normalizer=self._normalizer,
+            profiler=self._profiler,
+            optimizer=self._optimizer,
+            lr_scheduler=self._lr_scheduler,
+            nonfinite_policy=self._nonfinite_policy,
+            save_step_checkpoint=self.save_step_checkpoint,
+            save_epoch_checkpoint=self.save_checkpoint,
+            save_every_n_steps=self._save_every_n_steps,
+            log_every_n_steps=self._log_every_n_steps,
+            metric_logger=self._metric_logger if self._is_rank_zero else None,
+            world_size=self.world_size,
+            memory_device=self._device if self._log_peak_memory_stats else None,
+            window_metrics=self._window_metrics,
+            show_progress=self._is_rank_zero,
+        )
+
+    def _report_outputs(self) -> None:
+        distributed.log_rank_zero(self._profiler.summary())
+        distributed.log_rank_zero(f"Checkpoints are in {self._checkpoint_dir}")
+        if self._log_dir is not None:
+            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
+
+    def cleanup(self) -> None:
+        if self._is_rank_zero:
+            self._metric_logger.close()
+        distributed.destroy()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: validates the config strictly, then trains."""
+    cfg = validate_config(cfg, GrpoDistributedConfig, RECIPE_NAME, check_files=True)
+    if distributed.is_rank_zero():
+        config.log_config(recipe_name="GRPOFullFinetuneRecipeDistributed", cfg=cfg)
+    recipe = GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(run_recipe(recipe_main))  # bad input: one message; see [user errors]
