@@ -31,8 +31,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.activations import apply_selective_activation_checkpointing
@@ -42,6 +40,7 @@ from exactga import distributed
 from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
+from exactga.data import build_prompt_loader
 from exactga.frozen import freeze_model
 from exactga.grpo import (
     StepRollouts,
@@ -226,8 +225,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 prompt_index=prompt["index"],
                 max_generated_tokens=self._max_generated_tokens,
             )
-        self._dataloader = self._setup_prompt_loader(
-            dataset, cfg.shuffle, resume.dataloader_state(ckpt_dict)
+        self._dataloader = build_prompt_loader(
+            dataset,
+            batch_size=self._batch_size,
+            shuffle=cfg.shuffle,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
+            state_dict=resume.dataloader_state(ckpt_dict),
         )
         rollout_steps = min(len(self._dataloader), self._num_steps)
         self._progress.start(
@@ -257,24 +261,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_prompt_loader(
-        self, dataset: Any, shuffle: bool, state_dict: dict[str, Any] | None
-    ) -> StatefulDataLoader:
-        sampler = StatefulDistributedSampler(
-            dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=0
-        )
-        loader = StatefulDataLoader(
-            dataset,
-            batch_size=self._batch_size,
-            sampler=sampler,
-            collate_fn=list,  # prompts stay items; generation takes them one by one
-            drop_last=True,  # every rank needs its batch_size prompts
-            generator=torch.Generator(),
-        )
-        if state_dict is not None:
-            loader.load_state_dict(state_dict)
-        return loader
 
     def _setup_model(
         self, cfg: DictConfig, model_state_dict: dict[str, Any], source: str

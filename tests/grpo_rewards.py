@@ -23,3 +23,16 @@ class VowelShare:
             letters = [c for c in text if c.isalpha()]
             shares.append(sum(c in VOWELS for c in letters) / len(letters) if letters else 0.0)
         return torch.tensor(shares, dtype=torch.float32)
+
+
+class NaNReward:
+    """A broken reward: NaN for every second completion (the bad-input test's)."""
+
+    name = "nan_reward"
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str]
+    ) -> torch.Tensor:
+        rewards = torch.zeros(len(completions))
+        rewards[1::2] = float("nan")
+        return rewards

@@ -205,6 +205,36 @@ def dataloader_from_config(
     )
 
 
+def build_prompt_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    num_replicas: int = 1,
+    rank: int = 0,
+    state_dict: Mapping[str, Any] | None = None,
+) -> StatefulDataLoader:
+    """The GRPO recipe's loader: ``batch_size`` prompts (dataset items, uncollated) per step
+    on this ``rank``. The ranks deal their batches out of one shuffled order of the dataset
+    (see [data order]), so a step's prompts over every rank are the same whatever the number of
+    ranks, as long as ``batch_size x num_replicas`` is; ``drop_last`` as every rank needs its
+    ``batch_size`` prompts."""
+    sampler = StatefulDistributedSampler(
+        dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=0
+    )
+    loader = StatefulDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=list,  # prompts stay items: generation takes them one by one
+        drop_last=True,
+        generator=torch.Generator(),  # see build_dataloader
+    )
+    if state_dict is not None:
+        loader.load_state_dict(state_dict)
+    return loader
+
+
 class WindowLoader:
     """A stateful loader of :class:`SampleWindow`s: one per optimizer step of an epoch.
 

@@ -115,7 +115,7 @@ def check_grpo_keys(cfg: DictConfig) -> None:
     if not isinstance(cfg.rewards, ListConfig) or not len(cfg.rewards):
         raise ValueError(
             "config key 'rewards': a list of reward components, e.g. "
-            "[{_component_: exactga.rewards.correct_answer}]."
+            "[{_component_: exactga.rewards.CorrectAnswer}]."
         )
 
 
