@@ -233,7 +233,9 @@ def micro_batching_for_rollouts(
 ) -> MicroBatchingSettings:
     """A window's split of one step's ``num_rollouts`` rollouts on this rank: micro-batches of
     ``num_rollouts / gradient_accumulation_steps`` completions (checked at start-up to
-    divide), or a token budget."""
+    divide), or under ``token_budget`` as many as fit the budget (no rollout is dropped)."""
+    if mode is MicroBatching.TOKEN_BUDGET:  # the budget cuts; every rollout is kept
+        return MicroBatchingSettings(mode, batch_size=1, micro_batch_tokens=micro_batch_tokens)
     return MicroBatchingSettings(
         mode=mode,
         batch_size=num_rollouts // gradient_accumulation_steps,
