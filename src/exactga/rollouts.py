@@ -47,6 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchtune.generation import generate
 from torchtune.modules.common_utils import local_kv_cache
 
+from exactga.frozen import frozen_forward
 from exactga.loss_units import IGNORE_INDEX
 
 Rollout = dict[str, Any]
@@ -250,8 +251,9 @@ def _generating(model: nn.Module) -> Iterator[None]:
     """No gradients, eval mode, and afterwards each module's training flag as it was and an
     FSDP2 model resharded.
 
-    ``no_grad`` rather than ``inference_mode``: FSDP2 reuses its unsharded parameter storage
-    in the training forward, which an inference tensor could not join. The reshard matters for
+    Gradients off through ``exactga.frozen.frozen_forward`` (see [frozen forwards run under
+    no_grad] there): FSDP2 reuses its unsharded parameter storage in the training forward,
+    which an inference tensor could not join. The reshard matters for
     units that keep their parameters unsharded after a forward, expecting a backward
     (``reshard_after_forward=False``, or ``None`` on the root): it frees those copies and puts
     the sharded parameters back, which the optimizer step needs.
@@ -259,7 +261,7 @@ def _generating(model: nn.Module) -> Iterator[None]:
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        with torch.no_grad():
+        with frozen_forward():
             yield
     finally:
         for module, training in modes:
