@@ -38,7 +38,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.frozen import freeze_model
+from exactga.frozen import build_frozen_model
 from exactga.kernels import choose_attention_kernels
 from exactga.loss_units import IGNORE_INDEX
 from exactga.model_state import load_model_state
@@ -310,33 +310,18 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         ref_state = config.instantiate(
             cfg.ref_checkpointer, should_load_recipe_state=False
         ).load_checkpoint()
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
-            ref_model = config.instantiate(cfg.model)
-        freeze_model(ref_model)
-        if self._compile:
-            training.compile_model(ref_model, verbose=self._is_rank_zero)
-        if self.dp_size > 1:  # no trainable parameter, so no precision policy
-            training.shard_model(
-                model=ref_model,
-                shard_conditions=[
-                    partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
-                ],
-                cpu_offload=self._fsdp_cpu_offload,
-                reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                dp_mesh=self._mesh["dp"],
-            )
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in ref_model.modules():
-                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
-                    m.rope_init()
-        training.load_from_full_model_state_dict(
-            ref_model,
+        ref_model = build_frozen_model(
+            cfg.model,
             ref_state[training.MODEL_KEY],
-            self._device,
-            strict=True,
+            dtype=self._dtype,
+            device=self._device,
+            dp_mesh=self._mesh["dp"],
+            custom_sharded_layers=cfg.custom_sharded_layers,
             cpu_offload=self._fsdp_cpu_offload,
+            reshard_after_forward=cfg.fsdp_reshard_after_forward,
+            compile_model=self._compile,
+            verbose=self._is_rank_zero,
         )
-        training.validate_no_params_on_meta_device(ref_model)
         distributed.log_rank_zero(
             f"Reference built, sharded over dp={self.dp_size} and loaded in "
             f"{time.perf_counter() - t0:.2f} s, precision {self._dtype}; frozen."

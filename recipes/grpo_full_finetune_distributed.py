@@ -41,7 +41,7 @@ from exactga.checkpointing import step_checkpointer_for
 from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import build_prompt_loader
-from exactga.frozen import freeze_model
+from exactga.frozen import build_frozen_model
 from exactga.grpo import (
     StepRollouts,
     generate_rollouts,
@@ -212,7 +212,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             units=loss_units_for(self._loss_aggregation),
         )
         self._policy_metrics = PolicyMetrics(self._device)
-        self._rollout_metrics: dict[str, float] = {}
+        self._rollouts: StepRollouts | None = None  # the current step's, for its metrics
         self._generation_seconds = 0.0
 
         # Prompts: batch_size per rank per step, dealt out of one shuffled order, so the
@@ -328,33 +328,18 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         ref_state = config.instantiate(
             cfg.ref_checkpointer, should_load_recipe_state=False
         ).load_checkpoint()
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
-            ref_model = config.instantiate(cfg.model)
-        freeze_model(ref_model)
-        if self._compile:
-            training.compile_model(ref_model, verbose=self._is_rank_zero)
-        if self.dp_size > 1:  # no trainable parameter, so no precision policy
-            training.shard_model(
-                model=ref_model,
-                shard_conditions=[
-                    partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
-                ],
-                cpu_offload=self._fsdp_cpu_offload,
-                reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                dp_mesh=self._mesh["dp"],
-            )
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in ref_model.modules():
-                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
-                    m.rope_init()
-        training.load_from_full_model_state_dict(
-            ref_model,
+        ref_model = build_frozen_model(
+            cfg.model,
             ref_state[training.MODEL_KEY],
-            self._device,
-            strict=True,
+            dtype=self._dtype,
+            device=self._device,
+            dp_mesh=self._mesh["dp"],
+            custom_sharded_layers=cfg.custom_sharded_layers,
             cpu_offload=self._fsdp_cpu_offload,
+            reshard_after_forward=cfg.fsdp_reshard_after_forward,
+            compile_model=self._compile,
+            verbose=self._is_rank_zero,
         )
-        training.validate_no_params_on_meta_device(ref_model)
         distributed.log_rank_zero(
             f"Reference built, sharded over dp={self.dp_size} and loaded in "
             f"{time.perf_counter() - t0:.2f} s, precision {self._dtype}; frozen."
@@ -495,12 +480,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                     prompts = next(prompt_batches)
                     rollout_step = progress.global_step // self._ppo_epochs
                     rollouts = self._make_rollouts(prompts, rollout_step)
-                    self._rollout_metrics = rollout_metrics(
-                        rollouts,
-                        distributed.dp_group(self._mesh),
-                        self._device,
-                        generation_seconds=self._generation_seconds,
-                    )
+                    self._rollouts = rollouts  # read by _window_metrics on logged steps
                     for window in self._windows(rollouts):
                         outcome = train_window(
                             window,
@@ -524,8 +504,15 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     def _window_metrics(self, window: Window) -> dict[str, float]:
         """What a logged step adds: the policy's KL and clipping over the window, and the
         rollouts' rewards and lengths (the same for each of a batch's PPO epochs)."""
+        assert self._rollouts is not None, "a window is trained after its rollouts"
         metrics = self._policy_metrics.window_metrics(window.dp_group)
-        return {**metrics, **self._rollout_metrics}
+        rollouts = rollout_metrics(
+            self._rollouts,
+            window.dp_group,
+            self._device,
+            generation_seconds=self._generation_seconds,
+        )
+        return {**metrics, **rollouts}
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and

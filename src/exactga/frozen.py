@@ -2,14 +2,21 @@
 
 One rule for all of them, single device or sharded with FSDP2: :func:`freeze_model` once at
 setup, and every forward inside :func:`frozen_forward`. See [frozen forwards run under no_grad].
+The distributed DPO and GRPO recipes build their reference with :func:`build_frozen_model`, so
+the two cannot shard or load it differently.
 """
 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
+from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torchtune import config, training
 
 # Note [frozen forwards run under no_grad]
 # A frozen model's forward must build no autograd graph and keep no activations: its outputs
@@ -40,3 +47,46 @@ def frozen_forward() -> contextlib.AbstractContextManager[None]:
     """The context every forward of a frozen model runs in; see [frozen forwards run under
     no_grad]."""
     return torch.no_grad()
+
+
+def build_frozen_model(
+    cfg_model: DictConfig,
+    state_dict: dict[str, Any],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    dp_mesh: DeviceMesh | None,
+    custom_sharded_layers: list[str] | None = None,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+    compile_model: bool = False,
+    verbose: bool = False,
+) -> nn.Module:
+    """``cfg_model`` frozen (:func:`freeze_model`) with the full ``state_dict``: built on the
+    meta device, sharded like the trained model with torchtune's ``shard_model`` over
+    ``dp_mesh`` when it spans more than one rank (no trainable parameter, so no precision
+    policy), then loaded shard by shard in ``dtype``."""
+    with training.set_default_dtype(dtype), torch.device("meta"):
+        model = config.instantiate(cfg_model)
+    freeze_model(model)
+    if compile_model:
+        training.compile_model(model, verbose=verbose)
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        training.shard_model(
+            model=model,
+            shard_conditions=[
+                partial(training.get_shard_conditions, names_to_match=custom_sharded_layers)
+            ],
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+            dp_mesh=dp_mesh,
+        )
+    with training.set_default_dtype(dtype), device:
+        for module in model.modules():
+            if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
+                module.rope_init()
+    training.load_from_full_model_state_dict(
+        model, state_dict, device, strict=True, cpu_offload=cpu_offload
+    )
+    training.validate_no_params_on_meta_device(model)
+    return model

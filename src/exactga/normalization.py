@@ -303,10 +303,7 @@ class Window:
             ]
         else:
             factors = [1.0 / len(self.micro_batches)] * len(units)
-        weighted = [
-            mean * factor for mean, factor in zip(term_means.unbind(), factors, strict=True)
-        ]
-        return torch.stack(weighted).sum()
+        return (term_means * term_means.new_tensor(factors)).sum()
 
     def finish_gradients(self, model: nn.Module) -> None:
         """Post-backward gradient work; a no-op except in the ``post_scale`` baseline."""
