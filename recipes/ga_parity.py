@@ -2,20 +2,20 @@
 
 Takes a normal full or LoRA fine-tuning config, a knowledge-distillation one (its teacher built
 once, frozen, and every run trained with the KD recipes' loss step), or a LoRA or full DPO one
-(every run trained on preference pairs with the DPO recipes' loss step and reference), and trains
-it several times from the same initial weights on the same global batches: once as the full
-batch on one device (``batch_size = B*G*N``, ``gradient_accumulation_steps = 1``), then as every
-split in ``parity.splits`` under every normalisation mode in ``parity.modes`` (``naive``,
-``post_scale`` = stock torchtune, ``exact`` = exactga; for DPO ``naive`` is stock's and there is
-no ``post_scale``), exact runs under every ``micro_batching`` in ``parity.micro_batching`` too
-(``fixed``, ``by_length``, ``token_budget``: how a window's samples are grouped into
+(every run trained on preference pairs with the DPO recipes' loss step and reference), or a GRPO one
+(see below), and trains it several times from the same initial weights on the same global batches:
+once as the full batch on one device (``batch_size = B*G*N``, ``gradient_accumulation_steps = 1``),
+then as every split in ``parity.splits`` under every normalisation mode in ``parity.modes``
+(``naive``, ``post_scale`` = stock torchtune, ``exact`` = exactga; for DPO ``naive`` is stock's and
+there is no ``post_scale``), exact runs under every ``micro_batching`` in ``parity.micro_batching``
+too (``fixed``, ``by_length``, ``token_budget``: how a window's samples are grouped into
 micro-batches, which changes no step; the baselines run ``fixed`` only, a DPO config's ``naive``
-also ``token_budget``). A split ``BxG`` trains on one device; ``BxGxN`` trains data-parallel
-over the N processes of a distributed launch, sharded with FSDP2 exactly as
+also ``token_budget``). A split ``BxG`` trains on one device; ``BxGxN`` trains data-parallel over
+the N processes of a distributed launch, sharded with FSDP2 exactly as
 recipes/full_finetune_distributed.py and recipes/lora_finetune_distributed.py shard, its window
 token count reduced over the data-parallel group, each rank reading its share of the same global
-batches. Every run takes the recipes' own step (``exactga.training.train_window``).
-Rank 0 writes into ``<output_dir>/parity/``:
+batches. Every run takes the recipes' own step (``exactga.training.train_window``). Rank 0 writes
+into ``<output_dir>/parity/``:
 
 - ``tensorboard/<mode>/<micro_batching>/<split>/``: one TensorBoard run per run, so the loss
   curves overlay (``tensorboard --logdir <output_dir>/parity/tensorboard``); written at the end;
@@ -53,24 +53,29 @@ In a distributed launch the full-batch reference trains on every rank (each rank
 runs it trains against its own copy, so only numbers travel to rank 0), the ``xN`` runs train
 on all ranks together, and the one-device ``BxG`` runs are dealt out to the ranks in turn.
 
+A GRPO config (one that sets ``grpo_samples``) is trained by ``exactga.parity.grpo``, as
+recipes/grpo_full_finetune_distributed.py steps: per ``parity.loss_aggregations`` (all three by
+default) a full batch and every split, whose ``B`` counts completions per micro-batch, under
+``naive`` and ``exact``; one report per aggregation under ``parity/<loss_aggregation>/`` and an
+index in ``parity/report.md`` (see [grpo parity] there)::
+
+    tune run recipes/ga_parity.py --config configs/tiny/ga_parity_grpo.yaml
+
 On your own config, add a ``parity`` section (see docs/ga_parity.md); everything else is read as
-the full, LoRA, KD or DPO recipe reads it.
+the full, LoRA, KD, DPO or GRPO recipe reads it.
 """
 
 import copy
 import os
-import random
 import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config, training, utils
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from tqdm import tqdm
 
 from exactga import distributed
@@ -79,20 +84,29 @@ from exactga.config import validate_config
 from exactga.data import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.distillation import Distiller, check_kd_losses, check_vocabularies
 from exactga.frozen import freeze_model
+from exactga.grpo_schemas import GrpoParityConfig, is_grpo_config
 from exactga.lora import LoraSettings, load_lora_weights
 from exactga.loss_units import loss_ignore_index
 from exactga.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.normalization import LossNormalizer, NormMode
+from exactga.parity.grpo import GrpoParity
 from exactga.parity.preference import (
     Preference,
     check_pairs,
     check_preference_keys,
     collate_fn_for,
-    frozen_reference_model,
     preference_loss_step,
 )
 from exactga.parity.report import DataShape, Distillation, write_report
-from exactga.parity.runs import RunTally, gather_summaries, trained_weights
+from exactga.parity.runs import (
+    FrozenModels,
+    RunTally,
+    build_model,
+    build_sharded_model,
+    gather_summaries,
+    reseed,
+    trained_weights,
+)
 from exactga.parity.scoring import (
     ParityRun,
     PrecisionView,
@@ -207,14 +221,13 @@ class GaParityRecipe:
         self._reference_to_fp32: float | None = None  # relative L2, below fp32 only
         self._summaries: list[RunSummary] = []
         self._teacher: nn.Module | None = None  # a KD config's, built once in setup
-        self._ref_state: dict[str, Any] | None = None  # full DPO's reference weights
-        self._ref_models: dict[bool, nn.Module] = {}  # built on first use, by sharded
+        self._ref_models: FrozenModels | None = None  # full DPO's reference, by layout
         self._data_shape: DataShape | None = None  # of the full batch's samples
         self._num_runs = 0  # for the progress lines: "run k of n"
 
     def setup(self, cfg: DictConfig) -> None:
         self._cfg = cfg
-        _reseed(self._seed)
+        reseed(self._seed)
         checkpointer = config.instantiate(cfg.checkpointer)
         base_state = checkpointer.load_checkpoint()[training.MODEL_KEY]
         self._initial_state = self._initial_model_state(cfg.model, base_state)
@@ -222,9 +235,13 @@ class GaParityRecipe:
         self._loss_fn = config.instantiate(cfg.loss)
         self._ignore_index = loss_ignore_index(self._loss_fn)  # padding's label; a pair loss's too
         if self._is_preference and not self._is_lora:
-            self._ref_state = config.instantiate(cfg.ref_checkpointer).load_checkpoint()[
-                training.MODEL_KEY
-            ]
+            ref_state = config.instantiate(cfg.ref_checkpointer).load_checkpoint()
+            self._ref_models = FrozenModels(
+                cfg.model,
+                ref_state[training.MODEL_KEY],
+                self._device,
+                self._mesh["dp"] if self._mesh is not None else None,
+            )
         if self._is_kd:
             self._kd_loss_fn = config.instantiate(cfg.kd_loss)
             check_kd_losses(self._loss_fn, self._kd_loss_fn)
@@ -275,38 +292,19 @@ class GaParityRecipe:
         return teacher
 
     def _build_model(self, cfg_model: DictConfig, precision: Precision) -> nn.Module:
-        with training.set_default_dtype(precision.compute_dtype), self._device:
-            model = config.instantiate(cfg_model)
-        if self._is_lora:
-            set_trainable_params(model, get_adapter_params(model))
-        precision.cast_trainable(model)  # fp32 master weights, if asked for
-        return model
+        return build_model(cfg_model, precision, self._device, is_lora=self._is_lora)
 
     def _build_sharded_model(self, cfg_model: DictConfig, precision: Precision) -> nn.Module:
-        """The model on the meta device, sharded with FSDP2 over the ``dp`` mesh as the
-        distributed recipes shard it (a bf16 policy over fp32 master weights), then loaded
-        with the shared initial state."""
-        with training.set_default_dtype(precision.compute_dtype), torch.device("meta"):
-            model = config.instantiate(cfg_model)
-        if self._is_lora:
-            set_trainable_params(model, get_adapter_params(model))
-        precision.cast_trainable(model)
-        precision.shard_model(
-            model=model,
-            shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
-            cpu_offload=False,
-            reshard_after_forward=True,
-            dp_mesh=self._mesh["dp"],
+        """Sharded over the ``dp`` mesh as the distributed recipes shard it, loaded with the
+        shared initial state."""
+        return build_sharded_model(
+            cfg_model,
+            self._initial_state,
+            precision,
+            self._device,
+            self._mesh["dp"],
+            is_lora=self._is_lora,
         )
-        with training.set_default_dtype(precision.compute_dtype), self._device:
-            for module in model.modules():
-                if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
-                    module.rope_init()
-        training.load_from_full_model_state_dict(
-            model, self._initial_state, self._device, strict=True
-        )
-        training.validate_no_params_on_meta_device(model)
-        return model
 
     def _setup_dataset(self, cfg_dataset: DictConfig) -> Any:
         return load_dataset(cfg_dataset, self._tokenizer, self._vocab_size)
@@ -392,7 +390,7 @@ class GaParityRecipe:
         """Train one split under one mode, micro-batching and precision from the shared initial
         state, as the training recipes would (their Precision calls). ``run`` numbers it in
         the progress lines; the full-batch reference is run 1."""
-        _reseed(self._seed)  # dropout and any other randomness start equal
+        reseed(self._seed)  # dropout and any other randomness start equal
         sharded = split.num_ranks > 1
         what = (
             f"run {run} of {self._num_runs}: {split} with loss_normalization={mode.value}, "
@@ -498,17 +496,9 @@ class GaParityRecipe:
     def _reference_model(self, sharded: bool) -> nn.Module | None:
         """Full DPO's frozen reference in ``dtype``, built on first use once on one device and
         once sharded like the policy; None for LoRA DPO (the policy with its adapters off)."""
-        if self._ref_state is None:
+        if self._ref_models is None:
             return None
-        if sharded not in self._ref_models:
-            self._ref_models[sharded] = frozen_reference_model(
-                self._cfg.model,
-                self._ref_state,
-                dtype=self._dtype,
-                device=self._device,
-                dp_mesh=self._mesh["dp"] if sharded else None,
-            )
-        return self._ref_models[sharded]
+        return self._ref_models.get(sharded=sharded, dtype=self._dtype)
 
     def save_report(self) -> Path | None:
         """Rank 0 writes the report, figure, summary and TensorBoard runs."""
@@ -550,20 +540,16 @@ class GaParityRecipe:
         distributed.destroy()
 
 
-def _reseed(seed: int) -> None:
-    """Seed every generator with ``seed`` itself. torchtune's set_seed would add the rank, and
-    every rank must draw the same initial adapters (and a run's randomness must not depend on
-    the rank that trains it)."""
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-
-
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Entry point: validates the config strictly, then trains every planned run."""
-    cfg = validate_config(cfg, GaParityConfig, RECIPE_NAME, check_files=True)
-    recipe = GaParityRecipe(cfg)
+    """Entry point: validates the config strictly, then trains every planned run. A GRPO
+    config (one that sets ``grpo_samples``) is trained by exactga.parity.grpo.GrpoParity."""
+    if is_grpo_config(cfg):
+        cfg = validate_config(cfg, GrpoParityConfig, RECIPE_NAME, check_files=True)
+        recipe = GrpoParity(cfg)
+    else:
+        cfg = validate_config(cfg, GaParityConfig, RECIPE_NAME, check_files=True)
+        recipe = GaParityRecipe(cfg)
     recipe.setup(cfg)
     recipe.train()
     recipe.save_report()

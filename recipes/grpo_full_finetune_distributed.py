@@ -42,15 +42,7 @@ from exactga.cli import run_recipe
 from exactga.config import validate_config
 from exactga.data import build_prompt_loader
 from exactga.frozen import build_frozen_model
-from exactga.grpo import (
-    StepRollouts,
-    generate_rollouts,
-    micro_batching_for_rollouts,
-    record_reference_and_old,
-    rollout_metrics,
-    rollout_window,
-    score_rollouts,
-)
+from exactga.grpo import StepRollouts, StepSettings, make_rollouts, ppo_windows, rollout_metrics
 from exactga.grpo_schemas import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig, loss_settings
 from exactga.kernels import choose_attention_kernels
 from exactga.model_state import load_model_state
@@ -140,21 +132,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
         # The RL keys (stock's names).
         self._batch_size = cfg.batch_size
-        self._grpo_samples = cfg.grpo_samples
         self._ppo_epochs = cfg.ppo_epochs
         self._max_generated_tokens = cfg.max_generated_tokens
         self._loss_aggregation = cfg.loss_aggregation
         self._loss_settings = loss_settings(cfg)
-        num_completions = cfg.batch_size * cfg.grpo_samples
-        self._forward_batch_size = cfg.forward_batch_size or max(
-            1, num_completions // cfg.gradient_accumulation_steps
-        )
-        self._micro_batching = micro_batching_for_rollouts(
-            cfg.micro_batching,
-            num_completions,
-            cfg.gradient_accumulation_steps,
-            cfg.micro_batch_tokens,
-        )
         # Step checkpoints only between rollout steps: the rollouts themselves are not saved.
         self._save_every_n_steps = (
             cfg.save_every_n_steps * cfg.ppo_epochs if cfg.save_every_n_steps else None
@@ -192,12 +173,21 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self._ref_model = self._setup_reference_model(cfg)
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._stop_tokens = list(cfg.stop_token_ids or [self._tokenizer.eos_id])
-        self._sampling = SamplingSettings(
-            max_generated_tokens=cfg.max_generated_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            stop_tokens=tuple(self._stop_tokens),
+        self._step_settings = StepSettings.of(
+            num_prompts=cfg.batch_size,
+            grpo_samples=cfg.grpo_samples,
+            sampling=SamplingSettings(
+                max_generated_tokens=cfg.max_generated_tokens,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                stop_tokens=tuple(cfg.stop_token_ids or [self._tokenizer.eos_id]),
+            ),
+            ppo_epochs=cfg.ppo_epochs,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            micro_batching=cfg.micro_batching,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            forward_batch_size=cfg.forward_batch_size,
+            pad_id=self._tokenizer.pad_id,
         )
         self._rewards = build_rewards(cfg.rewards)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
@@ -213,7 +203,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self._policy_metrics = PolicyMetrics(self._device)
         self._rollouts: StepRollouts | None = None  # the current step's, for its metrics
-        self._generation_seconds = 0.0
 
         # Prompts: batch_size per rank per step, dealt out of one shuffled order, so the
         # step's global batch is the same prompts on any number of ranks.
@@ -404,51 +393,20 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     def _make_rollouts(self, prompts: list[dict[str, Any]], rollout_step: int) -> StepRollouts:
         """Generate, score and record log-probs for one step's prompts on this rank; see
         [a GRPO step] in exactga.grpo."""
-        t0 = time.perf_counter()  # generation reads its tokens back: host time is its time
-        with self._profiler.phase("generate"):
-            samples, num_generated = generate_rollouts(
-                self._model,
-                prompts,
-                grpo_samples=self._grpo_samples,
-                sampling=self._sampling,
-                seed=self._progress.seed,
-                step=rollout_step,
-                device=self._device,
-                run_full_length=self.dp_size > 1,  # every rank runs as many forwards
-                precision=self._precision,
-            )
-        self._generation_seconds = time.perf_counter() - t0
-        with self._profiler.phase("reward"):
-            rollouts = score_rollouts(
-                samples,
-                prompts,
-                grpo_samples=self._grpo_samples,
-                reward_components=self._rewards,
-                tokenizer=self._tokenizer,
-                stop_tokens=self._stop_tokens,
-                num_generated_tokens=num_generated,
-            )
-        record_reference_and_old(
+        return make_rollouts(
             self._model,
             self._ref_model,
-            rollouts.samples,
-            ppo_epochs=self._ppo_epochs,
-            forward_batch_size=self._forward_batch_size,
-            pad_id=self._tokenizer.pad_id,
+            prompts,
+            settings=self._step_settings,
+            reward_components=self._rewards,
+            tokenizer=self._tokenizer,
+            seed=self._progress.seed,
+            step=rollout_step,
             device=self._device,
+            run_full_length=self.dp_size > 1,  # every rank runs as many forwards
             precision=self._precision,
             phase=self._profiler.phase,
         )
-        return rollouts
-
-    def _windows(self, rollouts: StepRollouts) -> Any:
-        """``ppo_epochs`` windows over the same rollouts, each collated afresh."""
-        for _ in range(self._ppo_epochs):
-            sample_window = rollout_window(
-                rollouts.samples, self._micro_batching, self._tokenizer.pad_id
-            )
-            self._policy_metrics.clear()
-            yield from self._normalizer.windows([sample_window])
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The policy's log-probs at completion positions, and the micro-batch's mean loss
@@ -481,7 +439,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                     rollout_step = progress.global_step // self._ppo_epochs
                     rollouts = self._make_rollouts(prompts, rollout_step)
                     self._rollouts = rollouts  # read by _window_metrics on logged steps
-                    for window in self._windows(rollouts):
+                    for window in ppo_windows(rollouts, self._step_settings, self._normalizer):
+                        self._policy_metrics.clear()  # this pass's KL and clipping
                         outcome = train_window(
                             window,
                             model=self._model,
@@ -510,7 +469,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._rollouts,
             window.dp_group,
             self._device,
-            generation_seconds=self._generation_seconds,
+            generation_seconds=self._rollouts.generation_seconds,
         )
         return {**metrics, **rollouts}
 

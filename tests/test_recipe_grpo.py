@@ -9,8 +9,10 @@ is made in one launch and every two-rank run in another (tests/many_runs.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from grpo_utils import RECIPE, SPLITS, grpo_args, initial_weights, trained_weights
 from many_runs import Run, launch_runs
@@ -51,11 +53,33 @@ def _runs(root: Path, nproc: int) -> list[Run]:
     return runs
 
 
+PARITY = "ga_parity_token_mean"
+
+
+def _parity_run(root: Path) -> Run:
+    """The GA parity report on the same config (token_mean, ppo_epochs 1): its full batch and
+    its exact 4x4 split must take the recipe's own steps (see test_the_parity_report...)."""
+    out = root / PARITY
+    args = grpo_args(
+        out,
+        loss_aggregation="token_mean",
+        micro_batching="fixed",
+        **{
+            "parity.splits": "[4x4]",
+            "parity.loss_aggregations": "[token_mean]",
+            "parity.modes": "[exact]",
+            "parity.micro_batching": "[fixed]",
+            "parity.num_steps": PPO[1],
+        },
+    )
+    return Run("recipes/ga_parity.py", args, out)
+
+
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
     def make(root: Path) -> None:
         tests_on_path = {"PYTHONPATH": str(Path(__file__).parent)}  # grpo_rewards
-        launch_runs(_runs(root, 0), nproc=0, extra_env=tests_on_path)
+        launch_runs([*_runs(root, 0), _parity_run(root)], nproc=0, extra_env=tests_on_path)
         launch_runs(_runs(root, 2), nproc=2, extra_env=tests_on_path)
 
     root = run_once("grpo_parity_runs", make)
@@ -110,3 +134,16 @@ def test_logged_step_values_match_across_splits(runs, split) -> None:
         assert scalars[name] == reference[name], name
     for name in ("loss", "policy/kl", "policy/ratio"):
         assert scalars[name] == pytest.approx(reference[name], rel=1e-5, abs=1e-7), name
+
+
+def test_the_parity_report_takes_the_recipes_own_steps(runs) -> None:
+    """recipes/ga_parity.py on this config (exactga.parity.grpo) and the recipe, one rank:
+    equal window losses, step by step, for the full batch (GA 1) and the 4x4 split (GA 4)."""
+    summary = json.loads((runs / PARITY / "parity" / "token_mean" / "summary.json").read_text())
+    (split,) = [run for run in summary["runs"] if run["split"] == "4x4"]
+    for name, losses in (
+        ("1rank_ga1", summary["reference_losses"]),
+        ("1rank_ga4", split["losses"]),
+    ):
+        logged = read_scalars(runs / _name("token_mean", 1, name) / "logs")["loss"]
+        assert logged == [float(np.float32(loss)) for loss in losses], name

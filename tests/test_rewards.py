@@ -10,12 +10,14 @@ import torch
 from omegaconf import OmegaConf
 
 from exactga.rewards import (
+    CharacterShare,
     CorrectAnswer,
     DigitFormat,
     Reward,
     build_rewards,
     check_rewards,
     first_number,
+    reward_name,
     score_completions,
     successes,
 )
@@ -227,3 +229,11 @@ def test_a_bad_rewards_config_is_named_at_start_up(rewards, message):
     cfg = OmegaConf.create({"rewards": rewards})
     with pytest.raises(ValueError, match=message):
         build_rewards(cfg.rewards)
+
+
+def test_character_share_counts_the_named_characters_among_non_space_ones():
+    vowels = CharacterShare("aeiou")
+    assert scores(vowels, ["tea", "xyz", "a e", " "]) == pytest.approx([2 / 3, 0.0, 1.0, 0.0])
+    assert reward_name(vowels) == "character_share"
+    with pytest.raises(ValueError, match="character_share: 'characters' is empty"):
+        CharacterShare("")

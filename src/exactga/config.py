@@ -121,7 +121,7 @@ _MINIMUMS = {
 
 def _check_minimums(cfg: DictConfig) -> None:
     for key, minimum in _MINIMUMS.items():
-        if key in cfg and cfg[key] < minimum:
+        if cfg.get(key) is not None and cfg[key] < minimum:  # null where a schema allows it
             raise ValueError(f"config key '{key}' must be at least {minimum}, got {cfg[key]}.")
     for key in ("max_steps_per_epoch", "save_every_n_steps", "micro_batch_tokens"):
         steps = cfg.get(key)

@@ -25,10 +25,11 @@ detached copy and no extra forward is run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,9 @@ from exactga.rewards import score_completions, successes
 from exactga.rollouts import SamplingSettings, generate_group
 from exactga.training import token_log_probs
 
+if TYPE_CHECKING:
+    from exactga.normalization import LossNormalizer, Window
+
 Rollout = dict[str, Any]
 
 
@@ -62,6 +66,7 @@ class StepRollouts:
     successes: torch.Tensor | None  # (n,) bool; None when no reward defines success
     num_generated_tokens: int  # tokens the generator produced, past a stop token included
     group_size: int  # completions per prompt
+    generation_seconds: float = 0.0  # this rank's wall time generating them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +257,119 @@ def rollout_window(rollouts: Sequence[Rollout], settings: MicroBatchingSettings,
         for r in rollouts
     ]
     return WindowCollator(settings, len(samples), collate)(samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole step, as the recipe and the GA parity report take it.
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What one rank's GRPO step needs beyond the models and prompts; see [a GRPO step]."""
+
+    grpo_samples: int
+    sampling: SamplingSettings
+    ppo_epochs: int
+    forward_batch_size: int
+    micro_batching: MicroBatchingSettings
+    pad_id: int
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        num_prompts: int,
+        grpo_samples: int,
+        sampling: SamplingSettings,
+        ppo_epochs: int,
+        gradient_accumulation_steps: int,
+        micro_batching: MicroBatching,
+        micro_batch_tokens: int | None,
+        forward_batch_size: int | None,
+        pad_id: int,
+    ) -> StepSettings:
+        """From the config's keys, for ``num_prompts`` prompts a step on this rank:
+        ``forward_batch_size`` defaults to the training micro-batch's completions."""
+        num_completions = num_prompts * grpo_samples
+        return cls(
+            grpo_samples=grpo_samples,
+            sampling=sampling,
+            ppo_epochs=ppo_epochs,
+            forward_batch_size=forward_batch_size
+            or max(1, num_completions // gradient_accumulation_steps),
+            micro_batching=micro_batching_for_rollouts(
+                micro_batching, num_completions, gradient_accumulation_steps, micro_batch_tokens
+            ),
+            pad_id=pad_id,
+        )
+
+
+def make_rollouts(
+    policy: nn.Module,
+    reference: nn.Module,
+    prompts: Sequence[Mapping[str, Any]],
+    *,
+    settings: StepSettings,
+    reward_components: Sequence[Callable[..., torch.Tensor]],
+    tokenizer: Any,
+    seed: int,
+    step: int,
+    device: torch.device,
+    run_full_length: bool,
+    precision: Precision | None = None,
+    phase: Callable[[str], contextlib.AbstractContextManager[None]] | None = None,
+) -> StepRollouts:
+    """Generate, score and record log-probs for one step's ``prompts`` on this rank; see [a
+    GRPO step]. ``phase`` times generate, reward, reference and old_policy (the profiler's
+    ``phase``); the generation's wall time is kept in ``generation_seconds``."""
+    timed = phase or (lambda _name: contextlib.nullcontext())
+    t0 = time.perf_counter()  # generation reads its tokens back: host time is its time
+    with timed("generate"):
+        samples, num_generated = generate_rollouts(
+            policy,
+            prompts,
+            grpo_samples=settings.grpo_samples,
+            sampling=settings.sampling,
+            seed=seed,
+            step=step,
+            device=device,
+            run_full_length=run_full_length,
+            precision=precision,
+        )
+    generation_seconds = time.perf_counter() - t0
+    with timed("reward"):
+        rollouts = score_rollouts(
+            samples,
+            prompts,
+            grpo_samples=settings.grpo_samples,
+            reward_components=reward_components,
+            tokenizer=tokenizer,
+            stop_tokens=settings.sampling.stop_tokens,
+            num_generated_tokens=num_generated,
+        )
+    rollouts.generation_seconds = generation_seconds
+    record_reference_and_old(
+        policy,
+        reference,
+        rollouts.samples,
+        ppo_epochs=settings.ppo_epochs,
+        forward_batch_size=settings.forward_batch_size,
+        pad_id=settings.pad_id,
+        device=device,
+        precision=precision,
+        phase=phase,
+    )
+    return rollouts
+
+
+def ppo_windows(
+    rollouts: StepRollouts, settings: StepSettings, normalizer: LossNormalizer
+) -> Iterator[Window]:
+    """``ppo_epochs`` windows over the same rollouts, each collated afresh and counted by
+    ``normalizer``: one optimizer step each."""
+    for _ in range(settings.ppo_epochs):
+        sample_window = rollout_window(rollouts.samples, settings.micro_batching, settings.pad_id)
+        yield from normalizer.windows([sample_window])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,18 +131,41 @@ class CorrectAnswer(Reward):
         return float(found is not None and _as_number(found) == expected)
 
 
-class DigitFormat(Reward):
+class CharacterShare(Reward):
+    """The share of the completion's non-whitespace characters that are among ``characters``,
+    in ``[0, 1]``; 0.0 for a completion of whitespace alone. :class:`DigitFormat` is this for
+    ASCII digits. With a common set (``characters: aeiou``) nearly every completion of a random
+    model scores differently, so every group has a spread from the first step: a reward for
+    smoke tests and parity checks (configs/tiny/ga_parity_grpo.yaml), not for a task.
+
+    Raises:
+        ValueError: an empty ``characters``.
+    """
+
+    name = "character_share"
+
+    def __init__(self, characters: str, weight: float = 1.0) -> None:
+        super().__init__(weight)
+        if not characters:
+            raise ValueError(f"{self.name}: 'characters' is empty; name the characters to count.")
+        self.characters = frozenset(characters)
+
+    def score(self, prompt: str, completion: str, answer: str) -> float:
+        characters = "".join(completion.split())
+        if not characters:
+            return 0.0
+        return sum(ch in self.characters for ch in characters) / len(characters)
+
+
+class DigitFormat(CharacterShare):
     """The share of the completion's non-whitespace characters that are ASCII digits, in
     ``[0, 1]``; 0.0 for a completion of whitespace alone. A dense reward a randomly initialised
     model can climb; see [a climbable format reward]."""
 
     name = "digit_format"
 
-    def score(self, prompt: str, completion: str, answer: str) -> float:
-        characters = "".join(completion.split())
-        if not characters:
-            return 0.0
-        return sum(ch in DIGITS for ch in characters) / len(characters)
+    def __init__(self, weight: float = 1.0) -> None:
+        super().__init__("".join(sorted(DIGITS)), weight)
 
 
 def first_number(text: str) -> str | None:

@@ -6,7 +6,8 @@ pairs collated by ``exactga.preference.collate_pairs``, counted in pairs by ``Pr
 through the one normaliser, and the loss step ``exactga.preference.dpo_loss_step`` (see [pairs
 as loss units] there). LoRA DPO's reference is each run's policy with its adapters off; full
 DPO's is a frozen copy of ``model`` with the weights of ``ref_checkpointer``, built once in
-``dtype`` on one device and once sharded like the policy for the ``BxGxN`` runs, so every run
+``dtype`` on one device and once sharded like the policy for the ``BxGxN`` runs
+(``exactga.parity.runs.FrozenModels``), so every run
 (the fp32 full batch too, below fp32) scores its pairs against the same reference log-probs.
 
 Note [stock dpo weighting]
@@ -37,10 +38,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from torchtune import config, training
 
 from exactga.distributed import is_rank_zero
-from exactga.frozen import freeze_model
 from exactga.loss_units import Batch
 from exactga.parity.scoring import ParityRun, RunSummary, sorted_runs
 from exactga.precision import Precision
@@ -106,41 +105,6 @@ def check_pairs(dataset: Any, is_preference: bool, loss_name: str) -> None:
         f"config keys 'loss' and 'dataset': the dataset gives preference pairs, but {loss_name} "
         "is a token loss; train pairs with torchtune.rlhf.loss.DPOLoss (or RSOLoss)."
     )
-
-
-def frozen_reference_model(
-    cfg_model: DictConfig,
-    state: dict[str, Any],
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    dp_mesh: Any = None,
-) -> nn.Module:
-    """Full DPO's reference: ``model`` with ``state``, frozen, in ``dtype``; sharded over
-    ``dp_mesh`` when given, as recipes/full_dpo_distributed.py shards it (no precision policy:
-    it trains nothing)."""
-    if dp_mesh is None:
-        with training.set_default_dtype(dtype), device:
-            model = config.instantiate(cfg_model)
-        model.load_state_dict(state)
-        return freeze_model(model)
-    with training.set_default_dtype(dtype), torch.device("meta"):
-        model = config.instantiate(cfg_model)
-    freeze_model(model)
-    training.shard_model(
-        model=model,
-        shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
-        cpu_offload=False,
-        reshard_after_forward=True,
-        dp_mesh=dp_mesh,
-    )
-    with training.set_default_dtype(dtype), device:
-        for module in model.modules():
-            if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
-                module.rope_init()
-    training.load_from_full_model_state_dict(model, state, device, strict=True)
-    training.validate_no_params_on_meta_device(model)
-    return model
 
 
 def preference_loss_step(

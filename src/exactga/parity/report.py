@@ -25,6 +25,7 @@ from exactga.parity.scoring import (
 )
 
 if TYPE_CHECKING:
+    from exactga.parity.grpo_report import PolicyObjective
     from exactga.parity.preference import Preference
 
 
@@ -368,14 +369,16 @@ def write_report(
     data: DataShape | None = None,
     distillation: Distillation | None = None,
     preference: Preference | None = None,
+    policy: PolicyObjective | None = None,
 ) -> Path:
     """Write ``report.md``, ``parity.png``, ``summary.json`` and ``tensorboard/`` into ``out_dir``.
 
     ``micro_batch_tokens`` is the budget of the ``token_budget`` runs, for the report to name;
     ``fp32_reference`` the fp32 full-batch run below fp32 (``precision.below_fp32``);
     ``data`` what the full batch's samples say about stock torchtune's gap; ``distillation``
-    the KD mix every run trained, for a KD config; ``preference`` what a DPO config trained
-    (its section on stock's gap then replaces ``data``'s).
+    the KD mix every run trained, for a KD config; ``preference`` what a DPO config trained,
+    ``policy`` what a GRPO config trained under one loss_aggregation (either's section on its
+    baseline's gap then replaces ``data``'s).
     Returns the report's path.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,9 +398,10 @@ def write_report(
     baselines = "The baselines run fixed micro-batches only (regrouping changes what they "
     baselines += "optimise)."
     objective = [distillation.describe()] if distillation is not None else []
-    if preference is not None:
-        objective, baselines = [preference.describe()], preference.baselines()
-        gaps = [preference.gap_section(reference, summaries)]
+    for view in (preference, policy):
+        if view is not None:
+            objective, baselines = [view.describe()], view.baselines()
+            gaps = [view.gap_section(reference, summaries)]
     text = "\n\n".join(
         [
             "# GA parity report",
@@ -434,7 +438,10 @@ def write_report(
         "distillation": dataclasses.asdict(distillation) if distillation is not None else None,
         # A DPO config's loss and reference; None for a token loss. Counts are in `units`.
         "preference": preference.as_json() if preference is not None else None,
-        "units": reference.units_name,  # what units_per_micro_batch counts: loss_tokens, pairs
+        # A GRPO config's aggregation, samples and rewards; None otherwise.
+        "policy": policy.as_json() if policy is not None else None,
+        # What units_per_micro_batch counts: loss_tokens, pairs, completion_tokens, completions.
+        "units": reference.units_name,
         "runs": [
             {**dataclasses.asdict(s), "padding_fraction": s.padding_fraction}
             for s in sorted_runs(summaries)

@@ -8,18 +8,28 @@ scores travel to rank 0 (:func:`gather_summaries`).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
+from torchtune import config, training
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga import distributed
+from exactga.frozen import build_frozen_model
 from exactga.parity.scoring import ParityRun, RunSummary
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from exactga.normalization import Window
+    from exactga.precision import Precision
 
 _NO_MICRO_BATCH = 2**62  # the fewest units of a rank that ran none, larger than any count
 
@@ -87,6 +97,85 @@ class RunTally:
         )
 
 
+def build_model(
+    cfg_model: DictConfig, precision: Precision, device: torch.device, *, is_lora: bool
+) -> nn.Module:
+    """A run's model on one device, uninitialised: the adapters alone trainable for LoRA,
+    trainable weights cast as ``precision`` keeps them (fp32 master weights)."""
+    with training.set_default_dtype(precision.compute_dtype), device:
+        model = config.instantiate(cfg_model)
+    if is_lora:
+        set_trainable_params(model, get_adapter_params(model))
+    precision.cast_trainable(model)
+    return model
+
+
+def build_sharded_model(
+    cfg_model: DictConfig,
+    state: dict[str, Any],
+    precision: Precision,
+    device: torch.device,
+    dp_mesh: DeviceMesh,
+    *,
+    is_lora: bool,
+) -> nn.Module:
+    """A run's model built on the meta device, sharded with FSDP2 over ``dp_mesh`` as the
+    distributed recipes shard it (a bf16 policy over fp32 master weights), then loaded with
+    ``state``, the runs' shared initial state."""
+    with training.set_default_dtype(precision.compute_dtype), torch.device("meta"):
+        model = config.instantiate(cfg_model)
+    if is_lora:
+        set_trainable_params(model, get_adapter_params(model))
+    precision.cast_trainable(model)
+    precision.shard_model(
+        model=model,
+        shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+        cpu_offload=False,
+        reshard_after_forward=True,
+        dp_mesh=dp_mesh,
+    )
+    with training.set_default_dtype(precision.compute_dtype), device:
+        for module in model.modules():
+            if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
+                module.rope_init()
+    training.load_from_full_model_state_dict(model, state, device, strict=True)
+    training.validate_no_params_on_meta_device(model)
+    return model
+
+
+class FrozenModels:
+    """A frozen model with ``state`` (a reference), built on first use once per layout and
+    dtype: on one device for the ``BxG`` runs, sharded over ``dp_mesh`` like the policy for the
+    ``BxGxN`` runs (``exactga.frozen.build_frozen_model``, the recipes' rule)."""
+
+    def __init__(
+        self,
+        cfg_model: DictConfig,
+        state: dict[str, Any],
+        device: torch.device,
+        dp_mesh: DeviceMesh | None,
+    ) -> None:
+        self._cfg_model, self._state, self._device, self._dp_mesh = (
+            cfg_model,
+            state,
+            device,
+            dp_mesh,
+        )
+        self._built: dict[tuple[bool, torch.dtype], nn.Module] = {}
+
+    def get(self, *, sharded: bool, dtype: torch.dtype) -> nn.Module:
+        key = (sharded, dtype)
+        if key not in self._built:
+            self._built[key] = build_frozen_model(
+                self._cfg_model,
+                self._state,
+                dtype=dtype,
+                device=self._device,
+                dp_mesh=self._dp_mesh if sharded else None,
+            )
+        return self._built[key]
+
+
 def trained_weights(
     model: nn.Module, *, adapters_only: bool, keep: bool
 ) -> dict[str, torch.Tensor]:
@@ -113,3 +202,12 @@ def gather_summaries(local: dict[int, RunSummary]) -> dict[int, RunSummary]:
     for part in parts or []:
         merged.update(part)
     return merged
+
+
+def reseed(seed: int) -> None:
+    """Seed every generator with ``seed`` itself before a run. torchtune's set_seed would add
+    the rank, and every rank must draw the same initial adapters (and a run's randomness must
+    not depend on the rank that trains it)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
