@@ -150,6 +150,12 @@ CONFIG_CASES = [
         ["config key 'parity.splits'"],
     ),
     (
+        "required_section_nulled_on_the_command_line",
+        None,
+        {"optimizer": "null"},
+        ["config key 'optimizer._component_' is null", "optimizer._component_=<path>"],
+    ),
+    (
         "resume_with_an_empty_output_folder",
         None,
         {"resume_from_checkpoint": True},
@@ -171,6 +177,13 @@ def test_config_error_is_one_message_before_the_config_is_printed(
     if recipe is not None:
         args = with_recipe(recipe, args)
     assert_fails_naming(run_tune(args), out, names)
+
+
+def test_a_config_file_that_does_not_exist_is_one_message(tmp_path):
+    out = tmp_path / "out"
+    args = ["recipes/full_finetune_single_device.py", "--config", "configs/tiny/nope.yaml"]
+    names = ["--config configs/tiny/nope.yaml: no such file", str(REPO_ROOT), "'tune ls'"]
+    assert_fails_naming(run_tune([*args, f"output_dir={out}"]), out, names)
 
 
 # --- checkpoints: a finished run, damaged step checkpoints, missing weights --------------------

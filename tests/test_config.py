@@ -64,6 +64,27 @@ def test_counts_below_one_name_the_key(key: str) -> None:
         validate(tiny_cfg(**{key: 0}))
 
 
+def test_an_optional_section_nulled_on_the_command_line_is_null() -> None:
+    """torchtune's CLI reads ``lr_scheduler=null`` as ``lr_scheduler._component_=null``."""
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    yaml = tiny_cfg()
+    assert yaml.lr_scheduler is not None
+    cli = _merge_yaml_and_cli_args(*_parsed(yaml, ["lr_scheduler=null"]))
+    assert cli.lr_scheduler._component_ is None  # what the recipe receives
+    assert validate(cli).lr_scheduler is None
+    required = _merge_yaml_and_cli_args(*_parsed(yaml, ["optimizer=null"]))
+    with pytest.raises(ValueError, match=r"config key 'optimizer._component_' is null"):
+        validate(required)
+
+
+def _parsed(yaml, overrides: list[str]):
+    """The (namespace, overrides) torchtune's parser gives ``_merge_yaml_and_cli_args``."""
+    from argparse import Namespace
+
+    return Namespace(**OmegaConf.to_container(yaml)), overrides
+
+
 def test_missing_required_key_is_named() -> None:
     cfg = tiny_cfg()
     del cfg["batch_size"]

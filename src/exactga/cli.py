@@ -28,19 +28,42 @@ def run_recipe(recipe_main: Callable[[], Any]) -> int:
 
     See [user errors].
     """
+    missing = _missing_config(sys.argv)
+    if missing is not None:  # torchtune's parser would fail on it with a traceback
+        _print_user_error(missing)
+        return 1
     try:
         recipe_main()
     except ValueError as err:
         recipe_file = Path(recipe_main.__code__.co_filename).resolve()
         if os.environ.get(TRACEBACK_ENV) or not _raised_by(err.__traceback__, recipe_file):
             raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(
-                f"\nexactga: {err}\n(the traceback is hidden; {TRACEBACK_ENV}=1 shows it)",
-                file=sys.stderr,
-            )
+        _print_user_error(str(err))
         return 1
     return 0
+
+
+def _print_user_error(message: str) -> None:
+    """The message on rank 0 alone, in the one form tests and users look for."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"\nexactga: {message}\n(the traceback is hidden; {TRACEBACK_ENV}=1 shows it)",
+            file=sys.stderr,
+        )
+
+
+def _missing_config(argv: list[str]) -> str | None:
+    """A message naming ``--config``'s file where it does not exist, else None (``tune run``
+    has already turned a built-in config's name into its path)."""
+    if "--config" not in argv[:-1]:
+        return None
+    path = Path(argv[argv.index("--config") + 1])
+    if path.is_file():
+        return None
+    return (
+        f"--config {path}: no such file (relative to the working directory {Path.cwd()}); give "
+        "a YAML file's path, or a config name that 'tune ls' lists."
+    )
 
 
 def _raised_by(tb: TracebackType | None, recipe_file: Path) -> bool:

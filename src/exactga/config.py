@@ -46,6 +46,7 @@ def validate_config(
     base = OmegaConf.structured(schema)
     OmegaConf.set_struct(base, True)
     cfg = _drop_accepted_unread_keys(cfg, schema, recipe_name)
+    cfg = _nulled_sections(cfg, schema)
     _reject_unknown_keys(cfg, base, recipe_name)
     # Before the merge, which would reject a bad enum value in OmegaConf's words instead.
     _check_choices(cfg, schema)
@@ -71,6 +72,37 @@ def validate_config(
     # Sections are handed to torchtune, which may add keys (e.g. the profiler's _component_).
     OmegaConf.set_struct(merged, False)
     return merged
+
+
+def _nulled_sections(cfg: DictConfig, schema: type) -> DictConfig:
+    """``cfg`` with every optional section whose ``_component_`` is null set to null.
+
+    torchtune's command line reads ``key=value`` on a section as ``key._component_=value``, so
+    ``lr_scheduler=null`` leaves the section with a null component, which instantiation would
+    fail on with a traceback: a user who wrote it meant no scheduler. A section the recipe needs
+    (no null default) fails naming its key instead.
+
+    Raises:
+        ValueError: naming the key, for a required section with a null component.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(schema)}
+    nulled = [
+        key
+        for key, value in cfg.items()
+        if isinstance(value, DictConfig) and "_component_" in value and value._component_ is None
+    ]
+    if not nulled:
+        return cfg
+    cfg = cfg.copy()
+    for key in nulled:
+        if key in defaults and defaults[key] is None:
+            cfg[key] = None
+            continue
+        raise ValueError(
+            f"config key '{key}._component_' is null (from '{key}=null' on the command line?): "
+            f"this recipe needs one; name its component, e.g. {key}._component_=<path>."
+        )
+    return cfg
 
 
 def _reject_unknown_keys(cfg: DictConfig, base: DictConfig, recipe_name: str) -> None:
