@@ -9,8 +9,9 @@ user's recipe is never run.
 This module is imported at interpreter start-up by ``exactga_recipes_path.pth`` and puts one
 finder in front of the import system. It answers for exactly one name, ``recipes``, and only
 when the working directory has a ``recipes/`` folder; every other import, and every launch from
-a directory without one, is untouched. Kept free of heavy imports: it runs in every interpreter
-of the environment. See docs/launching.md.
+a directory without one, is untouched. A second finder, :class:`TuneRunPatcher`, quiets the
+launcher's traceback after a user error under torchrun. Kept free of heavy imports: it runs in
+every interpreter of the environment. See docs/launching.md.
 """
 
 import os
@@ -36,9 +37,38 @@ class WorkingDirRecipesFinder:
         return PathFinder.find_spec(fullname, [cwd])
 
 
+class TuneRunPatcher:
+    """After ``torchtune._cli.run`` is imported, wrap its torchrun path so that a launch whose
+    ranks ended on a user error prints their one message and no launcher traceback
+    (``exactga.cli.quiet_user_errors_under_torchrun``; see [user errors] there)."""
+
+    _MODULE = "torchtune._cli.run"
+
+    @classmethod
+    def find_spec(cls, fullname: str, path=None, target=None) -> ModuleSpec | None:
+        if fullname != cls._MODULE:
+            return None
+        spec = PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        run_module = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run_module(module)
+            try:
+                from exactga.cli import quiet_user_errors_under_torchrun
+            except ImportError:  # exactga uninstalled, its start-up files left behind
+                return
+            quiet_user_errors_under_torchrun(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def install() -> None:
-    if not any(finder is WorkingDirRecipesFinder for finder in sys.meta_path):
-        sys.meta_path.insert(0, WorkingDirRecipesFinder)
+    for finder in (WorkingDirRecipesFinder, TuneRunPatcher):
+        if not any(installed is finder for installed in sys.meta_path):
+            sys.meta_path.insert(0, finder)
 
 
 install()

@@ -179,6 +179,16 @@ def test_config_error_is_one_message_before_the_config_is_printed(
     assert_fails_naming(run_tune(args), out, names)
 
 
+def test_under_torchrun_a_config_error_is_one_message_without_the_launchers_traceback(tmp_path):
+    """Every rank fails on the key; the launcher's ChildFailedError is not printed."""
+    out = tmp_path / "out"
+    args = ["--nproc_per_node", "2", *with_recipe(FULL_DISTRIBUTED, tiny_args(out, epoch=2))]
+    proc = run_tune(args)
+    assert_fails_naming(proc, out, ["unknown config key 'epoch'", "Did you mean 'epochs'?"])
+    assert proc.returncode == 1
+    assert "ChildFailedError" not in output_of(proc)
+
+
 def test_a_config_file_that_does_not_exist_is_one_message(tmp_path):
     out = tmp_path / "out"
     args = ["recipes/full_finetune_single_device.py", "--config", "configs/tiny/nope.yaml"]

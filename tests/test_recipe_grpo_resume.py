@@ -28,7 +28,7 @@ from recipe_utils import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grpo_resume")]
 
-ROLLOUT_STEPS = 6
+ROLLOUT_STEPS = 4  # killed after 1 or 2, resumed for the rest
 PPO_EPOCHS = 2
 TESTS = {"PYTHONPATH": str(Path(__file__).parent)}  # grpo_rewards, for the dense reward
 RESUMABLE = {
