@@ -157,6 +157,13 @@ def test_a_grpo_split_must_hold_whole_prompts_and_post_scale_is_refused():
         validate_config(
             _config(**{"parity.modes": ["post_scale", "exact"]}), GrpoParityConfig, "ga_parity"
         )
+    for key, value, named in [
+        ("parity.loss_aggregations", ["token_mean", "token_mean"], "at most once"),
+        ("parity.loss_aggregations", [], "at least one"),
+        ("parity.num_steps", 0, "'parity.num_steps' must be at least 1"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            validate_config(_config(**{key: value}), GrpoParityConfig, "ga_parity")
     without = _config(**{"parity.splits": None})
     cfg = validate_config(without, GrpoParityConfig, "ga_parity")
     with pytest.raises(ValueError, match="'parity.splits': list the splits to compare"):

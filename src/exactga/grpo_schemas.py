@@ -189,11 +189,14 @@ class GrpoParityConfig(TrainingRunConfig, RolloutKeys):
         check_rollout_keys(cfg)
         check_master_weights(cfg)
         parity = cfg.parity
-        if not parity.loss_aggregations:
+        aggregations = [LossAggregation(a).value for a in parity.loss_aggregations]
+        if not aggregations or len(set(aggregations)) < len(aggregations):
             raise ValueError(
-                "config key 'parity.loss_aggregations' is empty; list at least one of "
-                f"{', '.join(a.value for a in LossAggregation)}."
+                f"config key 'parity.loss_aggregations'={aggregations}: list each of "
+                f"{', '.join(a.value for a in LossAggregation)} at most once, at least one."
             )
+        if parity.num_steps < 1:
+            raise ValueError("config key 'parity.num_steps' must be at least 1 (rollout steps).")
         if parity.modes is not None and NormMode.POST_SCALE in parity.modes:
             raise ValueError(
                 "config key 'parity.modes': post_scale is stock fine-tuning's token weighting; "
