@@ -292,6 +292,26 @@ def test_checkpoint_dir_without_the_named_files(finished_run, tmp_path, problem)
     assert_fails_naming(run_tune([*tiny_args(out, **overrides), *WITHOUT_INITIALIZER]), out, names)
 
 
+@pytest.mark.xdist_group("bad_input_finished_run")
+def test_truncated_initial_weights_of_the_tiny_configs_checkpointer(finished_run, tmp_path):
+    """exactga's initialized_hf_checkpointer reads back the weights it wrote on first use."""
+    out = copy_of(finished_run, tmp_path)
+    weights = out / INITIAL
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    names = [
+        f"config key 'checkpointer.checkpoint_files': {weights} has",
+        "(truncated?)",
+        f"Delete '{weights.parent}' to have the initial weights written again",
+    ]
+    proc = run_tune(tiny_args(out, max_steps_per_epoch=1))
+    output = output_of(proc)
+    assert proc.returncode != 0 and "Traceback" not in output, output[-4000:]
+    message = message_of(output)
+    for name in names:
+        assert name in message, message
+    assert CONFIG_PRINTED not in output
+
+
 # --- dataset rows ----------------------------------------------------------------------------
 
 GOOD = {"instruction": "Say hi.", "input": "", "output": "Hi there."}

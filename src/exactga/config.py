@@ -287,8 +287,11 @@ def _check_checkpointer_files(section: DictConfig, resuming: bool) -> None:
     as torchtune decides; only the folder is checked then.
     """
     component = str(section.get("_component_", "")).rsplit(".", 1)[-1]
+    if component == "initialized_hf_checkpointer":
+        _check_written_initial_weights(section)
+        return
     if component not in _FILE_CHECKPOINTERS:
-        return  # exactga's initialized_hf_checkpointer, the distributed one, or a user's own
+        return  # the distributed one, or a user's own
     checkpoint_dir = str(section.get("checkpoint_dir"))
     if not os.path.isdir(checkpoint_dir):
         raise ValueError(
@@ -343,7 +346,21 @@ def _check_checkpointer_files(section: DictConfig, resuming: bool) -> None:
         )
 
 
-def _check_safetensors_size(path: str) -> None:
+def _check_written_initial_weights(section: DictConfig) -> None:
+    """exactga's ``initialized_hf_checkpointer`` writes its weights on first use; a later run
+    reads them back, so a file cut short since (a full disk, a copy) is named here too."""
+    checkpoint_dir = str(section.get("checkpoint_dir"))
+    remedy = (
+        f"Delete '{checkpoint_dir}' to have the initial weights written again (from "
+        "checkpointer.init_seed), or copy it again."
+    )
+    for name in _as_list(section.get("checkpoint_files") or []):
+        path = os.path.join(checkpoint_dir, str(name))
+        if os.path.isfile(path) and path.endswith(".safetensors"):
+            _check_safetensors_size(path, remedy)
+
+
+def _check_safetensors_size(path: str, remedy: str = "Download or copy it again.") -> None:
     """A safetensors file holds at least what its header says: catches a download or copy cut
     short from the header alone (8 bytes, then JSON), without reading the weights."""
     size = os.path.getsize(path)
@@ -360,10 +377,10 @@ def _check_safetensors_size(path: str) -> None:
     if needed is None:
         raise ValueError(
             f"config key 'checkpointer.checkpoint_files': {path} is not a readable safetensors "
-            "file (damaged, or not safetensors?). Download or copy it again."
+            f"file (damaged, or not safetensors?). {remedy}"
         )
     if size < needed:
         raise ValueError(
             f"config key 'checkpointer.checkpoint_files': {path} has {size} bytes, its header "
-            f"needs {needed} (truncated?). Download or copy it again."
+            f"needs {needed} (truncated?). {remedy}"
         )
