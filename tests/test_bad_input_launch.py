@@ -251,7 +251,8 @@ WITHOUT_INITIALIZER = ["~checkpointer.model", "~checkpointer.init_seed"]
 
 @pytest.mark.xdist_group("bad_input_finished_run")
 @pytest.mark.parametrize(
-    "problem", ["missing_files", "missing_folder", "no_config_json", "output_inside", "truncated"]
+    "problem",
+    ["missing_files", "missing_folder", "no_config_json", "output_inside", "truncated", "cut_bin"],
 )
 def test_checkpoint_dir_without_the_named_files(finished_run, tmp_path, problem):
     """torchtune's own checkpointer, pointed at a folder that lacks what it names."""
@@ -280,6 +281,15 @@ def test_checkpoint_dir_without_the_named_files(finished_run, tmp_path, problem)
         weights = checkpoint_dir / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
         names = [f"config key 'checkpointer.checkpoint_files': {weights} has", "(truncated?)"]
+    elif problem == "cut_bin":  # torch.save's zip format, as pytorch_model.bin files are
+        import torch
+        from safetensors.torch import load_file
+
+        checkpoint_dir = shutil.copytree(checkpoint_dir, tmp_path / "model")
+        weights, files = checkpoint_dir / "pytorch_model.bin", "[pytorch_model.bin]"
+        torch.save(load_file(checkpoint_dir / "model.safetensors"), weights)
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        names = [f"config key 'checkpointer.checkpoint_files': {weights} (", "(truncated?)"]
     elif problem == "output_inside":
         checkpoint_dir, files = shutil.copytree(checkpoint_dir, tmp_path / "model"), "[x]"
         out = checkpoint_dir / "out"

@@ -20,6 +20,7 @@ import json
 import os
 import typing
 import warnings
+import zipfile
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -333,6 +334,8 @@ def _check_checkpointer_files(section: DictConfig, resuming: bool) -> None:
     for name in names:
         if name not in missing and name.endswith(".safetensors"):
             _check_safetensors_size(os.path.join(checkpoint_dir, name))
+        elif name not in missing and name.endswith((".bin", ".pt", ".pth")):
+            _check_torch_archive(os.path.join(checkpoint_dir, name))
     if missing:
         present = sorted(os.listdir(checkpoint_dir))
         shown = ", ".join(present[:6]) + (
@@ -343,6 +346,20 @@ def _check_checkpointer_files(section: DictConfig, resuming: bool) -> None:
             f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''} in "
             f"checkpointer.checkpoint_dir '{checkpoint_dir}'{_relative_to(checkpoint_dir)}; it "
             f"holds {shown or 'nothing'}."
+        )
+
+
+def _check_torch_archive(path: str) -> None:
+    """A ``torch.save`` file in the zip format (every one since torch 1.6) ends with the zip's
+    central directory, so a copy cut short lacks it: found from the file's last bytes, without
+    reading the weights. Older (pickle) files start otherwise and are left to torch."""
+    with open(path, "rb") as f:
+        is_zip = f.read(2) == b"PK"
+    if is_zip and not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"config key 'checkpointer.checkpoint_files': {path} ({os.path.getsize(path)} "
+            "bytes) is a torch checkpoint without its end (truncated?). Download or copy it "
+            "again."
         )
 
 
