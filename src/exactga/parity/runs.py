@@ -1,9 +1,13 @@
-"""What one GA parity run did, and its weights and scores on the way to rank 0.
+"""One GA parity run: its model, what it did, and its weights and scores on the way to rank 0.
 
-A run's windows are tallied as they step (:class:`RunTally`), on the rank that ran them and, for
-a sharded run, summed over its ranks; its trained weights are gathered as full tensors
-(:func:`trained_weights`) to be scored where it trained (exactga.parity.scoring), and only the
-scores travel to rank 0 (:func:`gather_summaries`).
+Every report (the fine-tuning, KD and DPO one in recipes/ga_parity.py, and GRPO's in
+exactga.parity.grpo) builds a run's model from the shared initial state with :func:`build_model`
+or :func:`build_sharded_model`, its frozen reference once per layout with :class:`FrozenModels`,
+and reseeds before it (:func:`reseed`). A run's windows are tallied as they step
+(:class:`RunTally`), on the rank that ran them and, for a sharded run, summed over its ranks;
+its trained weights are gathered as full tensors (:func:`trained_weights`) to be scored where it
+trained (exactga.parity.scoring), and only the scores travel to rank 0
+(:func:`gather_summaries`).
 """
 
 from __future__ import annotations
