@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -16,7 +17,13 @@ import pytest
 import torch
 from grouping import GroupingNormalizer
 from omegaconf import OmegaConf
-from profiling_utils import read_reports, time_gradient_pass
+from profiling_utils import (
+    read_reports,
+    tensorboard_charts,
+    tensorboard_run_colours,
+    tensorboard_y_range,
+    time_gradient_pass,
+)
 from recipe_utils import read_scalars
 from unit_utils import REPO_ROOT, make_loss, make_rows, micro_batch_loss, split, tiny_model
 
@@ -33,6 +40,7 @@ from exactga.profiling import (
 )
 from exactga.profiling import hook as profiler_hook
 from exactga.profiling import phase_clock as profiler_phase_clock
+from exactga.profiling.report import CHARTS, RunFigures, report_markdown
 from exactga.training import train_window
 
 CPU = torch.device("cpu")
@@ -362,15 +370,13 @@ def test_report_goes_to_tensorboard_and_other_loggers_get_none(tmp_path, clock) 
     report = read_reports(tmp_path / "tb")[folder]
     assert folder.parent == Path(logger.log_dir)
     (category,) = report["layout"]["category"]
-    charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
-    assert len(charts) == 4
-    (stacked,) = [tags for title, tags in charts.items() if "stacked" in title]
-    logged = set(read_scalars(logger.log_dir))  # the scalars alone: the report is elsewhere
-    assert {name for name in logged if any(re.fullmatch(tag, name) for tag in stacked)} == {
-        *(f"time/stacked_{i}_{p}_ms" for i, p in enumerate(PHASES, 1)),
-        "time/step_ms",
-    }
-    assert "| forward |" in report["markdown"] and "**MFU**" in report["markdown"]
+    titles = [chart["title"] for chart in category["chart"]]
+    # No peak FLOP/s on a CPU: no MFU chart. Listed in reverse; see [report charts].
+    assert titles == [title for key, (title, _) in reversed(CHARTS.items()) if key != "mfu"]
+    logged = read_scalars(logger.log_dir)  # the scalars alone: the report is elsewhere
+    assert not any(tag.startswith("exactga_report/") for tag in logged)
+    assert "time/stacked_4_optimizer_ms" in logged  # the logged names stay as they were
+    assert "| forward |" in report["markdown"] and "| MFU |" in report["markdown"]
 
 
 def test_phases_are_stacked_for_the_report(clock) -> None:
@@ -425,3 +431,193 @@ def test_recipes_hand_the_profiler_a_few_values_not_their_config(recipe: Path) -
         assert not (isinstance(arg, ast.Name) and "cfg" in arg.id), (
             f"{recipe.name}:{call.lineno} hands setup_profiler a config ({arg.id})"
         )
+
+
+def train_under_tensorboard(tmp_path: Path, clock: FakeClock, monkeypatch) -> Path:
+    """40 steps of the hook under torchtune's TensorBoardLogger, logged every step as the
+    recipes do: step 1 a warm-up 16 times slower than the others, step 8 traced (200 ms of
+    writing the trace: "other"), the rest steady with a little noise; a pass sampled every 5
+    steps; a tenth of the positions padding. Returns the logger's folder."""
+    from torchtune.training.metric_logging import TensorBoardLogger
+
+    model = tiny_model()
+    backward_once(model)
+    num_elements = sum(p.numel() for p in model.parameters())
+    pass_taking(clock, monkeypatch, [ms / num_elements for ms in [0.3, 0.2, 0.25, 0.2, 0.2]])
+    logger = TensorBoardLogger(log_dir=str(tmp_path / "tb"))
+    settings = {"saved_latency_every_n_steps": 5, "peak_flops": 1e9}
+    top_level = {k: v for k, v in settings.items() if k in TOP_LEVEL_KEYS}
+    profiler = setup_profiler(
+        None, CPU, model, output_dir=str(tmp_path), metric_logger=logger, **top_level
+    )
+
+    def slowness(step: int) -> float:
+        return 16.0 if step == 1 else 1 + 0.1 * math.sin(step)
+
+    def windows():
+        for step in range(1, 41):
+            clock.advance_ms(1.0 * slowness(step))  # data
+            yield step
+
+    with profiler:
+        for step in profiler.timed(windows()):
+            for phase, ms in [("forward", 3.0), ("backward", 5.0), ("optimizer", 1.0)]:
+                with profiler.phase(phase):
+                    clock.advance_ms(ms * slowness(step))
+                if phase == "backward":
+                    profiler.sample_gradient_pass(model)
+            clock.advance_ms(200.0 if step == 8 else 0.5)
+            profiler.step(
+                WindowWork(
+                    num_positions=1000,
+                    num_loss_tokens=round(400 * slowness(step)) if step > 1 else 400,
+                    num_sample_positions=900,
+                    num_fixed_positions=1200,
+                )
+            )
+            logger.log_dict(profiler.metrics(step=step), step=step)
+    logger.close()
+    return Path(logger.log_dir)
+
+
+def test_report_charts_give_each_line_its_own_colour(tmp_path, clock, monkeypatch) -> None:
+    """TensorBoard colours a line by its run, so each line of a chart is a run of its own, and
+    the runs of a chart sort next to each other: at most 7 lines, 7 colours. See
+    [report charts]."""
+    log_dir = train_under_tensorboard(tmp_path, clock, monkeypatch)
+    colours = tensorboard_run_colours(log_dir)
+    charts = tensorboard_charts(log_dir)
+    assert len(charts) == len(CHARTS)
+    for title, lines in charts.items():
+        assert lines, title
+        assert len({colours[line.run] for line in lines}) == len(lines), title
+    (phases,) = [lines for title, lines in charts.items() if "phases stacked" in title]
+    assert [line.run.rsplit("/", 1)[-1] for line in phases] == [
+        *(f"{i}_{phase}" for i, phase in enumerate(PHASES, 1)),
+        "5_other",
+    ]
+
+
+def test_report_charts_keep_every_point_on_the_chart(tmp_path, clock, monkeypatch) -> None:
+    """With "Ignore outliers in chart scaling" on, TensorBoard fits a chart's y axis to the 5 %
+    to 95 % quantiles of its values: a 16 times slower first step, or a traced step, must not
+    leave a line off the chart. See [report charts]."""
+    log_dir = train_under_tensorboard(tmp_path, clock, monkeypatch)
+    for title, lines in tensorboard_charts(log_dir).items():
+        values = [value for line in lines for value in line.values]
+        low, high = tensorboard_y_range(values)
+        outside = [value for value in values if not low <= value <= high]
+        assert not outside, f"{title}: {outside} outside {low:.4g} to {high:.4g}"
+
+
+def test_report_charts_show_the_logged_figures_as_shares(tmp_path, clock, monkeypatch) -> None:
+    """The charts' lines are the recipe's logged scalars, the saved latency and the phases as
+    shares of the step (% of ``time/step_ms``), at the steps they were logged at."""
+    log_dir = train_under_tensorboard(tmp_path, clock, monkeypatch)
+    logged = read_scalars(log_dir)
+    (report,) = read_reports(log_dir).values()
+    lines = report["lines"]
+    steps = list(range(1, 41))
+    step_ms = logged["time/step_ms"]
+
+    def line(run: str, tag: str) -> list[float]:
+        assert [step for step, _ in lines[run][tag]] == steps[-len(lines[run][tag]) :]
+        return [value for _, value in lines[run][tag]]
+
+    saved = line("", "exactga_report/saved")
+    assert saved == pytest.approx(
+        [
+            100 * ms / step
+            for ms, step in zip(logged["normalization/saved_ms"], step_ms[1:], strict=True)
+        ],
+        rel=1e-6,
+    )
+    assert saved == pytest.approx([100 * f for f in logged["normalization/saved_fraction"]])
+    assert line("", "exactga_report/saved_highest") == pytest.approx(
+        [max(saved[: i + 1]) for i in range(len(saved))]
+    )
+    tops = [
+        line(f"phases/{i}_{phase}", "exactga_report/phases_top")
+        for i, phase in enumerate(PHASES, 1)
+    ]
+    stacked = [logged[f"time/stacked_{i}_{phase}_ms"] for i, phase in enumerate(PHASES, 1)]
+    for top, ms in zip(tops, stacked, strict=True):
+        assert top == pytest.approx(
+            [100 * a / b for a, b in zip(ms, step_ms, strict=True)], rel=1e-6
+        )
+    assert line("phases/5_other", "exactga_report/phases_top") == [100.0] * 40
+    assert line("phases/5_other", "exactga_report/phases_bottom") == pytest.approx(tops[-1])
+    assert line("", "exactga_report/throughput") == pytest.approx(
+        logged["throughput/tokens_per_second"], rel=1e-6
+    )
+    assert line("", "exactga_report/mfu") == pytest.approx(
+        [100 * mfu for mfu in logged["throughput/mfu"]], rel=1e-6
+    )
+    padding = line("positions/3_padding", "exactga_report/positions_bottom")
+    assert padding == pytest.approx([90.0] * 40)  # 900 of 1000 positions are the samples'
+
+
+def figures(**changes) -> RunFigures:
+    sample = saved_latency.SavedLatencySample(
+        step=2,
+        measured_ms=0.1,
+        num_elements=10,
+        num_tensors=1,
+        total_elements=100,
+        total_tensors=10,
+    )
+    run = RunFigures(
+        num_steps=40,
+        step_ms=50.0,
+        tokens_per_second=12345.0,
+        saved=saved_latency.SavedLatency((sample,)),
+        flops_per_token=1e6,
+        peak_flops=1e11,
+        device_type="cpu",
+        padding="exactga: padding was 11.9% of the 27,160 positions processed on this rank "
+        "(micro_batching: by_length); fixed micro-batches would have processed 28,552 "
+        "(4.9% saved).",
+        phase_ms={"data": 3.0, "forward": 15.0, "backward": 25.0, "optimizer": 3.0},
+        trace_paths=[Path("/out/profiling_outputs/trace_step_8.json")],
+        snapshot_paths=[],
+    )
+    return dataclasses.replace(run, **changes)
+
+
+@pytest.mark.filterwarnings("ignore:html5lib's sanitizer is deprecated:DeprecationWarning")
+def test_report_text_renders_as_two_short_tables_in_tensorboard() -> None:
+    """The TEXT tab renders the summary with TensorBoard's own markdown: every figure in a
+    table cell (a list after a line without a blank one rendered as inline text), and short
+    enough for the 500-pixel card: the title, two tables, one paragraph of details."""
+    from tensorboard.plugin_util import markdown_to_safe_html
+
+    html = markdown_to_safe_html(report_markdown(figures()))
+    assert html.count("<table>") == 2
+    cells = re.findall(r"<t[hd]>(.*?)</t[hd]>", html, flags=re.S)
+    for phase in [*PHASES, "other", "<strong>step</strong>"]:
+        assert phase in cells, phase
+    for name in ["<strong>saved</strong>", "throughput", "MFU", "padding", "traces"]:
+        assert name in cells, name
+    assert any("<code>/out/profiling_outputs/trace_step_8.json</code>" in c for c in cells)
+    assert "- <code>" not in html  # no list item left as inline text
+    outside = re.sub(r"<table>.*?</table>", "", html, flags=re.S)
+    assert len(re.findall(r"<p>", outside)) == 2  # the title, the details
+    assert len(re.findall(r"<tr>", html)) <= 11
+    # Short cells: a long one would squeeze the other columns (the card breaks words anywhere).
+    assert max(len(re.sub(r"<[^>]+>", "", cell)) for cell in cells) < 100
+    # A warning on the saved latency comes first, where the card shows it without scrolling.
+    run = figures()
+    noisy = dataclasses.replace(run.saved.samples[0], step=7, measured_ms=1.0)
+    html = markdown_to_safe_html(
+        report_markdown(figures(saved=saved_latency.SavedLatency((*run.saved.samples, noisy))))
+    )
+    assert "<strong>Warning</strong>" in html.split("<table>")[0]
+
+
+def test_report_text_without_samples_traces_or_peak() -> None:
+    markdown = report_markdown(figures(saved=None, trace_paths=[], peak_flops=None, padding=""))
+    assert "| **saved** | none |" in markdown
+    assert "| traces | none | `profiler.enabled: False` |" in markdown
+    assert "| MFU | not measured |" in markdown
+    assert "| padding |" not in markdown
+    assert report_markdown(None) == "**exactga profiling report**: no optimizer step completed."

@@ -4,13 +4,12 @@ recipe, labelled traces, unchanged weights."""
 from __future__ import annotations
 
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from profiling_utils import read_reports
+from profiling_utils import read_reports, tensorboard_charts, tensorboard_run_colours
 from recipe_utils import (
     LORA_RECIPE,
     LORA_TINY_CONFIG,
@@ -25,6 +24,7 @@ from recipe_utils import (
 )
 
 from exactga.profiling import PHASES, REPORT_CATEGORY
+from exactga.profiling.report import CHARTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("recipe_profiling")]
 
@@ -126,6 +126,15 @@ def test_hook_logs_scalars_and_leaves_weights_bit_identical(runs):
     for tag in ("time/forward_ms", "time/backward_ms", "normalization/saved_ms"):
         assert all(value > 0 for value in scalars[tag]), tag
     assert all(0 < f < 1 for f in scalars["normalization/saved_fraction"])
+    # The report's chart lines repeat them, at the steps they were logged at.
+    ((_, report),) = read_reports(runs / "on" / "logs").items()
+    throughput = report["lines"][""]["exactga_report/throughput"]
+    assert [step for step, _ in throughput] == list(range(1, STEPS + 1))
+    assert [value for _, value in throughput] == pytest.approx(
+        scalars["throughput/tokens_per_second"]
+    )
+    saved = [value for _, value in report["lines"][""]["exactga_report/saved"]]
+    assert saved == pytest.approx([100 * f for f in scalars["normalization/saved_fraction"]])
     output = (runs / "on" / "output.txt").read_text()
     assert "skipping the gradient-scaling pass saved" in output
     assert "median of 5 samples, range" in output
@@ -143,7 +152,7 @@ def test_hook_logs_scalars_and_leaves_weights_bit_identical(runs):
 @pytest.mark.parametrize("name", RECIPE_RUNS)
 def test_every_recipe_writes_the_tensorboard_report(runs, name):
     """One report per run (rank 0's), beside the logger's scalars: the custom-scalars layout,
-    whose every chart shows logged scalars, and the markdown summary."""
+    whose every chart draws lines, each in a colour of its own, and the markdown summary."""
     logs = runs / name / "logs"
     reports = read_reports(logs)
     assert len(reports) == 1, reports
@@ -151,25 +160,23 @@ def test_every_recipe_writes_the_tensorboard_report(runs, name):
     assert folder.parent.parent == logs  # <log_dir>/profiling_report, log_dir = logs/run_0_*
     (category,) = report["layout"]["category"]
     assert category["title"] == REPORT_CATEGORY
-    charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
-    assert len(charts) == 4
-    logged = set(read_scalars(logs))
-    for title, tags in charts.items():
-        shown = {tag for tag in logged if any(re.fullmatch(pattern, tag) for pattern in tags)}
-        assert shown, title
-    (stacked,) = [tags for title, tags in charts.items() if "stacked" in title]
-    assert {tag for tag in logged if re.fullmatch(stacked[0], tag)} == {
-        f"time/stacked_{i}_{phase}_ms" for i, phase in enumerate(PHASES, 1)
-    }
+    charts = tensorboard_charts(logs)
+    assert len(charts) == len(CHARTS) - ("peak_flops" not in LAUNCHES[name][3])  # MFU
+    colours = tensorboard_run_colours(logs)
+    for title, lines in charts.items():
+        assert lines and all(line.values for line in lines), title
+        assert len({colours[line.run] for line in lines}) == len(lines), title
+    logged = read_scalars(logs)  # the logger's scalars keep their names
+    assert {f"time/stacked_{i}_{phase}_ms" for i, phase in enumerate(PHASES, 1)} <= set(logged)
 
     markdown = report["markdown"]
     for phase in PHASES:
         assert f"| {phase} |" in markdown, phase
-    assert "**Saved latency**" in markdown and "median of" in markdown and "range" in markdown
-    assert "**MFU**" in markdown
+    assert "| **saved** |" in markdown and "median of" in markdown and "range" in markdown
+    assert "| MFU |" in markdown
     (trace,) = (runs / name / "profiling_outputs").glob("trace_step_*.json")
     assert f"`{trace}`" in markdown
-    assert "**Memory snapshots**" in markdown
+    assert "| memory snapshots |" in markdown
 
 
 def test_traces_are_labelled_and_named_after_their_steps(runs):

@@ -36,8 +36,10 @@ around training. One idea a module:
   snapshot dump when training runs out of memory, before the error is re-raised.
 - :mod:`~exactga.profiling.report`: a report in TensorBoard when the recipe's
   ``metric_logger`` is torchtune's ``TensorBoardLogger``: a custom-scalars layout written when
-  training starts (phases stacked, saved versus step time, throughput, MFU and padding) and a
-  markdown summary in the TEXT tab when it ends. Other loggers get no report and no error.
+  training starts (the phases as shares of the step, stacked; the saved latency as a share of
+  the step; throughput; MFU; what was processed), its lines at every logged step, each line a
+  run of its own so that each gets its own colour (see [report charts]), and a markdown
+  summary in the TEXT tab when training ends. Other loggers get no report and no error.
 - :mod:`~exactga.profiling.hook`: the hook itself, which calls the pieces above.
 
 The benchmarks' and tests' own helpers (timing the whole gradient pass, reading a report back)

@@ -24,7 +24,13 @@ from torch import nn
 from exactga.micro_batching import PaddingMeter, WindowWork
 from exactga.profiling.flops import device_peak_flops, model_flops_per_token
 from exactga.profiling.phase_clock import PHASES, PhaseClock
-from exactga.profiling.report import ReportFile, RunFigures, report_layout, report_markdown
+from exactga.profiling.report import (
+    ReportCharts,
+    ReportFile,
+    RunFigures,
+    report_layout,
+    report_markdown,
+)
 from exactga.profiling.saved_latency import SavedLatency, SavedLatencySampler, summary_line
 from exactga.profiling.settings import ProfilerSection, ProfilerSettings, parse_settings
 from exactga.profiling.traces import TraceRecorder
@@ -52,6 +58,7 @@ class TrainingProfiler:
         self._peak_flops = settings.peak_flops or device_peak_flops(device)
         # With log_timings off the hook stays silent: no scalars, no report.
         self._report = ReportFile.for_logger(metric_logger) if settings.log_timings else None
+        self._charts = ReportCharts()
         self._step = 0
         self._steps_since_read = 0
         self._tokens_since_read = 0
@@ -67,13 +74,17 @@ class TrainingProfiler:
         self._t_last_read = self._t_last_step = time.perf_counter()
         self._traces.start()
         if self._report is not None:
-            self._report.write_layout(report_layout())
+            self._report.write_layout(report_layout(mfu=bool(self._peak_flops)))
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self._traces.stop(exc)  # first a memory snapshot, on out-of-memory
-        if exc is None and self._report is not None:
-            self._report.write_text(self.report_markdown(), step=self._step)
+        if self._report is not None:
+            try:
+                if exc is None:
+                    self._report.write_text(self.report_markdown(), step=self._step)
+            finally:
+                self._report.close()
         # never swallow the exception: returning None re-raises it
 
     # -- per step ----------------------------------------------------------------------------
@@ -121,8 +132,13 @@ class TrainingProfiler:
         self._padding.add(work)
         self._traces.step(self._step)
 
-    def metrics(self) -> dict[str, float]:
-        """Scalars for the steps since the last call; the only device read of the hook."""
+    def metrics(self, step: int | None = None) -> dict[str, float]:
+        """Scalars for the steps since the last call; the only device read of the hook.
+
+        With the TensorBoard report on, also writes its charts' lines at ``step``, the step the
+        recipe logs these scalars at (default: the hook's count of steps, which a resumed run
+        starts again from 1); see [report charts].
+        """
         if not self.settings.log_timings or self._steps_since_read == 0:
             return {}
         phase_ms = self._clock.read_ms()
@@ -154,6 +170,10 @@ class TrainingProfiler:
         if saved is not None:
             metrics["normalization/saved_ms"] = saved.median_ms
             metrics["normalization/saved_fraction"] = saved.median_ms / step_ms
+        if self._report is not None:
+            phases = [*PHASES, *sorted(own_phases)]
+            lines = self._charts.lines(metrics, phases)
+            self._report.write_lines(lines, self._step if step is None else step)
         self._steps_since_read = 0
         self._tokens_since_read = 0
         self._t_last_read = time.perf_counter()

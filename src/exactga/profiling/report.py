@@ -1,9 +1,11 @@
-"""The TensorBoard report: a custom-scalars layout when training starts, a summary when it ends.
+"""The TensorBoard report: a custom-scalars layout when training starts, the charts' lines at
+every logged step, a summary when it ends.
 
 Written only when the recipe's ``metric_logger`` is torchtune's ``TensorBoardLogger`` (other
-loggers get no report and no error): the layout (CUSTOM SCALARS tab: the phases stacked, saved
-latency versus step time, throughput, MFU and padding) and a markdown summary (TEXT tab), in an
-event file of their own; see [profiling report file].
+loggers get no report and no error), into event files of its own (see [profiling report file]):
+the layout (CUSTOM SCALARS tab: where a step's time goes, what exact mode saves, throughput,
+MFU, what was processed; see [report charts]), the charts' lines, and a markdown summary (TEXT
+tab).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import socket
 from pathlib import Path
 from time import time as _wall_clock_s  # a date for events; durations use time.perf_counter
-from typing import Any
+from typing import IO, Any
 
 from exactga.profiling.saved_latency import SavedLatency
 
@@ -22,33 +24,131 @@ REPORT_TAG = "exactga/profiling_report"
 REPORT_CATEGORY = "exactga profiling"
 REPORT_RUN = "profiling_report"  # its folder in the logger's; see [profiling report file]
 
+# Note [report charts]
+# TensorBoard colours a line by its *run*, never by its tag: the CUSTOM SCALARS cards look a
+# series' colour up by the run in its name (``tag (run)``), and a run's colour is the palette's
+# (7 colours) at the run's index in the run list, which is sorted by start time (the first
+# event's wall time), then by name. So the tags of one run, drawn in one chart, share a colour.
+# Each line of a stacked report chart is therefore a run of its own,
+# ``<log_dir>/profiling_report/<chart>/<n>_<line>`` (as ``SummaryWriter.add_scalars`` does):
+# every report file starts with the same wall time, so these runs sort by name, a chart's lines
+# next to each other, and up to 7 lines a chart get 7 colours. A chart of one line is drawn
+# from the report's own run. The hook writes the lines at each logged step; they repeat what
+# the recipe logs in its own run, whose tags stay as they are.
+# Each chart is a *margin* chart (a line and a band around it, filled), built so that no line
+# runs off it under "Ignore outliers in chart scaling", which is on by default and which no
+# layout field can turn off: TensorBoard fits the y axis to the 5 % to 95 % quantiles of all the
+# chart's values (the bands' edges included), padded by 5 % of that range and rounded, and
+# clips the rest. Shares that add up to the whole (the phases of a step, the kinds of position
+# processed) are stacked bands from 0 to 100 %, whatever the first step took. A rate or a share
+# of its own (saved latency, throughput, MFU) is the interval's value with, as its band, the
+# lowest and the highest value so far: every value lies inside the band, and the band's edges
+# only widen and then hold, so they fill the quantiles at both ends; a warm-up step or a traced
+# one is a dip inside the band. What can still overshoot, by its excess over 5 % to 15 % of the
+# axis, is a new highest (or lowest) value in about the last 5 % of the run's points.
+# The CUSTOM SCALARS tab of TensorBoard 2.21 shows margin charts in the reverse of their order
+# in the layout (its item list inserts each chart before the previous one's second template),
+# so the layout lists them in reverse, and they show in the order of ``CHARTS``.
 
-def report_layout() -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars layout of the report (TensorBoard's CUSTOM SCALARS tab).
+# key: (title, stacked). The lines of chart ``key`` carry the tags ``chart_tags(key)``.
+CHARTS = {
+    "phases": (
+        "Where does a step's time go? The phases stacked, % of the step time "
+        "(other: scheduler, logging, checkpoints, the sampled pass)",
+        True,
+    ),
+    "saved": (
+        "What does exact mode save? Stock's gradient-scaling pass, % of the step time "
+        "(band: lowest to highest so far)",
+        False,
+    ),
+    "throughput": (
+        "How fast? Tokens processed per second on this rank, padding included "
+        "(band: lowest to highest so far)",
+        False,
+    ),
+    "mfu": (
+        "How busy is the device? MFU, % of its peak FLOP/s (band: lowest to highest so far)",
+        False,
+    ),
+    "positions": (
+        "What was processed? % of the positions: loss tokens, the rest of the samples, padding",
+        True,
+    ),
+}
 
-    Tags are regular expressions over the logged scalar tags. tokens/s and the two fractions
-    get separate charts: on one axis the fractions would lie flat along zero.
-    """
-    return {
-        REPORT_CATEGORY: {
-            "step phases, stacked: data, +forward, +backward, +optimizer; and the step (ms)": [
-                "Multiline",
-                [r"time/stacked_\d_\w+_ms", r"time/step_ms"],
-            ],
-            "saved latency vs step time (ms)": [
-                "Multiline",
-                [r"normalization/saved_ms", r"time/step_ms"],
-            ],
-            "throughput (tokens/s)": [
-                "Multiline",
-                [r"throughput/tokens_per_second", r"throughput/loss_tokens_per_second"],
-            ],
-            "MFU and padding fraction": [
-                "Multiline",
-                [r"throughput/mfu", r"throughput/padding_fraction"],
-            ],
-        }
+
+def chart_tags(key: str) -> tuple[str, str, str]:
+    """The (value, lower, upper) tags of report chart ``key``'s lines; see [report charts]."""
+    if CHARTS[key][1]:  # a band of a stack: its top is the value
+        return (
+            f"exactga_report/{key}_top",
+            f"exactga_report/{key}_bottom",
+            f"exactga_report/{key}_top",
+        )
+    return f"exactga_report/{key}", f"exactga_report/{key}_lowest", f"exactga_report/{key}_highest"
+
+
+def report_layout(mfu: bool = True) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout of the report (CUSTOM SCALARS tab), as
+    ``torch.utils.tensorboard.summary.custom_scalars`` takes it: a margin chart a key of
+    :data:`CHARTS` (the MFU chart only with ``mfu``), in reverse. See [report charts]."""
+    charts = {
+        title: ["Margin", list(chart_tags(key))]
+        for key, (title, _) in reversed(CHARTS.items())
+        if mfu or key != "mfu"
     }
+    return {REPORT_CATEGORY: charts}
+
+
+class ReportCharts:
+    """The report charts' lines, logged interval by logged interval; see [report charts]."""
+
+    def __init__(self) -> None:
+        self._ranges: dict[str, tuple[float, float]] = {}  # lowest and highest so far
+
+    def lines(self, metrics: dict[str, float], phases: list[str]) -> dict[str, dict[str, float]]:
+        """The lines for one logged interval, from the hook's ``metrics``: run (``""`` for the
+        report's own, else ``<chart>/<n>_<line>``) to its tags' values. ``phases`` in stacking
+        order: the training phases, then a recipe's own."""
+        lines: dict[str, dict[str, float]] = {}
+        step_ms = metrics["time/step_ms"]
+        if step_ms > 0:
+            shares, total = [], 0.0
+            for phase in phases:
+                total += 100 * metrics[f"time/{phase}_ms"] / step_ms
+                shares.append((phase, total))
+            # On CUDA the phases are device time and the step is host time: they may exceed it.
+            _stack(lines, "phases", [*shares, ("other", max(total, 100.0))])
+        if "normalization/saved_fraction" in metrics:
+            self._band(lines, "saved", 100 * metrics["normalization/saved_fraction"])
+        self._band(lines, "throughput", metrics["throughput/tokens_per_second"])
+        if "throughput/mfu" in metrics:
+            self._band(lines, "mfu", 100 * metrics["throughput/mfu"])
+        if "throughput/padding_fraction" in metrics:
+            kinds = []
+            if "throughput/loss_tokens_per_second" in metrics:  # not with pairs as units (DPO)
+                processed = metrics["throughput/tokens_per_second"]
+                loss_tokens = metrics["throughput/loss_tokens_per_second"]
+                kinds.append(("loss_tokens", 100 * loss_tokens / processed if processed else 0.0))
+            kinds.append(("sample_tokens", 100 * (1 - metrics["throughput/padding_fraction"])))
+            _stack(lines, "positions", [*kinds, ("padding", 100.0)])
+        return lines
+
+    def _band(self, lines: dict[str, dict[str, float]], key: str, value: float) -> None:
+        lowest, highest = self._ranges.get(key, (value, value))
+        self._ranges[key] = lowest, highest = min(lowest, value), max(highest, value)
+        tags = chart_tags(key)
+        lines.setdefault("", {}).update(zip(tags, (value, lowest, highest), strict=True))
+
+
+def _stack(lines: dict[str, dict[str, float]], key: str, tops: list[tuple[str, float]]) -> None:
+    """Stacked bands, one run each, from 0 up: ``tops`` are their upper edges in order."""
+    top_tag, bottom_tag, _ = chart_tags(key)
+    bottom = 0.0
+    for number, (name, top) in enumerate(tops, start=1):
+        lines[f"{key}/{number}_{name}"] = {top_tag: top, bottom_tag: bottom}
+        bottom = top
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,91 +169,126 @@ class RunFigures:
 
 
 def report_markdown(run: RunFigures | None) -> str:
-    """The end-of-run report for TensorBoard's TEXT tab (``None``: no step completed): the saved
-    latency, throughput, MFU, padding, the phases, and where the traces and snapshots are."""
-    title = "## exactga profiling report"
+    """The end-of-run report for TensorBoard's TEXT tab (``None``: no step completed), short
+    enough for the TEXT card (500 pixels high) not to scroll much: the warning on the saved
+    latency, if any; a table of the phases and the step; one of the saved latency,
+    throughput, MFU, padding, traces and snapshots; the details of the saved latency and
+    padding below it.
+
+    The tables' cells are short on purpose: the card breaks words anywhere, so a long cell
+    squeezes the other columns to a few letters. (TensorBoard's markdown also needs a blank
+    line before a table or a list.)
+    """
+    title = "**exactga profiling report**"
     if run is None:
-        return f"{title}\n\nNo optimizer step completed."
+        return f"{title}: no optimizer step completed."
     step_ms = run.step_ms
-    paragraphs = [
-        title,
-        f"{run.num_steps} optimizer steps, {step_ms:.2f} ms per step on average "
-        "(host wall time, from the start of training).",
-    ]
     saved = run.saved
+    rows = ["| run figure | value | what it is |", "|---|---|---|"]
+    details = []
     if saved is None:
-        paragraphs.append("**Saved latency**: no gradient-scaling pass was timed in this run.")
+        rows.append("| **saved** | none | no gradient-scaling pass was timed in this run |")
     else:
-        steps = ", ".join(str(s.step) for s in saved.samples)
-        paragraphs.append(
-            f"**Saved latency** (the gradient-scaling pass exact mode skips): "
-            f"**{saved.median_ms:.2f} ms** per step, {100 * saved.median_ms / step_ms:.1f}% "
-            f"of the step ({saved.describe()}; sampled at steps {steps}). The samples "
-            f"scaled {saved.num_full_passes:.2f} full passes' worth of elements in all; "
-            f"stock torchtune scales {run.num_steps}."
+        rows.append(
+            f"| **saved** | **{saved.median_ms:.2f} ms** a step | "
+            f"**{100 * saved.median_ms / step_ms:.1f}%** of the step: stock's gradient-scaling "
+            "pass, which exact mode skips |"
         )
-        warning = saved.warning()
-        if warning:
-            paragraphs.append(f"> **Warning**: {warning}")
-    paragraphs.append(
-        f"**Throughput**: {run.tokens_per_second:,.0f} tokens per second processed on this rank "
-        "(padding included)."
+        steps = ", ".join(str(s.step) for s in saved.samples)
+        details.append(
+            f"**Saved latency**: the {saved.describe()}; at steps {steps}; "
+            f"{saved.num_full_passes:.2f} full passes' worth of elements in all (stock "
+            f"torchtune: {run.num_steps})."
+        )
+    rows.append(
+        f"| throughput | {run.tokens_per_second:,.0f} tokens/s | processed on this rank, "
+        "padding included |"
     )
     if run.peak_flops:
         mfu = run.tokens_per_second * run.flops_per_token / run.peak_flops
-        paragraphs.append(f"**MFU**: {100 * mfu:.2f}% of {run.peak_flops:.3g} FLOP/s.")
+        rows.append(f"| MFU | {100 * mfu:.2f}% | of {run.peak_flops:.3g} FLOP/s |")
     else:
-        paragraphs.append(
-            f"**MFU**: not measured: no peak FLOP/s is known for {run.device_type}; "
-            "set `peak_flops`."
+        rows.append(
+            f"| MFU | not measured | no peak FLOP/s is known for {run.device_type}: "
+            "set `peak_flops` |"
         )
     if run.padding:
-        paragraphs.append(f"**Padding**: {run.padding.removeprefix('exactga: ')}")
-    paragraphs.append(_phase_table(run.phase_ms, step_ms))
-    traces = _path_list(run.trace_paths, "none (`profiler.enabled: False`)")
-    snapshots = _path_list(
-        run.snapshot_paths, "none (CUDA with `profiler.profile_memory: True` only)"
+        share, _, what = run.padding.removeprefix("exactga: padding was ").partition(" ")
+        what, _, more = what.partition("; ")
+        rows.append(f"| padding | {share} | {what.removesuffix('.')} |")
+        if more:
+            details.append(f"**Padding**: {more}")
+    rows.append(_path_row("traces", run.trace_paths, "https://ui.perfetto.dev"))
+    rows.append(
+        _path_row(
+            "memory snapshots",
+            run.snapshot_paths,
+            "https://pytorch.org/memory_viz",
+            none="CUDA with `profiler.profile_memory: True` only",
+        )
     )
-    paragraphs += [
-        "\n".join(["**Traces** (open at https://ui.perfetto.dev):", *traces]),
-        "\n".join(["**Memory snapshots** (open at https://pytorch.org/memory_viz):", *snapshots]),
+    paragraphs = [
+        f"{title}: {run.num_steps} optimizer steps (host wall time from the start of training; "
+        "*other*: scheduler, logging, checkpoints, sampled pass)"
     ]
+    warning = saved.warning() if saved is not None else None
+    if warning:  # first, where the card shows it without scrolling
+        paragraphs.append(f"> **Warning**: {warning}")
+    paragraphs += [_phase_table(run.phase_ms, step_ms), "\n".join(rows)]
+    if details:
+        paragraphs.append(" ".join(details))
     return "\n\n".join(paragraphs)
 
 
 def _phase_table(phase_ms: dict[str, float] | None, step_ms: float) -> str:
-    """The run's mean time per step in each phase, as a markdown table."""
+    """The run's mean time per step in each phase, the rest and the step: a phase a column."""
     if phase_ms is None:
-        return "Phase timings are off (`log_timings: False`)."
-    other_ms = step_ms - sum(phase_ms.values())
-    rows = ["| phase | ms per step | share of the step |", "|---|---|---|"]
-    for name, ms in [*phase_ms.items(), ("other", other_ms), ("**step**", step_ms)]:
-        rows.append(f"| {name} | {ms:.2f} | {100 * ms / step_ms:.1f}% |")
-    note = "*other*: the scheduler, logging, checkpoints and the sampled gradient pass."
-    return "\n".join(rows) + f"\n\n{note}"
+        return f"Phase timings are off (`log_timings: False`); the step: {step_ms:.2f} ms."
+    columns = {**phase_ms, "other": step_ms - sum(phase_ms.values())}
+    names = [*columns, "**step**"]
+    ms = [f"{value:.2f}" for value in columns.values()] + [f"**{step_ms:.2f}**"]
+    shares = [f"{100 * value / step_ms:.1f}%" for value in columns.values()] + ["100%"]
+    return "\n".join(
+        "| " + " | ".join(cells) + " |"
+        for cells in [
+            ["mean per step", *names],
+            ["---"] * (len(names) + 1),
+            ["ms", *ms],
+            ["share of the step", *shares],
+        ]
+    )
 
 
-def _path_list(paths: list[Path], none: str) -> list[str]:
-    return [f"- `{path}`" for path in paths] if paths else [f"- {none}"]
+def _path_row(name: str, paths: list[Path], viewer: str, none: str = "") -> str:
+    if not paths:
+        return f"| {name} | none | {none or '`profiler.enabled: False`'} |"
+    listed = "<br>".join(f"`{path}`" for path in paths)
+    return f"| {name} | {len(paths)} | {listed} (open at {viewer}) |"
 
 
 # Note [profiling report file]
-# The report (the custom-scalars layout and the markdown summary) is written to an event file of
-# its own, ``<log_dir>/profiling_report/exactga_report.tfevents.<time>.<host>.<pid>``, not into
-# the logger's. TensorBoard loads any file whose name holds ``tfevents`` and shows the folder
-# as a run of its own (layouts apply to every run). The common way of reading scalars back,
+# The report (the custom-scalars layout, the charts' lines and the markdown summary) is written
+# to event files of its own, ``<log_dir>/profiling_report/exactga_report.tfevents.<time>.<host>.
+# <pid>`` and one of that name in each chart line's run (see [report charts]), not into the
+# logger's. TensorBoard loads any file whose name holds ``tfevents`` and shows each folder as a
+# run of its own (layouts apply to every run). The common way of reading scalars back,
 # ``rglob("events.out.tfevents.*")`` and every tensor summary read as a number, which our tests,
 # tools and benchmarks use and users' scripts likely do too, would choke on a text or layout
-# summary in the logger's file; this name keeps them out of it. A sub-folder rather than a second
-# file beside the logger's: TensorBoard's Python loader reads a run's files in name order and
-# stops reading earlier ones once it moves on, so a live dashboard would stop updating.
+# summary in the logger's file, and would read the chart lines twice; this name keeps them out
+# of it. Sub-folders rather than a second file beside the logger's: TensorBoard's Python loader
+# reads a run's files in name order and stops reading earlier ones once it moves on, so a live
+# dashboard would stop updating.
 
 
 @dataclasses.dataclass
 class ReportFile:
-    """The event file of the profiling report; see [profiling report file]."""
+    """The event files of the profiling report; see [profiling report file]."""
 
     path: Path
+    # Every file's first event carries this wall time, so that TensorBoard sorts the report's
+    # runs by name; see [report charts].
+    started_s: float = dataclasses.field(default_factory=_wall_clock_s)
+    _files: dict[Path, IO[bytes]] = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def for_logger(cls, metric_logger: Any) -> ReportFile | None:
@@ -171,22 +306,48 @@ class ReportFile:
         from torch.utils.tensorboard.summary import custom_scalars
 
         self.write(custom_scalars(layout), step=0)
+        self.flush()
+
+    def write_lines(self, lines: dict[str, dict[str, float]], step: int) -> None:
+        """Write the report charts' lines (``ReportCharts.lines``), each into its run."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        for run, values in lines.items():
+            summary = Summary(
+                value=[Summary.Value(tag=tag, simple_value=v) for tag, v in values.items()]
+            )
+            self.write(summary, step=step, run=run)
+        self.flush()
 
     def write_text(self, markdown: str, step: int) -> None:
         from torch.utils.tensorboard.summary import text
 
         self.write(text(REPORT_TAG, markdown), step=step)
+        self.flush()
 
-    def write(self, summary: Any, step: int) -> None:
-        """Append one summary as an event (the file starts with TensorBoard's version event)."""
+    def write(self, summary: Any, step: int, run: str = "") -> None:
+        """Append one summary as an event to the report's file, or to that of its run ``run``
+        (each file starts with TensorBoard's version event)."""
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.summary.writer.record_writer import RecordWriter
 
+        path = self.path.parent / run / self.path.name if run else self.path
         events = [Event(wall_time=_wall_clock_s(), step=step, summary=summary)]
-        if not self.path.exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            events.insert(0, Event(wall_time=_wall_clock_s(), file_version="brain.Event:2"))
-        with open(self.path, "ab") as f:
-            writer = RecordWriter(f)
-            for event in events:
-                writer.write(event.SerializeToString())
+        if path not in self._files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists():
+                events.insert(0, Event(wall_time=self.started_s, file_version="brain.Event:2"))
+            self._files[path] = open(path, "ab")  # noqa: SIM115 (closed by close())
+        writer = RecordWriter(self._files[path])
+        for event in events:
+            writer.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        """Hand what was written to the files' readers (a live TensorBoard)."""
+        for file in self._files.values():
+            file.flush()
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
