@@ -1,7 +1,9 @@
 """torchtune 0.6.1's stock distributed configs, adapted to run on CPU with tiny local assets.
 
 Shared by tests/test_stock_distributed_configs.py and tools/stock_config_sweep.py; nothing here
-is a test. An adapted config is the shipped YAML with only these sections replaced:
+is a test. exactga's own distributed configs (``OUR_CONFIGS``, named by their path from the
+repository root, ``configs/llama3_1/8B_full``) are adapted the same way. An adapted config is
+the shipped YAML with only these sections replaced:
 
 - ``model``: a tiny model of the same family, built with the family's own component builder
   (``torchtune.models.gemma2.lora_gemma2``, ``torchtune.models.qwen2.qwen2``, ...) and every
@@ -21,7 +23,8 @@ is a test. An adapted config is the shipped YAML with only these sections replac
 
 Everything else (dtype, optimizer with ``fused``, compile, activation checkpointing,
 ``custom_sharded_layers``, ``fsdp_cpu_offload``, clipping, loss, scheduler, profiler, metric
-logger, batch size, accumulation) stays as shipped.
+logger, batch size, accumulation) stays as shipped; in our configs also exactga's keys and their
+TensorBoard logger.
 """
 
 from __future__ import annotations
@@ -43,6 +46,22 @@ from torchtune.config._utils import _get_component_from_path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOCK_CONFIGS = Path(torchtune.__file__).resolve().parents[1] / "recipes" / "configs"
 RECIPES = ("full_finetune_distributed", "lora_finetune_distributed")
+FULL, LORA = RECIPES
+# exactga's own distributed configs, (recipe, config): configs/<family>/<name>.yaml for models
+# of Llama 3.1, 3.2 and Qwen2.5 (tests/test_distributed_model_configs.py keeps the list equal
+# to the files).
+OUR_CONFIGS = [
+    (FULL, "configs/llama3_1/8B_full"),
+    (LORA, "configs/llama3_1/8B_lora"),
+    (FULL, "configs/llama3_1/70B_full"),
+    (LORA, "configs/llama3_1/70B_lora"),
+    (FULL, "configs/llama3_2/3B_full"),
+    (LORA, "configs/llama3_2/3B_lora"),
+    (FULL, "configs/qwen2_5/7B_full"),
+    (LORA, "configs/qwen2_5/7B_lora"),
+    (FULL, "configs/qwen2_5/32B_full"),  # no stock config of its own: see its header
+    (LORA, "configs/qwen2_5/32B_lora"),
+]
 # Knowledge distillation (tests/test_kd_stock_configs.py): the teacher is adapted as the model
 # is, twice as wide, with its own initial checkpoint under output_dir.
 KD_RECIPES = ("knowledge_distillation_single_device", "knowledge_distillation_distributed")
@@ -81,8 +100,17 @@ def all_stock_configs() -> list[tuple[str, str]]:
     return [(recipe, name) for recipe in RECIPES for name in stock_config_names(recipe)]
 
 
+def config_path(name: str) -> Path:
+    """The YAML file of config ``name``: ours (``configs/...``) in this repository, any other
+    one among torchtune's stock configs."""
+    if name.startswith("configs/"):
+        return REPO_ROOT / f"{name}.yaml"
+    return STOCK_CONFIGS / f"{name}.yaml"
+
+
 def stock_config(name: str) -> DictConfig:
-    cfg = OmegaConf.load(STOCK_CONFIGS / f"{name}.yaml")
+    """Config ``name`` as shipped: torchtune's, or ours for a name in ``configs/``."""
+    cfg = OmegaConf.load(config_path(name))
     assert isinstance(cfg, DictConfig)
     return cfg
 
@@ -260,14 +288,12 @@ def launch_args(
 
 
 def logged_losses(output_dir: Path | str) -> list[float]:
-    """The ``loss`` of every logged step, from the stock ``DiskLogger`` files under ``logs``."""
-    losses = []
-    for log_file in sorted((Path(output_dir) / "logs").glob("log_*.txt")):
-        for line in log_file.read_text().splitlines():
-            match = re.search(r"\bloss:(\S+)", line)
-            if match:
-                losses.append(float(match.group(1)))
-    return losses
+    """The ``loss`` of every logged step under ``logs``, in step order: from the stock
+    ``DiskLogger`` files, or from the TensorBoard events our configs' logger writes."""
+    from recipe_utils import logged_steps
+
+    logs = Path(output_dir) / "logs"
+    return list(logged_steps(logs).values()) if logs.is_dir() else []
 
 
 def all_finite(values: list[float]) -> bool:

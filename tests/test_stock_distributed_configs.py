@@ -6,7 +6,9 @@ and launched through the real ``tune run --nproc_per_node 2`` on gloo ranks. All
 tools/stock_config_sweep.py; CI launches the 12 below, one per model family, which between them
 cover full and LoRA fine-tuning with activation checkpointing on and off, DoRA, QLoRA,
 ``custom_sharded_layers``, ``fsdp_cpu_offload``, tied and untied embeddings and adapter-only
-saving (``test_selection_covers_families_and_flags`` keeps that true). The runs are made once,
+saving (``test_selection_covers_families_and_flags`` keeps that true). Two of exactga's own
+distributed configs (``stock_configs.OUR_CONFIGS``, adapted the same way) run in the same launch;
+tests/test_distributed_model_configs.py checks all ten in-process. The runs are made once,
 in a module fixture shared by the xdist workers, one after another in one launch
 (tests/many_runs.py): each config still goes through the recipe as ``tune run`` starts it, with
 a process group of its own; only the start-up of torch and torchtune is shared, which was most
@@ -41,6 +43,13 @@ SELECTION = [
     (FULL, "qwen2/0.5B_full"),  # attention biases, tied embeddings, AC off
     (LORA, "qwen2_5/72B_lora"),  # untied embeddings, AC on
 ]
+# (recipe, our config): what each adds to the stock runs above, besides our keys and the
+# TensorBoard logger. The others differ from their stock config only in those
+# (test_distributed_model_configs.py); all ten run in tools/stock_config_sweep.py --ours.
+OUR_SELECTION = [
+    (FULL, "configs/qwen2_5/32B_full"),  # the one without a stock config: written by us
+    (LORA, "configs/llama3_2/3B_lora"),  # rank 64, tied embeddings, 4 x 8 micro-batches, AC off
+]
 FAMILIES = {
     "llama2",
     "llama3",
@@ -73,7 +82,7 @@ def _run(root: Path, recipe: str, name: str) -> Run:
 
 
 def _launch_all(root: Path) -> None:
-    launch_runs([_run(root, recipe, name) for recipe, name in SELECTION])
+    launch_runs([_run(root, recipe, name) for recipe, name in SELECTION + OUR_SELECTION])
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +113,12 @@ def test_selection_covers_families_and_flags() -> None:
     assert not in_bwd or any(cfgs.get((FULL, n)) for n in in_bwd), in_bwd
 
 
+def test_our_selection_is_ours_and_covers_both_recipes() -> None:
+    assert {recipe for recipe, _ in OUR_SELECTION} == {FULL, LORA}
+    assert set(OUR_SELECTION) <= set(stock_configs.OUR_CONFIGS)
+    assert len(OUR_SELECTION) <= 2  # CI time: each run adds about 10 s to the shared launch
+
+
 @pytest.mark.parametrize("recipe, name", _params(stock_configs.all_stock_configs()))
 def test_every_stock_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
     """All 57 adapt: same family's builder, stock LoRA keys, only the agreed sections changed."""
@@ -126,7 +141,7 @@ def test_every_stock_config_adapts(recipe: str, name: str, tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("stock_configs")
-@pytest.mark.parametrize("recipe, name", _params(SELECTION))
+@pytest.mark.parametrize("recipe, name", _params(SELECTION + OUR_SELECTION))
 def test_stock_config_runs(runs: Path, recipe: str, name: str) -> None:
     """Exit status 0, a finite loss on both steps, and the epoch's artefacts on disk."""
     out = _out(runs, recipe, name)

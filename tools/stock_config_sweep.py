@@ -5,13 +5,16 @@ Each of the 57 non-vision configs of ``full_finetune_distributed`` (25) and
 family, tiny tokenizer, data and initial checkpoint, ``device: cpu``, 2 steps; every other key
 as shipped) and launched through the real ``tune run --nproc_per_node 2`` on gloo ranks, two
 launches at a time. A launch passes when it exits 0, every logged loss is finite and the
-epoch's artefacts exist. One line per config as it finishes, then the count.
+epoch's artefacts exist. One line per config as it finishes, then the count. ``--ours`` runs
+exactga's own distributed configs (``configs/llama3_1/8B_full.yaml``, ...: 10) the same way
+instead.
 
 Run from the repository root::
 
     python tools/stock_config_sweep.py                  # all 57, about 7 minutes on 2 cores
     python tools/stock_config_sweep.py --only gemma2    # configs whose name contains "gemma2"
     python tools/stock_config_sweep.py --recipe lora_finetune_distributed   # its 32
+    python tools/stock_config_sweep.py --ours           # our 10 in configs/
 
 Each run's config, logs, checkpoints and console output stay under ``--out``
 (outputs/stock_config_sweep by default). Exit status 1 if any config failed.
@@ -69,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="launches at a time (2 ranks each)")
     parser.add_argument("--only", default="", help="run configs whose name contains this")
     parser.add_argument("--recipe", choices=stock_configs.RECIPES, help="one recipe's configs")
+    parser.add_argument(
+        "--ours", action="store_true", help="exactga's own configs in configs/, not the stock ones"
+    )
     args = parser.parse_args(argv)
 
-    todo = [
-        (r, n)
-        for r, n in stock_configs.all_stock_configs()
-        if args.only in n and args.recipe in (None, r)
-    ]
+    configs = stock_configs.OUR_CONFIGS if args.ours else stock_configs.all_stock_configs()
+    todo = [(r, n) for r, n in configs if args.only in n and args.recipe in (None, r)]
     print(f"{len(todo)} configs, {args.jobs} launches at a time, outputs in {args.out}")
     t0 = time.perf_counter()
     failed: list[str] = []
