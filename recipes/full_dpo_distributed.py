@@ -41,6 +41,7 @@ from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.frozen import build_frozen_model
 from exactga.kernels import choose_attention_kernels
 from exactga.loss_units import IGNORE_INDEX
+from exactga.metric_logging import open_metric_logger
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer
 from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
@@ -58,6 +59,7 @@ from exactga.progress import TrainingProgress
 from exactga.reference_logprobs import with_precomputed_reference
 from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
 from exactga.steps import StepBook
+from exactga.threads import use_cpu_threads
 from exactga.training import train_window
 
 log = utils.get_logger("INFO")
@@ -108,6 +110,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
         self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+        self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
         self._gradient_sync = cfg.gradient_sync
 
         self._enable_async_checkpointing = cfg.enable_async_checkpointing
@@ -149,9 +152,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
     def setup(self, cfg: DictConfig) -> None:
         if self._fsdp_cpu_offload:
             training.set_torch_num_threads()  # fused AdamW on CPU is ~2x faster with all cores
-        if self._is_rank_zero:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
 
         self._step_checkpointer = step_checkpointer_for(
             cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
@@ -161,6 +161,10 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         )
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
+        if self._is_rank_zero:
+            self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
+            self._metric_logger.log_config(cfg)
         # torchtune's client reads the base weights, or with an epoch resume the epoch's.
         self._checkpoint_client = self._precision.saving_in_dtype(  # weights for users in dtype
             CheckpointClient(
@@ -298,6 +302,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}."
         )
         distributed.log_rank_zero(self._attention_kernels)
+        distributed.log_rank_zero(self._cpu_threads)
         if self._is_rank_zero and self._device.type != "cpu":
             training.log_memory_stats(distributed.memory_stats(self._device))
         distributed.barrier()
@@ -420,7 +425,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                         ),
                         announce_skip=self._is_rank_zero,
                     )
-                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                    report = steps.end_step(window, outcome)  # .loss: on logged steps
+                    log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
         self._report_outputs()
 

@@ -122,6 +122,7 @@ from exactga.preference import PreferencePairs
 from exactga.profiling import setup_profiler
 from exactga.resume import checkpointer_source
 from exactga.schemas import GaParityConfig
+from exactga.threads import use_cpu_threads
 from exactga.training import causal_lm_loss, train_window
 
 log = utils.get_logger("INFO")
@@ -177,6 +178,7 @@ class GaParityRecipe:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._dtype_name = str(cfg.dtype)  # as the report names it
+        self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
         self._is_lora = "lora" in str(cfg.model._component_)
         self._is_kd = cfg.teacher_model is not None
         self._kd_ratio = cfg.kd_ratio
@@ -353,6 +355,7 @@ class GaParityRecipe:
             f"{self._num_runs} runs of {self._num_steps} steps; the full-batch reference "
             f"{reference_split} first, {self._precision.describe()}"
         )
+        distributed.log_rank_zero(self._cpu_threads)
         self._reference = self._train(
             reference_split, NormMode.EXACT, MicroBatching.FIXED, self._precision, run=1
         )

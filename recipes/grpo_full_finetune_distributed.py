@@ -45,6 +45,7 @@ from exactga.frozen import build_frozen_model
 from exactga.grpo import StepRollouts, StepSettings, make_rollouts, ppo_windows, rollout_metrics
 from exactga.grpo_schemas import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig, loss_settings
 from exactga.kernels import choose_attention_kernels
+from exactga.metric_logging import open_metric_logger
 from exactga.model_state import load_model_state
 from exactga.normalization import LossNormalizer, Window
 from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
@@ -56,6 +57,7 @@ from exactga.resume import find_resume_point, run_fingerprint, write_step_checkp
 from exactga.rewards import build_rewards
 from exactga.rollouts import SamplingSettings, check_prompt
 from exactga.steps import StepBook
+from exactga.threads import use_cpu_threads
 from exactga.training import train_window
 
 log = utils.get_logger("INFO")
@@ -103,6 +105,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
         self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+        self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
         self._gradient_sync = cfg.gradient_sync
 
         self._enable_async_checkpointing = cfg.enable_async_checkpointing
@@ -153,15 +156,16 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     def setup(self, cfg: DictConfig) -> None:
         if self._fsdp_cpu_offload:
             training.set_torch_num_threads()  # fused AdamW on CPU is ~2x faster with all cores
-        if self._is_rank_zero:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
 
         self._step_checkpointer = step_checkpointer_for(
             cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
         )
         self._fingerprint = run_fingerprint(cfg, GRPO_FINGERPRINT_KEYS, world_size=self.world_size)
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
+        if self._is_rank_zero:
+            self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
+            self._metric_logger.log_config(cfg)
         self._checkpoint_client = self._precision.saving_in_dtype(  # weights for users in dtype
             CheckpointClient(
                 OmegaConf.merge(cfg, {"resume_from_checkpoint": resume.from_epoch_checkpoint})
@@ -305,6 +309,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}."
         )
         distributed.log_rank_zero(self._attention_kernels)
+        distributed.log_rank_zero(self._cpu_threads)
         if self._is_rank_zero and self._device.type != "cpu":
             training.log_memory_stats(distributed.memory_stats(self._device))
         distributed.barrier()
@@ -455,7 +460,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                             ),
                             announce_skip=self._is_rank_zero,
                         )
-                        steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                        report = steps.end_step(window, outcome)  # .loss: on logged steps
+                        log.debug(
+                            "step %d: loss %s", report.step, report.loss
+                        )  # print() is bar-safe
                 next(prompt_batches, None)  # lets the loader see its end, as exactga.normalization
                 steps.end_epoch(curr_epoch)
         self._report_outputs()

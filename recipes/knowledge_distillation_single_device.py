@@ -42,6 +42,7 @@ from exactga.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabular
 from exactga.frozen import freeze_model
 from exactga.kernels import choose_attention_kernels
 from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
+from exactga.metric_logging import open_metric_logger
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
@@ -54,6 +55,7 @@ from exactga.resume import (
 )
 from exactga.schemas import KnowledgeDistillationSingleDeviceConfig
 from exactga.steps import StepBook
+from exactga.threads import use_cpu_threads
 from exactga.training import (
     train_window,
 )
@@ -107,6 +109,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
         self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+        self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -134,13 +137,14 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         )
 
     def setup(self, cfg: DictConfig) -> None:
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
 
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
         self._fingerprint = run_fingerprint(cfg, KD_FINGERPRINT_KEYS, world_size=1)
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
+        self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
+        self._metric_logger.log_config(cfg)
         self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
             config.instantiate(
                 cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
@@ -262,6 +266,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             f"{num_trainable:,} trainable adapter parameters."
         )
         log.info(self._attention_kernels)
+        log.info(self._cpu_threads)
         if self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         return model
@@ -356,7 +361,8 @@ class KDRecipeSingleDevice(FTRecipeInterface):
                         step=progress.global_step + 1,
                         clip_grad_norm=self._clip_grad_norm,
                     )
-                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                    report = steps.end_step(window, outcome)  # .loss: on logged steps
+                    log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
         self._report_outputs()
 

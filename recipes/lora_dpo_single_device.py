@@ -37,6 +37,7 @@ from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.kernels import choose_attention_kernels
 from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
 from exactga.loss_units import IGNORE_INDEX
+from exactga.metric_logging import open_metric_logger
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.preference import (
@@ -57,6 +58,7 @@ from exactga.resume import (
     write_step_checkpoint,
 )
 from exactga.steps import StepBook
+from exactga.threads import use_cpu_threads
 from exactga.training import train_window
 
 log = utils.get_logger("INFO")
@@ -112,6 +114,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
         self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+        self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -140,13 +143,14 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         )
 
     def setup(self, cfg: DictConfig) -> None:
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
 
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
         self._fingerprint = run_fingerprint(cfg, DPO_FINGERPRINT_KEYS, world_size=1)
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
+        self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
+        self._metric_logger.log_config(cfg)
         self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
             config.instantiate(
                 cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
@@ -261,6 +265,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             f"{num_trainable:,} trainable adapter parameters."
         )
         log.info(self._attention_kernels)
+        log.info(self._cpu_threads)
         if self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         return model
@@ -349,7 +354,8 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
                         step=progress.global_step + 1,
                         clip_grad_norm=self._clip_grad_norm,
                     )
-                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                    report = steps.end_step(window, outcome)  # .loss: on logged steps
+                    log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
         self._report_outputs()
 

@@ -44,6 +44,7 @@ from exactga.config import validate_config
 from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.kernels import choose_attention_kernels
 from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
+from exactga.metric_logging import open_metric_logger
 from exactga.normalization import LossNormalizer
 from exactga.precision import Precision
 from exactga.profiling import setup_profiler
@@ -56,6 +57,7 @@ from exactga.resume import (
 )
 from exactga.schemas import LoraFinetuneDistributedConfig
 from exactga.steps import StepBook
+from exactga.threads import use_cpu_threads
 from exactga.training import (
     causal_lm_loss,
     train_window,
@@ -111,6 +113,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
         self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
+        self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
         self._gradient_sync = cfg.gradient_sync
 
         self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
@@ -150,9 +153,6 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
     def setup(self, cfg: DictConfig) -> None:
         if self._fsdp_cpu_offload:
             training.set_torch_num_threads()  # fused AdamW on CPU is ~2x faster with all cores
-        if self._is_rank_zero:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
 
         self._step_checkpointer = step_checkpointer_for(
             cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
@@ -160,6 +160,10 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._fingerprint = run_fingerprint(cfg, world_size=self.world_size)
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
+        if self._is_rank_zero:
+            self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
+            self._metric_logger.log_config(cfg)
         self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
             config.instantiate(
                 cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
@@ -292,6 +296,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             f"{num_trainable:,} trainable adapter parameters (sharded count)."
         )
         distributed.log_rank_zero(self._attention_kernels)
+        distributed.log_rank_zero(self._cpu_threads)
         if self._is_rank_zero and self._device.type != "cpu":
             training.log_memory_stats(distributed.memory_stats(self._device))
         distributed.barrier()
@@ -405,7 +410,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         ),
                         announce_skip=self._is_rank_zero,
                     )
-                    steps.end_step(window, outcome)  # its .loss: the step's, when logged
+                    report = steps.end_step(window, outcome)  # .loss: on logged steps
+                    log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
         self._report_outputs()
 

@@ -9,11 +9,13 @@ user's recipe is never run.
 This module is imported at interpreter start-up by ``exactga_recipes_path.pth`` and puts one
 finder in front of the import system. It answers for exactly one name, ``recipes``, and only
 when the working directory has a ``recipes/`` folder; every other import, and every launch from
-a directory without one, is untouched. A second finder, :class:`TuneRunPatcher`, quiets the
-launcher's traceback after a user error under torchrun. Kept free of heavy imports: it runs in
+a directory without one, is untouched. A second finder, :class:`TorchtuneCliPatcher`, adds
+exactga's recipes to ``tune ls``/``cp``/``run`` and quiets the launcher's traceback after a user
+error under torchrun. Kept free of heavy imports: it runs in
 every interpreter of the environment. See docs/launching.md.
 """
 
+import importlib
 import os
 import sys
 from importlib.machinery import ModuleSpec, PathFinder
@@ -37,36 +39,46 @@ class WorkingDirRecipesFinder:
         return PathFinder.find_spec(fullname, [cwd])
 
 
-class TuneRunPatcher:
-    """After ``torchtune._cli.run`` is imported, wrap its torchrun path so that a launch whose
-    ranks ended on a user error prints their one message and no launcher traceback
-    (``exactga.cli.quiet_user_errors_under_torchrun``; see [user errors] there)."""
+class TorchtuneCliPatcher:
+    """After a module of torchtune's command line is imported, let exactga patch it:
 
-    _MODULE = "torchtune._cli.run"
+    - ``torchtune._recipe_registry``: exactga's recipes and configs join the built-in ones
+      under an ``exactga/`` prefix, for ``tune ls``, ``tune cp`` and ``tune run``
+      (``exactga.registry.add_to_torchtune_registry``);
+    - ``torchtune._cli.run``: its torchrun path prints a user error's one message and no
+      launcher traceback (``exactga.cli.quiet_user_errors_under_torchrun``; see [user errors]).
+    """
+
+    # module imported -> (exactga module, its function that patches it)
+    _PATCHES = {
+        "torchtune._recipe_registry": ("exactga.registry", "add_to_torchtune_registry"),
+        "torchtune._cli.run": ("exactga.cli", "quiet_user_errors_under_torchrun"),
+    }
 
     @classmethod
     def find_spec(cls, fullname: str, path=None, target=None) -> ModuleSpec | None:
-        if fullname != cls._MODULE:
+        if fullname not in cls._PATCHES:
             return None
         spec = PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        run_module = spec.loader.exec_module
+        load_module = spec.loader.exec_module
+        patcher_module, patcher_name = cls._PATCHES[fullname]
 
         def exec_module(module) -> None:
-            run_module(module)
+            load_module(module)
             try:
-                from exactga.cli import quiet_user_errors_under_torchrun
-            except ImportError:  # exactga uninstalled, its start-up files left behind
+                patcher = getattr(importlib.import_module(patcher_module), patcher_name)
+            except (ImportError, AttributeError):  # exactga uninstalled, this file left behind
                 return
-            quiet_user_errors_under_torchrun(module)
+            patcher(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 def install() -> None:
-    for finder in (WorkingDirRecipesFinder, TuneRunPatcher):
+    for finder in (WorkingDirRecipesFinder, TorchtuneCliPatcher):
         if not any(installed is finder for installed in sys.meta_path):
             sys.meta_path.insert(0, finder)
 

@@ -40,7 +40,7 @@ SMALL_MODEL = {
 }
 
 
-def tune_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+def tune_env(extra_env: dict[str, str | None] | None = None) -> dict[str, str]:
     """The environment of a launch: offline, unbuffered, one intra-op thread unless set.
 
     Tests run launches side by side (``pytest -n 2``); a tiny model gains nothing from more
@@ -49,14 +49,18 @@ def tune_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(extra_env or {})
+    for key, value in (extra_env or {}).items():  # None: leave the variable unset
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
 def run_tune(
     args: list[str],
     cwd: Path | str = REPO_ROOT,
-    extra_env: dict[str, str] | None = None,
+    extra_env: dict[str, str | None] | None = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess:
     """``tune run *args`` from ``cwd``, with stdout and stderr captured as text."""
@@ -244,22 +248,24 @@ def _is_running(pid: int) -> bool:
 
 
 def logged_steps(log_root: Path | str, tag: str = "loss") -> dict[int, float]:
-    """``{step: value}`` of every ``tag`` logged under ``log_root``, from TensorBoard events or
-    ``DiskLogger`` text files (``Step 3 | loss:7.61 lr:...``), whichever the run wrote.
+    """``{step: value}`` of every ``tag`` logged under ``log_root`` (or in that one event file),
+    from TensorBoard events or ``DiskLogger`` text files (``Step 3 | loss:7.61 lr:...``),
+    whichever the run wrote.
 
     :func:`read_scalars` drops the steps; a resumed run logging into a folder of its own shows
     here which steps it trained, which is what tells resuming from retraining from step 0.
     """
     root = Path(log_root)
     events: list[tuple[int, float]] = []
-    for log_file in sorted(root.rglob("log_*.txt")):
+    # A folder, or one launch's event file.
+    event_files = [root] if root.is_file() else sorted(root.rglob("events.out.tfevents.*"))
+    for log_file in sorted(root.rglob("log_*.txt")) if root.is_dir() else []:
         for line in log_file.read_text().splitlines():
             step, _, metrics = line.removeprefix("Step ").partition(" | ")
             for item in metrics.split():
                 key, _, value = item.partition(":")
                 if key == tag:
                     events.append((int(step), float(value)))
-    event_files = sorted(root.rglob("events.out.tfevents.*"))
     if event_files:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
         from tensorboard.util.tensor_util import make_ndarray

@@ -56,8 +56,11 @@ RESUMABLE = {
     "metric_logger._component_": "torchtune.training.metric_logging.DiskLogger",
 }
 
+TENSORBOARD = "torchtune.training.metric_logging.TensorBoardLogger"
 SCENARIOS = {
-    "full": ([RECIPE, "--config", TINY_CONFIG], {}),
+    # TensorBoard: the resumed launch goes on in the killed one's run folder (see
+    # [resumed TensorBoard run] in exactga.metric_logging).
+    "full": ([RECIPE, "--config", TINY_CONFIG], {"metric_logger._component_": TENSORBOARD}),
     "lora": ([LORA_RECIPE, "--config", LORA_TINY_CONFIG], {}),
     # fp32 master weights under bf16 (docs/precision.md): the step checkpoints hold the fp32
     # weights and optimizer state, so the resumed run ends bit for bit where this one ends.
@@ -120,12 +123,28 @@ def _distance(run: Path, reference: Path) -> float:
     return relative_l2(load_weights(run / FINAL), load_weights(reference / FINAL), initial)
 
 
-def _resume(scenario: str, out: Path, log_dir: Path) -> None:
-    """Resume the killed run in ``out``, logging into ``log_dir`` (a folder of its own)."""
-    overrides = {"resume_from_checkpoint": True, "metric_logger.log_dir": log_dir}
+def _resume(scenario: str, out: Path, log_dir: Path | None) -> None:
+    """Resume the killed run in ``out``, logging into ``log_dir`` (a folder of its own), or
+    with ``None`` into the run's own."""
+    overrides: dict[str, object] = {"resume_from_checkpoint": True}
+    if log_dir is not None:
+        overrides["metric_logger.log_dir"] = log_dir
     proc = run_tune(_args(scenario, out, **overrides), timeout=600)
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert "Resuming from step checkpoint" in output_of(proc)
+
+
+def _resumed_launch_events(log_dir: Path, reference: Path) -> Path:
+    """The resumed launch's own event file in the killed run's TensorBoard run folder, after
+    checking that folder reads as one run: each step once, with the uninterrupted run's loss
+    (the killed launch's steps past its checkpoint were dropped, those before it flushed)."""
+    (run_folder,) = log_dir.glob("run_0_*")
+    whole, uninterrupted = logged_steps(run_folder), logged_steps(reference / "logs")
+    assert list(whole) == list(uninterrupted)
+    for step, loss in whole.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-6), step
+    files = run_folder.glob("events.out.tfevents.*")
+    return max(files, key=lambda path: float(path.name.split(".")[3]))
 
 
 def _check_trained_only_the_rest(log_dir: Path, reference: Path, after_step: int) -> None:
@@ -149,11 +168,15 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted
     _run_and_kill(scenario, out, random.Random(seed))
     checkpoint = latest_step_checkpoint(out)  # what the resumed run must go on from
 
-    _resume(scenario, out, tmp_path / "resumed_logs")
+    appends = SCENARIOS[scenario][1].get("metric_logger._component_") == TENSORBOARD
+    log_dir = None if appends else tmp_path / "resumed_logs"
+    _resume(scenario, out, log_dir)
     rel = _distance(out, uninterrupted(scenario))
     print(f"{scenario}: resumed vs uninterrupted relative L2 {rel:.3e}")
     assert rel <= TOLERANCE
-    _check_trained_only_the_rest(tmp_path / "resumed_logs", uninterrupted(scenario), checkpoint)
+    if appends:
+        log_dir = _resumed_launch_events(out / "logs", uninterrupted(scenario))
+    _check_trained_only_the_rest(log_dir, uninterrupted(scenario), checkpoint)
 
 
 @pytest.mark.xdist_group("resume_uninterrupted")

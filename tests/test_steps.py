@@ -4,6 +4,9 @@ the scheduler, logger, profiler and checkpoint writers, and an injected clock.""
 
 from __future__ import annotations
 
+import io
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,7 @@ class Recorder:
         self.calls.append(("log", step))
         self.logged[step] = metrics
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, step: int | None = None) -> dict[str, float]:
         return {"profiler/metric": 1.0}
 
     def timed(self, windows):
@@ -159,3 +162,20 @@ def test_window_metrics_and_the_tracked_windows_are_the_recipes() -> None:
     _run_epoch(book, [StepOutcome(skipped=True)] * 2)
     assert len(seen) == 2
     assert recorder.logged[2]["kd_loss"] == 3.0
+
+
+def test_a_line_printed_in_the_loop_lands_on_its_own_line_not_on_the_bar(monkeypatch) -> None:
+    """See [bar-safe output]: stdout and the bar share one terminal, as they do for a user."""
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)  # where tqdm draws the bar
+    book, _ = _book(Recorder(), show_progress=True)
+    for window in book.windows(0):
+        report = book.end_step(window, StepOutcome(skipped=False))
+        print(f"my step {report.step}", end="")  # a line in two writes, as print makes it
+        print()
+    book.end_epoch(0)
+    assert sys.stdout is terminal  # given back at the epoch's end
+    pieces = re.split(r"[\r\n]", terminal.getvalue())
+    assert "epoch 1" in terminal.getvalue()  # the bar was drawn
+    assert [p for p in pieces if "my step" in p] == ["my step 1", "my step 2"]

@@ -222,7 +222,8 @@ def check_input_files(cfg: DictConfig) -> None:
     ``NOT_FOUND``, ``datasets`` and torchtune's checkpointers with their own
     ``FileNotFoundError`` or ``ValueError``, none naming the key, and only after the config is
     printed. Relative paths resolve against the working directory, which the message names (the
-    shipped tiny configs' paths work from the repository root).
+    shipped tiny configs name their files as ``${exactga_file:...}``, which works from any
+    folder; see exactga.registry).
     """
     tokenizer = cfg.get("tokenizer")
     if tokenizer is not None and tokenizer.get("path"):
@@ -266,8 +267,8 @@ def _check_file(key: str, path: Any) -> None:
     where = _relative_to(path)
     raise ValueError(
         f"config key '{key}': no file at '{path}'{where}. Fix the path, or launch from the "
-        "folder it is relative to (the shipped tiny configs' paths work from the repository "
-        "root)."
+        "folder it is relative to (exactga's own files can be named from any folder as "
+        "${exactga_file:configs/tiny/...}, as the shipped tiny configs do)."
     )
 
 

@@ -105,6 +105,11 @@ class ResumePoint:
     def from_step_checkpoint(self) -> bool:
         return self.source is ResumeFrom.STEP_CHECKPOINT
 
+    @property
+    def resumed(self) -> bool:
+        """Whether the run goes on from a checkpoint rather than starting."""
+        return self.source is not ResumeFrom.START
+
     def restore_progress(self, progress: TrainingProgress, ckpt_dict: Mapping[str, Any]) -> None:
         """Set the counters to go on from: the step checkpoint's, or the epoch checkpoint's."""
         if self.step_checkpoint is not None:

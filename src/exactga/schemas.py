@@ -7,9 +7,8 @@ has a schema of its own. A key with a fixed set of values is typed with its enum
 ``exactga.options`` (the recipe then reads a member), or declares them next to its default
 (``choices``); each schema's ``check_flags`` rejects settings that cannot work together.
 ``validate_config`` runs both at start-up, before the config is printed or a model is built.
-This module imports no runtime module of exactga, only modules that import nothing from it
-(``exactga.options``, ``exactga.profiling.settings``; ``tests/test_architecture.py``): the
-runtime imports the same enums and settings from there.
+It imports no runtime module of exactga, only ones that import nothing from it (``options``,
+``profiling.settings``; tests/test_architecture.py); the runtime imports the same from there.
 
 To add a knob to a recipe you copied, subclass its schema in the recipe file::
 
@@ -87,6 +86,7 @@ class TrainingRunConfig:
     # Run.
     output_dir: str = MISSING
     device: str = "cuda"
+    cpu_threads: Optional[int] = None  # exactga: null picks from the load; [cpu threads]
     dtype: str = choice(PRECISIONS, "bf16")
     seed: Optional[int] = None
     shuffle: bool = True

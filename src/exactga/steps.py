@@ -6,14 +6,19 @@ The recipes keep their loop in sight, so a user reading or editing a copy sees t
         for curr_epoch in progress.epochs():
             for window in self._steps.windows(curr_epoch):
                 outcome = train_window(window, ...)
-                report = self._steps.end_step(window, outcome)  # report.loss on logged steps
+                report = self._steps.end_step(window, outcome)  # .loss: on logged steps
+                print(f"step {report.step}: loss {report.loss}")  # a user's line, bar-safe
             self._steps.end_epoch(curr_epoch)
 
-and :class:`StepBook` does the rest; see [step bookkeeping].
+and :class:`StepBook` does the rest; see [step bookkeeping] and [bar-safe output].
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +27,9 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from exactga.metric_logging import flush_metric_logger
 from exactga.normalization import Window
 from exactga.optimizers import steps_in_backward
 from exactga.progress import TrainingProgress
@@ -41,6 +48,13 @@ from exactga.training import NonFinitePolicy, StepOutcome, handle_nonfinite_loss
 # 5. a step checkpoint when one is due.
 # At an epoch's end the epoch closes before both saves (see [epoch close] in exactga.progress),
 # then the epoch checkpoint, then, when step checkpoints are on, one of the closed epoch.
+
+# Note [bar-safe output]
+# While an epoch's progress bar is drawn, a line printed to stdout, or logged, would land on the
+# bar's line and leave the bar broken in two. So from ``open_epoch`` to ``end_epoch`` stdout and
+# the console handlers of the root and torchtune loggers write through ``tqdm.write``, which
+# clears the bar, writes the line and draws the bar again below it: a user's ``print`` in a
+# copied recipe's loop (or ``log.info``) needs nothing special.
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,7 @@ class StepBook:
         self.clock = clock
         self._epoch = 0
         self._pbar: Any = None
+        self._bar_safe_output = contextlib.ExitStack()
         self._num_tokens_since_log = 0
         self._last_log_time: float | None = None
 
@@ -150,6 +165,8 @@ class StepBook:
             desc=f"epoch {epoch + 1}",
             disable=not self.show_progress,
         )
+        if self.show_progress:
+            self._bar_safe_output.enter_context(_bar_safe_output())
 
     def end_step(self, window: Window, outcome: StepOutcome) -> StepReport:
         """Everything after ``train_window`` returned; see [step bookkeeping]."""
@@ -172,6 +189,7 @@ class StepBook:
             metrics = self._log(window, outcome)
         if progress.should_save_step_checkpoint(self.save_every_n_steps, self._epoch):
             self.save_step_checkpoint()
+            flush_metric_logger(self.metric_logger)  # [resumed TensorBoard run]
         return StepReport(
             step=progress.global_step,
             skipped=outcome.skipped,
@@ -200,7 +218,7 @@ class StepBook:
         )
         if self.window_metrics is not None:
             metrics.update(self.window_metrics(window))
-        metrics.update(self.profiler.metrics())
+        metrics.update(self.profiler.metrics(step=self.progress.global_step))
         if self.metric_logger is not None:
             self.metric_logger.log_dict(metrics, step=self.progress.global_step)
         if "loss" in metrics:
@@ -211,7 +229,50 @@ class StepBook:
     def end_epoch(self, epoch: int) -> None:
         """Close ``epoch`` and write its checkpoints, in the one order; see [step bookkeeping]."""
         self._pbar.close()
+        self._bar_safe_output.close()
         self.progress.close_epoch()  # before both saves: see [epoch close] in exactga.progress
         self.save_epoch_checkpoint(epoch)
         if self.save_every_n_steps:
             self.save_step_checkpoint()
+            flush_metric_logger(self.metric_logger)
+
+
+@contextlib.contextmanager
+def _bar_safe_output() -> Iterator[None]:
+    """stdout and the console loggers through tqdm; see [bar-safe output]."""
+    # torchtune's logger (utils.get_logger, the recipes' ``log``) has a handler of its own.
+    loggers = [logging.getLogger(), logging.getLogger("torchtune.utils._logging")]
+    with (
+        logging_redirect_tqdm(loggers=loggers),
+        contextlib.redirect_stdout(_LinesAboveTheBar(sys.stdout, bar_stream=sys.stderr)),
+    ):
+        yield
+
+
+class _LinesAboveTheBar(io.TextIOBase):
+    """Writes whole lines to ``stream`` with the progress bars drawn on ``bar_stream`` cleared
+    first and drawn again after. (tqdm's ``DummyTqdmFile`` would not clear them: ``tqdm.write``
+    clears bars on another stream only while ``sys.stdout`` is the real one.)"""
+
+    def __init__(self, stream: Any, bar_stream: Any) -> None:
+        self._stream, self._bar_stream, self._partial_line = stream, bar_stream, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        lines, newline, self._partial_line = (self._partial_line + text).rpartition("\n")
+        if newline:
+            self._write_above_the_bar(lines + newline)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial_line:
+            self._write_above_the_bar(self._partial_line)
+            self._partial_line = ""
+        self._stream.flush()
+
+    def _write_above_the_bar(self, text: str) -> None:
+        with tqdm.external_write_mode(file=self._bar_stream):
+            self._stream.write(text)
+            self._stream.flush()
