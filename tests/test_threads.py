@@ -99,3 +99,17 @@ def test_cgroup_quota(tmp_path: Path, text: str, quota: float | None) -> None:
     cpu_max.write_text(text + "\n")
     assert _cgroup_cpu_quota(cpu_max) == quota
     assert _cgroup_cpu_quota(tmp_path / "absent") is None
+
+
+def test_an_optimizer_on_cpu_takes_the_free_cores_over_torchruns_one() -> None:
+    """fsdp_cpu_offload: torchtune sets cores / GPUs there; the load decides here."""
+    choice = choose_cpu_threads(
+        None,
+        optimizer_on_cpu=True,
+        env={"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"},
+        default_threads=1,
+        usable_cpus=16.0,
+        machine_cpus=16,
+        busy_cpus=lambda: 0.0,
+    )
+    assert choice.num_threads == 8 and "the optimizer steps on CPU" in str(choice)
