@@ -4,8 +4,8 @@ Note [cpu threads]
 torch starts one compute thread per physical core, and its OpenMP threads wait for each other
 at every parallel region by spinning. On a machine where another job holds a core, one thread
 then waits for a core it cannot get, at every op: the tiny demo on 2 cores with one CPU-heavy
-neighbour took 4 min 46 s at torch's 2 threads and 50 s at 1 (README, "First hour"). So a recipe
-picks its count once, at start-up, from what is free then:
+neighbour took 135 s at torch's 2 threads and 34 s at 1 (docs/quickstart.md, "First hour"). So
+a recipe picks its count once, at start-up, from what is free then:
 
 - ``cpu_threads: <n>`` in the config: n, as asked;
 - else ``OMP_NUM_THREADS`` set (torchrun sets it to 1 for each of several ranks): torch's
