@@ -89,6 +89,7 @@ from exactga.lora import LoraSettings, load_lora_weights
 from exactga.loss_units import loss_ignore_index
 from exactga.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.normalization import LossNormalizer, NormMode
+from exactga.packing import uses_flex_attention
 from exactga.parity.grpo import GrpoParity
 from exactga.parity.preference import (
     Preference,
@@ -117,11 +118,11 @@ from exactga.parity.scoring import (
     relative_l2,
     summarize,
 )
+from exactga.parity_schemas import GaParityConfig
 from exactga.precision import MasterWeights, Precision
 from exactga.preference import PreferencePairs
 from exactga.profiling import setup_profiler
 from exactga.resume import checkpointer_source
-from exactga.schemas import GaParityConfig
 from exactga.threads import use_cpu_threads
 from exactga.training import causal_lm_loss, train_window
 
@@ -320,7 +321,7 @@ class GaParityRecipe:
         num_replicas, rank = 1, 0
         if split.num_ranks > 1:
             num_replicas, rank = split.num_ranks, self._mesh["dp"].get_local_rank()
-        by_budget = micro_batching is MicroBatching.TOKEN_BUDGET
+        by_budget = micro_batching in (MicroBatching.TOKEN_BUDGET, MicroBatching.PACKED)
         return build_dataloader(
             self._dataset,
             batch_size=split.batch_size,
@@ -336,6 +337,7 @@ class GaParityRecipe:
             ignore_idx=self._ignore_index,
             num_replicas=num_replicas,
             rank=rank,
+            flex_attention=uses_flex_attention(self._device),
         )
 
     def train(self) -> None:

@@ -21,10 +21,10 @@ from exactga.options import (
     NormMode,
     Option,
 )
+from exactga.parity_schemas import GaParityConfig
 from exactga.schemas import (
     FullFinetuneDistributedConfig,
     FullFinetuneSingleDeviceConfig,
-    GaParityConfig,
     LoraFinetuneDistributedConfig,
     LoraFinetuneSingleDeviceConfig,
 )

@@ -39,7 +39,16 @@ from many_runs import launch_runs, run_of
 from omegaconf import OmegaConf
 from oracle_utils import flat, fp64, lr_for_unit_update, step_gap, trainable
 from recipe_utils import REPO_ROOT, read_scalars, relative_l2
-from test_preference import BETA, PAIRS, RANK_GROUPS, SIDES, SPLITS, oracle_log_probs
+from test_preference import (
+    BETA,
+    PACKED_ROW,
+    PAIRS,
+    RANK_GROUPS,
+    SIDES,
+    SPLITS,
+    oracle_log_probs,
+    packed_rows,
+)
 from torch import nn
 from torchtune.rlhf.loss import DPOLoss
 from torchtune.training import shard_model
@@ -53,6 +62,7 @@ from exactga.loss_units import IGNORE_INDEX
 from exactga.micro_batching import SampleWindow
 from exactga.normalization import LossNormalizer, NormMode
 from exactga.options import SequenceLogProb
+from exactga.packing import pack_pairs
 from exactga.preference import (
     DPO,
     DpoTerms,
@@ -173,15 +183,18 @@ def real_step(
     mode: NormMode = NormMode.EXACT,
     by_budget: bool = False,
     pair_weighted_nll: bool = False,
+    packed: bool = False,
 ) -> dict:
     """One SGD step of ``case.model`` over the pairs in ``groups`` (this rank's micro-batches),
     as a DPO recipe takes it: the window's logged loss, metrics and filler count.
 
     ``pair_weighted_nll``: the NLL's per-micro-batch token mean added to the DPO mean and the
     sum weighted by the micro-batch's pairs (exact pair weighting, no token units): a baseline.
+    ``packed``: each micro-batch one packed row (``micro_batching: packed``).
     """
     group = dist.group.WORLD if dist.is_initialized() else None
-    micro_batches = [collate_pairs([PAIRS[i] for i in g]) for g in groups]
+    collate = functools.partial(pack_pairs, capacity=PACKED_ROW) if packed else collate_pairs
+    micro_batches = [collate([PAIRS[i] for i in g]) for g in groups]
     sample_window = SampleWindow(micro_batches, sum(map(len, groups)), 0, 0, False, by_budget)
     metrics = PreferenceMetrics(terms=None if pair_weighted_nll else case.terms)
     units = PreferencePairs() if pair_weighted_nll else case.terms.units()
@@ -246,7 +259,10 @@ def _counting_all_reduces(shapes: list):
 @functools.cache
 def one_process(kind: str, terms: str, split: str, dtype: torch.dtype) -> tuple[float, dict, dict]:
     case = Case(kind, TERMS[terms], dtype)
-    result = real_step(case, SPLITS[split])
+    if split == "packed":
+        result = real_step(case, packed_rows(range(len(PAIRS))), packed=True)
+    else:
+        result = real_step(case, SPLITS[split])
     return case.gap(), result, case.oracle
 
 
@@ -268,7 +284,7 @@ DTYPES = pytest.mark.parametrize(
 
 
 @DTYPES
-@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("split", [*SPLITS, "packed"])
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_rpo_step_is_the_full_batch_step(kind: str, split: str, dtype: torch.dtype) -> None:
     gap, result, oracle = one_process(kind, "rpo", split, dtype)
@@ -283,7 +299,7 @@ def test_rpo_step_is_the_full_batch_step(kind: str, split: str, dtype: torch.dty
     assert result["opening_reduces"] == []  # one process: no collective
 
 
-@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("split", [*SPLITS, "packed"])
 @pytest.mark.parametrize("terms", ["mean", "mean_rpo"])
 def test_length_normalised_log_probs_need_no_count_of_their_own(terms: str, split: str) -> None:
     """Each response's mean log-prob is its own, so the pairs stay the units: alone it adds no

@@ -37,7 +37,7 @@ from exactga.micro_batching import (
     plan_micro_batches,
 )
 
-FIXED, BY_LENGTH, TOKEN_BUDGET = MicroBatching
+FIXED, BY_LENGTH, TOKEN_BUDGET, PACKED = MicroBatching
 
 
 def settings(mode: MicroBatching, batch_size: int = 2, tokens: int | None = None):

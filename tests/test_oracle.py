@@ -32,7 +32,7 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss, ForwardKLWithChunked
 from torchtune.training import shard_model
 from unit_utils import make_rows, run_on_ranks, tiny_lora, tiny_model
 
-from exactga import distillation, loss_units, training
+from exactga import distillation, loss_units, packing, training
 from exactga.data import build_dataloader
 from exactga.distillation import Distiller
 from exactga.distributed import GradientSync, gradient_sync
@@ -195,6 +195,7 @@ def _two_rank_worker(rank: int, kind: str) -> dict[str, float]:
         MicroBatching.FIXED: GradientSync.EVERY_MICRO_BATCH,
         MicroBatching.BY_LENGTH: GradientSync.ONCE_PER_WINDOW,
         MicroBatching.TOKEN_BUDGET: GradientSync.ONCE_PER_WINDOW,
+        MicroBatching.PACKED: GradientSync.EVERY_MICRO_BATCH,
     }
     return {
         mode.value: oracle_gap(kind, mode, TWO_RANK_SPLIT, sharded=True, sync=sync_of[mode])
@@ -238,4 +239,39 @@ def test_the_oracle_sees_a_broken_step(kind: str, break_it, monkeypatch) -> None
     break_it(monkeypatch)
     gap = oracle_gap(kind, MicroBatching.BY_LENGTH)
     print(f"{kind} with {break_it.__name__[1:]}: relative L2 {gap:.2e}")
+    assert gap > 100 * ORACLE_BOUND
+
+
+def _documents_see_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed row under a plain causal mask: each sample attends to the ones before it."""
+
+    def causal(seq_lens, flex):
+        return torch.ones(1, sum(seq_lens), sum(seq_lens), dtype=torch.bool).tril()
+
+    monkeypatch.setattr(packing, "document_mask", causal)
+
+
+def _first_labels_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed row whose labels are the samples' as they are: the shift then scores each
+    sample's last position against the next sample's first label."""
+    add = packing._Row.add
+
+    def add_keeping_the_first_label(self, tokens, labels, sequence=0):
+        add(self, tokens, labels, sequence)
+        self.labels[-len(labels)] = labels[0]
+
+    monkeypatch.setattr(packing._Row, "add", add_keeping_the_first_label)
+
+
+@pytest.mark.parametrize("kind", ["full", "kd"])
+@pytest.mark.parametrize(
+    "break_it", [_documents_see_each_other, _first_labels_kept], ids=lambda f: f.__name__[1:]
+)
+def test_the_oracle_sees_a_broken_packed_row(kind: str, break_it, monkeypatch) -> None:
+    """See [packed rows are exact] in exactga.packing: both the mask and the first labels
+    matter. (Rotary positions that run on across the row would not show: attention under RoPE
+    depends on relative positions only, so the mask alone keeps it exact.)"""
+    break_it(monkeypatch)
+    gap = oracle_gap(kind, MicroBatching.PACKED)
+    print(f"{kind} packed with {break_it.__name__[1:]}: relative L2 {gap:.2e}")
     assert gap > 100 * ORACLE_BOUND

@@ -34,8 +34,9 @@ from exactga import training
 from exactga.distributed import GradientSync, gradient_sync
 from exactga.frozen import freeze_model
 from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS
-from exactga.micro_batching import SampleWindow
+from exactga.micro_batching import SampleWindow, first_fit_decreasing, sample_positions
 from exactga.normalization import LossNormalizer, NormMode
+from exactga.packing import pack_pairs
 from exactga.preference import (
     EMPTY,
     PreferenceMetrics,
@@ -82,6 +83,9 @@ SPLITS = {
 }
 # On two ranks: 5 and 3 pairs, 2 and 1 micro-batches, so rank 1 runs one emptied filler.
 RANK_GROUPS = [[[3, 1, 5], [6, 0]], [[2, 4, 7]]]
+# Packed rows of the tiny model's max_seq_len: a pair's two sides take 24 to 52 positions, so
+# rows hold one or two pairs (split "packed"; on two ranks 4 and 2 rows, so two fillers).
+PACKED_ROW = 64
 
 
 def make_pairs(specs=SPECS, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -203,11 +207,14 @@ def real_step(
     groups: list[list[int]],
     mode: NormMode = NormMode.EXACT,
     by_budget: bool = False,
+    packed: bool = False,
 ) -> tuple[dict[str, float], int]:
-    """One SGD step of ``case.model`` over the pairs in ``groups`` (this rank's micro-batches),
-    as a DPO recipe takes it; the window's metrics and this rank's filler count."""
+    """One SGD step of ``case.model`` over the pairs in ``groups`` (this rank's micro-batches,
+    each a packed row with ``packed``), as a DPO recipe takes it; the window's metrics and this
+    rank's filler count."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    micro_batches = [collate_pairs([PAIRS[i] for i in g]) for g in groups]
+    collate = functools.partial(pack_pairs, capacity=PACKED_ROW) if packed else collate_pairs
+    micro_batches = [collate([PAIRS[i] for i in g]) for g in groups]
     sample_window = SampleWindow(micro_batches, sum(map(len, groups)), 0, 0, False, by_budget)
     metrics = PreferenceMetrics()
     normalizer = LossNormalizer(case.loss_fn, mode=mode, dp_group=group, units=PreferencePairs())
@@ -238,8 +245,19 @@ def one_process(
     kind: str, split: str, dtype: torch.dtype, loss: str = "dpo"
 ) -> tuple[float, dict[str, float], dict]:
     case = Case(kind, loss, dtype)
-    metrics, _ = real_step(case, SPLITS[split])
+    if split == "packed":
+        metrics, _ = real_step(case, packed_rows(range(len(PAIRS))), packed=True)
+    else:
+        metrics, _ = real_step(case, SPLITS[split])
     return case.gap(), metrics, case.oracle_metrics()
+
+
+def packed_rows(pairs) -> list[list[int]]:
+    """``pairs`` placed first-fit decreasing into rows of ``PACKED_ROW`` positions, as
+    ``micro_batching: packed`` places them (both sides of a pair in one row)."""
+    pairs = list(pairs)
+    rows = first_fit_decreasing([sample_positions(PAIRS[i]) for i in pairs], PACKED_ROW)
+    return [[pairs[i] for i in row] for row in rows]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -260,7 +278,7 @@ DTYPES = pytest.mark.parametrize(
 
 
 @DTYPES
-@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("split", [*SPLITS, "packed"])
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_one_step_is_the_full_batch_dpo_step(kind: str, split: str, dtype: torch.dtype) -> None:
     gap, _, _ = one_process(kind, split, dtype)
@@ -291,12 +309,17 @@ def test_the_mean_of_micro_batch_means_is_far_off(kind: str) -> None:
 def _two_rank_worker(rank: int) -> dict:
     torch.set_num_threads(1)
     results = {}
-    for kind in ("full", "lora"):
-        case = Case(kind)
+    for kind in ("full", "lora", "packed"):
+        case = Case("full" if kind == "packed" else kind)
         for model in (case.model, case.ref_model):
             if model is not None:
                 shard_model(model, [_is_layer], cpu_offload=False, reshard_after_forward=True)
-        metrics, num_fillers = real_step(case, RANK_GROUPS[rank], by_budget=True)
+        if kind == "packed":  # each rank packs its own pairs, rows dealt as the loader deals
+            rank_pairs = [i for row in RANK_GROUPS[rank] for i in row]
+            groups = packed_rows(rank_pairs)
+            metrics, num_fillers = real_step(case, groups, by_budget=True, packed=True)
+        else:
+            metrics, num_fillers = real_step(case, RANK_GROUPS[rank], by_budget=True)
         results[kind] = {
             "gap": case.gap(),
             "metrics": metrics,
@@ -312,12 +335,13 @@ def _is_layer(name: str, module: nn.Module) -> bool:
 
 def test_two_ranks_with_unequal_pairs_and_a_filler_take_the_full_batch_step(tmp_path) -> None:
     results = run_on_ranks(_two_rank_worker, (), tmp_path)
-    for kind in ("full", "lora"):
+    for kind in ("full", "lora", "packed"):
         on_rank = [r[kind] for r in results]
-        assert [r["fillers"] for r in on_rank] == [0, 1]
+        assert [r["fillers"] for r in on_rank] == ([0, 2] if kind == "packed" else [0, 1])
         assert on_rank[0]["gap"] == on_rank[1]["gap"]  # the same full weights on both ranks
         assert on_rank[0]["metrics"] == on_rank[1]["metrics"]
-        print(f"{kind} 2 ranks (5 + 3 pairs, one filler): {on_rank[0]['gap']:.2e}")
+        fillers = on_rank[1]["fillers"]
+        print(f"{kind} 2 ranks (5 + 3 pairs, {fillers} filler(s)): {on_rank[0]['gap']:.2e}")
         assert on_rank[0]["gap"] <= ORACLE_BOUND
         oracle = on_rank[0]["oracle_metrics"]
         assert on_rank[0]["metrics"] == pytest.approx(oracle, **METRIC_TOLERANCE[torch.float32])

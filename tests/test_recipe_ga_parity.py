@@ -22,7 +22,7 @@ from exactga.parity.scoring import (
     plan_runs,
     verdict,
 )
-from exactga.schemas import GaParityConfig
+from exactga.parity_schemas import GaParityConfig
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 CONFIGS = {

@@ -18,8 +18,8 @@ from exactga.micro_batching import MicroBatching
 from exactga.normalization import NormMode
 from exactga.parity.preference import check_preference_keys, collate_fn_for
 from exactga.parity.scoring import Split, plan_runs
+from exactga.parity_schemas import GaParityConfig
 from exactga.preference_schemas import PAIR_COLLATE
-from exactga.schemas import GaParityConfig
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 DPO_CONFIG = "configs/tiny/ga_parity_dpo.yaml"

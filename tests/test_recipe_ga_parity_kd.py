@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from recipe_utils import SMALL_MODEL, output_of, run_tune
 
 from exactga.config import validate_config
-from exactga.schemas import GaParityConfig
+from exactga.parity_schemas import GaParityConfig
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 KD_CONFIG = "configs/tiny/ga_parity_kd.yaml"

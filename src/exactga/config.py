@@ -156,7 +156,12 @@ def _check_minimums(cfg: DictConfig) -> None:
     for key, minimum in _MINIMUMS.items():
         if cfg.get(key) is not None and cfg[key] < minimum:  # null where a schema allows it
             raise ValueError(f"config key '{key}' must be at least {minimum}, got {cfg[key]}.")
-    for key in ("max_steps_per_epoch", "save_every_n_steps", "micro_batch_tokens"):
+    for key in (
+        "max_steps_per_epoch",
+        "save_every_n_steps",
+        "micro_batch_tokens",
+        "pad_to_multiple_of",
+    ):
         steps = cfg.get(key)
         if steps is not None and steps < 1:
             raise ValueError(f"config key '{key}' must be null or at least 1, got {steps}.")

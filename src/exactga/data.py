@@ -35,7 +35,6 @@ of datasets (a ``ConcatDataset``) a row is counted within its own dataset, ``dat
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from functools import partial
 from typing import Any
 
 import torch
@@ -44,23 +43,23 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config
-from torchtune.config._utils import _get_component_from_path
 from torchtune.data import (
     AlpacaToMessages,
     ChosenRejectedToMessages,
     InputOutputToMessages,
     OpenAIToMessages,
     ShareGPTToMessages,
-    padded_collate_packed,
 )
 from torchtune.datasets import ConcatDataset, PackedDataset, PreferenceDataset, SFTDataset
 
+from exactga.collation import micro_batch_collate
 from exactga.micro_batching import (
     MicroBatchingSettings,
     SampleWindow,
     WindowCollator,
     whole_micro_batches,
 )
+from exactga.packing import uses_flex_attention
 from exactga.preference_rows import (
     is_preference_sample,
     pair_problem,
@@ -123,6 +122,7 @@ def build_dataloader(
     num_replicas: int = 1,
     rank: int = 0,
     state_dict: Mapping[str, Any] | None = None,
+    flex_attention: bool = False,
 ) -> WindowLoader:
     """The loader of this data-parallel ``rank`` of ``num_replicas``: one accumulation window
     of samples at a time, split into micro-batches. See [data order] and [micro-batching modes].
@@ -140,20 +140,25 @@ def build_dataloader(
         num_replicas: data-parallel ranks reading the dataset.
         rank: this process's data-parallel rank.
         state_dict: a saved loader position to go on from (resume), or ``None``.
+        flex_attention: ``packed`` rows carry flex attention's ``BlockMask`` (CUDA) instead of
+            a dense mask; see [packed rows are exact] in exactga.packing.
 
     Raises:
-        ValueError: ``collate_fn`` is torchtune's inference-only left-padding collate.
+        ValueError: ``collate_fn`` is torchtune's inference-only left-padding collate, or
+            ``packed`` micro-batches meet packed data or a collate of the user's own.
     """
     if "left_pad_sequence" in collate_fn:
         raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only.")
-    if _is_packed(dataset):
-        collate = padded_collate_packed
-    else:
-        collate = partial(
-            _get_component_from_path(collate_fn), padding_idx=padding_idx, ignore_idx=ignore_idx
-        )
     settings = micro_batching or MicroBatchingSettings(batch_size=batch_size)
     assert settings.batch_size == batch_size, "micro_batching was set up for another batch_size"
+    collate = micro_batch_collate(
+        settings,
+        collate_fn,
+        padding_idx,
+        ignore_idx,
+        packed_data=_is_packed(dataset),
+        flex_attention=flex_attention,
+    )
     window_size = batch_size * gradient_accumulation_steps
     sampler = StatefulDistributedSampler(
         dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=0
@@ -187,8 +192,9 @@ def dataloader_from_config(
 ) -> WindowLoader:
     """:func:`build_dataloader` with the batching keys of a validated recipe config
     (``batch_size``, ``gradient_accumulation_steps``, ``micro_batching``,
-    ``micro_batch_tokens``, ``drop_partial_window``, ``shuffle``, ``collate_fn``), read here
-    once for every training recipe so that no recipe can build its windows differently."""
+    ``micro_batch_tokens``, ``pad_to_multiple_of``, ``drop_partial_window``, ``shuffle``,
+    ``collate_fn``, and ``device`` for a packed row's mask), read here once for every training
+    recipe so that no recipe can build its windows differently."""
     return build_dataloader(
         dataset,
         batch_size=cfg.batch_size,
@@ -202,6 +208,7 @@ def dataloader_from_config(
         num_replicas=num_replicas,
         rank=rank,
         state_dict=state_dict,
+        flex_attention=uses_flex_attention(cfg.device),
     )
 
 

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 from omegaconf import MISSING, DictConfig, ListConfig
 
 from exactga.options import LossAggregation, MasterWeights, MicroBatching, NormMode
+from exactga.parity_schemas import PADDED_MODES, ParitySettings
 from exactga.schemas import (
     FullFinetuneDistributedConfig,
-    ParitySettings,
     TrainingRunConfig,
     check_master_weights,
 )
@@ -79,6 +79,12 @@ class GrpoDistributedConfig(FullFinetuneDistributedConfig, RolloutKeys):
         super().check_flags(cfg)
 
 
+PACKED_ROLLOUTS = (
+    "config key 'micro_batching': packed is for the fine-tuning, distillation and DPO recipes; "
+    "GRPO's rollouts are cut by fixed, by_length or token_budget."
+)
+
+
 def check_grpo_keys(cfg: DictConfig) -> None:
     """The GRPO recipe's keys' own checks, naming the key at fault.
 
@@ -89,6 +95,8 @@ def check_grpo_keys(cfg: DictConfig) -> None:
     check_rollout_keys(cfg)
     if cfg.num_steps < 1:
         raise ValueError("config key 'num_steps' must be at least 1.")
+    if cfg.micro_batching is MicroBatching.PACKED:
+        raise ValueError(PACKED_ROLLOUTS)
     num_completions = cfg.batch_size * cfg.grpo_samples
     ga = cfg.gradient_accumulation_steps
     if cfg.micro_batching is not MicroBatching.TOKEN_BUDGET and num_completions % ga:
@@ -165,6 +173,7 @@ class GrpoParitySettings(ParitySettings):
     # null: the config's own split, batch_size x grpo_samples completions in
     # gradient_accumulation_steps micro-batches (in 2 where it has 1).
     splits: list[str] | None = None  # type: ignore[assignment]
+    micro_batching: list[MicroBatching] = field(default_factory=lambda: list(PADDED_MODES))
     # Each is trained as its own objective, with its own full-batch reference.
     loss_aggregations: list[LossAggregation] = field(default_factory=lambda: list(LossAggregation))
     num_steps: int = 4
@@ -204,6 +213,8 @@ class GrpoParityConfig(TrainingRunConfig, RolloutKeys):
             )
         if not parity.micro_batching:
             raise ValueError("config key 'parity.micro_batching' is empty; list at least one.")
+        if MicroBatching.PACKED in parity.micro_batching:
+            raise ValueError(PACKED_ROLLOUTS.replace("'micro_batching'", "'parity.micro_batching'"))
         if parity.micro_batch_tokens < 1:
             raise ValueError("config key 'parity.micro_batch_tokens' must be at least 1.")
 

@@ -29,6 +29,12 @@ Note [micro-batching modes]
   ``micro_batch_tokens`` padded positions (samples x longest sample); a sample longer than the
   budget gets a micro-batch of its own. Memory per micro-batch is then flat, and a large
   ``batch_size`` with ``gradient_accumulation_steps: 1`` is split automatically.
+- ``packed``: the window's samples placed first-fit decreasing into rows of
+  ``micro_batch_tokens`` positions, each row one micro-batch of whole samples, packed with a
+  document mask (exactga.packing, see [packed rows are exact]): no padding but each row's
+  unfilled end, and one micro-batch shape. A sample longer than a row gets a row of its own.
+With ``pad_to_multiple_of`` the padded modes round each micro-batch's sequence length up to a
+multiple of it, which bounds the number of shapes a run compiles or plans kernels for.
 An epoch's last window may hold fewer samples; it keeps whole micro-batches of ``batch_size``
 in the loader's order (the samples stock torchtune's ``drop_last`` loader would give) before
 any regrouping, so every mode steps on the same samples.
@@ -61,34 +67,50 @@ class MicroBatchingSettings:
     mode: MicroBatching = MicroBatching.FIXED
     batch_size: int = 1
     micro_batch_tokens: int | None = None
+    pad_to_multiple_of: int | None = None  # sequence lengths rounded up to a multiple of it
 
     def __post_init__(self) -> None:
         assert self.batch_size >= 1, f"batch_size must be positive, got {self.batch_size}"
-        if self.mode is MicroBatching.TOKEN_BUDGET:
-            assert self.micro_batch_tokens, "token_budget needs micro_batch_tokens"
+        if self.by_budget:
+            assert self.micro_batch_tokens, f"{self.mode} needs micro_batch_tokens"
+
+    @property
+    def by_budget(self) -> bool:
+        """Whether the lengths decide how many micro-batches a window has (so ranks may differ)."""
+        return self.mode in (MicroBatching.TOKEN_BUDGET, MicroBatching.PACKED)
 
     @classmethod
     def from_config(cls, cfg: Any, batch_size: int | None = None) -> MicroBatchingSettings:
-        """The settings of a validated config (``micro_batching``, ``micro_batch_tokens``)."""
+        """The settings of a validated config (``micro_batching``, ``micro_batch_tokens``,
+        ``pad_to_multiple_of``)."""
         return cls(
             mode=as_option(MicroBatching, cfg.micro_batching, "micro_batching"),
             batch_size=int(cfg.batch_size if batch_size is None else batch_size),
             micro_batch_tokens=cfg.micro_batch_tokens,
+            pad_to_multiple_of=cfg.get("pad_to_multiple_of"),
         )
 
 
 def plan_micro_batches(
-    lengths: Sequence[int], settings: MicroBatchingSettings, rows_per_sample: int = 1
+    lengths: Sequence[int],
+    settings: MicroBatchingSettings,
+    rows_per_sample: int = 1,
+    positions: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """The micro-batches of a window whose samples have these ``lengths``, as sample indices.
 
     ``len(lengths)`` is a multiple of ``settings.batch_size`` (see :func:`whole_micro_batches`).
-    A sample collates to ``rows_per_sample`` rows of its length (2 for a preference pair).
+    A sample collates to ``rows_per_sample`` rows of its length (2 for a preference pair), or,
+    packed, to its ``positions`` (a pair's two sides; default: ``lengths``).
     See [micro-batching modes].
     """
     indices = list(range(len(lengths)))
     if settings.mode is MicroBatching.FIXED:
         return _cut(indices, settings.batch_size)
+    if settings.mode is MicroBatching.PACKED:
+        assert settings.micro_batch_tokens is not None
+        sizes = lengths if positions is None else positions
+        return first_fit_decreasing(sizes, settings.micro_batch_tokens)
     longest_first = sorted(indices, key=lambda i: -lengths[i])  # stable: ties keep loader order
     if settings.mode is MicroBatching.BY_LENGTH:
         return _cut(longest_first, settings.batch_size)
@@ -110,6 +132,26 @@ def _fill_budget(longest_first: list[int], lengths: Sequence[int], budget: int) 
         else:
             groups.append([index])
     return groups
+
+
+def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Rows of at most ``capacity`` positions holding items of these ``sizes``, as item
+    indices: items largest first (a stable sort, so ties keep their order), each into the
+    first row with room for it; an item larger than ``capacity`` gets a row of its own. Rows
+    come in the order they were opened, so the first holds the window's longest sample."""
+    assert capacity >= 1, f"capacity must be positive, got {capacity}"
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        size = sizes[index]
+        row = next((r for r, free in enumerate(room) if size <= free), None)
+        if row is None:
+            rows.append([index])
+            room.append(max(capacity - size, 0))
+        else:
+            rows[row].append(index)
+            room[row] -= size
+    return rows
 
 
 def whole_micro_batches(num_samples: int, batch_size: int) -> int:
@@ -151,7 +193,8 @@ class SampleWindow:
     ``num_sample_positions`` are the samples' own positions, ``num_fixed_positions`` those the
     ``fixed`` split would process: with the positions actually processed they give the padding
     metrics. ``is_partial`` marks an epoch's last, short window. ``by_budget`` says the number of
-    micro-batches depends on the lengths (``token_budget``), so ranks may plan different counts.
+    micro-batches depends on the lengths (``token_budget``, ``packed``), so ranks may plan
+    different counts.
     """
 
     micro_batches: list[dict[str, Any]]
@@ -188,7 +231,7 @@ class WindowCollator:
         lengths = [sample_length(sample) for sample in samples]
         positions = [sample_positions(sample) for sample in samples]
         rows = 2 if samples and is_pair(samples[0]) else 1
-        groups = plan_micro_batches(lengths, self.settings, rows)
+        groups = plan_micro_batches(lengths, self.settings, rows, positions)
         fixed = _cut(list(range(num_kept)), self.settings.batch_size)
         return SampleWindow(
             micro_batches=[self.collate([samples[i] for i in group]) for group in groups],
@@ -196,7 +239,7 @@ class WindowCollator:
             num_sample_positions=sum(positions),
             num_fixed_positions=padded_positions(lengths, fixed, rows),
             is_partial=num_kept < self.window_size,
-            by_budget=self.settings.mode is MicroBatching.TOKEN_BUDGET,
+            by_budget=self.settings.by_budget,
             micro_batch_sample_positions=tuple(sum(positions[i] for i in g) for g in groups),
         )
 
@@ -230,28 +273,42 @@ class WindowWork:
     num_fixed_positions: int | None = None
     positions_per_rank: tuple[int, ...] = ()
     units_name: str = "loss_tokens"  # what num_loss_tokens counts, as its metric is named
+    shapes: tuple[tuple[int, ...], ...] = ()  # of the micro-batches run, fillers included
 
 
 class PaddingMeter:
-    """Sums :class:`WindowWork` over a logging interval and over the run."""
+    """Sums :class:`WindowWork` over a logging interval and over the run, and counts the
+    distinct micro-batch shapes of each epoch (each new one is a new compilation under
+    ``compile``, and new kernel plans on a GPU)."""
 
     def __init__(self) -> None:
         self.interval = _PaddingTotals()
         self.run = _PaddingTotals()
+        self.epoch_shapes: set[tuple[int, ...]] = set()
+        self.most_shapes_in_an_epoch = 0
+
+    def open_epoch(self) -> None:
+        """Count shapes afresh: the next steps are a new epoch's."""
+        self.epoch_shapes = set()
 
     def add(self, work: WindowWork) -> None:
         self.interval.add(work)
         self.run.add(work)
+        self.epoch_shapes.update(work.shapes)
+        self.most_shapes_in_an_epoch = max(self.most_shapes_in_an_epoch, len(self.epoch_shapes))
 
     def read_interval(self, elapsed_s: float) -> dict[str, float]:
         """``throughput/padding_fraction``, ``throughput/loss_tokens_per_second`` (or
         ``pairs_per_second``: the loss units) and, under data parallelism,
-        ``throughput/rank_imbalance`` since the last read; then resets."""
+        ``throughput/rank_imbalance`` since the last read; then resets. Also
+        ``throughput/micro_batch_shapes``: the distinct shapes so far in this epoch."""
         totals, self.interval = self.interval, _PaddingTotals()
         rate = f"throughput/{totals.units_name}_per_second"
         metrics = {rate: totals.num_loss_tokens / elapsed_s}
         if totals.known and totals.num_positions:
             metrics["throughput/padding_fraction"] = totals.padding_fraction
+        if self.epoch_shapes:
+            metrics["throughput/micro_batch_shapes"] = float(len(self.epoch_shapes))
         if totals.imbalance:
             metrics["throughput/rank_imbalance"] = max(totals.imbalance)
         return metrics
@@ -271,7 +328,13 @@ class PaddingMeter:
                 f"; fixed micro-batches would have processed {totals.num_fixed_positions:,} "
                 f"({100 * saved:.1f}% saved)"
             )
-        return line + "."
+        line += "."
+        if self.most_shapes_in_an_epoch:
+            line += (
+                f" Micro-batches took {self.most_shapes_in_an_epoch} distinct shapes in an epoch"
+                " (the most of any epoch)."
+            )
+        return line
 
 
 @dataclass

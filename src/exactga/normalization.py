@@ -209,7 +209,17 @@ class Window:
             num_fixed_positions=self.num_fixed_positions if known else None,
             positions_per_rank=tuple(self.positions_per_rank()) if self.dp_size > 1 else (),
             units_name=self.units_name,
+            shapes=self._shapes_run(),
         )
+
+    def _shapes_run(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the micro-batches this rank ran (a filler's too), for the metrics."""
+        own = self.micro_batches if self.dp_size > 1 else list(self.nonempty_micro_batches())
+        shapes = [tuple(mb.batch["tokens"].shape) for mb in own]
+        if self.num_filler_micro_batches():
+            assert self.filler is not None, "a rank with fewer micro-batches needs a filler"
+            shapes.append(tuple(self.filler.batch["tokens"].shape))
+        return tuple(shapes)
 
     def _processed_sample_positions(self) -> int:
         """The samples' own positions in the micro-batches this rank runs: on one rank the

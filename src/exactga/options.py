@@ -46,7 +46,8 @@ class MicroBatching(Option):
     fixed = "fixed"
     by_length = "by_length"
     token_budget = "token_budget"
-    FIXED, BY_LENGTH, TOKEN_BUDGET = fixed, by_length, token_budget
+    packed = "packed"
+    FIXED, BY_LENGTH, TOKEN_BUDGET, PACKED = fixed, by_length, token_budget, packed
 
 
 class MasterWeights(Option):

@@ -88,6 +88,7 @@ from exactga.frozen import frozen_forward
 from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS, Batch, loss_positions, shift_labels
 from exactga.normalization import Window
 from exactga.options import SequenceLogProb, as_option
+from exactga.packing import PACKED_SEQUENCES
 from exactga.precision import Precision
 from exactga.reference_logprobs import PAIR_INDEX, ReferenceTable
 from exactga.training import token_log_probs
@@ -150,8 +151,7 @@ class PreferencePairs:
         """
         if EMPTY in batch:
             return 0
-        labels = batch["labels"]
-        num_rows = labels.size(0)
+        num_rows = _num_sequences(batch)
         if num_rows % 2:
             raise ValueError(
                 f"a preference micro-batch stacks its chosen rows, then its rejected rows, so "
@@ -159,7 +159,7 @@ class PreferencePairs:
                 "data with exactga.preference.collate_pairs."
             )
         num_pairs = num_rows // 2
-        without_response = ((labels[:, 1:] != self.ignore_index).sum(dim=1) == 0).nonzero()
+        without_response = (response_lengths(batch, self.ignore_index) == 0).nonzero()
         if len(without_response):
             row = int(without_response[0])
             side, pair = ("chosen", row) if row < num_pairs else ("rejected", row - num_pairs)
@@ -180,8 +180,12 @@ class PreferencePairs:
         """One pair of ``batch`` (its last) marked as carrying none; see [pairs as loss units].
 
         ``batch`` may be cut to its last row already (``filler_micro_batch`` cuts a batch whose
-        every entry has a row per sample): that row then serves as chosen and rejected alike.
+        every entry has a row per sample): that row then serves as chosen and rejected alike. A
+        packed row is kept whole (a row of its pairs costs what the row costs).
         """
+        if PACKED_SEQUENCES in batch:
+            kept = {key: value for key, value in batch.items() if key != LOSS_POSITIONS}
+            return {**kept, EMPTY: torch.tensor(True)}
         num_rows = batch["tokens"].size(0)
         last_chosen = num_rows // 2 - 1 if num_rows % 2 == 0 else num_rows - 1
         keep = torch.tensor([last_chosen, num_rows - 1])
@@ -204,9 +208,8 @@ class PairsAndChosenTokens(PreferencePairs):
     def count_terms(self, batch: Batch) -> tuple[int, ...]:
         if EMPTY in batch:
             return (0,)
-        labels = batch["labels"]
-        chosen = labels[: labels.size(0) // 2, 1:]
-        return (int((chosen != self.ignore_index).sum()),)
+        chosen, _ = split_pairs(response_lengths(batch, self.ignore_index))
+        return (int(chosen.sum()),)
 
 
 @dataclass(frozen=True)
@@ -276,6 +279,8 @@ def sequence_log_probs(
     the shifted labels there. The projection runs only at ``positions`` where the model allows
     it; otherwise the full logits are cut after the forward. See [pairs as loss units].
     """
+    inputs = dict(inputs)
+    sequences = inputs.pop(PACKED_SEQUENCES, None)
     num_rows, seq_len = inputs["tokens"].shape
     token_log_probs_ = token_log_probs(
         model, inputs, positions, targets, precision, activations_ctx
@@ -283,6 +288,8 @@ def sequence_log_probs(
     # Scattered to a dense (2B, L) grid and summed per row: index_copy with distinct indices is
     # deterministic on every device, where an index_add into rows would use atomics on CUDA.
     grid = token_log_probs_.new_zeros(num_rows * seq_len).index_copy(0, positions, token_log_probs_)
+    if sequences is not None:  # one packed row: each sequence sums its own positions
+        return torch.where(sequences, grid.view(1, -1), 0.0).sum(dim=1)
     return grid.view(num_rows, seq_len).sum(dim=1)
 
 
@@ -348,7 +355,8 @@ def dpo_loss_step(
     chosen, rejected = split_pairs(policy)
     if terms.sequence_log_prob is SequenceLogProb.MEAN:
         # See [length-normalised log-probs are per pair].
-        chosen_lengths, rejected_lengths = split_pairs(response_lengths(labels).to(policy.dtype))
+        lengths = response_lengths({**batch, "labels": labels}).to(policy.dtype)
+        chosen_lengths, rejected_lengths = split_pairs(lengths)
         chosen, rejected = chosen / chosen_lengths, rejected / rejected_lengths
         reference_chosen = reference_chosen / chosen_lengths
         reference_rejected = reference_rejected / rejected_lengths
@@ -367,15 +375,27 @@ def dpo_loss_step(
         return losses.mean()
     # See [chosen tokens as the NLL's units]: the chosen rows' sums, before any length mean.
     chosen_nll_sum = -split_pairs(policy)[0].sum()
-    num_chosen_tokens = split_pairs(response_lengths(labels))[0].sum()
+    num_chosen_tokens = split_pairs(response_lengths({**batch, "labels": labels}))[0].sum()
     if metrics is not None and not is_empty:
         metrics.record_terms(losses, chosen_nll_sum)
     return torch.stack([losses.mean(), terms.rpo_alpha * (chosen_nll_sum / num_chosen_tokens)])
 
 
-def response_lengths(labels: torch.Tensor) -> torch.Tensor:
-    """Each row's scored labels after the shift, ``(2B,)``: the tokens its log-prob sums."""
-    return (shift_labels(labels) != IGNORE_INDEX).sum(dim=1)
+def response_lengths(batch: Batch, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Each sequence's scored labels after the shift, ``(2B,)``: the tokens its log-prob sums
+    (a row's, or in a packed row a sequence's; see [packed rows are exact] in
+    exactga.packing)."""
+    scored = shift_labels(batch["labels"], ignore_index) != ignore_index
+    sequences = batch.get(PACKED_SEQUENCES)
+    if sequences is None:
+        return scored.sum(dim=1)
+    return (sequences & scored).sum(dim=1)
+
+
+def _num_sequences(batch: Batch) -> int:
+    """The chosen and rejected sequences of a pair micro-batch: its rows, or a packed row's."""
+    sequences = batch.get(PACKED_SEQUENCES)
+    return batch["labels"].size(0) if sequences is None else sequences.size(0)
 
 
 # ---------------------------------------------------------------------------------------------

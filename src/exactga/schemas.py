@@ -19,14 +19,13 @@ To add a knob to a recipe you copied, subclass its schema in the recipe file::
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 
 from exactga.options import (
     PRECISIONS,
@@ -131,7 +130,11 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
     # How a window's samples are split into micro-batches; exact, so only speed and memory
     # change (see [regrouping is exact] in exactga.micro_batching and docs/math.md).
     micro_batching: MicroBatching = MicroBatching.BY_LENGTH
-    micro_batch_tokens: Optional[int] = None  # token_budget's padded positions per micro-batch
+    # token_budget's padded positions per micro-batch; packed's positions per row.
+    micro_batch_tokens: Optional[int] = None
+    # Padded modes: each micro-batch's sequence length rounded up to a multiple of it, which
+    # bounds its distinct shapes (compilations, kernel plans); packed: a row of one long sample.
+    pad_to_multiple_of: Optional[int] = None
     # Trainable weights, their gradients and optimizer state in fp32 under dtype: bf16 (see
     # [fp32 master weights] in exactga.precision and docs/precision.md); none: as stock.
     master_weights: MasterWeights = MasterWeights.NONE
@@ -177,18 +180,34 @@ def check_master_weights(cfg: DictConfig) -> None:
 
 
 def check_micro_batching(cfg: DictConfig) -> None:
-    """``micro_batching`` with ``micro_batch_tokens`` and ``loss_normalization``; see
-    [regrouping is exact]."""
+    """``micro_batching`` with ``micro_batch_tokens``, the model's ``max_seq_len`` and
+    ``loss_normalization``; see [regrouping is exact]."""
     mode = cfg.micro_batching
-    if mode is MicroBatching.TOKEN_BUDGET and cfg.micro_batch_tokens is None:
-        raise ValueError(
-            "config key 'micro_batch_tokens' is needed with micro_batching: token_budget "
-            "(padded positions per micro-batch, e.g. micro_batch_tokens=4096)."
+    by_budget = mode in (MicroBatching.TOKEN_BUDGET, MicroBatching.PACKED)
+    if by_budget and cfg.micro_batch_tokens is None:
+        what = (
+            "padded positions per micro-batch"
+            if mode is MicroBatching.TOKEN_BUDGET
+            else ("positions per packed row")
         )
-    if mode is not MicroBatching.TOKEN_BUDGET and cfg.micro_batch_tokens is not None:
+        raise ValueError(
+            f"config key 'micro_batch_tokens' is needed with micro_batching: {mode} "
+            f"({what}, e.g. micro_batch_tokens=4096)."
+        )
+    if not by_budget and cfg.micro_batch_tokens is not None:
         raise ValueError(
             f"config keys 'micro_batch_tokens' and 'micro_batching': a token budget needs "
-            f"micro_batching: token_budget (got {mode}); remove micro_batch_tokens or set it."
+            f"micro_batching: token_budget or packed (got {mode}); remove micro_batch_tokens "
+            "or set it."
+        )
+    model = cfg.get("model")
+    max_seq_len = model.get("max_seq_len") if isinstance(model, DictConfig) else None
+    if mode is MicroBatching.PACKED and max_seq_len and cfg.micro_batch_tokens > max_seq_len:
+        raise ValueError(
+            f"config keys 'micro_batch_tokens' and 'model.max_seq_len': a packed row of "
+            f"{cfg.micro_batch_tokens} positions is one sequence to the model, which takes at "
+            f"most {max_seq_len}; set micro_batch_tokens={max_seq_len} or less, or raise "
+            "model.max_seq_len."
         )
     if mode is not MicroBatching.FIXED and cfg.loss_normalization is not NormMode.EXACT:
         raise ValueError(
@@ -348,153 +367,3 @@ class KnowledgeDistillationDistributedConfig(LoraFinetuneDistributedConfig, Dist
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
         cls.check_kd_ratio(cfg)
-
-
-@dataclass
-class ParitySettings:
-    """The ``parity`` section of ``ga_parity``: what to compare, for how long."""
-
-    # batch_size x gradient_accumulation_steps, "BxG", or x data-parallel ranks, "BxGxN" (N = the
-    # launch's process count); all with the same global batch. The full batch (global x 1) on
-    # one device is always trained as the reference.
-    splits: list[str] = field(default_factory=lambda: ["1x8", "2x4", "4x2"])
-    modes: Optional[list[NormMode]] = None  # null: the loss's modes (GaParityConfig.modes_for)
-    num_steps: int = 12
-    # Relative L2 an exact split may differ by in fp32. Below fp32 (dtype: bf16) the floor is
-    # the larger of this and twice the bf16 full batch's distance to an fp32 full batch, which
-    # the report then also trains; see [parity floor below fp32] in exactga.parity.scoring.
-    noise_floor: float = 1e-5
-    # How a window's samples are split into micro-batches (see [micro-batching modes] in
-    # exactga.micro_batching): exact runs every split under each of these, the baselines under
-    # fixed only (see [regrouping is exact]). The full-batch reference is fixed.
-    micro_batching: list[MicroBatching] = field(default_factory=lambda: list(MicroBatching))
-    micro_batch_tokens: int = 1024  # token_budget's padded positions per micro-batch
-
-
-@dataclass
-class GaParityConfig(TrainingRunConfig):
-    """``ga_parity``: the keys of a full, LoRA, KD or DPO config it reads, plus ``parity``.
-
-    The other keys of those recipes (single-device or distributed) are accepted, so a training
-    config runs with a ``parity`` section added, and named in one warning: the report trains
-    ``parity.num_steps`` steps of each split in memory from the initial weights, so batching,
-    epochs, checkpoints, logging, compile and memory settings change nothing in it. A KD config
-    (``teacher_model``) or a DPO one (:meth:`is_preference`) trains its recipes' loss step.
-    """
-
-    optimizer_in_bwd: bool = False  # read by full configs; must stay False here
-    collate_fn: Optional[str] = None  # null: padded_collate_sft, or collate_pairs for DPO
-    # As the training recipes read it (see [fp32 master weights] in exactga.precision); null:
-    # the default of the recipe the config is for, fp32 for LoRA and none for full
-    # (master_weights_for). One schema covers both kinds, so its default cannot be either.
-    master_weights: Optional[MasterWeights] = None
-    parity: ParitySettings = field(default_factory=ParitySettings)
-    # Knowledge distillation: DistillationKeys, optional here. Null teacher_model: no teacher,
-    # the causal-LM loss alone.
-    teacher_model: Any = None
-    teacher_checkpointer: Any = None
-    kd_loss: Any = None
-    kd_ratio: float = 0.5
-    ref_checkpointer: Any = None  # full DPO's reference weights; LoRA DPO's is the base
-
-    # Keys of these (and so of the single-device) recipes are accepted, named in a warning.
-    accepts_unread_keys_of: ClassVar[tuple[type, ...]] = (
-        FullFinetuneDistributedConfig,
-        LoraFinetuneDistributedConfig,
-    )
-
-    @classmethod
-    def check_flags(cls, cfg: DictConfig) -> None:
-        if cfg.optimizer_in_bwd:
-            raise ValueError("config key 'optimizer_in_bwd' must be False for the parity report.")
-        dataset_sections = cfg.dataset if OmegaConf.is_list(cfg.dataset) else [cfg.dataset]
-        if any(section.get("packed", False) for section in dataset_sections):
-            raise ValueError("config key 'dataset.packed' is not supported by the parity report.")
-        cls._check_micro_batching(cfg)  # and the modes (modes_for)
-        cls._check_distillation(cfg)
-
-    @staticmethod
-    def _check_distillation(cfg: DictConfig) -> None:
-        """The KD keys come together: a teacher needs its checkpointer and a KD loss."""
-        if cfg.teacher_model is None:
-            unread = [key for key in ("teacher_checkpointer", "kd_loss") if cfg[key] is not None]
-            if unread:
-                names = ", ".join(f"'{key}'" for key in unread)
-                _warn_once(
-                    f"config key {names} ignored: without teacher_model the report trains "
-                    "the causal-LM loss alone."
-                )
-            return
-        for key in ("teacher_checkpointer", "kd_loss"):
-            if cfg[key] is None:
-                raise ValueError(f"config key '{key}' is needed with teacher_model.")
-        DistillationKeys.check_kd_ratio(cfg)
-
-    @staticmethod
-    def master_weights_for(cfg: DictConfig, *, is_lora: bool) -> MasterWeights:
-        """``master_weights``, or where it is null the default of the training recipe the
-        config is for: the LoRA recipes' (fp32) or the full recipes' (none)."""
-        if cfg.master_weights is not None:
-            return cfg.master_weights
-        recipe = LoraFinetuneSingleDeviceConfig if is_lora else FullFinetuneSingleDeviceConfig
-        return recipe.master_weights
-
-    @staticmethod
-    def is_preference(cfg: DictConfig) -> bool:
-        """Whether ``loss`` weighs pairs (DPO): its forward takes summed log-probs, as torchtune's
-        DPOLoss and RSOLoss do. A path that does not resolve is left to instantiation to name."""
-        from torchtune.config._utils import _get_component_from_path
-
-        try:
-            forward = _get_component_from_path(str(cfg.loss["_component_"])).forward
-        except Exception:  # instantiating the loss names what is wrong
-            return False
-        return "policy_chosen_logps" in inspect.signature(forward).parameters
-
-    @classmethod
-    def modes_for(cls, cfg: DictConfig) -> list[NormMode]:
-        """``parity.modes``; where null, naive, post_scale and exact, without post_scale for a
-        preference loss: a token weighting, which raises ValueError naming the key there."""
-        preference = cls.is_preference(cfg)
-        default = [NormMode.NAIVE, *([] if preference else [NormMode.POST_SCALE]), NormMode.EXACT]
-        modes = default if cfg.parity.modes is None else list(cfg.parity.modes)
-        if preference and NormMode.POST_SCALE in modes:
-            raise ValueError(
-                "config key 'parity.modes': post_scale is a token weighting and a preference "
-                "loss weighs pairs (stock DPO's weighting is naive); list naive and exact."
-            )
-        return modes
-
-    @classmethod
-    def baseline_micro_batchings(cls, cfg: DictConfig) -> list[MicroBatching]:
-        """``fixed``; for a preference loss also ``token_budget``, see [stock dpo weighting]."""
-        budget = [MicroBatching.TOKEN_BUDGET] if cls.is_preference(cfg) else []
-        return [MicroBatching.FIXED, *budget]
-
-    @classmethod
-    def _check_micro_batching(cls, cfg: DictConfig) -> None:
-        listed = list(cfg.parity.micro_batching)
-        if not listed:
-            raise ValueError(
-                "config key 'parity.micro_batching' is empty; list at least one of "
-                f"{', '.join(m.value for m in MicroBatching)}."
-            )
-        duplicates = sorted({m for m in listed if listed.count(m) > 1})
-        if duplicates:
-            raise ValueError(
-                f"config key 'parity.micro_batching' lists {', '.join(duplicates)} twice."
-            )
-        if cfg.parity.micro_batch_tokens < 1:
-            raise ValueError(
-                "config key 'parity.micro_batch_tokens' must be at least 1, got "
-                f"{cfg.parity.micro_batch_tokens}."
-            )
-        modes = cls.modes_for(cfg)
-        regrouping = cls.baseline_micro_batchings(cfg) if NormMode.NAIVE in modes else ()
-        regrouped = [m for m in listed if m is not MicroBatching.FIXED and m not in regrouping]
-        if regrouped and NormMode.EXACT not in modes:
-            _warn_once(
-                f"config key 'parity.micro_batching': {', '.join(regrouped)} is ignored: only "
-                "exact runs regroup (and naive under token_budget, for a preference loss), and "
-                "'parity.modes' lists no exact."
-            )

@@ -159,6 +159,7 @@ class StepBook:
             self._last_log_time = self.clock()
         self._epoch = epoch
         self.dataloader.sampler.set_epoch(epoch)
+        self.profiler.open_epoch()
         self._pbar = tqdm(
             total=self.progress.steps_per_epoch,
             initial=self.progress.steps_done_in(epoch),  # > 0 after a mid-epoch resume

@@ -165,8 +165,8 @@ def micro_batching_section(
     for split in splits:
         for run in [s for s in exact if s.split == split]:
             name = run.micro_batching
-            if name == "token_budget":
-                name = f"token_budget ({micro_batch_tokens})"
+            if name in ("token_budget", "packed"):
+                name = f"{name} ({micro_batch_tokens})"
             versus = ""
             if split in fixed and run.micro_batching != "fixed":
                 versus = f"{100 * (run.num_positions / fixed[split].num_positions - 1):+.1f}%"

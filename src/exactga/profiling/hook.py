@@ -119,6 +119,10 @@ class TrainingProfiler:
         region = functools.partial(self._traces.region, "saved_latency_sample")
         self._sampler.sample(model, self._step + 1, region)
 
+    def open_epoch(self) -> None:
+        """A new epoch starts: its distinct micro-batch shapes are counted afresh."""
+        self._padding.open_epoch()
+
     def step(self, work: WindowWork) -> None:
         """Close an optimizer step (``Window.work()``: its processed positions, padding included,
         and its loss tokens)."""
