@@ -1,6 +1,6 @@
-"""Length-aware micro-batching: stock torchtune 0.6.1 versus exactga's three ``micro_batching``.
+"""Length-aware micro-batching: stock torchtune 0.6.1 versus exactga's ``micro_batching`` modes.
 
-Trains the same config four ways, each a real ``tune run`` subprocess in its own output folder,
+Trains the same config six ways, each a real ``tune run`` subprocess in its own output folder,
 from the same seeded checkpoint, on the same samples in the same order (``seed``, and the
 sampler's fixed seed 0), with the same global batch:
 
@@ -10,15 +10,23 @@ sampler's fixed seed 0), with the same global batch:
   ``micro_batching``, ``batch_size x gradient_accumulation_steps`` as given;
 - ``token_budget``: the same recipe with ``batch_size = bsz * ga`` and
   ``gradient_accumulation_steps: 1``, so each window holds the same samples and the budget
-  (``micro_batch_tokens``) alone decides the split.
+  (``micro_batch_tokens``) alone decides the split;
+- ``packed``: ``bsz x ga`` with ``micro_batching: packed``: the window's samples packed whole
+  into rows of ``--packed-row`` positions with a document mask (one micro-batch shape);
+  ``packed/<m>``: the same with ``pad_to_multiple_of: m`` (``--packed-multiple``), which trims
+  each row's unfilled end to a multiple of ``m``: less padding, a few more shapes.
+Every run gets ``model.max_seq_len`` of at least the packed row (a packed row is one sequence
+to the model; the rotary cache is the only thing it sizes, so the weights are the same).
 
 Per configuration it prints one table row: the median step time over the steps after warm-up
 (differences of consecutive ``loss`` event wall times in TensorBoard, so start-up and
 checkpointing are left out) and the speed-up over stock; the same in CPU time of the run's
 process over those steps (sampled from ``/proc``), which a shared machine's load distorts far
 less than wall time; loss tokens per second; the padding share of the positions processed
-(the end-of-run ``exactga: padding was ...`` line); peak memory; and how far the trained
-weights land from the ``fixed`` run's, ``||w - w_fixed|| / ||w_fixed - w_init||``.
+(the end-of-run ``exactga: padding was ...`` line); the distinct micro-batch shapes of the epoch
+(the ``throughput/micro_batch_shapes`` scalar); peak memory; and how far the trained weights
+land from the ``fixed`` run's, ``||w - w_fixed|| / ||w_fixed - w_init||``. Below the table,
+``packed``'s speed against ``token_budget``, pair by pair.
 
 Peak memory is the peak RSS of the ``tune`` process, read with ``os.wait4`` for that child alone
 (``RUSAGE_CHILDREN`` would be the maximum over every child so far); on a GPU also the
@@ -33,7 +41,7 @@ Run from the repository root (default: the tiny config at ``tokenizer.max_seq_le
 ``--config`` takes any full single-device config; ``--set KEY=VALUE`` adds an override to every
 run (after the benchmark's own, so it wins); ``--max-seq-len 0`` keeps the config's
 ``tokenizer.max_seq_len``; ``--repeats N`` runs each configuration N times, the order reversed
-every other repeat (stock, fixed, by_length, token_budget, then the reverse, ...) so that a
+every other repeat (stock, fixed, by_length, token_budget, packed, then the reverse, ...) so that a
 change in machine load hits every configuration alike; ``--out DIR`` keeps the run folders
 and logs.
 
@@ -73,6 +81,8 @@ STOCK_RECIPE = "full_finetune_single_device"
 OUR_RECIPE = "recipes/full_finetune_single_device.py"
 STOCK = "stock"
 REFERENCE = "fixed"  # every run's weights are compared with this one's
+PACKED = "packed"
+BUDGET = "token_budget"  # packed's speed is also given against this one's
 INIT_WEIGHTS = "base_model/model.safetensors"  # written by exactga.random_init_checkpointer
 # exactga.micro_batching.PaddingMeter.summary's end-of-run line.
 PADDING_LINE = re.compile(r"padding was ([\d.]+)% of the ([\d,]+) positions processed")
@@ -112,10 +122,11 @@ class RunResult:
     loss_tokens: list[float] | None  # loss tokens of each timed step; None where not logged
     gpu_peak_gib: float | None
     padding: tuple[float, int] | None  # (fraction, positions processed) over the whole run
+    num_shapes: int | None  # distinct micro-batch shapes in the epoch; None where not logged
 
 
 def run_specs(args: argparse.Namespace) -> list[RunSpec]:
-    """The four configurations, each with the same global batch of ``bsz * ga`` samples."""
+    """The six configurations, each with the same global batch of ``bsz * ga`` samples."""
     split = (f"batch_size={args.batch_size}", f"gradient_accumulation_steps={args.ga}")
     ours = ("loss_normalization=exact", "log_timings=True", "saved_latency_every_n_steps=0")
     budget = (
@@ -124,11 +135,15 @@ def run_specs(args: argparse.Namespace) -> list[RunSpec]:
         "micro_batching=token_budget",
         f"micro_batch_tokens={args.micro_batch_tokens}",
     )
+    packed = (*split, *ours, "micro_batching=packed", f"micro_batch_tokens={args.packed_row}")
+    trimmed = (*packed, f"pad_to_multiple_of={args.packed_multiple}")
     return [
         RunSpec(STOCK, STOCK_RECIPE, split),
         RunSpec(REFERENCE, OUR_RECIPE, (*split, *ours, "micro_batching=fixed")),
         RunSpec("by_length", OUR_RECIPE, (*split, *ours, "micro_batching=by_length")),
         RunSpec("token_budget", OUR_RECIPE, (*budget, *ours)),
+        RunSpec(PACKED, OUR_RECIPE, packed),
+        RunSpec(f"{PACKED}/{args.packed_multiple}", OUR_RECIPE, trimmed),
     ]
 
 
@@ -146,6 +161,7 @@ def tune_command(spec: RunSpec, args: argparse.Namespace, output_dir: Path) -> l
     ]
     if args.max_seq_len:
         common.append(f"tokenizer.max_seq_len={args.max_seq_len}")
+    common.append(f"model.max_seq_len={max(args.max_seq_len, args.packed_row)}")
     tune = Path(sys.executable).with_name("tune")
     overrides = [*common, *spec.overrides, *args.set]
     return [str(tune), "run", spec.recipe, "--config", args.config, *overrides]
@@ -255,6 +271,7 @@ def measure(spec: RunSpec, repeat: int, args: argparse.Namespace, out_root: Path
     step_cpu_ms = [cpu_ms_between(usage.cpu_trace, *interval) for interval in intervals]
     tokens = scalars.get("loss_tokens")  # stock does not log it
     gpu_peak = scalars.get("peak_memory_alloc")
+    shapes = scalars.get("throughput/micro_batch_shapes")  # nor this
     match = PADDING_LINE.search(log_path.read_text(errors="replace"))
     return RunResult(
         spec=spec,
@@ -266,6 +283,7 @@ def measure(spec: RunSpec, repeat: int, args: argparse.Namespace, out_root: Path
         loss_tokens=[tokens[s][1] for s in steps] if tokens else None,
         gpu_peak_gib=max(v for _, v in gpu_peak.values()) if gpu_peak else None,
         padding=(float(match[1]) / 100, int(match[2].replace(",", ""))) if match else None,
+        num_shapes=int(max(v for _, v in shapes.values())) if shapes else None,
     )
 
 
@@ -335,6 +353,7 @@ def table_row(
         "n/a" if tokens_per_s is None else f"{tokens_per_s:.0f}{mark}",
         f"{100 * padding[0]:.1f}%{mark}" if padding else "n/a",
         f"{padding[1]:,}{mark}" if padding else "n/a",
+        f"{counted[0].num_shapes}{mark}" if counted[0].num_shapes else "n/a",
         f"{max(r.usage.max_rss_mib for r in runs):.0f}",
     ]
     gpu_peaks = [r.gpu_peak_gib for r in runs if r.gpu_peak_gib is not None]
@@ -358,6 +377,7 @@ def format_table(results: list[RunResult], specs: list[RunSpec]) -> list[str]:
         "loss tok/s",
         "padding",
         "positions",
+        "shapes",
         "peak RSS MiB",
         *(["peak GPU alloc GiB"] if gpu_column else []),
         "rel-L2 to fixed",
@@ -369,6 +389,25 @@ def format_table(results: list[RunResult], specs: list[RunSpec]) -> list[str]:
         gap = max(run_gaps) if run_gaps else None
         cells = table_row(runs, by_name[REFERENCE], by_name[STOCK], gap, gpu_column)
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def packed_against_budget(results: list[RunResult]) -> list[str]:
+    """Each packed run's step time as a share of the same repeat's token_budget run's (wall and
+    CPU), the median over repeats: above 1, packing costs more than the padding it saves."""
+    lines = []
+    budget = {r.repeat: r for r in results if r.spec.name == BUDGET}
+    for name in dict.fromkeys(r.spec.name for r in results if r.spec.name.startswith(PACKED)):
+        pairs = [(r, budget[r.repeat]) for r in results if r.spec.name == name]
+        wall = [statistics.median(r.step_ms) / statistics.median(b.step_ms) for r, b in pairs]
+        text = f"- {name} / token_budget, ms/step: {statistics.median(wall):.2f}x"
+        if all(r.step_cpu_ms and b.step_cpu_ms for r, b in pairs):
+            cpu = [
+                statistics.median(r.step_cpu_ms) / statistics.median(b.step_cpu_ms)
+                for r, b in pairs
+            ]
+            text += f"; CPU ms/step: {statistics.median(cpu):.2f}x"
+        lines.append(text + f" ({len(pairs)} pair(s))")
     return lines
 
 
@@ -392,6 +431,10 @@ def footnotes(args: argparse.Namespace, results: list[RunResult]) -> list[str]:
         "summed wall time. padding: padded positions over positions processed, and positions "
         "processed, over every step of the run (the recipe's end-of-run `exactga: padding "
         "was ...` line).",
+        f"- packed runs {args.batch_size} x {args.ga} with micro_batch_tokens={args.packed_row} "
+        f"(positions per row); packed/{args.packed_multiple} adds pad_to_multiple_of="
+        f"{args.packed_multiple}. shapes: the distinct micro-batch shapes in the epoch (the "
+        "`throughput/micro_batch_shapes` scalar's last value).",
         "- †: stock logs neither loss tokens nor padding; these are the fixed run's, which "
         "trains the same samples in the same order cut into the same micro-batches (its loss "
         "tok/s divides them by stock's own step times).",
@@ -399,7 +442,7 @@ def footnotes(args: argparse.Namespace, results: list[RunResult]) -> list[str]:
         "checkpoint saving included; libraries, data, model and optimizer are a floor common "
         "to every run.",
         "- rel-L2 to fixed: ||w - w_fixed|| / ||w_fixed - w_init|| over all trained weights, "
-        "in float64. by_length and token_budget train exactly the fixed run's steps, so "
+        "in float64. by_length, token_budget and packed train exactly the fixed run's steps, so "
         "theirs is floating-point rounding (summation order). Stock's post_scale weights each "
         "micro-batch by its loss tokens counted before the label shift and divides the "
         "gradients after backward (docs/math.md, section 3): the same objective as exact only "
@@ -435,6 +478,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="samples per micro-batch")
     parser.add_argument("--ga", type=int, default=8, help="gradient_accumulation_steps")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="token_budget's")
+    parser.add_argument("--packed-row", type=int, default=1024, help="packed's positions per row")
+    parser.add_argument(
+        "--packed-multiple", type=int, default=64, help="pad_to_multiple_of of packed/<m>"
+    )
     parser.add_argument(
         "--max-seq-len", type=int, default=512, help="tokenizer.max_seq_len; 0: the config's"
     )
@@ -488,6 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("\n".join(table))
     print("")
+    print("\n".join(packed_against_budget(results)))
     print("\n".join(footnotes(args, results)))
 
 

@@ -3,13 +3,16 @@
 Tier (b) of STYLE.md point 9. Every run steps on the same 64 sequences per step (same seed,
 same sampler order); only ``micro_batching`` and the split differ:
 
-- ``fixed`` 64x1, ``by_length`` 8x8 and ``token_budget`` 64x1 (1024 padded positions per
-  micro-batch) end within the parity bound of each other, full fine-tuning (SGD, AdamW) and
-  LoRA (fp32, and fp64 for one pair), because the split is exact (see [regrouping is exact] in
-  exactga.micro_batching); the logged padding shows that the split really changed;
-- on 2 gloo ranks, 4x8 ``by_length`` and 32x1 ``token_budget`` end at the one-device weights,
-  and under ``token_budget`` the ranks plan different micro-batch counts, so the one with fewer
-  runs zero-weight fillers (see [one collective per window] in exactga.normalization);
+- ``fixed`` 64x1, ``by_length`` 8x8, ``token_budget`` 64x1 (1024 padded positions per
+  micro-batch) and ``packed`` 8x8 (rows of 512 positions) end within the parity bound of each
+  other, full fine-tuning (SGD, AdamW) and LoRA (fp32, and fp64 for one pair), because the split
+  is exact (see [regrouping is exact] in exactga.micro_batching, [packed rows are exact] in
+  exactga.packing); the logged padding shows that the split really changed, and ``packed`` runs
+  one micro-batch shape;
+- on 2 gloo ranks, 4x8 ``by_length``, 32x1 ``token_budget`` and 4x8 ``packed`` (AdamW, and
+  SGD for packed) end at the one-device weights; under ``token_budget`` and ``packed`` the
+  ranks plan different micro-batch counts, so the one with fewer runs zero-weight fillers (see
+  [one collective per window] in exactga.normalization);
 - a run killed with SIGKILL after a mid-epoch step checkpoint resumes, in every mode (and on 2
   ranks with ``token_budget``), to the uninterrupted run's weights bit for bit, with the same
   losses. tests/test_resume.py kills at random steps under the default mode.
@@ -53,11 +56,13 @@ ADAPTERS = "epoch_0/adapter_model.pt"
 
 STEPS = 3
 BUDGET = 1024  # token_budget's padded positions per micro-batch: 4 sequences of max_seq_len 256
+ROW = 512  # packed's positions per row: the tiny model's max_seq_len
 # The modes on one device, 64 sequences per step: (batch_size, gradient_accumulation_steps, mode).
 MODES = {
     "fixed": (64, 1, {"micro_batching": "fixed"}),
     "by_length": (8, 8, {"micro_batching": "by_length"}),
     "token_budget": (64, 1, {"micro_batching": "token_budget", "micro_batch_tokens": BUDGET}),
+    "packed": (8, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
 }
 # Two ranks, 64 sequences per step in all. On the shipped data a budget of 1024 plans the same
 # count on both ranks in the first five windows, 512 plans different counts in each of the
@@ -75,7 +80,10 @@ TWO_RANKS = {
             "gradient_sync": "every_micro_batch",
         },
     ),
+    "packed": (4, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
 }
+# Two-rank runs beyond TWO_RANKS' AdamW ones: (mode, optimizer).
+TWO_RANK_SGD = [("packed", "sgd")]
 FSDP_UNITS = SMALL_MODEL["model.num_layers"] + 1  # the layers and the root
 
 # No clipping and no warm-up, so the comparison is about the gradient alone and the first step
@@ -145,10 +153,10 @@ def _full_args(out: Path, mode: str, optimizer: str = "adamw") -> list[str]:
     return tiny_args(out) + _cli(_settings(MODES[mode], optimizer))
 
 
-def _two_rank_args(out: Path, mode: str) -> list[str]:
+def _two_rank_args(out: Path, mode: str, optimizer: str = "adamw") -> list[str]:
     """The distributed recipe on 2 ranks in ``mode`` (AdamW, as the one-device reference)."""
     head = ["--nproc_per_node", "2", DISTRIBUTED, "--config", DISTRIBUTED_CONFIG]
-    return head + tiny_args(out)[3:] + _cli(_settings(TWO_RANKS[mode], "adamw"))
+    return head + tiny_args(out)[3:] + _cli(_settings(TWO_RANKS[mode], optimizer))
 
 
 def _check(proc: subprocess.CompletedProcess, name: str) -> None:
@@ -194,6 +202,9 @@ def two_rank_runs(run_once) -> Path:
             counts.mkdir()
             env = {"PYTHONPATH": str(COUNTER), "EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)}
             launches[mode] = (_two_rank_args(root / mode, mode), env)
+        for mode, optimizer in TWO_RANK_SGD:
+            name = f"{optimizer}_{mode}"
+            launches[name] = (_two_rank_args(root / name, mode, optimizer), {})
         _launch_side_by_side(launches)
 
     return run_once("micro_batching_two_ranks", make)
@@ -228,13 +239,13 @@ def lora_runs(run_once) -> Path:
 @pytest.mark.xdist_group("micro_batching_recipes")
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_modes_end_at_the_same_weights(full_runs, optimizer):
-    """by_length 8x8 and token_budget 64x1 train to the weights of fixed 64x1 (relative
-    L2 <= 1e-5) on the same 64 sequences per step, with the same losses."""
+    """by_length 8x8, token_budget 64x1 and packed 8x8 train to the weights of fixed 64x1
+    (relative L2 <= 1e-5) on the same 64 sequences per step, with the same losses."""
     reference = full_runs / f"{optimizer}_fixed"
     w_ref, w_init = load_weights(reference / TRAINED), load_weights(reference / INITIAL)
     ref_scalars = read_scalars(reference / "logs")
     assert len(ref_scalars["loss"]) == STEPS
-    for mode in ("by_length", "token_budget"):
+    for mode in ("by_length", "token_budget", "packed"):
         run = full_runs / f"{optimizer}_{mode}"
         scalars = read_scalars(run / "logs")
         assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]  # the same sequences
@@ -247,19 +258,29 @@ def test_modes_end_at_the_same_weights(full_runs, optimizer):
 @pytest.mark.xdist_group("micro_batching_recipes")
 def test_regrouping_lowers_the_logged_padding(full_runs):
     """The modes really split differently: ``throughput/padding_fraction`` is lower under
-    by_length and token_budget than under fixed at every step, and each run logs it and
-    ``throughput/loss_tokens_per_second`` at every step."""
-    padding = {}
+    by_length, token_budget and packed than under fixed at every step, and each run logs it,
+    ``throughput/loss_tokens_per_second`` and ``throughput/micro_batch_shapes`` at every step:
+    packed runs one shape, by_length one per longest sample of a micro-batch."""
+    padding, shapes = {}, {}
     for mode in MODES:
         scalars = read_scalars(full_runs / f"adamw_{mode}" / "logs")
-        for tag in ("throughput/padding_fraction", "throughput/loss_tokens_per_second"):
+        tags = (
+            "throughput/padding_fraction",
+            "throughput/loss_tokens_per_second",
+            "throughput/micro_batch_shapes",
+        )
+        for tag in tags:
             assert len(scalars.get(tag, [])) == STEPS, (mode, tag, scalars.get(tag))
         assert min(scalars["throughput/loss_tokens_per_second"]) > 0
         padding[mode] = scalars["throughput/padding_fraction"]
+        shapes[mode] = scalars["throughput/micro_batch_shapes"]
         assert all(0 <= p < 1 for p in padding[mode]), (mode, padding[mode])
-    print(f"padding fraction per step: {padding}")
-    for mode in ("by_length", "token_budget"):
+    print(f"padding fraction per step: {padding}; distinct shapes so far: {shapes}")
+    for mode in ("by_length", "token_budget", "packed"):
         assert all(p < f for p, f in zip(padding[mode], padding["fixed"], strict=True)), mode
+    assert shapes["packed"] == [1.0] * STEPS
+    by_length = shapes["by_length"]  # 8 micro-batches a step, each its longest sample's length
+    assert by_length == sorted(by_length) and by_length[-1] > 1
 
 
 # --- LoRA, one device ----------------------------------------------------------------------
@@ -293,9 +314,9 @@ def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
 @pytest.mark.xdist_group("micro_batching_recipes")
 @pytest.mark.parametrize("mode", list(TWO_RANKS))
 def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode):
-    """2 ranks x (4x8 by_length, 32x1 token_budget) train to the weights of one device's fixed
-    64x1 AdamW run: the same sampler order, initial checkpoint and optimizer, as in
-    tests/test_recipe_full_distributed.py (relative L2 <= 1e-5)."""
+    """2 ranks x (4x8 by_length, 32x1 token_budget, 4x8 packed) train to the weights of one
+    device's fixed 64x1 AdamW run: the same sampler order, initial checkpoint and optimizer, as
+    in tests/test_recipe_full_distributed.py (relative L2 <= 1e-5)."""
     reference, run = full_runs / "adamw_fixed", two_rank_runs / mode
     scalars, ref_scalars = read_scalars(run / "logs"), read_scalars(reference / "logs")
     assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]
@@ -362,6 +383,24 @@ def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
     assert len(imbalance) == STEPS and max(imbalance) > 1
 
 
+@pytest.mark.xdist_group("micro_batching_recipes")
+@pytest.mark.parametrize(("mode", "optimizer"), TWO_RANK_SGD)
+def test_two_ranks_with_sgd_end_at_the_one_device_weights(
+    full_runs, two_rank_runs, mode, optimizer
+):
+    """The same with SGD: 2 ranks x 4x8 packed against one device's fixed 64x1 SGD run."""
+    reference, run = full_runs / f"{optimizer}_fixed", two_rank_runs / f"{optimizer}_{mode}"
+    rel = relative_l2(
+        load_weights(run / TRAINED),
+        load_weights(reference / TRAINED),
+        load_weights(reference / INITIAL),
+    )
+    print(f"2 ranks {mode} {optimizer} vs 1 device fixed 64x1: relative L2 {rel:.3e}")
+    assert rel <= TOLERANCE
+    scalars, ref_scalars = read_scalars(run / "logs"), read_scalars(reference / "logs")
+    assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
+
+
 # --- resume --------------------------------------------------------------------------------
 
 
@@ -376,7 +415,7 @@ def _launch_and_kill(args: list[str], out: Path, after_step: int) -> None:
     assert not (out / "epoch_0").exists(), "the run was killed too late to test a resume"
 
 
-RESUME_CASES = [*((1, mode) for mode in MODES), (2, "token_budget")]  # (ranks, mode)
+RESUME_CASES = [*((1, mode) for mode in MODES), (2, "token_budget"), (2, "packed")]
 
 
 @pytest.mark.parametrize(

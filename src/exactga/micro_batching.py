@@ -329,11 +329,10 @@ class PaddingMeter:
                 f"({100 * saved:.1f}% saved)"
             )
         line += "."
-        if self.most_shapes_in_an_epoch:
-            line += (
-                f" Micro-batches took {self.most_shapes_in_an_epoch} distinct shapes in an epoch"
-                " (the most of any epoch)."
-            )
+        most = self.most_shapes_in_an_epoch
+        if most:
+            shapes = "one shape" if most == 1 else f"{most} distinct shapes"
+            line += f" Micro-batches took {shapes} in an epoch (the most of any epoch)."
         return line
 
 
