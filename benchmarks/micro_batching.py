@@ -13,7 +13,7 @@ sampler's fixed seed 0), with the same global batch:
   (``micro_batch_tokens``) alone decides the split;
 - ``packed``: ``bsz x ga`` with ``micro_batching: packed``: the window's samples packed whole
   into rows of ``--packed-row`` positions with a document mask (one micro-batch shape);
-  ``packed/<m>``: the same with ``pad_to_multiple_of: m`` (``--packed-multiple``), which trims
+  ``packed_m<m>``: the same with ``pad_to_multiple_of: m`` (``--packed-multiple``), which trims
   each row's unfilled end to a multiple of ``m``: less padding, a few more shapes.
 Every run gets ``model.max_seq_len`` of at least the packed row (a packed row is one sequence
 to the model; the rotary cache is the only thing it sizes, so the weights are the same).
@@ -143,7 +143,7 @@ def run_specs(args: argparse.Namespace) -> list[RunSpec]:
         RunSpec("by_length", OUR_RECIPE, (*split, *ours, "micro_batching=by_length")),
         RunSpec("token_budget", OUR_RECIPE, (*budget, *ours)),
         RunSpec(PACKED, OUR_RECIPE, packed),
-        RunSpec(f"{PACKED}/{args.packed_multiple}", OUR_RECIPE, trimmed),
+        RunSpec(f"{PACKED}_m{args.packed_multiple}", OUR_RECIPE, trimmed),
     ]
 
 
@@ -432,7 +432,7 @@ def footnotes(args: argparse.Namespace, results: list[RunResult]) -> list[str]:
         "processed, over every step of the run (the recipe's end-of-run `exactga: padding "
         "was ...` line).",
         f"- packed runs {args.batch_size} x {args.ga} with micro_batch_tokens={args.packed_row} "
-        f"(positions per row); packed/{args.packed_multiple} adds pad_to_multiple_of="
+        f"(positions per row); packed_m{args.packed_multiple} adds pad_to_multiple_of="
         f"{args.packed_multiple}. shapes: the distinct micro-batch shapes in the epoch (the "
         "`throughput/micro_batch_shapes` scalar's last value).",
         "- †: stock logs neither loss tokens nor padding; these are the fixed run's, which "
@@ -480,7 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="token_budget's")
     parser.add_argument("--packed-row", type=int, default=1024, help="packed's positions per row")
     parser.add_argument(
-        "--packed-multiple", type=int, default=64, help="pad_to_multiple_of of packed/<m>"
+        "--packed-multiple", type=int, default=64, help="pad_to_multiple_of of packed_m<m>"
     )
     parser.add_argument(
         "--max-seq-len", type=int, default=512, help="tokenizer.max_seq_len; 0: the config's"

@@ -57,6 +57,15 @@ LORA_SPLITS: dict[str, dict[str, object]] = {
         "micro_batching": "token_budget",
         "micro_batch_tokens": 1024,
     },
+    # Whole pairs, both sides as two documents, packed into rows of 1024 positions (a pair is
+    # up to 2 x 512: the model takes rows that long; its weights do not depend on it).
+    "4x2_packed": {
+        "batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "micro_batching": "packed",
+        "micro_batch_tokens": 1024,
+        "model__max_seq_len": 1024,
+    },
     "8x1": {"batch_size": 8, "gradient_accumulation_steps": 1},
     "1x8_drop": {"batch_size": 1, "gradient_accumulation_steps": 8, "drop_partial_window": True},
     # Reference log-probs computed before training and looked up, as 2x4 splits the window.

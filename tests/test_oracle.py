@@ -19,6 +19,7 @@ the real step here, the broken variants that must fail.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ from exactga.distributed import GradientSync, gradient_sync
 from exactga.frozen import freeze_model
 from exactga.loss_units import IGNORE_INDEX
 from exactga.micro_batching import MicroBatching, MicroBatchingSettings
+from exactga.options import RankBalancing
 from exactga.precision import Precision
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 
@@ -111,6 +113,7 @@ def real_step(
     split: tuple[int, int, int],
     lr: float,
     sync: GradientSync = GradientSync.EVERY_MICRO_BATCH,
+    balancing: RankBalancing = RankBalancing.NONE,
 ) -> None:
     """One optimizer step of ``model`` (the case's, possibly sharded) over one window of every
     row, as the recipes take it."""
@@ -127,6 +130,7 @@ def real_step(
         ignore_idx=IGNORE_INDEX,
         num_replicas=dist.get_world_size() if group else 1,
         rank=dist.get_rank() if group else 0,
+        rank_balancing=balancing,
     )
     loader.sampler.set_epoch(0)
     loss_step, track = case.loss_step()
@@ -151,6 +155,7 @@ def oracle_gap(
     split: tuple[int, int, int] = ONE_PROCESS_SPLIT,
     sharded: bool = False,
     sync: GradientSync = GradientSync.EVERY_MICRO_BATCH,
+    balancing: RankBalancing = RankBalancing.NONE,
 ) -> float:
     """Relative L2 distance between the weights one real step trains and the reference step's,
     over the reference step's update."""
@@ -162,7 +167,7 @@ def oracle_gap(
         for model in (case.model, case.teacher):
             if model is not None:
                 shard_model(model, [_is_layer], cpu_offload=False, reshard_after_forward=True)
-    real_step(case, case.model, mode, split, lr, sync)
+    real_step(case, case.model, mode, split, lr, sync, balancing)
     trained = flat([_full(p) for p in trainable(case.model)])
     return step_gap(trained, initial, gradient, lr)
 
@@ -197,16 +202,18 @@ def _two_rank_worker(rank: int, kind: str) -> dict[str, float]:
         MicroBatching.TOKEN_BUDGET: GradientSync.ONCE_PER_WINDOW,
         MicroBatching.PACKED: GradientSync.EVERY_MICRO_BATCH,
     }
-    return {
-        mode.value: oracle_gap(kind, mode, TWO_RANK_SPLIT, sharded=True, sync=sync_of[mode])
-        for mode in MicroBatching
-    }
+    gaps = {}
+    for balancing, mode in itertools.product(RankBalancing, MicroBatching):
+        gap = oracle_gap(kind, mode, TWO_RANK_SPLIT, True, sync_of[mode], balancing)
+        gaps[f"{mode.value} {balancing.value}"] = gap
+    return gaps
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_step_on_two_ranks_under_fsdp2_is_the_full_batch_step(kind: str, tmp_path) -> None:
-    """Each rank reads half the rows (2 x 4 per rank); under token_budget the ranks plan 4 and
-    5 micro-batches, so one runs a filler."""
+    """Each rank reads half the rows (2 x 4 per rank), every n-th of them or dealt by length
+    (``rank_balancing``); under token_budget the ranks plan 4 and 5 micro-batches, so one runs
+    a filler."""
     results = run_on_ranks(_two_rank_worker, (kind,), tmp_path)
     assert results[0] == results[1]  # the same full weights on both ranks
     print(f"{kind} 2 ranks: {results[0]}")

@@ -16,12 +16,12 @@ import random
 import pytest
 import torch
 from omegaconf import OmegaConf
-from unit_utils import CONFIGS, make_rows, tiny_model
+from unit_utils import CONFIGS, make_rows, rel_err, tiny_model
 
 from exactga.collation import collate_to_multiple
 from exactga.config import validate_config
 from exactga.data import build_dataloader, load_dataset
-from exactga.grpo_schemas import GrpoDistributedConfig
+from exactga.grpo_schemas import GrpoDistributedConfig, GrpoParityConfig
 from exactga.loss_units import IGNORE_INDEX, count_loss_tokens, shift_labels
 from exactga.micro_batching import (
     MicroBatching,
@@ -32,8 +32,11 @@ from exactga.micro_batching import (
 )
 from exactga.packing import PACKED_SEQUENCES, pack_pairs, pack_samples
 from exactga.parity_schemas import GaParityConfig
+from exactga.precision import Precision
 from exactga.preference import collate_pairs, response_lengths
+from exactga.preference_schemas import LoraDpoSingleDeviceConfig
 from exactga.schemas import FullFinetuneSingleDeviceConfig
+from exactga.training import causal_lm_loss
 
 SAMPLES = [{"tokens": t.tolist(), "labels": lab.tolist()} for t, lab in make_rows(0)]
 ROW = 64  # the tiny model's max_seq_len
@@ -138,6 +141,24 @@ def test_a_packed_pair_row_marks_each_side_and_counts_its_response() -> None:
     assert sides.sum(dim=1).tolist() == [7, 3, 5, 7]  # chosen 0, chosen 1, rejected 0, rejected 1
     assert not sides.any(dim=0)[7 + 5 + 3 + 7 :].any()  # padding is no one's
     assert torch.equal(response_lengths(row), response_lengths(collate_pairs(pairs)))
+
+
+def test_a_packed_row_under_bf16_over_fp32_master_weights_is_the_padded_micro_batch() -> None:
+    """``master_weights: fp32`` with ``dtype: bf16``: the packed row's loss and gradient are the
+    padded micro-batch's to bf16 rounding (bf16 compute, fp32 weights and gradients)."""
+    samples = SAMPLES[1:4]  # 5, 23 and 12 tokens: one row of 64
+    precision = Precision.from_config(torch.bfloat16, "fp32", torch.device("cpu"))
+    grads, losses = [], []
+    for batch in (pack_samples(samples, capacity=ROW), _lists(samples)):
+        model = tiny_model()
+        loss_fn = torch.nn.CrossEntropyLoss()
+        loss = causal_lm_loss(model, loss_fn, dict(batch), precision=precision)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert torch.allclose(losses[0], losses[1], rtol=1e-2)
+    assert rel_err(grads[0], grads[1]) < 5e-2  # bf16 compute: a few of its 3-digit ulps
 
 
 # --- pad_to_multiple_of in the padded modes ----------------------------------------------------
@@ -313,6 +334,26 @@ def test_a_packed_setting_that_fits_is_accepted() -> None:
     assert cfg.micro_batching is MicroBatching.PACKED
 
 
+def test_a_packed_pair_longer_than_the_model_names_both_lengths() -> None:
+    """The tiny DPO config's sides take 512 tokens each, its model 512 positions: a pair of
+    two full sides could not be one row."""
+    with pytest.raises(ValueError, match="'tokenizer.max_seq_len' and 'model.max_seq_len'"):
+        _validate(
+            LoraDpoSingleDeviceConfig,
+            "configs/tiny/lora_dpo_single_device.yaml",
+            micro_batching="packed",
+            micro_batch_tokens=512,
+        )
+    cfg = _validate(
+        LoraDpoSingleDeviceConfig,
+        "configs/tiny/lora_dpo_single_device.yaml",
+        micro_batching="packed",
+        micro_batch_tokens=1024,
+        model={"max_seq_len": 1024},
+    )
+    assert cfg.micro_batching is MicroBatching.PACKED
+
+
 def test_grpo_and_its_parity_report_refuse_packed() -> None:
     with pytest.raises(ValueError, match="'micro_batching': packed is for the fine-tuning"):
         _validate(
@@ -320,6 +361,12 @@ def test_grpo_and_its_parity_report_refuse_packed() -> None:
             "configs/tiny/grpo_distributed.yaml",
             micro_batching="packed",
             micro_batch_tokens=64,
+        )
+    with pytest.raises(ValueError, match="'parity.micro_batching': packed is for the fine-tun"):
+        _validate(
+            GrpoParityConfig,
+            "configs/tiny/ga_parity_grpo.yaml",
+            parity={"micro_batching": ["fixed", "packed"]},
         )
 
 

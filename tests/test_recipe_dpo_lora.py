@@ -34,7 +34,7 @@ def initial() -> dict:
 
 
 @pytest.mark.parametrize("epoch", [0, 1])
-@pytest.mark.parametrize("split", ["2x4", "4x2_budget", "2x4_precomputed"])
+@pytest.mark.parametrize("split", ["2x4", "4x2_budget", "4x2_packed", "2x4_precomputed"])
 def test_every_split_takes_the_full_batch_step(runs, initial, split: str, epoch: int) -> None:
     reference = trained_adapters(runs["1x8"], epoch)
     gap = relative_l2(trained_adapters(runs[split], epoch), reference, initial)

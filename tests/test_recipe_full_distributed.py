@@ -169,7 +169,17 @@ def _launch_all(root: Path) -> None:
         # tune run without --nproc_per_node: the distributed recipe trains as one rank.
         "no_torchrun_8x1": (0, {**PARITY, "batch_size": 8, "gradient_accumulation_steps": 1}),
         "ragged_1rank_8x1": (1, {**ragged, "batch_size": 8, "gradient_accumulation_steps": 1}),
-        "ragged_2ranks_2x2": (2, {**ragged, "batch_size": 2, "gradient_accumulation_steps": 2}),
+        # The rows are laid out for stock's deal (rank r reads every 2nd row from r), which
+        # rank_balancing: by_tokens would even out: the empty and ragged ranks are the point.
+        "ragged_2ranks_2x2": (
+            2,
+            {
+                **ragged,
+                "batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "rank_balancing": "none",
+            },
+        ),
     }
     # One launch per number of ranks, side by side, each running its runs one after another
     # (tests/many_runs.py): the one-device runs and the distributed recipe without torchrun in

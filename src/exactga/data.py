@@ -59,6 +59,7 @@ from exactga.micro_batching import (
     WindowCollator,
     whole_micro_batches,
 )
+from exactga.options import RankBalancing
 from exactga.packing import uses_flex_attention
 from exactga.preference_rows import (
     is_preference_sample,
@@ -66,6 +67,7 @@ from exactga.preference_rows import (
     sequence_problem,
     tokenizer_max_seq_len,
 )
+from exactga.rank_balancing import window_sampler
 
 # The columns each known message transform reads, by their default name (a column map may rename
 # them): the type of value it expects, and whether a row may leave the column empty (null or
@@ -84,14 +86,14 @@ _COLUMNS: dict[type, dict[str, tuple[type, bool]]] = {
 # What a run trains on, and in which order, is decided here for every recipe: the dataset (one
 # section, or a list concatenated in order), wrapped so bad rows are named; a
 # ``StatefulDistributedSampler`` with seed 0 (torchtune's choice; the epoch is mixed in by
-# ``sampler.set_epoch``), over which data-parallel rank ``r`` of ``n`` reads every n-th sample of
-# the one shuffled order, so the ranks together see exactly what one device sees; windows of
-# ``batch_size x gradient_accumulation_steps`` consecutive samples of that order, an epoch's last
-# window keeping only whole micro-batches of ``batch_size`` (the samples torchtune's loader, which
-# drops its last short batch, would give); each window split into micro-batches by
-# ``micro_batching`` (see [micro-batching modes] in exactga.micro_batching) and each micro-batch
-# padded with the tokenizer's pad id and labels padded with the loss's ignore index, or packed
-# samples collated as packs. A resumed run hands the loader's saved position back here.
+# ``sampler.set_epoch``), over which rank ``r`` of ``n`` reads every n-th sample of the one
+# shuffled order (each window of it dealt by length under ``rank_balancing: by_tokens``, see
+# [balanced ranks are exact]), so the ranks together see exactly what one device sees; windows
+# of ``batch_size x gradient_accumulation_steps`` samples of that order, an epoch's last keeping
+# only whole micro-batches of ``batch_size`` (the samples torchtune's loader, which drops its last
+# short batch, would give); each window split into micro-batches by ``micro_batching`` (see
+# [micro-batching modes] in exactga.micro_batching) and collated (exactga.collation). A resumed
+# run hands the loader's saved position back here.
 
 
 def load_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any, vocab_size: int) -> Dataset:
@@ -123,6 +125,7 @@ def build_dataloader(
     rank: int = 0,
     state_dict: Mapping[str, Any] | None = None,
     flex_attention: bool = False,
+    rank_balancing: RankBalancing = RankBalancing.NONE,
 ) -> WindowLoader:
     """The loader of this data-parallel ``rank`` of ``num_replicas``: one accumulation window
     of samples at a time, split into micro-batches. See [data order] and [micro-batching modes].
@@ -140,8 +143,8 @@ def build_dataloader(
         num_replicas: data-parallel ranks reading the dataset.
         rank: this process's data-parallel rank.
         state_dict: a saved loader position to go on from (resume), or ``None``.
-        flex_attention: ``packed`` rows carry flex attention's ``BlockMask`` (CUDA) instead of
-            a dense mask; see [packed rows are exact] in exactga.packing.
+        flex_attention: ``packed`` rows carry a ``BlockMask`` (CUDA), see exactga.packing.
+        rank_balancing: ``by_tokens`` deals windows by length, see exactga.rank_balancing.
 
     Raises:
         ValueError: ``collate_fn`` is torchtune's inference-only left-padding collate, or
@@ -160,8 +163,14 @@ def build_dataloader(
         flex_attention=flex_attention,
     )
     window_size = batch_size * gradient_accumulation_steps
-    sampler = StatefulDistributedSampler(
-        dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=0
+    sampler = window_sampler(
+        dataset,
+        rank_balancing,
+        window_size=window_size,
+        micro_batching=settings,
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=shuffle,
     )
     dataloader = StatefulDataLoader(
         dataset=dataset,
@@ -193,8 +202,8 @@ def dataloader_from_config(
     """:func:`build_dataloader` with the batching keys of a validated recipe config
     (``batch_size``, ``gradient_accumulation_steps``, ``micro_batching``,
     ``micro_batch_tokens``, ``pad_to_multiple_of``, ``drop_partial_window``, ``shuffle``,
-    ``collate_fn``, and ``device`` for a packed row's mask), read here once for every training
-    recipe so that no recipe can build its windows differently."""
+    ``collate_fn``, ``rank_balancing``, and ``device`` for a packed row's mask), read here once
+    for every training recipe so that no recipe can build its windows differently."""
     return build_dataloader(
         dataset,
         batch_size=cfg.batch_size,
@@ -209,6 +218,7 @@ def dataloader_from_config(
         rank=rank,
         state_dict=state_dict,
         flex_attention=uses_flex_attention(cfg.device),
+        rank_balancing=cfg.get("rank_balancing") or RankBalancing.NONE,
     )
 
 

@@ -16,7 +16,13 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING, DictConfig, ListConfig
 
-from exactga.options import LossAggregation, MasterWeights, MicroBatching, NormMode
+from exactga.options import (
+    LossAggregation,
+    MasterWeights,
+    MicroBatching,
+    NormMode,
+    RankBalancing,
+)
 from exactga.parity_schemas import PADDED_MODES, ParitySettings
 from exactga.schemas import (
     FullFinetuneDistributedConfig,
@@ -72,6 +78,8 @@ class GrpoDistributedConfig(FullFinetuneDistributedConfig, RolloutKeys):
     # exactga: what the policy loss is a mean over; see [three policy denominators] and
     # docs/grpo.md. token_mean (DAPO), sequence_mean (the GRPO paper), constant (Dr. GRPO).
     loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
+    # Prompts are dealt as stock deals them: a prompt's rollouts are generated where it lands.
+    rank_balancing: RankBalancing = RankBalancing.NONE
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -97,6 +105,11 @@ def check_grpo_keys(cfg: DictConfig) -> None:
         raise ValueError("config key 'num_steps' must be at least 1.")
     if cfg.micro_batching is MicroBatching.PACKED:
         raise ValueError(PACKED_ROLLOUTS)
+    if cfg.rank_balancing is not RankBalancing.NONE:
+        raise ValueError(
+            "config key 'rank_balancing': GRPO deals prompts, not windows of samples, and "
+            "generates their rollouts where they land; set rank_balancing=none."
+        )
     num_completions = cfg.batch_size * cfg.grpo_samples
     ga = cfg.gradient_accumulation_steps
     if cfg.micro_batching is not MicroBatching.TOKEN_BUDGET and num_completions % ga:

@@ -50,6 +50,15 @@ class MicroBatching(Option):
     FIXED, BY_LENGTH, TOKEN_BUDGET, PACKED = fixed, by_length, token_budget, packed
 
 
+class RankBalancing(Option):
+    """``rank_balancing``: how a window's samples are dealt to the data-parallel ranks; see
+    [balanced ranks are exact] in exactga.rank_balancing."""
+
+    none = "none"
+    by_tokens = "by_tokens"
+    NONE, BY_TOKENS = none, by_tokens
+
+
 class MasterWeights(Option):
     """``master_weights``: the precision of trainable weights, gradients and optimizer state
     under ``dtype: bf16``. See [fp32 master weights] in exactga.precision."""

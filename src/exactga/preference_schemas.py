@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from exactga.options import NormMode, SequenceLogProb
+from exactga.options import MicroBatching, NormMode, SequenceLogProb
 from exactga.schemas import (
     FullFinetuneDistributedConfig,
     LoraFinetuneDistributedConfig,
@@ -62,11 +62,30 @@ def check_preference_keys(cfg: DictConfig) -> None:
             "fine-tuning; stock DPO weighs each micro-batch's mean over its pairs by 1/ga, "
             "which is naive here. Choose exact (default) or naive."
         )
+    check_packed_pairs(cfg)
     if cfg.collate_fn != PAIR_COLLATE and not cfg.collate_fn.endswith("collate_pairs"):
         raise ValueError(
             f"config key 'collate_fn'={cfg.collate_fn}: DPO micro-batches stack each pair's "
             f"chosen and rejected rows; use {PAIR_COLLATE} (torchtune's padded_collate_dpo "
             "layout, as a dict), or remove the key."
+        )
+
+
+def check_packed_pairs(cfg: DictConfig) -> None:
+    """Under ``micro_batching: packed`` a pair is one document pair of a row: its two sides,
+    up to twice ``tokenizer.max_seq_len`` positions, must fit the model's ``max_seq_len``
+    (a row is one sequence to it), where both are given."""
+    if cfg.micro_batching is not MicroBatching.PACKED:
+        return
+    tokenizer, model = cfg.get("tokenizer"), cfg.get("model")
+    side = tokenizer.get("max_seq_len") if isinstance(tokenizer, DictConfig) else None
+    limit = model.get("max_seq_len") if isinstance(model, DictConfig) else None
+    if side and limit and 2 * side > limit:
+        raise ValueError(
+            f"config keys 'tokenizer.max_seq_len' and 'model.max_seq_len': a packed pair holds "
+            f"both its sides, up to 2 x {side} = {2 * side} positions, one sequence to the model, "
+            f"which takes at most {limit}; set model.max_seq_len={2 * side} (micro_batch_tokens "
+            f"at most that) or tokenizer.max_seq_len={limit // 2}."
         )
 
 

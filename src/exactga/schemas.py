@@ -34,6 +34,7 @@ from exactga.options import (
     MicroBatching,
     NonFinitePolicy,
     NormMode,
+    RankBalancing,
 )
 from exactga.profiling.settings import ProfilerSection, ProfilerSettings
 
@@ -298,6 +299,9 @@ class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
     # once_per_window is faster but holds an unsharded gradient copy per rank, which stock
     # configs with ga = 8 (up to the 90B vision model) could not afford.
     gradient_sync: GradientSync = GradientSync.EVERY_MICRO_BATCH
+    # exactga: how each window's samples are dealt to the ranks (docs/rank_balancing.md);
+    # by_tokens evens their tokens, none deals every n-th sample as stock.
+    rank_balancing: RankBalancing = RankBalancing.BY_TOKENS
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -325,6 +329,7 @@ class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
 
     # exactga: when FSDP reduces gradients under accumulation; see FullFinetuneDistributedConfig.
     gradient_sync: GradientSync = GradientSync.EVERY_MICRO_BATCH
+    rank_balancing: RankBalancing = RankBalancing.BY_TOKENS  # see FullFinetuneDistributedConfig
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
