@@ -117,3 +117,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             from _pytest.nodeid import NodeId  # pytest 9.2's; older versions take xdist's suffix
 
             item._id = NodeId.parse(item.nodeid + suffix)
+
+
+@pytest.fixture(scope="session")
+def bundled_dataset():
+    """The bundled data, tokenized as the tiny configs do (at the benchmark's 512 tokens), and
+    its tokenizer: ``(dataset, tokenizer)``."""
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    from exactga.data import load_dataset
+
+    configs = Path(__file__).resolve().parents[1] / "configs" / "tiny"
+    cfg = OmegaConf.load(configs / "full_single_device.yaml")
+    cfg.tokenizer.path = str(configs / "tokenizer.model")
+    cfg.tokenizer.max_seq_len = 512
+    cfg.dataset.data_files = str(configs / "data.json")
+    tokenizer = config.instantiate(cfg.tokenizer)
+    return load_dataset(cfg.dataset, tokenizer, vocab_size=2048), tokenizer

@@ -13,9 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from grouping import GroupingNormalizer
-from omegaconf import OmegaConf
 from unit_utils import (
-    CONFIGS,
     EXACT_TOL,
     collate,
     flat_grad,
@@ -27,7 +25,7 @@ from unit_utils import (
     tiny_model,
 )
 
-from exactga.data import build_dataloader, load_dataset
+from exactga.data import build_dataloader
 from exactga.loss_units import IGNORE_INDEX
 from exactga.micro_batching import (
     MicroBatching,
@@ -148,19 +146,6 @@ def test_skipped_empty_micro_batches_count_neither_as_processed_nor_as_padding()
 
 
 # --- the loader of windows ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def bundled_dataset():
-    """The bundled data, tokenized as the tiny configs do (at the benchmark's 512 tokens)."""
-    from torchtune import config
-
-    cfg = OmegaConf.load(CONFIGS / "tiny" / "full_single_device.yaml")
-    cfg.tokenizer.path = str(CONFIGS / "tiny" / "tokenizer.model")
-    cfg.tokenizer.max_seq_len = 512
-    cfg.dataset.data_files = str(CONFIGS / "tiny" / "data.json")
-    tokenizer = config.instantiate(cfg.tokenizer)
-    return load_dataset(cfg.dataset, tokenizer, vocab_size=2048), tokenizer
 
 
 def windows_of(dataset_and_tokenizer, mode, batch_size=8, ga=8, tokens=None, **kwargs):

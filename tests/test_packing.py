@@ -16,11 +16,11 @@ import random
 import pytest
 import torch
 from omegaconf import OmegaConf
-from unit_utils import CONFIGS, make_rows, rel_err, tiny_model
+from unit_utils import make_rows, rel_err, tiny_model
 
 from exactga.collation import collate_to_multiple
 from exactga.config import validate_config
-from exactga.data import build_dataloader, load_dataset
+from exactga.data import build_dataloader
 from exactga.grpo_schemas import GrpoDistributedConfig, GrpoParityConfig
 from exactga.loss_units import IGNORE_INDEX, count_loss_tokens, shift_labels
 from exactga.micro_batching import (
@@ -197,16 +197,8 @@ def test_pad_to_multiple_of_refuses_a_collate_with_another_sequence_entry() -> N
 
 
 @pytest.fixture(scope="module")
-def bundled():
-    """The bundled data at the benchmark's 512 tokens, as the tiny configs tokenize it."""
-    from torchtune import config
-
-    cfg = OmegaConf.load(CONFIGS / "tiny" / "full_single_device.yaml")
-    cfg.tokenizer.path = str(CONFIGS / "tiny" / "tokenizer.model")
-    cfg.tokenizer.max_seq_len = 512
-    cfg.dataset.data_files = str(CONFIGS / "tiny" / "data.json")
-    tokenizer = config.instantiate(cfg.tokenizer)
-    return load_dataset(cfg.dataset, tokenizer, vocab_size=2048)
+def bundled(bundled_dataset):
+    return bundled_dataset[0]
 
 
 def _epoch(dataset, mode, tokens=None, multiple=None, collate_fn="padded_collate_sft"):

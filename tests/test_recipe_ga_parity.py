@@ -301,6 +301,9 @@ def test_the_baselines_run_fixed_only_and_exact_every_micro_batching():
         ("exact", "token_budget", "8x1"),
         ("exact", "token_budget", "2x4"),
         ("exact", "token_budget", "2x2x2"),
+        ("exact", "packed", "8x1"),
+        ("exact", "packed", "2x4"),
+        ("exact", "packed", "2x2x2"),
     ]
 
 

@@ -153,6 +153,8 @@ def test_a_dpo_configs_naive_runs_token_budget_too_and_nothing_else_regrouped():
         ("exact", "by_length", "2x2x2"),
         ("exact", "token_budget", "2x4"),
         ("exact", "token_budget", "2x2x2"),
+        ("exact", "packed", "2x4"),
+        ("exact", "packed", "2x2x2"),
     ]
     # Without exact, by_length runs nowhere and says so; token_budget still runs naive.
     with pytest.warns(UserWarning, match="'parity.micro_batching': by_length is ignored"):

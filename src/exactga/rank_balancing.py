@@ -101,6 +101,8 @@ def _even_out(shares: list[list[int]], cost: ShareCost, max_swaps: int) -> None:
     for _ in range(max_swaps):
         busiest = max(range(len(shares)), key=costs.__getitem__)
         idlest = min(range(len(shares)), key=costs.__getitem__)
+        if costs[idlest] == costs[busiest]:  # even already (and one share is not two)
+            return
         best = (costs[busiest], None)
         for x, y in itertools.product(range(len(shares[busiest])), range(len(shares[idlest]))):
             busy, idle = list(shares[busiest]), list(shares[idlest])
