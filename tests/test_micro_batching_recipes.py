@@ -78,9 +78,8 @@ TWO_RANKS = {
             "micro_batching": "token_budget",
             "micro_batch_tokens": 512,
             "gradient_sync": "every_micro_batch",
-            # Each rank gets every other sample, as stock deals them: balanced ranks plan equal
-            # counts more often, and this run is here for the fillers.
-            "rank_balancing": "none",
+            # The default rank_balancing: by_tokens, under which the ranks still plan 11 and 12
+            # micro-batches in the third window, so its fillers run with balanced ranks.
         },
     ),
     "packed": (4, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
@@ -341,6 +340,7 @@ def _planned_micro_batches(rank: int) -> list[int]:
 
     from exactga.data import build_dataloader, load_dataset
     from exactga.micro_batching import MicroBatching, MicroBatchingSettings
+    from exactga.options import RankBalancing
 
     batch_size, ga, settings = TWO_RANKS["token_budget"]
     cfg = OmegaConf.load(REPO_ROOT / DISTRIBUTED_CONFIG)
@@ -361,6 +361,7 @@ def _planned_micro_batches(rank: int) -> list[int]:
         ignore_idx=-100,
         num_replicas=2,
         rank=rank,
+        rank_balancing=RankBalancing.BY_TOKENS,  # the distributed recipes' default
     )
     loader.sampler.set_epoch(0)
     return [len(window.micro_batches) for window in itertools.islice(loader, STEPS)]
