@@ -321,7 +321,6 @@ class GaParityRecipe:
         num_replicas, rank = 1, 0
         if split.num_ranks > 1:
             num_replicas, rank = split.num_ranks, self._mesh["dp"].get_local_rank()
-        by_budget = micro_batching in (MicroBatching.TOKEN_BUDGET, MicroBatching.PACKED)
         return build_dataloader(
             self._dataset,
             batch_size=split.batch_size,
@@ -329,7 +328,7 @@ class GaParityRecipe:
             micro_batching=MicroBatchingSettings(
                 mode=micro_batching,
                 batch_size=split.batch_size,
-                micro_batch_tokens=self._micro_batch_tokens if by_budget else None,
+                micro_batch_tokens=self._micro_batch_tokens,  # read by token_budget, packed
             ),
             shuffle=self._cfg.shuffle,
             collate_fn=self._collate_fn,

@@ -86,6 +86,15 @@ TWO_RANKS = {
 }
 # Two-rank runs beyond TWO_RANKS' AdamW ones: (mode, optimizer).
 TWO_RANK_SGD = [("packed", "sgd")]
+TWO_RANK_RUNS = [*((mode, "adamw") for mode in TWO_RANKS), *TWO_RANK_SGD]
+
+
+def _two_rank_name(mode: str, optimizer: str) -> str:
+    """A 2-rank run's folder: its mode (AdamW, also the resume tests' uninterrupted runs), or
+    ``<optimizer>_<mode>``."""
+    return mode if optimizer == "adamw" else f"{optimizer}_{mode}"
+
+
 FSDP_UNITS = SMALL_MODEL["model.num_layers"] + 1  # the layers and the root
 
 # No clipping and no warm-up, so the comparison is about the gradient alone and the first step
@@ -205,7 +214,7 @@ def two_rank_runs(run_once) -> Path:
             env = {"PYTHONPATH": str(COUNTER), "EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)}
             launches[mode] = (_two_rank_args(root / mode, mode), env)
         for mode, optimizer in TWO_RANK_SGD:
-            name = f"{optimizer}_{mode}"
+            name = _two_rank_name(mode, optimizer)
             launches[name] = (_two_rank_args(root / name, mode, optimizer), {})
         _launch_side_by_side(launches)
 
@@ -314,12 +323,13 @@ def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
 
 
 @pytest.mark.xdist_group("micro_batching_recipes")
-@pytest.mark.parametrize("mode", list(TWO_RANKS))
-def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode):
-    """2 ranks x (4x8 by_length, 32x1 token_budget, 4x8 packed) train to the weights of one
-    device's fixed 64x1 AdamW run: the same sampler order, initial checkpoint and optimizer, as
-    in tests/test_recipe_full_distributed.py (relative L2 <= 1e-5)."""
-    reference, run = full_runs / "adamw_fixed", two_rank_runs / mode
+@pytest.mark.parametrize(("mode", "optimizer"), TWO_RANK_RUNS)
+def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode, optimizer):
+    """2 ranks x (4x8 by_length, 32x1 token_budget, 4x8 packed; and packed with SGD) train to
+    the weights of one device's fixed 64x1 run with the same optimizer: the same sampler order
+    and initial checkpoint, as in tests/test_recipe_full_distributed.py (relative L2 <= 1e-5)."""
+    reference = full_runs / f"{optimizer}_fixed"
+    run = two_rank_runs / _two_rank_name(mode, optimizer)
     scalars, ref_scalars = read_scalars(run / "logs"), read_scalars(reference / "logs")
     assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]
     rel = relative_l2(
@@ -327,7 +337,7 @@ def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode)
         load_weights(reference / TRAINED),
         load_weights(reference / INITIAL),
     )
-    print(f"2 ranks {mode} vs 1 device fixed 64x1: relative L2 {rel:.3e}")
+    print(f"2 ranks {mode} {optimizer} vs 1 device fixed 64x1: relative L2 {rel:.3e}")
     assert rel <= TOLERANCE
     assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
 
@@ -385,24 +395,6 @@ def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
     imbalance = read_scalars(two_rank_runs / "token_budget" / "logs")["throughput/rank_imbalance"]
     print(f"token_budget throughput/rank_imbalance per step: {imbalance}")
     assert len(imbalance) == STEPS and max(imbalance) > 1
-
-
-@pytest.mark.xdist_group("micro_batching_recipes")
-@pytest.mark.parametrize(("mode", "optimizer"), TWO_RANK_SGD)
-def test_two_ranks_with_sgd_end_at_the_one_device_weights(
-    full_runs, two_rank_runs, mode, optimizer
-):
-    """The same with SGD: 2 ranks x 4x8 packed against one device's fixed 64x1 SGD run."""
-    reference, run = full_runs / f"{optimizer}_fixed", two_rank_runs / f"{optimizer}_{mode}"
-    rel = relative_l2(
-        load_weights(run / TRAINED),
-        load_weights(reference / TRAINED),
-        load_weights(reference / INITIAL),
-    )
-    print(f"2 ranks {mode} {optimizer} vs 1 device fixed 64x1: relative L2 {rel:.3e}")
-    assert rel <= TOLERANCE
-    scalars, ref_scalars = read_scalars(run / "logs"), read_scalars(reference / "logs")
-    assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
 
 
 # --- resume --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from exactga.schemas import (
     LoraFinetuneSingleDeviceConfig,
     TrainingRunConfig,
     _warn_once,
+    max_seq_len_of,
 )
 
 # The modes that pad micro-batches (every one but packed).
@@ -167,7 +168,7 @@ class GaParityConfig(TrainingRunConfig):
                 "config key 'parity.micro_batch_tokens' must be at least 1, got "
                 f"{cfg.parity.micro_batch_tokens}."
             )
-        max_seq_len = cfg.model.get("max_seq_len") if isinstance(cfg.model, DictConfig) else None
+        max_seq_len = max_seq_len_of(cfg, "model")
         rows = cfg.parity.micro_batch_tokens
         if MicroBatching.PACKED in listed and max_seq_len and rows > max_seq_len:
             raise ValueError(

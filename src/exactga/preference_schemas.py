@@ -19,6 +19,7 @@ from exactga.schemas import (
     FullFinetuneDistributedConfig,
     LoraFinetuneDistributedConfig,
     LoraFinetuneSingleDeviceConfig,
+    max_seq_len_of,
 )
 
 # Stock collates pairs with torchtune's ``padded_collate_dpo`` and reads no ``collate_fn`` key;
@@ -77,9 +78,7 @@ def check_packed_pairs(cfg: DictConfig) -> None:
     (a row is one sequence to it), where both are given."""
     if cfg.micro_batching is not MicroBatching.PACKED:
         return
-    tokenizer, model = cfg.get("tokenizer"), cfg.get("model")
-    side = tokenizer.get("max_seq_len") if isinstance(tokenizer, DictConfig) else None
-    limit = model.get("max_seq_len") if isinstance(model, DictConfig) else None
+    side, limit = max_seq_len_of(cfg, "tokenizer"), max_seq_len_of(cfg, "model")
     if side and limit and 2 * side > limit:
         raise ValueError(
             f"config keys 'tokenizer.max_seq_len' and 'model.max_seq_len': a packed pair holds "

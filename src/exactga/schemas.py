@@ -180,6 +180,12 @@ def check_master_weights(cfg: DictConfig) -> None:
         )
 
 
+def max_seq_len_of(cfg: DictConfig, section: str) -> int | None:
+    """``<section>.max_seq_len`` where the config gives it (a builder's default is unknown here)."""
+    values = cfg.get(section)
+    return values.get("max_seq_len") if isinstance(values, DictConfig) else None
+
+
 def check_micro_batching(cfg: DictConfig) -> None:
     """``micro_batching`` with ``micro_batch_tokens``, the model's ``max_seq_len`` and
     ``loss_normalization``; see [regrouping is exact]."""
@@ -201,8 +207,7 @@ def check_micro_batching(cfg: DictConfig) -> None:
             f"micro_batching: token_budget or packed (got {mode}); remove micro_batch_tokens "
             "or set it."
         )
-    model = cfg.get("model")
-    max_seq_len = model.get("max_seq_len") if isinstance(model, DictConfig) else None
+    max_seq_len = max_seq_len_of(cfg, "model")
     if mode is MicroBatching.PACKED and max_seq_len and cfg.micro_batch_tokens > max_seq_len:
         raise ValueError(
             f"config keys 'micro_batch_tokens' and 'model.max_seq_len': a packed row of "
