@@ -3,10 +3,10 @@
 The tiny DPO configs' models (LoRA: the policy with its adapters off; full: a frozen copy) on the
 shipped preference pairs, sorted longest first and cut into micro-batches of ``--batch-size``
 pairs, each micro-batch's reference forward timed on its own, then the whole step (reference,
-policy forward, loss, backward) through ``exactga.preference.dpo_loss_step``. The first pass
+policy forward, loss, backward) through ``exactga.dpo.preference.dpo_loss_step``. The first pass
 over the micro-batches warms up and is not counted. Prints the reference's share of the step,
 which is what ``precompute_reference_logprobs`` saves from the second epoch on (see [precomputed
-reference] in exactga.reference_logprobs).
+reference] in exactga.dpo.reference_logprobs).
 
     .venv/bin/python benchmarks/dpo_reference_share.py
     .venv/bin/python benchmarks/dpo_reference_share.py --pairs 128 --batch-size 4
@@ -27,10 +27,15 @@ from torchtune import config
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.rlhf.loss import DPOLoss
 
-from exactga.frozen import freeze_model
-from exactga.loss_units import LOSS_POSITIONS, loss_positions, shift_labels
-from exactga.micro_batching import sample_length
-from exactga.preference import collate_pairs, dpo_loss_step, frozen_model_reference, lora_reference
+from exactga.accumulation.loss_units import LOSS_POSITIONS, loss_positions, shift_labels
+from exactga.build.frozen import freeze_model
+from exactga.data.micro_batching import sample_length
+from exactga.dpo.preference import (
+    collate_pairs,
+    dpo_loss_step,
+    frozen_model_reference,
+    lora_reference,
+)
 
 LORA_CONFIG = "configs/tiny/lora_dpo_single_device.yaml"
 FULL_CONFIG = "configs/tiny/full_dpo_distributed.yaml"

@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import micro_batching as mb  # noqa: E402
 
-from exactga.data import build_dataloader, load_dataset  # noqa: E402
-from exactga.micro_batching import MicroBatching, MicroBatchingSettings  # noqa: E402
+from exactga.data.loader import build_dataloader, load_dataset  # noqa: E402
+from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings  # noqa: E402
 from exactga.parity.scoring import relative_l2  # noqa: E402
 from exactga.profiling import device_peak_flops  # noqa: E402
 

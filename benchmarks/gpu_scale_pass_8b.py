@@ -9,7 +9,7 @@ of an 8B model with AdamW do not fit one card):
   num_tokens)``, optimizer step, ``zero_grad``, ``running_loss.item()``. The scale pass is
   also timed inside each step with CUDA events.
 - **exactga**: ``recipes/full_finetune_single_device.py``'s step: ``LossNormalizer`` opens the
-  window (host token count), ``exactga.training.train_window`` runs forward, backward (no
+  window (host token count), ``exactga.accumulation.step.train_window`` runs forward, backward (no
   scaling at ga=1) and the optimizer step under the recipe's profiler hook, then
   ``window.local_mean_loss()`` as a logged step reads it.
 
@@ -46,13 +46,14 @@ from torchtune import modules, training, utils
 from torchtune.models.llama3_1 import llama3_1
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
+from exactga.accumulation.step import train_window
 from exactga.profiling import (
     ProfilerSettings,
     TrainingProfiler,
     device_peak_flops,
     model_flops_per_token,
 )
-from exactga.training import causal_lm_loss, train_window
+from exactga.sft.loss import causal_lm_loss
 
 # tests/grouping.py: windows of hand-collated micro-batches, as the tests make them.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

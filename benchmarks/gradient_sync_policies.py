@@ -6,8 +6,8 @@ fp32) and shard it with torchtune's ``training.shard_model`` (FSDP2) over the ``
 mesh, as recipes/full_finetune_distributed.py does. For each ga in ``--ga`` the ranks then run
 rounds of two optimizer steps, one per policy, on the *same* synthetic window (the order flips
 every round), through the recipe's own pieces: ``LossNormalizer`` windows (token count reduced
-over the dp group, loss scaled before backward), ``exactga.training.causal_lm_loss`` and
-``exactga.distributed.gradient_sync`` around each micro-batch, then the config's AdamW. Both
+over the dp group, loss scaled before backward), ``exactga.sft.loss.causal_lm_loss`` and
+``exactga.runtime.distributed.gradient_sync`` around each micro-batch, then the config's AdamW. Both
 policies therefore share the weights, the data, the process and whatever else the machine is
 doing at that moment; only the policy differs. At ga = 1 the two policies are the same code
 path, so their difference there is the benchmark's noise floor.
@@ -65,10 +65,10 @@ from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 from torchtune import config, training, utils
 
-from exactga import distributed
-from exactga.distributed import GradientSync
-from exactga.loss_units import IGNORE_INDEX
-from exactga.training import causal_lm_loss
+from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.runtime import distributed
+from exactga.runtime.distributed import GradientSync
+from exactga.sft.loss import causal_lm_loss
 
 # tests/grouping.py: windows of hand-collated micro-batches, as the tests make them.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -1,7 +1,7 @@
 """Logits only at loss positions against the full projection, side by side in one process.
 
 One micro-batch of the tiny config's model (torchtune's ``llama3_2`` builder), forward and
-backward through ``exactga.training.causal_lm_loss`` twice per repeat: once with the batch's
+backward through ``exactga.sft.loss.causal_lm_loss`` twice per repeat: once with the batch's
 index of scored positions (what every recipe does; see [logits only at loss positions]) and
 once without it (the full projection, as stock torchtune). Prints the median time of each, their
 ratio, and how far the two gradients are apart (relative L2, which must sit at the fp32 floor).
@@ -24,8 +24,13 @@ import torch
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS, count_loss_tokens, loss_positions
-from exactga.training import causal_lm_loss
+from exactga.accumulation.loss_units import (
+    IGNORE_INDEX,
+    LOSS_POSITIONS,
+    count_loss_tokens,
+    loss_positions,
+)
+from exactga.sft.loss import causal_lm_loss
 
 
 def parse_args() -> argparse.Namespace:

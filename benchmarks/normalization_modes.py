@@ -70,8 +70,8 @@ from torchtune.models.llama2 import llama2_tokenizer
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from exactga.normalization import MicroBatch, NormMode, Window
-from exactga.training import causal_lm_loss
+from exactga.accumulation.normalization import MicroBatch, NormMode, Window
+from exactga.sft.loss import causal_lm_loss
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS = REPO_ROOT / "tests"

@@ -5,7 +5,7 @@ two AdamW steps on a short batch, so activations are negligible next to the weig
 choice the script prints, per trainable parameter, what CUDA's allocator holds after a step
 (weights + gradients + optimizer state, before ``zero_grad``) and the peak of the second step
 (which adds the bf16 weight copies autocast saves for backward and the optimizer's temporaries).
-The choices are made by ``exactga.precision.Precision``, the recipes' own calls:
+The choices are made by ``exactga.runtime.precision.Precision``, the recipes' own calls:
 
     fp32            dtype: fp32
     bf16            dtype: bf16, master_weights: none (stock torchtune)
@@ -24,7 +24,7 @@ import argparse
 import torch
 from torch import nn
 
-from exactga.precision import Precision
+from exactga.runtime.precision import Precision
 
 GIB = 1 << 30
 

@@ -19,7 +19,7 @@ tokenizer, ``tokenizer.max_seq_len``), dealt to 8, 64 and 512 ranks of each spli
 share cut by ``micro_batching: by_length`` as the recipes cut it; the per-step imbalance of
 positions processed (padding included), the mean and the 99th percentile over ``--windows``
 windows, stock's deal (a random one: the shuffled order's every n-th) against by_tokens
-(exactga.rank_balancing.deal_by_length, refined on by_length's positions as the sampler does),
+(exactga.data.rank_balancing.deal_by_length, refined on by_length's positions as the sampler does),
 and the time one such deal takes (every rank deals every window itself, once per step).
 
 Run from the repository root (about 6 minutes on 2 cores with the defaults)::
@@ -53,9 +53,9 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from exactga.micro_batching import MicroBatching, MicroBatchingSettings
+from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
+from exactga.data.rank_balancing import deal_by_length, planned_positions
 from exactga.parity.scoring import relative_l2
-from exactga.rank_balancing import deal_by_length, planned_positions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/full_finetune_distributed.py"
@@ -171,8 +171,8 @@ def bundled_lengths() -> list[int]:
     """The bundled data's sample lengths as the tiny config tokenizes it."""
     from torchtune import config
 
-    from exactga.data import load_dataset
-    from exactga.micro_batching import sample_positions
+    from exactga.data.loader import load_dataset
+    from exactga.data.micro_batching import sample_positions
 
     cfg = OmegaConf.load(REPO_ROOT / CONFIG)
     cfg.tokenizer.path = str(REPO_ROOT / "configs/tiny/tokenizer.model")

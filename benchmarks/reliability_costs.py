@@ -2,7 +2,7 @@
 
 Two figures of docs/reliability.md, measured with the project's own functions:
 
-- **Checkpoint check**: ``exactga.checkpointing._crc32``, the function that fills a step
+- **Checkpoint check**: ``exactga.run.checkpointing._crc32``, the function that fills a step
   checkpoint's manifest on save and checks every file against it on resume. By default it reads
   a synthetic file of ``--size-mb`` random bytes written under ``--tmp-dir`` (so it sits in the
   page cache, as a checkpoint just saved does); ``--checkpoint DIR`` instead checks a real step
@@ -10,13 +10,14 @@ Two figures of docs/reliability.md, measured with the project's own functions:
   resume runs (``_read_manifest`` then ``_verify_files``). Throughput is bytes read per second
   of the process's CPU time, and per second of wall time; the median of ``--repeats``. A file
   not in the page cache is read at the disk's speed instead, when that is slower.
-- **Token-id check**: ``CheckedDataset._check_sample`` of ``exactga.data``, the min and max of
+- **Token-id check**: ``CheckedDataset._check_sample`` of ``exactga.data.loader``, the min and max
+of
   every sample's ids against the embedding table that the recipes' loader runs per sample (see
   [checked rows] there), next to what producing that sample costs: ``SFTDataset.__getitem__``
   (the row read, torchtune's Alpaca transform and the SentencePiece tokenizer). The dataset and
   tokenizer are those of ``--config`` (default ``configs/tiny/full_single_device.yaml``:
   ``configs/tiny/data.json`` and ``configs/tiny/tokenizer.model``, 256 tokens at most), built
-  with ``exactga.data.load_dataset`` as the recipes build them. Each sample is tokenized once
+  with ``exactga.data.loader.load_dataset`` as the recipes build them. Each sample is tokenized once
   per repeat and checked ``--check-loops`` times per repeat; times are the process's CPU time
   per sample (mean over the dataset, median over repeats), over all samples and over those cut
   at ``max_seq_len``.
@@ -50,7 +51,7 @@ from omegaconf import OmegaConf
 from torchtune import config
 
 from exactga import checkpointing
-from exactga.data import load_dataset
+from exactga.data.loader import load_dataset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs/tiny/full_single_device.yaml"

@@ -6,8 +6,8 @@ is exactly the full-batch loss of the window over every data-parallel rank (sum 
 over the window's loss tokens), whatever the split into ranks and micro-batches, with no pass
 over the gradients; ranks may hold very different token counts, or none; ``device: cpu`` runs
 (gloo), which stock 0.6.1 does not; and gradients may be reduced once per window instead of
-after every micro-batch (``gradient_sync``). See ``exactga.normalization``, docs/math.md and
-docs/full_finetune_distributed.md.
+after every micro-batch (``gradient_sync``). See ``exactga.accumulation.normalization``,
+docs/math.md and docs/full_finetune_distributed.md.
 
 Launch from the repository root::
 
@@ -38,27 +38,33 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.activations import apply_selective_activation_checkpointing
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
-from exactga import distributed
-from exactga.checkpointing import step_checkpointer_for
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.kernels import choose_attention_kernels
-from exactga.metric_logging import open_metric_logger
-from exactga.model_state import load_model_state
-from exactga.normalization import LossNormalizer
-from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
-from exactga.precision import Precision
-from exactga.profiling import setup_profiler
-from exactga.progress import TrainingProgress
-from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
-from exactga.schemas import FullFinetuneDistributedConfig
-from exactga.steps import StepBook
-from exactga.threads import use_cpu_threads
-from exactga.training import (
-    causal_lm_loss,
-    train_window,
+from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.optimizers import (
+    build_optimizer,
+    full_optimizer_state,
+    load_full_optimizer_state,
 )
+from exactga.accumulation.step import StepContext
+from exactga.build.model_state import load_model_state
+from exactga.config.schemas import FullFinetuneDistributedConfig
+from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.launch.cli import run_recipe
+from exactga.profiling import setup_profiler
+from exactga.run.checkpointing import step_checkpointer_for
+from exactga.run.metric_logging import open_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import (
+    find_resume_point,
+    run_fingerprint,
+    validate_run_config,
+    write_step_checkpoint,
+)
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime import distributed
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
+from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
 
@@ -68,7 +74,7 @@ RECIPE_NAME = "full_finetune_distributed"
 class FullFinetuneRecipeDistributed(FTRecipeInterface):
     """Full fine-tuning of a dense decoder with FSDP2 (and optional tensor parallelism).
 
-    Features (each a config key; defaults in ``exactga.schemas``):
+    Features (each a config key; defaults in ``exactga.config.schemas``):
         - Exact accumulation over micro-batches *and* data-parallel ranks: each rank prefetches
           its window, counts its loss tokens on the host after the label shift, and issues one
           all-reduce of that count over the data-parallel group, which overlaps the first
@@ -106,7 +112,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
     Raises:
         ValueError: bad values and impossible combinations of config keys, at start-up
-            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
+            (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -134,7 +140,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self.dp_rank = self._mesh["dp"].get_local_rank()
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.log_every_n_steps
+        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
@@ -144,8 +150,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
-        self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = cfg.nonfinite_loss
 
         # Epochs, steps and their outcomes; a resume sets them in setup.
         self._progress = TrainingProgress(
@@ -197,7 +201,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             dp_group=distributed.dp_group(self._mesh),
         )
 
-        # Data order, row checks and loader position: see [data order] in exactga.data. Ranks
+        # Data order, row checks and loader position: see [data order] in exactga.data.loader. Ranks
         # of one tensor-parallel group read the same data: the sampler splits over dp only.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         self._dataloader = dataloader_from_config(
@@ -313,7 +317,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
     ) -> Optimizer:
         # optimizer_in_bwd: one optimizer per parameter, stepped inside backward on its sharded,
         # reduced gradient, behind the optimizer's interface; see [optimizer in backward] in
-        # exactga.optimizers.
+        # exactga.accumulation.optimizers.
         optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
         if opt_state_dict:
             load_full_optimizer_state(self._model, optimizer, opt_state_dict, self._device)
@@ -378,20 +382,10 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in progress.epochs():
                 for window in steps.windows(curr_epoch):
-                    outcome = train_window(
-                        window,
-                        model=self._model,
-                        loss_step=self._loss_step,
-                        optimizer=self._optimizer,
-                        profiler=self._profiler,
-                        device=self._device,
-                        step=progress.global_step + 1,
-                        clip_grad_norm=self._clip_grad_norm,
-                        micro_batch_context=partial(
-                            distributed.gradient_sync, self._model, self._gradient_sync
-                        ),
-                        announce_skip=self._is_rank_zero,
-                    )
+                    for batch in window:  # this rank's micro-batches, on the device
+                        loss = self._loss_step(batch)  # forward and mean loss: edit here
+                        window.backward(loss)  # weighed by its exact share, then backward
+                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
@@ -399,19 +393,23 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
         return StepBook(
             self._progress,
+            context=StepContext(
+                self._model,
+                self._device,
+                self._profiler,
+                partial(distributed.gradient_sync, self._model, self._gradient_sync),
+                announce_skip=self._is_rank_zero,
+            ),
             dataloader=self._dataloader,
             normalizer=self._normalizer,
-            profiler=self._profiler,
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
-            nonfinite_policy=self._nonfinite_policy,
+            settings=self._book_settings,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
-            save_every_n_steps=self._save_every_n_steps,
-            log_every_n_steps=self._log_every_n_steps,
             metric_logger=self._metric_logger if self._is_rank_zero else None,
             world_size=self.world_size,
             memory_device=self._device if self._log_peak_memory_stats else None,
@@ -433,7 +431,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, FullFinetuneDistributedConfig, RECIPE_NAME, check_files=True)
+    cfg = validate_run_config(cfg, FullFinetuneDistributedConfig, RECIPE_NAME)
     if distributed.is_rank_zero():
         config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
     recipe = FullFinetuneRecipeDistributed(cfg=cfg)

@@ -4,7 +4,7 @@ A drop-in for torchtune 0.6.1's ``full_finetune_single_device``: its configs run
 with the same checkpointer outputs and metric names. What differs is the loss of each optimizer
 step, which here is exactly the full-batch loss of the accumulation window (sum of token losses
 over the window's loss tokens) whatever the split into micro-batches, with no pass over the
-gradients; see ``exactga.normalization`` and docs/math.md.
+gradients; see ``exactga.accumulation.normalization`` and docs/math.md.
 
 Launch from the repository root (or any folder holding your copy of this file)::
 
@@ -26,26 +26,28 @@ from torch.optim import Optimizer
 from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.checkpointing import step_checkpointer_for
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.kernels import choose_attention_kernels
-from exactga.metric_logging import open_metric_logger
-from exactga.model_state import load_model_state
-from exactga.normalization import LossNormalizer
-from exactga.optimizers import build_optimizer
-from exactga.precision import Precision
+from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.optimizers import build_optimizer
+from exactga.accumulation.step import StepContext
+from exactga.build.model_state import load_model_state
+from exactga.config.schemas import FullFinetuneSingleDeviceConfig
+from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
-from exactga.progress import TrainingProgress
-from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
-from exactga.schemas import FullFinetuneSingleDeviceConfig
-from exactga.steps import StepBook
-from exactga.threads import use_cpu_threads
-from exactga.training import (
-    causal_lm_loss,
-    train_window,
+from exactga.run.checkpointing import step_checkpointer_for
+from exactga.run.metric_logging import open_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import (
+    find_resume_point,
+    run_fingerprint,
+    validate_run_config,
+    write_step_checkpoint,
 )
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
+from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
 
@@ -55,7 +57,7 @@ RECIPE_NAME = "full_finetune_single_device"
 class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     """Full fine-tuning of a dense decoder (Llama, Qwen, ...) on one device (GPU or CPU).
 
-    Features (each a config key; defaults in ``exactga.schemas``):
+    Features (each a config key; defaults in ``exactga.config.schemas``):
         - Exact gradient accumulation (``gradient_accumulation_steps``): each window of micro-
           batches is prefetched, its loss tokens counted on the host after the label shift, and
           each micro-batch loss scaled by ``batch_tokens / window_tokens`` before backward. With
@@ -89,7 +91,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     Raises:
         ValueError: bad values and impossible combinations of config keys, at start-up
-            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
+            (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -100,7 +102,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.log_every_n_steps
+        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
@@ -110,8 +112,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
-        self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = cfg.nonfinite_loss
 
         # Epochs, steps and their outcomes; a resume sets them in setup.
         self._progress = TrainingProgress(
@@ -155,7 +155,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             mode=self._loss_normalization,
         )
 
-        # Data order, row checks and loader position: see [data order] in exactga.data.
+        # Data order, row checks and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         self._dataloader = dataloader_from_config(
             dataset,
@@ -219,7 +219,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
     ) -> Optimizer:
         # optimizer_in_bwd: one optimizer per parameter, stepped inside backward, behind the
-        # optimizer's interface; see [optimizer in backward] in exactga.optimizers.
+        # optimizer's interface; see [optimizer in backward] in exactga.accumulation.optimizers.
         optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
         if opt_state_dict:
             optimizer.load_state_dict(opt_state_dict)
@@ -274,16 +274,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in progress.epochs():
                 for window in steps.windows(curr_epoch):
-                    outcome = train_window(
-                        window,
-                        model=self._model,
-                        loss_step=self._loss_step,
-                        optimizer=self._optimizer,
-                        profiler=self._profiler,
-                        device=self._device,
-                        step=progress.global_step + 1,
-                        clip_grad_norm=self._clip_grad_norm,
-                    )
+                    for batch in window:  # this rank's micro-batches, on the device
+                        loss = self._loss_step(batch)  # forward and mean loss: edit here
+                        window.backward(loss)  # weighed by its exact share, then backward
+                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
@@ -291,19 +285,17 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
         return StepBook(
             self._progress,
+            context=StepContext(self._model, self._device, self._profiler),
             dataloader=self._dataloader,
             normalizer=self._normalizer,
-            profiler=self._profiler,
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
-            nonfinite_policy=self._nonfinite_policy,
+            settings=self._book_settings,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
-            save_every_n_steps=self._save_every_n_steps,
-            log_every_n_steps=self._log_every_n_steps,
             metric_logger=self._metric_logger,
             memory_device=self._device if self._log_peak_memory_stats else None,
         )
@@ -321,7 +313,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, FullFinetuneSingleDeviceConfig, RECIPE_NAME, check_files=True)
+    cfg = validate_run_config(cfg, FullFinetuneSingleDeviceConfig, RECIPE_NAME)
     config.log_config(recipe_name="FullFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
     recipe.setup(cfg=cfg)

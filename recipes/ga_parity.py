@@ -14,8 +14,8 @@ also ``token_budget``). A split ``BxG`` trains on one device; ``BxGxN`` trains d
 the N processes of a distributed launch, sharded with FSDP2 exactly as
 recipes/full_finetune_distributed.py and recipes/lora_finetune_distributed.py shard, its window
 token count reduced over the data-parallel group, each rank reading its share of the same global
-batches. Every run takes the recipes' own step (``exactga.training.train_window``). Rank 0 writes
-into ``<output_dir>/parity/``:
+batches. Every run takes the recipes' own step (``exactga.accumulation.step.train_window``). Rank 0
+writes into ``<output_dir>/parity/``:
 
 - ``tensorboard/<mode>/<micro_batching>/<split>/``: one TensorBoard run per run, so the loss
   curves overlay (``tensorboard --logdir <output_dir>/parity/tensorboard``); written at the end;
@@ -78,19 +78,19 @@ from torch import nn
 from torchtune import config, training, utils
 from tqdm import tqdm
 
-from exactga import distributed
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import WindowLoader, build_dataloader, load_dataset, model_vocab_size
-from exactga.distillation import Distiller, check_kd_losses, check_vocabularies
-from exactga.frozen import freeze_model
-from exactga.grpo_schemas import GrpoParityConfig, is_grpo_config
-from exactga.lora import LoraSettings, load_lora_weights
-from exactga.loss_units import loss_ignore_index
-from exactga.micro_batching import MicroBatching, MicroBatchingSettings
-from exactga.normalization import LossNormalizer, NormMode
-from exactga.packing import uses_flex_attention
+from exactga.accumulation.loss_units import loss_ignore_index
+from exactga.accumulation.normalization import LossNormalizer, NormMode
+from exactga.accumulation.step import train_window
+from exactga.build.frozen import freeze_model
+from exactga.build.lora import LoraSettings, load_lora_weights
+from exactga.data.loader import WindowLoader, build_dataloader, load_dataset, model_vocab_size
+from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
+from exactga.data.packing import uses_flex_attention
+from exactga.dpo.preference import PreferencePairs
+from exactga.kd.distillation import Distiller, check_kd_losses, check_vocabularies
+from exactga.launch.cli import run_recipe
 from exactga.parity.grpo import GrpoParity
+from exactga.parity.grpo_schema import GrpoParityConfig, is_grpo_config
 from exactga.parity.preference import (
     Preference,
     check_pairs,
@@ -108,6 +108,7 @@ from exactga.parity.runs import (
     reseed,
     trained_weights,
 )
+from exactga.parity.schema import GaParityConfig
 from exactga.parity.scoring import (
     ParityRun,
     PrecisionView,
@@ -118,13 +119,12 @@ from exactga.parity.scoring import (
     relative_l2,
     summarize,
 )
-from exactga.parity_schemas import GaParityConfig
-from exactga.precision import MasterWeights, Precision
-from exactga.preference import PreferencePairs
 from exactga.profiling import setup_profiler
-from exactga.resume import checkpointer_source
-from exactga.threads import use_cpu_threads
-from exactga.training import causal_lm_loss, train_window
+from exactga.run.resume import checkpointer_source, validate_run_config
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime import distributed
+from exactga.runtime.precision import MasterWeights, Precision
+from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
 
@@ -157,7 +157,7 @@ class GaParityRecipe:
         - Knowledge distillation (``teacher_model``, ``teacher_checkpointer``, ``kd_loss``,
           ``kd_ratio``, as the KD recipes read them): the teacher is built once, frozen, in
           ``dtype`` (one copy per rank, unsharded: it only runs forwards), and every run trains
-          ``exactga.distillation.Distiller``'s loss step; ``post_scale`` is then stock's KD
+          ``exactga.kd.distillation.Distiller``'s loss step; ``post_scale`` is then stock's KD
           weighting (see [stock kd weighting] there).
         - DPO (a ``loss`` that weighs pairs, torchtune's ``DPOLoss`` or ``RSOLoss``, on a
           preference dataset): every run trains the DPO recipes' loss step on pairs, counted
@@ -549,10 +549,10 @@ def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains every planned run. A GRPO
     config (one that sets ``grpo_samples``) is trained by exactga.parity.grpo.GrpoParity."""
     if is_grpo_config(cfg):
-        cfg = validate_config(cfg, GrpoParityConfig, RECIPE_NAME, check_files=True)
+        cfg = validate_run_config(cfg, GrpoParityConfig, RECIPE_NAME)
         recipe = GrpoParity(cfg)
     else:
-        cfg = validate_config(cfg, GaParityConfig, RECIPE_NAME, check_files=True)
+        cfg = validate_run_config(cfg, GaParityConfig, RECIPE_NAME)
         recipe = GaParityRecipe(cfg)
     recipe.setup(cfg)
     recipe.train()

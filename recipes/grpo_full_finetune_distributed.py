@@ -10,8 +10,8 @@ micro-batches whose step is exactly the full-batch step for the chosen ``loss_ag
 (completion tokens or completions counted over every micro-batch and rank by the one
 normaliser; stock has no accumulation and FSDP averages ranks with equal weight), and the
 completions do not depend on the rank layout, so 1 rank and 4 ranks train the same step.
-See [a GRPO step] in ``exactga.grpo``, [three policy denominators] in ``exactga.policy`` and
-docs/grpo.md.
+See [a GRPO step] in ``exactga.grpo.step``, [three policy denominators] in ``exactga.grpo.policy``
+and docs/grpo.md.
 
 Launch from the repository root::
 
@@ -23,6 +23,7 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,29 +37,43 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.activations import apply_selective_activation_checkpointing
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
-from exactga import distributed
-from exactga.checkpointing import step_checkpointer_for
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import build_prompt_loader
-from exactga.frozen import build_frozen_model
-from exactga.grpo import StepRollouts, StepSettings, make_rollouts, ppo_windows, rollout_metrics
-from exactga.grpo_schemas import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig, loss_settings
-from exactga.kernels import choose_attention_kernels
-from exactga.metric_logging import open_metric_logger
-from exactga.model_state import load_model_state
-from exactga.normalization import LossNormalizer, Window
-from exactga.optimizers import build_optimizer, full_optimizer_state, load_full_optimizer_state
-from exactga.policy import PolicyMetrics, grpo_loss_step, loss_units_for
-from exactga.precision import Precision
+from exactga.accumulation.normalization import LossNormalizer, Window
+from exactga.accumulation.optimizers import (
+    build_optimizer,
+    full_optimizer_state,
+    load_full_optimizer_state,
+)
+from exactga.accumulation.step import StepContext
+from exactga.build.frozen import build_frozen_model
+from exactga.build.model_state import load_model_state
+from exactga.data.loader import build_prompt_loader
+from exactga.grpo.policy import PolicyMetrics, grpo_loss_step, loss_units_for
+from exactga.grpo.rewards import build_rewards
+from exactga.grpo.rollouts import SamplingSettings, check_prompt
+from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig, loss_settings
+from exactga.grpo.step import (
+    StepRollouts,
+    StepSettings,
+    make_rollouts,
+    ppo_windows,
+    rollout_metrics,
+)
+from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
-from exactga.progress import TrainingProgress
-from exactga.resume import find_resume_point, run_fingerprint, write_step_checkpoint
-from exactga.rewards import build_rewards
-from exactga.rollouts import SamplingSettings, check_prompt
-from exactga.steps import StepBook
-from exactga.threads import use_cpu_threads
-from exactga.training import train_window
+from exactga.run.checkpointing import step_checkpointer_for
+from exactga.run.metric_logging import open_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import (
+    find_resume_point,
+    run_fingerprint,
+    validate_run_config,
+    write_step_checkpoint,
+)
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime import distributed
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
 
 log = utils.get_logger("INFO")
 
@@ -71,12 +86,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     Policy and reference are sharded over the data-parallel ranks; the reference (weights from
     ``ref_checkpointer``, frozen at setup) is run under no_grad on each step's rollouts.
 
-    Features (each a config key; defaults in ``exactga.schemas`` and
-    ``exactga.grpo_schemas``):
+    Features (each a config key; defaults in ``exactga.config.schemas`` and
+    ``exactga.grpo.schema``):
         - Rollouts: ``grpo_samples`` completions per prompt, ``max_generated_tokens``,
           ``temperature``, ``top_k``, ``stop_token_ids``, with randomness drawn from (seed,
           step, prompt, sample) only; see [rollouts independent of the rank layout] in
-          ``exactga.rollouts``. Rewards are the config's ``rewards`` components, summed.
+          ``exactga.grpo.rollouts``. Rewards are the config's ``rewards`` components, summed.
         - Exact accumulation over micro-batches and ranks for each ``loss_aggregation``
           (``token_mean``, ``sequence_mean``, ``constant``): one all-reduce of the window's
           units per step, each micro-batch's mean scaled before backward; ``naive`` in
@@ -123,7 +138,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.dp_rank = self._mesh["dp"].get_local_rank()
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
@@ -133,7 +147,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
-        self._nonfinite_policy = cfg.nonfinite_loss
 
         # The RL keys (stock's names).
         self._batch_size = cfg.batch_size
@@ -142,8 +155,11 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._loss_aggregation = cfg.loss_aggregation
         self._loss_settings = loss_settings(cfg)
         # Step checkpoints only between rollout steps: the rollouts themselves are not saved.
-        self._save_every_n_steps = (
-            cfg.save_every_n_steps * cfg.ppo_epochs if cfg.save_every_n_steps else None
+        self._book_settings = replace(  # logging, saving, non-finite
+            StepBookSettings.from_config(cfg),
+            save_every_n_steps=cfg.save_every_n_steps * cfg.ppo_epochs
+            if cfg.save_every_n_steps
+            else None,
         )
 
         # Epochs, steps and their outcomes; a resume sets them in setup. An epoch is at most
@@ -345,7 +361,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     ) -> Optimizer:
         # optimizer_in_bwd: one optimizer per parameter, stepped inside backward on its sharded,
         # reduced gradient, behind the optimizer's interface; see [optimizer in backward] in
-        # exactga.optimizers.
+        # exactga.accumulation.optimizers.
         optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
         if opt_state_dict:
             load_full_optimizer_state(self._model, optimizer, opt_state_dict, self._device)
@@ -396,7 +412,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _make_rollouts(self, prompts: list[dict[str, Any]], rollout_step: int) -> StepRollouts:
         """Generate, score and record log-probs for one step's prompts on this rank; see
-        [a GRPO step] in exactga.grpo."""
+        [a GRPO step] in exactga.grpo.step."""
         return make_rollouts(
             self._model,
             self._ref_model,
@@ -443,27 +459,21 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                     rollout_step = progress.global_step // self._ppo_epochs
                     rollouts = self._make_rollouts(prompts, rollout_step)
                     self._rollouts = rollouts  # read by _window_metrics on logged steps
-                    for window in ppo_windows(rollouts, self._step_settings, self._normalizer):
+                    for window in steps.training(
+                        ppo_windows(rollouts, self._step_settings, self._normalizer)
+                    ):
                         self._policy_metrics.clear()  # this pass's KL and clipping
-                        outcome = train_window(
-                            window,
-                            model=self._model,
-                            loss_step=self._loss_step,
-                            optimizer=self._optimizer,
-                            profiler=self._profiler,
-                            device=self._device,
-                            step=progress.global_step + 1,
-                            clip_grad_norm=self._clip_grad_norm,
-                            micro_batch_context=partial(
-                                distributed.gradient_sync, self._model, self._gradient_sync
-                            ),
-                            announce_skip=self._is_rank_zero,
-                        )
+                        for batch in window:  # this rank's micro-batches, on the device
+                            loss = self._loss_step(batch)  # forward and mean loss: edit here
+                            window.backward(loss)  # weighed by its exact share, then backward
+                        outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                         report = steps.end_step(window, outcome)  # .loss: on logged steps
                         log.debug(
                             "step %d: loss %s", report.step, report.loss
                         )  # print() is bar-safe
-                next(prompt_batches, None)  # lets the loader see its end, as exactga.normalization
+                next(
+                    prompt_batches, None
+                )  # lets the loader see its end, as exactga.accumulation.normalization
                 steps.end_epoch(curr_epoch)
         self._report_outputs()
 
@@ -482,19 +492,23 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
         return StepBook(
             self._progress,
+            context=StepContext(
+                self._model,
+                self._device,
+                self._profiler,
+                partial(distributed.gradient_sync, self._model, self._gradient_sync),
+                announce_skip=self._is_rank_zero,
+            ),
             dataloader=self._dataloader,
             normalizer=self._normalizer,
-            profiler=self._profiler,
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
-            nonfinite_policy=self._nonfinite_policy,
+            settings=self._book_settings,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
-            save_every_n_steps=self._save_every_n_steps,
-            log_every_n_steps=self._log_every_n_steps,
             metric_logger=self._metric_logger if self._is_rank_zero else None,
             world_size=self.world_size,
             memory_device=self._device if self._log_peak_memory_stats else None,
@@ -517,7 +531,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, GrpoDistributedConfig, RECIPE_NAME, check_files=True)
+    cfg = validate_run_config(cfg, GrpoDistributedConfig, RECIPE_NAME)
     if distributed.is_rank_zero():
         config.log_config(recipe_name="GRPOFullFinetuneRecipeDistributed", cfg=cfg)
     recipe = GRPOFullFinetuneRecipeDistributed(cfg=cfg)

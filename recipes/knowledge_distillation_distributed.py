@@ -5,12 +5,12 @@ unchanged, with the same artefacts, written by rank 0 (student adapters in torch
 PEFT's format with ``adapter_config.json``; merged student weights unless
 ``save_adapter_weights_only``) and metrics (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
 ``tokens_per_second_per_gpu``), plus ours. Student and teacher are both sharded over the
-data-parallel ranks; the teacher runs under no_grad (exactga.frozen). What differs from stock:
+data-parallel ranks; the teacher runs under no_grad (exactga.build.frozen). What differs from stock:
 the loss of
 each optimizer step is exactly ``(1 - kd_ratio)`` times the full-batch class loss plus
 ``kd_ratio`` times the full-batch KD loss of the window over every rank, whatever the split into
 ranks and micro-batches, with no pass over the gradients; ranks may hold very different token
-counts, or none; ``device: cpu`` runs (gloo). See ``exactga.distillation`` and
+counts, or none; ``device: cpu`` runs (gloo). See ``exactga.kd.distillation`` and
 docs/knowledge_distillation_distributed.md.
 
 Launch from the repository root::
@@ -37,32 +37,30 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga import distributed
-from exactga.checkpointing import step_checkpointer_for
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
-from exactga.frozen import freeze_model
-from exactga.kernels import choose_attention_kernels
-from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
-from exactga.metric_logging import open_metric_logger
-from exactga.normalization import LossNormalizer
-from exactga.precision import Precision
+from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.step import StepContext
+from exactga.build.frozen import freeze_model
+from exactga.build.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
+from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.kd.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
+from exactga.kd.schema import KnowledgeDistillationDistributedConfig
+from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
-from exactga.progress import TrainingProgress
-from exactga.resume import (
+from exactga.run.checkpointing import step_checkpointer_for
+from exactga.run.metric_logging import open_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import (
     checkpointer_source,
     find_resume_point,
     run_fingerprint,
+    validate_run_config,
     write_step_checkpoint,
 )
-from exactga.schemas import KnowledgeDistillationDistributedConfig
-from exactga.steps import StepBook
-from exactga.threads import use_cpu_threads
-from exactga.training import (
-    train_window,
-)
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime import distributed
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
 
 log = utils.get_logger("INFO")
 
@@ -76,11 +74,11 @@ class KDRecipeDistributed(FTRecipeInterface):
     ``shard_model``, its parameters frozen); only the student's adapters get gradients,
     optimizer state and gradient reductions.
 
-    Features (each a config key; defaults in ``exactga.schemas``):
+    Features (each a config key; defaults in ``exactga.config.schemas``):
         - The loss (``kd_ratio`` = r): ``(1 - r) loss + r kd_loss``, both means over the same
           loss tokens, so each micro-batch's mix is weighted by the window's one count over
           every rank, after the label shift; the KD loss's denominator is checked on the first
-          batch. See [two token-normalised losses] in ``exactga.distillation``.
+          batch. See [two token-normalised losses] in ``exactga.kd.distillation``.
         - Exact accumulation over micro-batches and ranks, ``gradient_sync``,
           ``micro_batching``, skipped empty windows, ``fsdp_cpu_offload``,
           ``fsdp_reshard_after_forward``, ``custom_sharded_layers`` (student and teacher),
@@ -100,7 +98,7 @@ class KDRecipeDistributed(FTRecipeInterface):
 
     Raises:
         ValueError: bad values and impossible combinations of config keys, at start-up
-            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
+            (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -123,7 +121,7 @@ class KDRecipeDistributed(FTRecipeInterface):
         self.dp_rank = self._mesh["dp"].get_local_rank()
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.log_every_n_steps
+        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
@@ -144,8 +142,6 @@ class KDRecipeDistributed(FTRecipeInterface):
             total_epochs=cfg.epochs,
             max_steps_per_epoch=cfg.max_steps_per_epoch,
         )
-        self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = cfg.nonfinite_loss
         self._kd_ratio = cfg.kd_ratio
 
     def setup(self, cfg: DictConfig) -> None:
@@ -202,7 +198,7 @@ class KDRecipeDistributed(FTRecipeInterface):
             dp_group=distributed.dp_group(self._mesh),
         )
 
-        # Data order, row checks and loader position: see [data order] in exactga.data.
+        # Data order, row checks and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         self._dataloader = dataloader_from_config(
             dataset,
@@ -280,7 +276,7 @@ class KDRecipeDistributed(FTRecipeInterface):
                 if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
                     m.rope_init()
         # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
-        # the same on any number of ranks; see [adapter init] in exactga.lora.
+        # the same on any number of ranks; see [adapter init] in exactga.build.lora.
         load_lora_weights(
             model,
             self._lora,
@@ -442,20 +438,10 @@ class KDRecipeDistributed(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in progress.epochs():
                 for window in steps.windows(curr_epoch):
-                    outcome = train_window(
-                        window,
-                        model=self._model,
-                        loss_step=self._distiller.loss_step,
-                        optimizer=self._optimizer,
-                        profiler=self._profiler,
-                        device=self._device,
-                        step=progress.global_step + 1,
-                        clip_grad_norm=self._clip_grad_norm,
-                        micro_batch_context=partial(
-                            distributed.gradient_sync, self._model, self._gradient_sync
-                        ),
-                        announce_skip=self._is_rank_zero,
-                    )
+                    for batch in window:  # this rank's micro-batches, on the device
+                        loss = self._distiller.loss_step(batch)  # forward and mean loss: edit here
+                        window.backward(loss)  # weighed by its exact share, then backward
+                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
@@ -463,19 +449,23 @@ class KDRecipeDistributed(FTRecipeInterface):
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
         return StepBook(
             self._progress,
+            context=StepContext(
+                self._model,
+                self._device,
+                self._profiler,
+                partial(distributed.gradient_sync, self._model, self._gradient_sync),
+                announce_skip=self._is_rank_zero,
+            ),
             dataloader=self._dataloader,
             normalizer=self._normalizer,
-            profiler=self._profiler,
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
-            nonfinite_policy=self._nonfinite_policy,
+            settings=self._book_settings,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
-            save_every_n_steps=self._save_every_n_steps,
-            log_every_n_steps=self._log_every_n_steps,
             metric_logger=self._metric_logger if self._is_rank_zero else None,
             world_size=self.world_size,
             memory_device=self._device if self._log_peak_memory_stats else None,
@@ -499,9 +489,7 @@ class KDRecipeDistributed(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(
-        cfg, KnowledgeDistillationDistributedConfig, RECIPE_NAME, check_files=True
-    )
+    cfg = validate_run_config(cfg, KnowledgeDistillationDistributedConfig, RECIPE_NAME)
     if distributed.is_rank_zero():
         config.log_config(recipe_name="KDRecipeDistributed", cfg=cfg)
     recipe = KDRecipeDistributed(cfg=cfg)

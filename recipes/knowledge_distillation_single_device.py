@@ -8,7 +8,7 @@ PEFT's format with ``adapter_config.json``; merged student weights unless
 ``tokens_per_second_per_gpu``), plus ours. What differs is the loss of each optimizer step:
 ``(1 - kd_ratio)`` times the class loss plus ``kd_ratio`` times the KD loss, each exactly the
 full-batch mean over the window's loss tokens whatever the split into micro-batches, with no
-pass over the gradients; see ``exactga.distillation`` and
+pass over the gradients; see ``exactga.kd.distillation`` and
 docs/knowledge_distillation_single_device.md.
 
 Launch from the repository root (or any folder holding your copy of this file)::
@@ -34,31 +34,29 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.checkpointing import step_checkpointer_for
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
-from exactga.frozen import freeze_model
-from exactga.kernels import choose_attention_kernels
-from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
-from exactga.metric_logging import open_metric_logger
-from exactga.normalization import LossNormalizer
-from exactga.precision import Precision
+from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.step import StepContext
+from exactga.build.frozen import freeze_model
+from exactga.build.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
+from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.kd.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
+from exactga.kd.schema import KnowledgeDistillationSingleDeviceConfig
+from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
-from exactga.progress import TrainingProgress
-from exactga.resume import (
+from exactga.run.checkpointing import step_checkpointer_for
+from exactga.run.metric_logging import open_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import (
     checkpointer_source,
     find_resume_point,
     run_fingerprint,
+    validate_run_config,
     write_step_checkpoint,
 )
-from exactga.schemas import KnowledgeDistillationSingleDeviceConfig
-from exactga.steps import StepBook
-from exactga.threads import use_cpu_threads
-from exactga.training import (
-    train_window,
-)
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
 
 log = utils.get_logger("INFO")
 
@@ -69,20 +67,20 @@ class KDRecipeSingleDevice(FTRecipeInterface):
     """Distils a frozen teacher into LoRA adapters on a frozen student, on one device.
 
     The teacher (``teacher_model`` from ``teacher_checkpointer``) is frozen and runs under
-    no_grad (exactga.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
+    no_grad (exactga.build.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
     builder), so only its adapters get gradients and optimizer state.
 
-    Features (each a config key; defaults in ``exactga.schemas``):
+    Features (each a config key; defaults in ``exactga.config.schemas``):
         - The loss (``kd_ratio`` = r): ``(1 - r) loss + r kd_loss``, the class loss and the KD
           loss (``kd_loss``: torchtune's forward, reverse or symmetric KL, chunked or not) both
           means over the same loss tokens, so each micro-batch's mix is weighted by the
           window's one count after the label shift; the KD loss's denominator is checked on the
           first batch, as the class loss's is. See [two token-normalised losses] in
-          ``exactga.distillation``.
+          ``exactga.kd.distillation``.
         - Exact gradient accumulation (``gradient_accumulation_steps``), ``loss_normalization``,
           ``micro_batching``, ``drop_partial_window``, skipped empty windows
           (``skipped_steps``): as in recipes/lora_finetune_single_device.py, through the same
-          ``exactga.normalization`` calls.
+          ``exactga.accumulation.normalization`` calls.
         - Precision (``dtype``: fp32 or bf16; ``master_weights``: fp32 adapters over the bf16
           base by default), activation checkpointing and offloading (of the student),
           ``compile`` (both models and both losses), ``clip_grad_norm``, schedulers, low-bit
@@ -101,7 +99,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
 
     Raises:
         ValueError: bad values and impossible combinations of config keys, at start-up
-            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
+            (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -112,7 +110,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.log_every_n_steps
+        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
@@ -122,8 +120,6 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
-        self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = cfg.nonfinite_loss
         self._kd_ratio = cfg.kd_ratio
 
         # LoRA settings, read from the model section as stock does.
@@ -189,7 +185,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             mode=self._loss_normalization,
         )
 
-        # Data order, row checks and loader position: see [data order] in exactga.data.
+        # Data order, row checks and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         self._dataloader = dataloader_from_config(
             dataset,
@@ -243,7 +239,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             )
 
         # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
-        # as the distributed recipe does; see [adapter init] in exactga.lora.
+        # as the distributed recipe does; see [adapter init] in exactga.build.lora.
         load_lora_weights(
             model,
             self._lora,
@@ -351,16 +347,10 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in progress.epochs():
                 for window in steps.windows(curr_epoch):
-                    outcome = train_window(
-                        window,
-                        model=self._model,
-                        loss_step=self._distiller.loss_step,
-                        optimizer=self._optimizer,
-                        profiler=self._profiler,
-                        device=self._device,
-                        step=progress.global_step + 1,
-                        clip_grad_norm=self._clip_grad_norm,
-                    )
+                    for batch in window:  # this rank's micro-batches, on the device
+                        loss = self._distiller.loss_step(batch)  # forward and mean loss: edit here
+                        window.backward(loss)  # weighed by its exact share, then backward
+                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
@@ -368,19 +358,17 @@ class KDRecipeSingleDevice(FTRecipeInterface):
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
         return StepBook(
             self._progress,
+            context=StepContext(self._model, self._device, self._profiler),
             dataloader=self._dataloader,
             normalizer=self._normalizer,
-            profiler=self._profiler,
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
-            nonfinite_policy=self._nonfinite_policy,
+            settings=self._book_settings,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
-            save_every_n_steps=self._save_every_n_steps,
-            log_every_n_steps=self._log_every_n_steps,
             metric_logger=self._metric_logger,
             memory_device=self._device if self._log_peak_memory_stats else None,
             window_metrics=self._distiller.window_metrics,
@@ -400,9 +388,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(
-        cfg, KnowledgeDistillationSingleDeviceConfig, RECIPE_NAME, check_files=True
-    )
+    cfg = validate_run_config(cfg, KnowledgeDistillationSingleDeviceConfig, RECIPE_NAME)
     config.log_config(recipe_name="KDRecipeSingleDevice", cfg=cfg)
     recipe = KDRecipeSingleDevice(cfg=cfg)
     recipe.setup(cfg=cfg)

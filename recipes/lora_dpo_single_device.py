@@ -6,7 +6,7 @@ writes the same artefacts (adapter weights in torchtune's and PEFT's format with
 reference is the policy with its adapters off. What differs is each optimizer step: the loss is
 the mean of torchtune's per-pair ``DPOLoss`` (or ``RSOLoss``) over every pair of the window,
 whatever the split into micro-batches, where stock divides each micro-batch's mean by the
-accumulation count; see [pairs as loss units] in ``exactga.preference`` and docs/dpo.md.
+accumulation count; see [pairs as loss units] in ``exactga.dpo.preference`` and docs/dpo.md.
 
 Launch from the repository root (or any folder holding your copy of this file)::
 
@@ -30,36 +30,36 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.checkpointing import step_checkpointer_for
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.kernels import choose_attention_kernels
-from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
-from exactga.loss_units import IGNORE_INDEX
-from exactga.metric_logging import open_metric_logger
-from exactga.normalization import LossNormalizer
-from exactga.precision import Precision
-from exactga.preference import (
+from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.step import StepContext
+from exactga.build.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
+from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.dpo.preference import (
     DpoTerms,
     PreferenceMetrics,
     collate_pairs,
     dpo_loss_step,
     lora_reference,
 )
-from exactga.preference_schemas import DPO_FINGERPRINT_KEYS, LoraDpoSingleDeviceConfig
+from exactga.dpo.reference_logprobs import with_precomputed_reference
+from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoSingleDeviceConfig
+from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
-from exactga.progress import TrainingProgress
-from exactga.reference_logprobs import with_precomputed_reference
-from exactga.resume import (
+from exactga.run.checkpointing import step_checkpointer_for
+from exactga.run.metric_logging import open_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import (
     checkpointer_source,
     find_resume_point,
     run_fingerprint,
+    validate_run_config,
     write_step_checkpoint,
 )
-from exactga.steps import StepBook
-from exactga.threads import use_cpu_threads
-from exactga.training import train_window
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
 
 log = utils.get_logger("INFO")
 
@@ -72,8 +72,8 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
     The base weights are frozen; only the adapters train. The reference log-probs come from
     the same model with its adapters off, under no_grad, before the policy's forward.
 
-    Features (each a config key; defaults in ``exactga.schemas`` and
-    ``exactga.preference_schemas``):
+    Features (each a config key; defaults in ``exactga.config.schemas`` and
+    ``exactga.dpo.schema``):
         - Exact accumulation over pairs (``gradient_accumulation_steps``): each window's pairs
           are counted on the host and each micro-batch's mean loss over its pairs is scaled by
           ``batch_pairs / window_pairs`` before backward. An epoch's last, short window is a
@@ -117,20 +117,18 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.log_every_n_steps
+        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
-        # What the loss is beyond the per-pair ``loss``: see exactga.preference.DpoTerms.
+        # What the loss is beyond the per-pair ``loss``: see exactga.dpo.preference.DpoTerms.
         self._dpo_terms = DpoTerms(rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob)
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
-        self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = cfg.nonfinite_loss
 
         # LoRA settings, read from the model section as stock does.
         self._lora = LoraSettings.from_config(cfg.model)
@@ -179,9 +177,9 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         self._reference = lora_reference(self._model, self._precision)
         self._metrics = PreferenceMetrics(self._device, self._dpo_terms)
 
-        # Data order, row checks and loader position: see [data order] in exactga.data.
+        # Data order, row checks and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
-        # See [precomputed reference] in exactga.reference_logprobs.
+        # See [precomputed reference] in exactga.dpo.reference_logprobs.
         if cfg.precompute_reference_logprobs:
             self._reference, dataset = with_precomputed_reference(
                 self._reference,
@@ -242,7 +240,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             )
 
         # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
-        # as the distributed recipe does; see [adapter init] in exactga.lora.
+        # as the distributed recipe does; see [adapter init] in exactga.build.lora.
         load_lora_weights(
             model,
             self._lora,
@@ -344,16 +342,10 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in progress.epochs():
                 for window in steps.windows(curr_epoch):
-                    outcome = train_window(
-                        window,
-                        model=self._model,
-                        loss_step=self._loss_step,
-                        optimizer=self._optimizer,
-                        profiler=self._profiler,
-                        device=self._device,
-                        step=progress.global_step + 1,
-                        clip_grad_norm=self._clip_grad_norm,
-                    )
+                    for batch in window:  # this rank's micro-batches, on the device
+                        loss = self._loss_step(batch)  # forward and mean loss: edit here
+                        window.backward(loss)  # weighed by its exact share, then backward
+                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
@@ -361,19 +353,17 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
         return StepBook(
             self._progress,
+            context=StepContext(self._model, self._device, self._profiler),
             dataloader=self._dataloader,
             normalizer=self._normalizer,
-            profiler=self._profiler,
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
-            nonfinite_policy=self._nonfinite_policy,
+            settings=self._book_settings,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
-            save_every_n_steps=self._save_every_n_steps,
-            log_every_n_steps=self._log_every_n_steps,
             metric_logger=self._metric_logger,
             memory_device=self._device if self._log_peak_memory_stats else None,
             window_metrics=self._metrics.window_metrics,
@@ -393,7 +383,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, LoraDpoSingleDeviceConfig, RECIPE_NAME, check_files=True)
+    cfg = validate_run_config(cfg, LoraDpoSingleDeviceConfig, RECIPE_NAME)
     config.log_config(recipe_name="LoRADPORecipeSingleDevice", cfg=cfg)
     recipe = LoRADPORecipeSingleDevice(cfg=cfg)
     recipe.setup(cfg=cfg)

@@ -9,7 +9,7 @@ whatever the split into ranks and micro-batches, with no pass over the gradients
 hold very different token counts, or none; ``device: cpu`` runs (gloo), which stock 0.6.1 does
 not; the initial adapters do not depend on the number of ranks; and gradients may be reduced
 once per window instead of after every micro-batch (``gradient_sync``). See
-``exactga.normalization``, docs/math.md and docs/lora_finetune_distributed.md.
+``exactga.accumulation.normalization``, docs/math.md and docs/lora_finetune_distributed.md.
 
 Launch from the repository root::
 
@@ -37,31 +37,29 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga import distributed
-from exactga.checkpointing import step_checkpointer_for
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.kernels import choose_attention_kernels
-from exactga.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
-from exactga.metric_logging import open_metric_logger
-from exactga.normalization import LossNormalizer
-from exactga.precision import Precision
+from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.step import StepContext
+from exactga.build.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
+from exactga.config.schemas import LoraFinetuneDistributedConfig
+from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
-from exactga.progress import TrainingProgress
-from exactga.resume import (
+from exactga.run.checkpointing import step_checkpointer_for
+from exactga.run.metric_logging import open_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import (
     checkpointer_source,
     find_resume_point,
     run_fingerprint,
+    validate_run_config,
     write_step_checkpoint,
 )
-from exactga.schemas import LoraFinetuneDistributedConfig
-from exactga.steps import StepBook
-from exactga.threads import use_cpu_threads
-from exactga.training import (
-    causal_lm_loss,
-    train_window,
-)
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime import distributed
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
+from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
 
@@ -74,7 +72,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
     The base weights are frozen (NF4-quantised with a ``qlora_*`` builder); only the adapter
     parameters get gradients and optimizer state, and only they are reduced across ranks.
 
-    Features (each a config key; defaults in ``exactga.schemas``):
+    Features (each a config key; defaults in ``exactga.config.schemas``):
         - Exact accumulation over micro-batches *and* data-parallel ranks, as in
           recipes/full_finetune_distributed.py: one all-reduce of the window's loss-token count
           over the data-parallel group per step, each micro-batch loss scaled by ``dp_size *
@@ -105,7 +103,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
 
     Raises:
         ValueError: bad values and impossible combinations of config keys, at start-up
-            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
+            (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -128,7 +126,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self.dp_rank = self._mesh["dp"].get_local_rank()
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.log_every_n_steps
+        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
@@ -149,8 +147,6 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             total_epochs=cfg.epochs,
             max_steps_per_epoch=cfg.max_steps_per_epoch,
         )
-        self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = cfg.nonfinite_loss
 
     def setup(self, cfg: DictConfig) -> None:
         self._step_checkpointer = step_checkpointer_for(
@@ -191,7 +187,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             dp_group=distributed.dp_group(self._mesh),
         )
 
-        # Data order, row checks and loader position: see [data order] in exactga.data.
+        # Data order, row checks and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         self._dataloader = dataloader_from_config(
             dataset,
@@ -269,7 +265,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
                     m.rope_init()
         # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
-        # the same on any number of ranks; see [adapter init] in exactga.lora.
+        # the same on any number of ranks; see [adapter init] in exactga.build.lora.
         load_lora_weights(
             model,
             self._lora,
@@ -395,20 +391,10 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in progress.epochs():
                 for window in steps.windows(curr_epoch):
-                    outcome = train_window(
-                        window,
-                        model=self._model,
-                        loss_step=self._loss_step,
-                        optimizer=self._optimizer,
-                        profiler=self._profiler,
-                        device=self._device,
-                        step=progress.global_step + 1,
-                        clip_grad_norm=self._clip_grad_norm,
-                        micro_batch_context=partial(
-                            distributed.gradient_sync, self._model, self._gradient_sync
-                        ),
-                        announce_skip=self._is_rank_zero,
-                    )
+                    for batch in window:  # this rank's micro-batches, on the device
+                        loss = self._loss_step(batch)  # forward and mean loss: edit here
+                        window.backward(loss)  # weighed by its exact share, then backward
+                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
@@ -416,19 +402,23 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
         return StepBook(
             self._progress,
+            context=StepContext(
+                self._model,
+                self._device,
+                self._profiler,
+                partial(distributed.gradient_sync, self._model, self._gradient_sync),
+                announce_skip=self._is_rank_zero,
+            ),
             dataloader=self._dataloader,
             normalizer=self._normalizer,
-            profiler=self._profiler,
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
-            nonfinite_policy=self._nonfinite_policy,
+            settings=self._book_settings,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
-            save_every_n_steps=self._save_every_n_steps,
-            log_every_n_steps=self._log_every_n_steps,
             metric_logger=self._metric_logger if self._is_rank_zero else None,
             world_size=self.world_size,
             memory_device=self._device if self._log_peak_memory_stats else None,
@@ -450,7 +440,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, LoraFinetuneDistributedConfig, RECIPE_NAME, check_files=True)
+    cfg = validate_run_config(cfg, LoraFinetuneDistributedConfig, RECIPE_NAME)
     if distributed.is_rank_zero():
         config.log_config(recipe_name="LoRAFinetuneRecipeDistributed", cfg=cfg)
     recipe = LoRAFinetuneRecipeDistributed(cfg=cfg)

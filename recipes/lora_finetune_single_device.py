@@ -5,8 +5,8 @@ it writes the same artefacts (adapter weights in torchtune's format and, through
 in PEFT's format with ``adapter_config.json``; merged full weights unless
 ``save_adapter_weights_only``). Only the adapters train. What differs is the loss of each
 optimizer step, which here is exactly the full-batch loss of the accumulation window whatever
-the split into micro-batches, with no pass over the gradients; see ``exactga.normalization`` and
-docs/math.md.
+the split into micro-batches, with no pass over the gradients; see
+``exactga.accumulation.normalization`` and docs/math.md.
 
 Launch from the repository root (or any folder holding your copy of this file)::
 
@@ -33,30 +33,28 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.checkpointing import step_checkpointer_for
-from exactga.cli import run_recipe
-from exactga.config import validate_config
-from exactga.data import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.kernels import choose_attention_kernels
-from exactga.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
-from exactga.metric_logging import open_metric_logger
-from exactga.normalization import LossNormalizer
-from exactga.precision import Precision
+from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.step import StepContext
+from exactga.build.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
+from exactga.config.schemas import LoraFinetuneSingleDeviceConfig
+from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
-from exactga.progress import TrainingProgress
-from exactga.resume import (
+from exactga.run.checkpointing import step_checkpointer_for
+from exactga.run.metric_logging import open_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import (
     checkpointer_source,
     find_resume_point,
     run_fingerprint,
+    validate_run_config,
     write_step_checkpoint,
 )
-from exactga.schemas import LoraFinetuneSingleDeviceConfig
-from exactga.steps import StepBook
-from exactga.threads import use_cpu_threads
-from exactga.training import (
-    causal_lm_loss,
-    train_window,
-)
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
+from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
 
@@ -69,7 +67,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     The base weights are frozen (NF4-quantised with a ``qlora_*`` builder or
     ``quantize_base: True``); only the adapter parameters get gradients and optimizer state.
 
-    Features (each a config key; defaults in ``exactga.schemas``):
+    Features (each a config key; defaults in ``exactga.config.schemas``):
         - Exact gradient accumulation (``gradient_accumulation_steps``): each window of micro-
           batches is prefetched, its loss tokens counted on the host after the label shift, and
           each micro-batch loss scaled by ``batch_tokens / window_tokens`` before backward. With
@@ -105,7 +103,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     Raises:
         ValueError: bad values and impossible combinations of config keys, at start-up
-            (``recipe_main``'s ``validate_config``; each schema's ``check_flags``).
+            (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -116,7 +114,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.log_every_n_steps
+        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
@@ -126,8 +124,6 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._compile = cfg.compile
         self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
         self._enable_activation_offloading = cfg.enable_activation_offloading
-        self._save_every_n_steps = cfg.save_every_n_steps
-        self._nonfinite_policy = cfg.nonfinite_loss
 
         # LoRA settings, read from the model section as stock does.
         self._lora = LoraSettings.from_config(cfg.model)
@@ -177,7 +173,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             mode=self._loss_normalization,
         )
 
-        # Data order, row checks and loader position: see [data order] in exactga.data.
+        # Data order, row checks and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         self._dataloader = dataloader_from_config(
             dataset,
@@ -231,7 +227,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
 
         # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
-        # as the distributed recipe does; see [adapter init] in exactga.lora.
+        # as the distributed recipe does; see [adapter init] in exactga.build.lora.
         load_lora_weights(
             model,
             self._lora,
@@ -326,16 +322,10 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         with self._profiler:
             for curr_epoch in progress.epochs():
                 for window in steps.windows(curr_epoch):
-                    outcome = train_window(
-                        window,
-                        model=self._model,
-                        loss_step=self._loss_step,
-                        optimizer=self._optimizer,
-                        profiler=self._profiler,
-                        device=self._device,
-                        step=progress.global_step + 1,
-                        clip_grad_norm=self._clip_grad_norm,
-                    )
+                    for batch in window:  # this rank's micro-batches, on the device
+                        loss = self._loss_step(batch)  # forward and mean loss: edit here
+                        window.backward(loss)  # weighed by its exact share, then backward
+                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
@@ -343,19 +333,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.steps``."""
+        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
         return StepBook(
             self._progress,
+            context=StepContext(self._model, self._device, self._profiler),
             dataloader=self._dataloader,
             normalizer=self._normalizer,
-            profiler=self._profiler,
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
-            nonfinite_policy=self._nonfinite_policy,
+            settings=self._book_settings,
             save_step_checkpoint=self.save_step_checkpoint,
             save_epoch_checkpoint=self.save_checkpoint,
-            save_every_n_steps=self._save_every_n_steps,
-            log_every_n_steps=self._log_every_n_steps,
             metric_logger=self._metric_logger,
             memory_device=self._device if self._log_peak_memory_stats else None,
         )
@@ -373,7 +361,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains."""
-    cfg = validate_config(cfg, LoraFinetuneSingleDeviceConfig, RECIPE_NAME, check_files=True)
+    cfg = validate_run_config(cfg, LoraFinetuneSingleDeviceConfig, RECIPE_NAME)
     config.log_config(recipe_name="LoRAFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = LoRAFinetuneRecipeSingleDevice(cfg=cfg)
     recipe.setup(cfg=cfg)

@@ -44,15 +44,16 @@ class TorchtuneCliPatcher:
 
     - ``torchtune._recipe_registry``: exactga's recipes and configs join the built-in ones
       under an ``exactga/`` prefix, for ``tune ls``, ``tune cp`` and ``tune run``
-      (``exactga.registry.add_to_torchtune_registry``);
+      (``exactga.launch.registry.add_to_torchtune_registry``);
     - ``torchtune._cli.run``: its torchrun path prints a user error's one message and no
-      launcher traceback (``exactga.cli.quiet_user_errors_under_torchrun``; see [user errors]).
+      launcher traceback (``exactga.launch.cli.quiet_user_errors_under_torchrun``; see [user
+      errors]).
     """
 
     # module imported -> (exactga module, its function that patches it)
     _PATCHES = {
-        "torchtune._recipe_registry": ("exactga.registry", "add_to_torchtune_registry"),
-        "torchtune._cli.run": ("exactga.cli", "quiet_user_errors_under_torchrun"),
+        "torchtune._recipe_registry": ("exactga.launch.registry", "add_to_torchtune_registry"),
+        "torchtune._cli.run": ("exactga.launch.cli", "quiet_user_errors_under_torchrun"),
     }
 
     @classmethod

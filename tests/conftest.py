@@ -126,7 +126,7 @@ def bundled_dataset():
     from omegaconf import OmegaConf
     from torchtune import config
 
-    from exactga.data import load_dataset
+    from exactga.data.loader import load_dataset
 
     configs = Path(__file__).resolve().parents[1] / "configs" / "tiny"
     cfg = OmegaConf.load(configs / "full_single_device.yaml")

@@ -1,10 +1,10 @@
 """Windows of already-collated micro-batches, for the tests and benchmarks that make them by hand.
 
-The recipes' windows come from ``exactga.data``'s loader, the one owner of the window settings
-(``gradient_accumulation_steps``, ``micro_batching``, ``drop_partial_window``): see [data order]
-there. Tests and benchmarks that build their own collated micro-batches group them here,
+The recipes' windows come from ``exactga.data.loader``'s loader, the one owner of the window
+settings (``gradient_accumulation_steps``, ``micro_batching``, ``drop_partial_window``): see [data
+order] there. Tests and benchmarks that build their own collated micro-batches group them here,
 ``gradient_accumulation_steps`` at a time in their order, into the same :class:`SampleWindow`s
-the loader yields, and hand those to :class:`exactga.normalization.LossNormalizer`.
+the loader yields, and hand those to :class:`exactga.accumulation.normalization.LossNormalizer`.
 :class:`GroupingNormalizer` does both in one object, with the old constructor's arguments.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from exactga.micro_batching import SampleWindow
-from exactga.normalization import LossNormalizer, Window
+from exactga.accumulation.normalization import LossNormalizer, Window
+from exactga.data.micro_batching import SampleWindow
 
 
 def check_window_size(gradient_accumulation_steps: int) -> None:

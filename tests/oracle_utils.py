@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from unit_utils import collate
 
-from exactga.loss_units import IGNORE_INDEX
+from exactga.accumulation.loss_units import IGNORE_INDEX
 
 Rows = list[tuple[torch.Tensor, torch.Tensor]]  # (tokens, labels) of each sample, unpadded
 

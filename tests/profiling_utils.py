@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from exactga.normalization import gradient_scaling_pass
+from exactga.accumulation.normalization import gradient_scaling_pass
 from exactga.profiling import REPORT_RUN, REPORT_TAG
 from exactga.profiling.saved_latency import synchronize
 

@@ -1,4 +1,4 @@
-"""The layout STYLE.md points 2, 8 and 10 ask for, checked by reading the source.
+"""The layout of the library and the recipes, checked by reading the source.
 
 Recipes are leaf scripts that call the library for everything that decides numbers, data order,
 resume position or saved artefacts; the library never imports a recipe; each named note is
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from exactga.options import Option
+from exactga.config.options import Option
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.py"))
@@ -27,21 +27,21 @@ TRAINING_RECIPES = [p for p in RECIPES if p.stem != "ga_parity"]
 # Names whose use in a recipe means it decides, on its own, something the library decides:
 # the data order and loader, loss weighting, counters, resume, saved adapters.
 LIBRARY_ONLY_NAMES = {
-    "StatefulDistributedSampler": "the sampler (exactga.data.build_dataloader)",
-    "StatefulDataLoader": "the data loader (exactga.data.build_dataloader)",
-    "ConcatDataset": "the dataset (exactga.data.load_dataset)",
-    "checked_dataset": "the dataset (exactga.data.load_dataset)",
-    "scale_grads": "gradient scaling (exactga.normalization)",
-    "get_merged_lora_ckpt": "the saved adapters (exactga.lora.epoch_checkpoint_weights)",
-    "get_adapter_state_dict": "the saved adapters (exactga.lora.epoch_checkpoint_weights)",
-    "restore_rng_state": "resume (exactga.resume.ResumePoint)",
-    "capture_rng_state": "resume (exactga.resume.write_step_checkpoint)",
-    "handle_nonfinite_loss": "the non-finite policy (exactga.steps.StepBook)",
-    "close_epoch": "the save order at an epoch's end (exactga.steps.StepBook)",
-    "step_metrics": "the logged metrics (exactga.steps.StepBook)",
-    "log_dict": "what is logged (exactga.steps.StepBook)",
+    "StatefulDistributedSampler": "the sampler (exactga.data.loader.build_dataloader)",
+    "StatefulDataLoader": "the data loader (exactga.data.loader.build_dataloader)",
+    "ConcatDataset": "the dataset (exactga.data.loader.load_dataset)",
+    "checked_dataset": "the dataset (exactga.data.loader.load_dataset)",
+    "scale_grads": "gradient scaling (exactga.accumulation.normalization)",
+    "get_merged_lora_ckpt": "the saved adapters (exactga.build.lora.epoch_checkpoint_weights)",
+    "get_adapter_state_dict": "the saved adapters (exactga.build.lora.epoch_checkpoint_weights)",
+    "restore_rng_state": "resume (exactga.run.resume.ResumePoint)",
+    "capture_rng_state": "resume (exactga.run.resume.write_step_checkpoint)",
+    "handle_nonfinite_loss": "the non-finite policy (exactga.run.steps.StepBook)",
+    "close_epoch": "the save order at an epoch's end (exactga.run.steps.StepBook)",
+    "step_metrics": "the logged metrics (exactga.run.steps.StepBook)",
+    "log_dict": "what is logged (exactga.run.steps.StepBook)",
 }
-# Counters only TrainingProgress moves; see exactga.progress.
+# Counters only TrainingProgress moves; see exactga.run.progress.
 COUNTERS = ("global_step", "epochs_run", "num_skipped_steps", "num_nonfinite_steps")
 
 
@@ -121,7 +121,7 @@ def test_every_named_note_is_defined_once_and_every_citation_finds_it() -> None:
 
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
 def test_recipes_leave_the_step_bookkeeping_to_the_library(recipe: Path) -> None:
-    """The throughput figure and the epoch's data order are decided in exactga.steps; see
+    """The throughput figure and the epoch's data order are decided in exactga.run.steps; see
     [step bookkeeping]. The calls that decide the rest are in LIBRARY_ONLY_NAMES."""
     identifiers = set()
     for node in ast.walk(ast.parse(recipe.read_text())):
@@ -132,7 +132,7 @@ def test_recipes_leave_the_step_bookkeeping_to_the_library(recipe: Path) -> None
         elif isinstance(node, ast.keyword) and node.arg:
             identifiers.add(node.arg)
     for name in ("tokens_per_second_per_gpu", "set_epoch"):
-        assert name not in identifiers, f"{recipe.name} uses {name} (exactga.steps.StepBook)"
+        assert name not in identifiers, f"{recipe.name} uses {name} (exactga.run.steps.StepBook)"
 
 
 def _exactga_imports(path: Path) -> set[str]:
@@ -146,55 +146,130 @@ def _exactga_imports(path: Path) -> set[str]:
     return {module for module in modules if module.split(".")[0] == "exactga"}
 
 
-def _module_path(module: str) -> Path:
-    base = REPO / "src" / Path(*module.split("."))
-    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+# The packages of src/exactga and what each may import besides itself: layers at the bottom,
+# one package per loss family above them (a family never imports another), then the parity
+# report, which trains every family. The profiler is the recipes' (and the report's): the step
+# takes it as an argument and never imports it. docs/architecture.md draws the same table.
+LAYERS = ("config", "launch", "runtime", "data", "accumulation", "run", "build")
+FAMILIES = ("sft", "kd", "dpo", "grpo")
+ALLOWED_IMPORTS = {
+    "config": set(),
+    "launch": set(),
+    "runtime": {"config"},
+    "data": {"config", "runtime"},
+    "accumulation": {"config", "runtime", "data"},
+    "run": {"config", "runtime", "data", "accumulation"},
+    "build": {"config", "runtime", "run"},
+    "models": {"config", "runtime", "build"},
+    **{
+        family: {"config", "runtime", "data", "accumulation", "build", "models"}
+        for family in FAMILIES
+    },
+    "profiling": {"config", "runtime", "data", "accumulation"},
+    "parity": {*LAYERS, *FAMILIES, "models", "profiling"} - {"launch"},
+}
 
 
-def test_the_schemas_import_no_runtime_module() -> None:
-    """STYLE.md point 13: settings flow down. exactga.schemas imports only bottom modules,
-    which import nothing from exactga (the enums of exactga.options, the profiler's
-    settings); the runtime imports the same ones, so neither copies the other's values."""
-    imported = _exactga_imports(REPO / "src" / "exactga" / "schemas.py")
-    assert "exactga.options" in imported, "the schemas take their enums from exactga.options"
-    for module in imported:
-        below = _exactga_imports(_module_path(module))
-        assert not below, f"schemas.py imports {module}, which imports {sorted(below)}"
+def _package_of(path: Path) -> str:
+    """The package of src/exactga a module belongs to (``exactga`` for the top ``__init__``)."""
+    parts = path.relative_to(REPO / "src" / "exactga").parts
+    return parts[0] if len(parts) > 1 else "exactga"
 
 
-def test_the_dpo_schemas_import_only_the_schemas_and_bottom_modules() -> None:
-    """exactga.preference_schemas extends exactga.schemas by the same rule."""
-    imported = _exactga_imports(REPO / "src" / "exactga" / "preference_schemas.py")
-    assert "exactga.schemas" in imported
-    for module in imported - {"exactga.schemas"}:
-        below = _exactga_imports(_module_path(module))
-        assert not below, f"preference_schemas.py imports {module}, which imports {sorted(below)}"
+def _package_imports() -> dict[str, dict[str, set[str]]]:
+    """package -> {imported package -> the modules of package that import it}."""
+    graph: dict[str, dict[str, set[str]]] = {}
+    for path in LIBRARY:
+        package = _package_of(path)
+        for module in _exactga_imports(path):
+            target = module.split(".")[1] if "." in module else "exactga"
+            if target != package:
+                graph.setdefault(package, {}).setdefault(target, set()).add(path.name)
+    return graph
+
+
+def test_every_library_module_lives_in_a_package_of_the_table() -> None:
+    packages = {_package_of(path) for path in LIBRARY} - {"exactga"}
+    assert packages == set(ALLOWED_IMPORTS), (
+        f"packages not in ALLOWED_IMPORTS: {sorted(packages - set(ALLOWED_IMPORTS))}; "
+        f"in it but gone: {sorted(set(ALLOWED_IMPORTS) - packages)}"
+    )
+    top = [path.name for path in LIBRARY if _package_of(path) == "exactga"]
+    assert top == ["__init__.py"], f"modules outside a package: {top}"
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED_IMPORTS))
+def test_a_package_imports_only_what_the_table_allows(package: str) -> None:
+    """See ALLOWED_IMPORTS: no layer imports one above it, no family another family."""
+    imported = _package_imports().get(package, {})
+    forbidden = {
+        target: sorted(modules)
+        for target, modules in imported.items()
+        if target not in ALLOWED_IMPORTS[package]
+    }
+    assert not forbidden, f"exactga.{package} imports what it may not: {forbidden}"
+
+
+def test_the_package_graph_has_no_cycle() -> None:
+    graph = {package: set(targets) for package, targets in _package_imports().items()}
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(package: str) -> None:
+        if package in visiting:
+            cycle = visiting[visiting.index(package) :] + [package]
+            pytest.fail(f"import cycle between packages: {' -> '.join(cycle)}")
+        if package in done:
+            return
+        visiting.append(package)
+        for target in sorted(graph.get(package, ())):
+            visit(target)
+        visiting.pop()
+        done.add(package)
+
+    for package in sorted(graph):
+        visit(package)
+
+
+@pytest.mark.parametrize("family", ["kd", "dpo", "grpo"])
+def test_a_family_schema_imports_only_the_config_package(family: str) -> None:
+    """Settings flow down: a family's keys extend exactga.config's schemas and import nothing
+    that runs, so validating a config loads no model, loader or step."""
+    imported = _exactga_imports(REPO / "src" / "exactga" / family / "schema.py")
+    assert imported and all(module.startswith("exactga.config.") for module in imported), imported
 
 
 def test_importing_the_schemas_loads_no_runtime_module() -> None:
-    """The same at run time: a package's ``__init__`` runs before its module, so importing
-    ``exactga.profiling.settings`` must not load the profiler hook (the package loads lazily)."""
+    """The same at run time: validating any recipe's config imports only exactga.config, the
+    families' schema modules and the config resolver (exactga.launch.registry, which the
+    package's ``__init__`` registers; it imports nothing of exactga's, nor torch)."""
     code = (
-        "import sys, exactga.schemas; "
+        "import sys, exactga.config.schemas, exactga.kd.schema, exactga.dpo.schema, "
+        "exactga.grpo.schema; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'exactga'))"
     )
     loaded = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    # exactga.registry: the package's __init__ registers the configs' resolver from it; it
-    # imports nothing of exactga's, nor torch.
-    allowed = {
+    allowed_packages = {
         "exactga",
-        "exactga.options",
-        "exactga.profiling",
-        "exactga.profiling.settings",
-        "exactga.registry",
+        "exactga.config",
+        "exactga.launch",
+        *(f"exactga.{f}" for f in FAMILIES),
     }
-    assert set(ast.literal_eval(loaded)) == allowed | {"exactga.schemas"}
+    unexpected = [
+        module
+        for module in ast.literal_eval(loaded)
+        if module not in allowed_packages
+        and not module.startswith("exactga.config.")
+        and module != "exactga.launch.registry"
+        and not module.endswith(".schema")
+    ]
+    assert not unexpected, f"validating a config loads {unexpected}"
 
 
 # Config values validate_config has checked and handed over as enum members: a recipe reads
-# them as they are, so no recipe converts or re-checks one (see exactga.options).
+# them as they are, so no recipe converts or re-checks one (see exactga.config.options).
 CONVERTERS = {"as_option", *(option.__name__ for option in Option.__subclasses__())}
 # parity.splits ("BxG" or "BxGxN") is a list of strings in the config; what N may be depends on
 # the launch's process count, which the recipe reads, so ga_parity parses it.
@@ -210,7 +285,8 @@ def test_recipes_take_config_values_as_validate_config_typed_them(recipe: Path) 
     assert not converted, f"{recipe.name} converts config values itself: {sorted(converted)}"
 
 
-# Names of optimizer_in_bwd's plumbing, which lives in exactga.optimizers.OptimizerInBackward.
+# Names of optimizer_in_bwd's plumbing, which lives in
+# exactga.accumulation.optimizers.OptimizerInBackward.
 IN_BACKWARD_PLUMBING = (
     "_optim_ckpt_wrapper",
     "optim_map",
@@ -224,11 +300,13 @@ IN_BACKWARD_PLUMBING = (
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipes_do_not_branch_on_optimizer_in_backward(recipe: Path) -> None:
     """``optimizer_in_bwd`` is one object with the optimizer's interface (see [optimizer in
-    backward] in exactga.optimizers): a recipe copies the flag and hands it to
+    backward] in exactga.accumulation.optimizers): a recipe copies the flag and hands it to
     ``build_optimizer``, and its loop, checkpoints and scheduler are those of any optimizer."""
     source = recipe.read_text()
     for name in IN_BACKWARD_PLUMBING:
-        assert name not in source, f"{recipe.name} mentions {name} (exactga.optimizers)"
+        assert name not in source, (
+            f"{recipe.name} mentions {name} (exactga.accumulation.optimizers)"
+        )
     tree = ast.parse(source)
     allowed: set[int] = set()  # the flag's copy in __init__ and build_optimizer's argument
     for node in ast.walk(tree):
@@ -257,7 +335,7 @@ def _callee(call: ast.Call) -> str:
 
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
 def test_recipes_let_the_library_choose_the_attention_kernels(recipe: Path) -> None:
-    """Every training recipe applies ``cudnn_attention`` through ``exactga.kernels`` (see
+    """Every training recipe applies ``cudnn_attention`` through ``exactga.runtime.kernels`` (see
     [cuDNN attention and variable shapes]) and none sets torch's backend flags itself."""
     source = recipe.read_text()
     assert "choose_attention_kernels(cfg.cudnn_attention" in source
@@ -265,18 +343,13 @@ def test_recipes_let_the_library_choose_the_attention_kernels(recipe: Path) -> N
 
 
 def test_the_loader_alone_shapes_windows() -> None:
-    """``gradient_accumulation_steps`` and ``drop_partial_window`` are read by ``exactga.data``
-    only: the normaliser counts the windows it is given and has no say in their size."""
-    from exactga.normalization import LossNormalizer
+    """``gradient_accumulation_steps`` and ``drop_partial_window`` are read by
+    ``exactga.data.loader`` only: the normaliser counts the windows it is given and has no say in
+    their size."""
+    from exactga.accumulation.normalization import LossNormalizer
 
     params = set(inspect.signature(LossNormalizer).parameters)
     assert not params & {"gradient_accumulation_steps", "drop_partial_window"}
-
-
-@pytest.mark.parametrize("module", LIBRARY, ids=lambda p: str(p.relative_to(REPO / "src")))
-def test_no_library_module_needs_a_table_of_contents(module: Path) -> None:
-    """STYLE.md 13: one module, one idea; past 500 lines a module holds more than one."""
-    assert len(module.read_text().splitlines()) <= 500
 
 
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)

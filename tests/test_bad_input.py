@@ -2,7 +2,7 @@
 
 Dataset rows: real torchtune 0.6.1 datasets (``alpaca_dataset``, ShareGPT ``chat_dataset``)
 built from small bad JSON files and the shipped tokenizer, wrapped by
-:func:`exactga.data.checked_dataset` as the recipes do. Config: unknown keys, counts below 1
+:func:`exactga.data.loader.checked_dataset` as the recipes do. Config: unknown keys, counts below 1
 and type errors are tested against ``validate_config`` in tests/test_config.py and through
 ``tune run`` in tests/test_recipe_full_single_device.py; ``optimizer_in_bwd`` with
 accumulation in the distributed recipe in tests/test_recipe_full_distributed_extra.py. Every
@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from torchtune.datasets import ConcatDataset, alpaca_dataset, chat_dataset
 from torchtune.models.llama2 import llama2_tokenizer
 
-from exactga.data import checked_dataset
+from exactga.data.loader import checked_dataset
 
 TOKENIZER = REPO_ROOT / "configs/tiny/tokenizer.model"
 VOCAB_SIZE = 2048  # the tiny model's embedding rows; the tokenizer has 2000 pieces

@@ -1,7 +1,7 @@
 """Every bad input of a new user's first hour, through the real ``tune run`` (issue #14).
 
 Each launch must exit non-zero with one short message naming the key, file or row, and no
-traceback (see [user errors] in exactga.cli). A configuration error (keys, values, flag
+traceback (see [user errors] in exactga.launch.cli). A configuration error (keys, values, flag
 combinations, input files, checkpoints to read, something to resume) must also come before the
 resolved config is printed and before any model is built: the tiny configs' checkpointer builds
 the model to write ``base_model/`` on first use, so that folder must not appear. A bad dataset

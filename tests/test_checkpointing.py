@@ -5,7 +5,7 @@ A tiny Llama from torchtune's builders and an AdamW that has taken a step supply
 and optimizer state. Damage is done to the files on disk the way disks and interrupted copies do
 it (truncation, a flipped byte, a missing file, a crash mid-save), and the checkpointer must fall
 back to the previous checkpoint, naming the file at fault. See [atomic step checkpoints] and
-[what a resume may change] in ``exactga.resume``.
+[what a resume may change] in ``exactga.run.resume``.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from omegaconf import OmegaConf
 from torch import nn
 from unit_utils import VOCAB
 
-from exactga.checkpointing import (
+from exactga.build.model_state import load_model_state
+from exactga.run.checkpointing import (
     MANIFEST_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
     CorruptCheckpointError,
     StepCheckpointer,
 )
-from exactga.model_state import load_model_state
-from exactga.resume import (
+from exactga.run.resume import (
     ResumeFrom,
     capture_rng_state,
     check_resume_fingerprint,

@@ -1,6 +1,6 @@
-"""How a torchrun launch ends after its ranks' user errors (see [user errors] in exactga.cli):
-which failures count as a user error, what a rank writes for its launcher, and the wrap of
-``tune run``'s torchrun path. The launch itself: tests/test_bad_input_launch.py."""
+"""How a torchrun launch ends after its ranks' user errors (see [user errors] in
+exactga.launch.cli): which failures count as a user error, what a rank writes for its launcher, and
+the wrap of ``tune run``'s torchrun path. The launch itself: tests/test_bad_input_launch.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from exactga import cli
+from exactga.launch import cli
 
 
 def _failure(exitcode: int, message: str) -> SimpleNamespace:

@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 from unit_utils import CONFIGS, stock_configs, tiny_config
 
-from exactga.config import validate_config
-from exactga.schemas import FullFinetuneSingleDeviceConfig
+from exactga.config.schemas import FullFinetuneSingleDeviceConfig
+from exactga.config.validation import validate_config
 
 RECIPE = "full_finetune_single_device"
 
@@ -110,7 +110,7 @@ DISTRIBUTED = "full_finetune_distributed"
     "path", stock_configs(DISTRIBUTED), ids=lambda p: f"{p.parent.name}/{p.stem}"
 )
 def test_every_stock_distributed_config_is_accepted_unchanged(path: Path) -> None:
-    from exactga.schemas import FullFinetuneDistributedConfig
+    from exactga.config.schemas import FullFinetuneDistributedConfig
 
     cfg = validate_config(OmegaConf.load(path), FullFinetuneDistributedConfig, DISTRIBUTED)
     assert cfg.gradient_sync == "every_micro_batch"  # stock behaviour unless asked
@@ -118,7 +118,7 @@ def test_every_stock_distributed_config_is_accepted_unchanged(path: Path) -> Non
 
 
 def test_shipped_distributed_config_is_known_to_its_recipe() -> None:
-    from exactga.schemas import FullFinetuneDistributedConfig
+    from exactga.config.schemas import FullFinetuneDistributedConfig
 
     path = CONFIGS / "tiny" / "full_distributed.yaml"
     validate_config(OmegaConf.load(path), FullFinetuneDistributedConfig, DISTRIBUTED)

@@ -1,7 +1,7 @@
 """Config values and flag combinations fail at start-up, in validate_config, naming the keys.
 
-Each check lives next to its default in exactga.schemas (``choices``, ``check_flags``), so every
-recipe that uses the schema gets it, before the config is printed or a model is built.
+Each check lives next to its default in exactga.config.schemas (``choices``, ``check_flags``), so
+every recipe that uses the schema gets it, before the config is printed or a model is built.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from exactga.config import check_input_files, validate_config
-from exactga.options import (
+from exactga.config.options import (
     GradientSync,
     MasterWeights,
     MicroBatching,
@@ -21,13 +20,14 @@ from exactga.options import (
     NormMode,
     Option,
 )
-from exactga.parity_schemas import GaParityConfig
-from exactga.schemas import (
+from exactga.config.schemas import (
     FullFinetuneDistributedConfig,
     FullFinetuneSingleDeviceConfig,
     LoraFinetuneDistributedConfig,
     LoraFinetuneSingleDeviceConfig,
 )
+from exactga.config.validation import check_input_files, validate_config
+from exactga.parity.schema import GaParityConfig
 
 FULL = "configs/tiny/full_single_device.yaml"
 LORA = "configs/tiny/lora_single_device.yaml"
@@ -73,7 +73,7 @@ def test_a_value_outside_its_choices_names_the_key_and_the_choices(
 def test_enum_knobs_come_back_as_members_and_the_printed_config_reads_back() -> None:
     """Recipes hand ``cfg.loss_normalization`` and the rest to the library as they are; the
     config a run prints and saves (OmegaConf writes a member by its name) validates again to
-    the same members. See exactga.options."""
+    the same members. See exactga.config.options."""
     cfg = _validate(LoraFinetuneDistributedConfig, LORA_DISTRIBUTED, nonfinite_loss="stop")
     knobs = {
         "loss_normalization": NormMode.EXACT,

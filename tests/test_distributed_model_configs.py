@@ -23,8 +23,8 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import get_adapter_params
 from unit_utils import CONFIGS, EXACTGA_KEYS, STOCK_CONFIGS, config_header, load_config
 
-from exactga.config import validate_config
-from exactga.schemas import FullFinetuneDistributedConfig, LoraFinetuneDistributedConfig
+from exactga.config.schemas import FullFinetuneDistributedConfig, LoraFinetuneDistributedConfig
+from exactga.config.validation import validate_config
 
 SCHEMAS = {FULL: FullFinetuneDistributedConfig, LORA: LoraFinetuneDistributedConfig}
 RECIPE_OF = {name.removeprefix("configs/"): recipe for recipe, name in stock_configs.OUR_CONFIGS}

@@ -12,9 +12,9 @@ from recipe_utils import REPO_ROOT, run_tune
 from test_bad_input_launch import assert_fails_naming
 from unit_utils import stock_configs
 
-from exactga.config import validate_config
-from exactga.options import NormMode
-from exactga.preference_schemas import (
+from exactga.config.options import NormMode
+from exactga.config.validation import validate_config
+from exactga.dpo.schema import (
     PAIR_COLLATE,
     FullDpoDistributedConfig,
     LoraDpoDistributedConfig,

@@ -12,8 +12,8 @@ of them puts different numbers of chosen tokens in its micro-batches.
 The real path is the recipes' one: ``DpoTerms(...).units()`` through ``LossNormalizer``,
 ``train_window`` with ``dpo_loss_step(terms=...)`` and ``Window.scale``, on one process and on 2
 gloo ranks under FSDP2 (5 and 3 pairs, one filler). And one ``tune run`` check on the tiny LoRA
-DPO config. See [loss terms over their own units] in exactga.loss_units, [chosen tokens as the
-NLL's units] and [length-normalised log-probs are per pair] in exactga.preference.
+DPO config. See [loss terms over their own units] in exactga.accumulation.loss_units, [chosen
+tokens as the NLL's units] and [length-normalised log-probs are per pair] in exactga.dpo.preference.
 """
 
 from __future__ import annotations
@@ -54,16 +54,16 @@ from torchtune.rlhf.loss import DPOLoss
 from torchtune.training import shard_model
 from unit_utils import run_on_ranks, tiny_lora, tiny_model
 
-from exactga import normalization, training
-from exactga.config import validate_config
-from exactga.distributed import GradientSync, gradient_sync
-from exactga.frozen import freeze_model
-from exactga.loss_units import IGNORE_INDEX
-from exactga.micro_batching import SampleWindow
-from exactga.normalization import LossNormalizer, NormMode
-from exactga.options import SequenceLogProb
-from exactga.packing import pack_pairs
-from exactga.preference import (
+from exactga.accumulation import normalization
+from exactga.accumulation import step as training
+from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.accumulation.normalization import LossNormalizer, NormMode
+from exactga.build.frozen import freeze_model
+from exactga.config.options import SequenceLogProb
+from exactga.config.validation import validate_config
+from exactga.data.micro_batching import SampleWindow
+from exactga.data.packing import pack_pairs
+from exactga.dpo.preference import (
     DPO,
     DpoTerms,
     PairsAndChosenTokens,
@@ -74,8 +74,9 @@ from exactga.preference import (
     frozen_model_reference,
     lora_reference,
 )
-from exactga.preference_schemas import LoraDpoSingleDeviceConfig
+from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.profiling import ProfilerSettings, TrainingProfiler
+from exactga.runtime.distributed import GradientSync, gradient_sync
 
 CPU = torch.device("cpu")
 ALPHA = 0.5

@@ -1,4 +1,4 @@
-"""Frozen models (exactga.frozen): the rule every teacher and reference model follows.
+"""Frozen models (exactga.build.frozen): the rule every teacher and reference model follows.
 
 A frozen forward builds no graph and keeps no activations, and it runs under FSDP2 on any
 number of ranks, one included (issue #22: inference mode crashed FSDP2's unshard there). The
@@ -19,10 +19,10 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss, ForwardKLWithChunked
 from torchtune.training import shard_model
 from unit_utils import prompt_masked_batch, run_on_ranks
 
-from exactga import frozen
-from exactga.distillation import Distiller
-from exactga.frozen import freeze_model, frozen_forward
-from exactga.precision import Precision
+from exactga.build import frozen
+from exactga.build.frozen import freeze_model, frozen_forward
+from exactga.kd.distillation import Distiller
+from exactga.runtime.precision import Precision
 
 VOCAB = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -135,14 +135,14 @@ def test_inference_mode_is_what_broke_one_rank(tmp_path, monkeypatch):
     """The test above can fail: with inference mode back in the one rule, the one-rank sharded
     teacher fails as issue #22 reported. (Kept to show why the rule is ``no_grad``.)"""
     monkeypatch.setattr(frozen, "frozen_forward", torch.inference_mode)
-    monkeypatch.setattr("exactga.distillation.frozen_forward", torch.inference_mode)
+    monkeypatch.setattr("exactga.kd.distillation.frozen_forward", torch.inference_mode)
     with pytest.raises(Exception) as failure:  # noqa: B017 - the rank's error is re-raised
         run_on_ranks(_sharded_kd_worker, (True,), tmp_path, world_size=1, start_method="fork")
     assert "Inference tensors do not track version counter" in str(failure.value)
 
 
 def test_no_other_module_picks_its_own_frozen_forward():
-    """Every frozen forward goes through exactga.frozen: no other grad mode is chosen for a
+    """Every frozen forward goes through exactga.build.frozen: no other grad mode is chosen for a
     teacher or reference model anywhere in the library or the recipes."""
     offenders = []
     for path in [*(REPO / "src" / "exactga").rglob("*.py"), *(REPO / "recipes").glob("*.py")]:
@@ -150,4 +150,4 @@ def test_no_other_module_picks_its_own_frozen_forward():
             continue
         if "inference_mode" in path.read_text():
             offenders.append(path.name)
-    assert not offenders, f"choose a frozen forward through exactga.frozen: {offenders}"
+    assert not offenders, f"choose a frozen forward through exactga.build.frozen: {offenders}"

@@ -1,11 +1,11 @@
-"""How one GRPO step's rollouts become a window (exactga.grpo), in-process."""
+"""How one GRPO step's rollouts become a window (exactga.grpo.step), in-process."""
 
 from __future__ import annotations
 
 import pytest
 
-from exactga.grpo import micro_batching_for_rollouts, rollout_window
-from exactga.options import MicroBatching
+from exactga.config.options import MicroBatching
+from exactga.grpo.step import micro_batching_for_rollouts, rollout_window
 
 
 def _rollouts(num: int) -> list[dict]:

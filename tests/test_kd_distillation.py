@@ -1,4 +1,4 @@
-"""Unit tests of exactga.distillation: the KD denominator check, the combined loss's weights,
+"""Unit tests of exactga.kd.distillation: the KD denominator check, the combined loss's weights,
 and both models projecting only the scored positions (see [kd logits at loss positions]).
 
 Tier (a) of STYLE.md point 9: library functions against naive references, no launch.
@@ -21,7 +21,17 @@ from torchtune.modules.loss import (
 )
 from unit_utils import prompt_masked_batch
 
-from exactga.distillation import (
+from exactga.accumulation.loss_units import (
+    IGNORE_INDEX,
+    LOSS_POSITIONS,
+    count_loss_tokens,
+    loss_positions,
+    shift_labels,
+)
+from exactga.accumulation.normalization import NormMode
+from exactga.accumulation.step import train_window
+from exactga.build.frozen import freeze_model
+from exactga.kd.distillation import (
     Distiller,
     _cut_to_vocab,
     check_kd_losses,
@@ -29,18 +39,8 @@ from exactga.distillation import (
     kd_loss_denominator,
     verify_kd_loss_denominator,
 )
-from exactga.frozen import freeze_model
-from exactga.loss_units import (
-    IGNORE_INDEX,
-    LOSS_POSITIONS,
-    count_loss_tokens,
-    loss_positions,
-    shift_labels,
-)
-from exactga.normalization import NormMode
-from exactga.precision import Precision
 from exactga.profiling import ProfilerSettings, TrainingProfiler
-from exactga.training import train_window
+from exactga.runtime.precision import Precision
 
 
 def _labels() -> torch.Tensor:

@@ -15,10 +15,10 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import get_adapter_params
 from unit_utils import config_header, load_config
 
-from exactga.config import validate_config
-from exactga.data import model_vocab_size
-from exactga.distillation import check_kd_losses, check_vocabularies
-from exactga.schemas import (
+from exactga.config.validation import validate_config
+from exactga.data.loader import model_vocab_size
+from exactga.kd.distillation import check_kd_losses, check_vocabularies
+from exactga.kd.schema import (
     KnowledgeDistillationDistributedConfig,
     KnowledgeDistillationSingleDeviceConfig,
 )

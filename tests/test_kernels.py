@@ -1,6 +1,6 @@
 """``cudnn_attention``: exactga's recipes switch cuDNN's fused attention off unless asked.
 
-See [cuDNN attention and variable shapes] in ``exactga.kernels``; the cost it avoids was
+See [cuDNN attention and variable shapes] in ``exactga.runtime.kernels``; the cost it avoids was
 measured on an H100 (docs/gpu_report_round_two.md). The switch is torch's process-wide flag,
 which exists on CPU builds too, so what a recipe asks for is checked here without a GPU.
 """
@@ -11,9 +11,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from exactga.config import validate_config
-from exactga.kernels import choose_attention_kernels
-from exactga.schemas import FullFinetuneSingleDeviceConfig
+from exactga.config.schemas import FullFinetuneSingleDeviceConfig
+from exactga.config.validation import validate_config
+from exactga.runtime.kernels import choose_attention_kernels
 
 
 @pytest.fixture(autouse=True)

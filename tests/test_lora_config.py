@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 from unit_utils import CONFIGS, stock_configs, tiny_config
 
-from exactga.config import validate_config
-from exactga.schemas import LoraFinetuneSingleDeviceConfig
+from exactga.config.schemas import LoraFinetuneSingleDeviceConfig
+from exactga.config.validation import validate_config
 
 RECIPE = "lora_finetune_single_device"
 

@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 from unit_utils import CONFIGS, stock_configs, tiny_config
 
-from exactga.config import validate_config
-from exactga.schemas import LoraFinetuneDistributedConfig
+from exactga.config.schemas import LoraFinetuneDistributedConfig
+from exactga.config.validation import validate_config
 
 RECIPE = "lora_finetune_distributed"
 TINY = CONFIGS / "tiny" / "lora_distributed.yaml"

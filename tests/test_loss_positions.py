@@ -1,8 +1,8 @@
 """Logits only at loss positions: ``causal_lm_loss`` projects only the positions the loss scores.
 
-See [logits only at loss positions] in ``exactga.training``. The cut must not change the loss
-or the gradients beyond float rounding, must really skip the unscored rows, and must leave the
-model as it found it.
+See [logits only at loss positions] in ``exactga.accumulation.forward``. The cut must not change
+the loss or the gradients beyond float rounding, must really skip the unscored rows, and must leave
+the model as it found it.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from unit_utils import prompt_masked_batch
 
-from exactga.loss_units import (
+from exactga.accumulation.loss_units import (
     IGNORE_INDEX,
     LOSS_POSITIONS,
     count_loss_tokens,
     loss_positions,
     shift_labels,
 )
-from exactga.training import causal_lm_loss
+from exactga.sft.loss import causal_lm_loss
 
 VOCAB = 128
 

@@ -1,6 +1,6 @@
 """A resumed run's TensorBoard curves go on in the run folder they started in, without the
 steps the killed launch logged past its checkpoint; see [resumed TensorBoard run] in
-exactga.metric_logging. Real TensorBoard writers and readers, in-process."""
+exactga.run.metric_logging. Real TensorBoard writers and readers, in-process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from recipe_utils import logged_steps
 from torch.utils.tensorboard import SummaryWriter
 from torchtune.training.metric_logging import DiskLogger, TensorBoardLogger
 
-from exactga.metric_logging import (
+from exactga.run.metric_logging import (
     AppendingTensorBoardLogger,
     flush_metric_logger,
     open_metric_logger,

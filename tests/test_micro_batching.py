@@ -1,8 +1,8 @@
-"""Unit tier: how a window's samples are split into micro-batches (``exactga.micro_batching``),
-the loader of windows (``exactga.data``), and why the split changes nothing but rounding.
+"""Unit tier: how a window's samples are split into micro-batches (``exactga.data.micro_batching``),
+the loader of windows (``exactga.data.loader``), and why the split changes nothing but rounding.
 
-See [regrouping is exact] and [micro-batching modes] in ``exactga.micro_batching``. The recipes'
-own parity through ``tune run`` is in tests/test_micro_batching_recipes.py.
+See [regrouping is exact] and [micro-batching modes] in ``exactga.data.micro_batching``. The
+recipes' own parity through ``tune run`` is in tests/test_micro_batching_recipes.py.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from unit_utils import (
     tiny_model,
 )
 
-from exactga.data import build_dataloader
-from exactga.loss_units import IGNORE_INDEX
-from exactga.micro_batching import (
+from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.data.loader import build_dataloader
+from exactga.data.micro_batching import (
     MicroBatching,
     MicroBatchingSettings,
     SampleWindow,

@@ -6,13 +6,13 @@ same sampler order); only ``micro_batching`` and the split differ:
 - ``fixed`` 64x1, ``by_length`` 8x8, ``token_budget`` 64x1 (1024 padded positions per
   micro-batch) and ``packed`` 8x8 (rows of 512 positions) end within the parity bound of each
   other, full fine-tuning (SGD, AdamW) and LoRA (fp32, and fp64 for one pair), because the split
-  is exact (see [regrouping is exact] in exactga.micro_batching, [packed rows are exact] in
-  exactga.packing); the logged padding shows that the split really changed, and ``packed`` runs
+  is exact (see [regrouping is exact] in exactga.data.micro_batching, [packed rows are exact] in
+  exactga.data.packing); the logged padding shows that the split really changed, and ``packed`` runs
   one micro-batch shape;
 - on 2 gloo ranks, 4x8 ``by_length``, 32x1 ``token_budget`` and 4x8 ``packed`` (AdamW, and
   SGD for packed) end at the one-device weights; under ``token_budget`` and ``packed`` the
   ranks plan different micro-batch counts, so the one with fewer runs zero-weight fillers (see
-  [one collective per window] in exactga.normalization);
+  [one collective per window] in exactga.accumulation.normalization);
 - a run killed with SIGKILL after a mid-epoch step checkpoint resumes, in every mode (and on 2
   ranks with ``token_budget``), to the uninterrupted run's weights bit for bit, with the same
   losses. tests/test_resume.py kills at random steps under the default mode.
@@ -344,13 +344,13 @@ def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode,
 
 def _planned_micro_batches(rank: int) -> list[int]:
     """How many micro-batches ``rank``'s first STEPS windows of the 2-rank token_budget run
-    split into, from the loader every recipe builds (exactga.data) on the config's data."""
+    split into, from the loader every recipe builds (exactga.data.loader) on the config's data."""
     from omegaconf import OmegaConf
     from torchtune import config
 
-    from exactga.data import build_dataloader, load_dataset
-    from exactga.micro_batching import MicroBatching, MicroBatchingSettings
-    from exactga.options import RankBalancing
+    from exactga.config.options import RankBalancing
+    from exactga.data.loader import build_dataloader, load_dataset
+    from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 
     batch_size, ga, settings = TWO_RANKS["token_budget"]
     cfg = OmegaConf.load(REPO_ROOT / DISTRIBUTED_CONFIG)

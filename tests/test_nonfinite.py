@@ -4,7 +4,7 @@
 poisons one micro-batch stands in for a diverging run. The skipped step must leave no trace (the
 weights, the optimizer state and the next step are exactly as if the window had not been there),
 and under data parallelism a NaN on one rank must skip the step on every rank. See [non-finite
-loss] in ``exactga.training``.
+loss] in ``exactga.accumulation.step``.
 """
 
 from __future__ import annotations
@@ -19,16 +19,11 @@ from grouping import GroupingNormalizer
 from torch import nn
 from unit_utils import make_rows, micro_batch_loss, split, tiny_model
 
-from exactga.normalization import Window
-from exactga.options import as_option
+from exactga.accumulation.normalization import Window
+from exactga.accumulation.step import StepOutcome, train_window
+from exactga.config.options import NonFinitePolicy, as_option
 from exactga.profiling import ProfilerSettings, TrainingProfiler
-from exactga.training import (
-    NonFiniteLossError,
-    NonFinitePolicy,
-    StepOutcome,
-    handle_nonfinite_loss,
-    train_window,
-)
+from exactga.run.steps import NonFiniteLossError, handle_nonfinite_loss
 
 CPU = torch.device("cpu")
 GA = 2

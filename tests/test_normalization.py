@@ -29,7 +29,7 @@ from unit_utils import (
     tiny_model,
 )
 
-from exactga.loss_units import (
+from exactga.accumulation.loss_units import (
     IGNORE_INDEX,
     count_loss_tokens,
     count_unshifted_tokens,
@@ -37,7 +37,7 @@ from exactga.loss_units import (
     shift_labels,
     verify_loss_denominator,
 )
-from exactga.normalization import NormMode
+from exactga.accumulation.normalization import NormMode
 
 
 def accumulated_grads(

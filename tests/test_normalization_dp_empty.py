@@ -1,8 +1,8 @@
 """Unit tier on 2 CPU ranks (gloo): empty micro-batches and windows under data parallelism.
 
 Under FSDP every rank runs every micro-batch (see [empty micro-batches under FSDP] in
-``exactga.normalization``), so one with no loss token runs too, with a planted label that keeps
-its loss finite and a weight of exactly 0. These tests run what a distributed recipe runs
+``exactga.accumulation.normalization``), so one with no loss token runs too, with a planted label
+that keeps its loss finite and a weight of exactly 0. These tests run what a distributed recipe runs
 (``micro_batches_to_run``, ``scale``, backward, then the ranks' gradient average) and compare
 with the full-batch gradient of every rank's rows on one process.
 """
@@ -26,7 +26,7 @@ from unit_utils import (
     tiny_model,
 )
 
-from exactga.loss_units import IGNORE_INDEX, plant_dummy_label
+from exactga.accumulation.loss_units import IGNORE_INDEX, plant_dummy_label
 
 
 def rank_rows(layout: str, rank: int) -> list:

@@ -1,9 +1,10 @@
-"""Unit tier: ``optimizer_in_bwd`` behind the optimizer's interface (``exactga.optimizers``).
+"""Unit tier: ``optimizer_in_bwd`` behind the optimizer's interface
+(``exactga.accumulation.optimizers``).
 
 An ``OptimizerInBackward`` must train exactly what the optimizer it stands for trains, through
 the same loop (``train_window``) and the same learning-rate scheduler, and its state must go to
 a checkpoint and back, including the checkpoints torchtune's ``OptimizerInBackwardWrapper``
-wrote before it existed. See [optimizer in backward] in ``exactga.optimizers``.
+wrote before it existed. See [optimizer in backward] in ``exactga.accumulation.optimizers``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from torchtune import training
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from unit_utils import make_rows, micro_batch_loss, split, tiny_model
 
-from exactga.optimizers import OptimizerInBackward, build_optimizer, steps_in_backward
-from exactga.training import train_window
+from exactga.accumulation.optimizers import OptimizerInBackward, build_optimizer, steps_in_backward
+from exactga.accumulation.step import train_window
 
 CPU = torch.device("cpu")
 ADAMW = OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-2, "weight_decay": 0.01})

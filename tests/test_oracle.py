@@ -1,9 +1,9 @@
 """The oracle: one optimizer step of the library's real step path against the full-batch
 reference of tests/oracle_utils.py (plain PyTorch, fp64, knows nothing of exactga).
 
-The real path is what the recipes run: windows from ``exactga.data.build_dataloader`` (each
+The real path is what the recipes run: windows from ``exactga.data.loader.build_dataloader`` (each
 micro-batching mode), counted by ``LossNormalizer``, each micro-batch's loss from
-``exactga.training.causal_lm_loss`` (logits only at the loss positions) or
+``exactga.sft.loss.causal_lm_loss`` (logits only at the loss positions) or
 ``Distiller.loss_step``, accumulated and stepped by ``train_window``; on one process and on 2
 gloo ranks under FSDP2 (torchtune's ``shard_model``), for full fine-tuning, LoRA and
 distillation. SGD without momentum makes the step ``w - lr * g``, so the trained weights compare
@@ -33,16 +33,20 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss, ForwardKLWithChunked
 from torchtune.training import shard_model
 from unit_utils import make_rows, run_on_ranks, tiny_lora, tiny_model
 
-from exactga import distillation, loss_units, packing, training
-from exactga.data import build_dataloader
-from exactga.distillation import Distiller
-from exactga.distributed import GradientSync, gradient_sync
-from exactga.frozen import freeze_model
-from exactga.loss_units import IGNORE_INDEX
-from exactga.micro_batching import MicroBatching, MicroBatchingSettings
-from exactga.options import RankBalancing
-from exactga.precision import Precision
+from exactga.accumulation import loss_units
+from exactga.accumulation import step as training
+from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.build.frozen import freeze_model
+from exactga.config.options import RankBalancing
+from exactga.data import packing
+from exactga.data.loader import build_dataloader
+from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
+from exactga.kd import distillation
+from exactga.kd.distillation import Distiller
 from exactga.profiling import ProfilerSettings, TrainingProfiler
+from exactga.runtime.distributed import GradientSync, gradient_sync
+from exactga.runtime.precision import Precision
+from exactga.sft import loss as sft_loss
 
 CPU = torch.device("cpu")
 KINDS = ["full", "lora", "kd"]
@@ -78,7 +82,7 @@ class Case:
     def loss_step(self) -> tuple[Callable[[dict], torch.Tensor], Any]:
         """The loss step and a wrapper of the windows (``Distiller.track`` for distillation)."""
         if self.teacher is None:
-            return (lambda batch: training.causal_lm_loss(self.model, self.loss_fn, batch)), None
+            return (lambda batch: sft_loss.causal_lm_loss(self.model, self.loss_fn, batch)), None
         distiller = Distiller(
             self.model,
             self.teacher,
@@ -225,8 +229,8 @@ def test_one_step_on_two_ranks_under_fsdp2_is_the_full_batch_step(kind: str, tmp
 
 
 def _loss_one_percent_high(monkeypatch: pytest.MonkeyPatch) -> None:
-    causal_lm_loss, kd_loss_step = training.causal_lm_loss, Distiller.loss_step
-    monkeypatch.setattr(training, "causal_lm_loss", lambda *a, **k: causal_lm_loss(*a, **k) * 1.01)
+    causal_lm_loss, kd_loss_step = sft_loss.causal_lm_loss, Distiller.loss_step
+    monkeypatch.setattr(sft_loss, "causal_lm_loss", lambda *a, **k: causal_lm_loss(*a, **k) * 1.01)
     monkeypatch.setattr(Distiller, "loss_step", lambda self, b: kd_loss_step(self, b) * 1.01)
 
 
@@ -275,7 +279,7 @@ def _first_labels_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     "break_it", [_documents_see_each_other, _first_labels_kept], ids=lambda f: f.__name__[1:]
 )
 def test_the_oracle_sees_a_broken_packed_row(kind: str, break_it, monkeypatch) -> None:
-    """See [packed rows are exact] in exactga.packing: both the mask and the first labels
+    """See [packed rows are exact] in exactga.data.packing: both the mask and the first labels
     matter. (Rotary positions that run on across the row would not show: attention under RoPE
     depends on relative positions only, so the mask alone keeps it exact.)"""
     break_it(monkeypatch)

@@ -1,4 +1,4 @@
-"""Unit tier: packed micro-batches (``micro_batching: packed``, exactga.packing) and
+"""Unit tier: packed micro-batches (``micro_batching: packed``, exactga.data.packing) and
 ``pad_to_multiple_of``.
 
 The step a packed window trains is checked against the fp64 full-batch oracle in
@@ -18,25 +18,26 @@ import torch
 from omegaconf import OmegaConf
 from unit_utils import make_rows, rel_err, tiny_model
 
-from exactga.collation import collate_to_multiple
-from exactga.config import validate_config
-from exactga.data import build_dataloader
-from exactga.grpo_schemas import GrpoDistributedConfig, GrpoParityConfig
-from exactga.loss_units import IGNORE_INDEX, count_loss_tokens, shift_labels
-from exactga.micro_batching import (
+from exactga.accumulation.loss_units import IGNORE_INDEX, count_loss_tokens, shift_labels
+from exactga.config.schemas import FullFinetuneSingleDeviceConfig
+from exactga.config.validation import validate_config
+from exactga.data.collation import collate_to_multiple
+from exactga.data.loader import build_dataloader
+from exactga.data.micro_batching import (
     MicroBatching,
     MicroBatchingSettings,
     PaddingMeter,
     WindowWork,
     first_fit_decreasing,
 )
-from exactga.packing import PACKED_SEQUENCES, pack_pairs, pack_samples
-from exactga.parity_schemas import GaParityConfig
-from exactga.precision import Precision
-from exactga.preference import collate_pairs, response_lengths
-from exactga.preference_schemas import LoraDpoSingleDeviceConfig
-from exactga.schemas import FullFinetuneSingleDeviceConfig
-from exactga.training import causal_lm_loss
+from exactga.data.packing import PACKED_SEQUENCES, pack_pairs, pack_samples
+from exactga.dpo.preference import collate_pairs, response_lengths
+from exactga.dpo.schema import LoraDpoSingleDeviceConfig
+from exactga.grpo.schema import GrpoDistributedConfig
+from exactga.parity.grpo_schema import GrpoParityConfig
+from exactga.parity.schema import GaParityConfig
+from exactga.runtime.precision import Precision
+from exactga.sft.loss import causal_lm_loss
 
 SAMPLES = [{"tokens": t.tolist(), "labels": lab.tolist()} for t, lab in make_rows(0)]
 ROW = 64  # the tiny model's max_seq_len

@@ -1,13 +1,15 @@
 """Preference pairs in the loader and the step bookkeeping: a pair is padded by its longer side,
 costs both rows in a token budget, and is logged as a pair (not a loss token). In-process, on
-hand-made pairs; see [micro-batching modes] in exactga.micro_batching."""
+hand-made pairs; see [micro-batching modes] in exactga.data.micro_batching."""
 
 from __future__ import annotations
 
 import pytest
 from test_steps import Clock, Recorder, _book
 
-from exactga.micro_batching import (
+from exactga.accumulation.step import StepOutcome
+from exactga.config.options import MicroBatching
+from exactga.data.micro_batching import (
     MicroBatchingSettings,
     PaddingMeter,
     WindowCollator,
@@ -15,9 +17,7 @@ from exactga.micro_batching import (
     padded_positions,
     plan_micro_batches,
 )
-from exactga.options import MicroBatching
-from exactga.preference import collate_pairs
-from exactga.training import StepOutcome
+from exactga.dpo.preference import collate_pairs
 
 
 def pair(chosen: int, rejected: int) -> dict[str, list[int]]:

@@ -13,7 +13,7 @@ in tests/test_preference.py.
 
 The real path is a recipe's: ``collate_rollouts``, ``LossNormalizer(units=loss_units_for(...))``,
 ``train_window`` with ``grpo_loss_step`` (and ``Window.scale``), on one process and on 2 gloo
-ranks under FSDP2. See [three policy denominators] in exactga.policy.
+ranks under FSDP2. See [three policy denominators] in exactga.grpo.policy.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from torch import nn
 from torchtune.training import shard_model
 from unit_utils import VOCAB, run_on_ranks, tiny_model
 
-from exactga import policy, training
-from exactga.distributed import GradientSync, gradient_sync
-from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS
-from exactga.micro_batching import SampleWindow
-from exactga.normalization import LossNormalizer, NormMode
-from exactga.policy import (
+from exactga.accumulation import forward
+from exactga.accumulation import step as training
+from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS
+from exactga.accumulation.normalization import LossNormalizer, NormMode
+from exactga.data.micro_batching import SampleWindow
+from exactga.grpo import policy
+from exactga.grpo.policy import (
     ADVANTAGES,
     EMPTY,
     Completions,
@@ -47,6 +48,7 @@ from exactga.policy import (
     loss_units_for,
 )
 from exactga.profiling import ProfilerSettings, TrainingProfiler
+from exactga.runtime.distributed import GradientSync, gradient_sync
 
 CPU = torch.device("cpu")
 EPSILON, KL_COEFF, MAX_GENERATED = 0.2, 0.1, 32
@@ -479,7 +481,7 @@ def test_the_projection_sees_only_completion_positions(monkeypatch: pytest.Monke
 
     cut_loss, cut_grads = loss_and_grads()
     assert rows_projected == [num_completion_tokens]
-    monkeypatch.setattr(training, "projecting_only", _never_cut)  # where the log-probs project
+    monkeypatch.setattr(forward, "projecting_only", _never_cut)  # where the log-probs project
     full_loss, full_grads = loss_and_grads()
     assert rows_projected[-1] == batch["tokens"].numel()  # every position
     assert cut_loss == pytest.approx(full_loss, rel=1e-6)

@@ -1,4 +1,5 @@
-"""``exactga.precision``: ``dtype`` and ``master_weights`` in every tensor of a step, on CPU.
+"""``exactga.runtime.precision``: ``dtype`` and ``master_weights`` in every tensor of a step, on
+CPU.
 
 Unit tier (STYLE.md point 9a): the library calls the recipes make (cast the trainable
 parameters, autocast the forward, shard with a mixed-precision policy, write weights in
@@ -21,15 +22,15 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from unit_utils import VOCAB, collate, make_rows, tiny_model
 
-from exactga.config import validate_config
-from exactga.precision import MasterWeights, Precision
-from exactga.schemas import (
+from exactga.config.schemas import (
     FullFinetuneDistributedConfig,
     FullFinetuneSingleDeviceConfig,
     LoraFinetuneDistributedConfig,
     LoraFinetuneSingleDeviceConfig,
 )
-from exactga.training import causal_lm_loss
+from exactga.config.validation import validate_config
+from exactga.runtime.precision import MasterWeights, Precision
+from exactga.sft.loss import causal_lm_loss
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16

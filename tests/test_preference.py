@@ -11,7 +11,7 @@ nothing but summation order, and in fp32, the precision a run trains in.
 
 The real path is the recipes' one: ``collate_pairs``, ``LossNormalizer(units=PreferencePairs())``,
 ``train_window`` with ``dpo_loss_step`` (and ``Window.scale``), on one process and on 2 gloo ranks
-under FSDP2. See [pairs as loss units] in exactga.preference.
+under FSDP2. See [pairs as loss units] in exactga.dpo.preference.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from torchtune.rlhf.loss import DPOLoss, RSOLoss
 from torchtune.training import shard_model
 from unit_utils import VOCAB, run_on_ranks, tiny_lora, tiny_model
 
-from exactga import training
-from exactga.distributed import GradientSync, gradient_sync
-from exactga.frozen import freeze_model
-from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS
-from exactga.micro_batching import SampleWindow, first_fit_decreasing, sample_positions
-from exactga.normalization import LossNormalizer, NormMode
-from exactga.packing import pack_pairs
-from exactga.preference import (
+from exactga.accumulation import forward
+from exactga.accumulation import step as training
+from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS
+from exactga.accumulation.normalization import LossNormalizer, NormMode
+from exactga.build.frozen import freeze_model
+from exactga.data.micro_batching import SampleWindow, first_fit_decreasing, sample_positions
+from exactga.data.packing import pack_pairs
+from exactga.dpo.preference import (
     EMPTY,
     PreferenceMetrics,
     PreferencePairs,
@@ -47,6 +47,7 @@ from exactga.preference import (
     lora_reference,
 )
 from exactga.profiling import ProfilerSettings, TrainingProfiler
+from exactga.runtime.distributed import GradientSync, gradient_sync
 
 CPU = torch.device("cpu")
 BETA = 0.1
@@ -430,7 +431,7 @@ def test_the_projection_sees_only_response_positions_and_the_loss_is_the_full_lo
 
     cut_loss, cut_grads = loss_and_grads(batch)
     assert rows_projected == [num_responses]
-    monkeypatch.setattr(training, "projecting_only", _never_cut)  # where the log-probs project
+    monkeypatch.setattr(forward, "projecting_only", _never_cut)  # where the log-probs project
     full_loss, full_grads = loss_and_grads(batch)
     assert rows_projected[-1] == batch["tokens"].numel()  # every position, as stock projects
     assert cut_loss == pytest.approx(full_loss, rel=1e-6)

@@ -2,10 +2,10 @@
 
 The shipped file, configs/tiny/preference_data.json (made by configs/tiny/make_preference_data.py,
 described in configs/tiny/ASSETS.md), is loaded as a DPO recipe loads it: torchtune 0.6.1's
-``preference_dataset`` with the tiny tokenizer, wrapped by :func:`exactga.data.checked_dataset`.
-Bad rows are small JSON files through the same path, or hand-made samples of a dataset that is
-no ``PreferenceDataset``, where only the per-sample checks apply (exactga.preference_rows).
-The SFT side of these checks is tests/test_bad_input.py's.
+``preference_dataset`` with the tiny tokenizer, wrapped by
+:func:`exactga.data.loader.checked_dataset`. Bad rows are small JSON files through the same path,
+or hand-made samples of a dataset that is no ``PreferenceDataset``, where only the per-sample
+checks apply (exactga.data.rows). The SFT side of these checks is tests/test_bad_input.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from torchtune.datasets import ConcatDataset, preference_dataset
 from torchtune.models.llama2 import llama2_tokenizer
 
-from exactga.data import checked_dataset
+from exactga.data.loader import checked_dataset
 
 SHIPPED = REPO_ROOT / "configs/tiny/preference_data.json"
 TOKENIZER = REPO_ROOT / "configs/tiny/tokenizer.model"
@@ -79,7 +79,7 @@ def shipped() -> list[dict]:
 
 def padding_fraction(chosen: list[int], rejected: list[int], num_pairs: int) -> float:
     """Padding of random micro-batches of ``num_pairs`` pairs, stacked as ``2B`` rows padded
-    to the longest (exactga.preference.collate_pairs)."""
+    to the longest (exactga.dpo.preference.collate_pairs)."""
     rng = random.Random(0)
     padded = real = 0
     for _ in range(500):

@@ -28,7 +28,8 @@ from recipe_utils import read_scalars
 from unit_utils import REPO_ROOT, make_loss, make_rows, micro_batch_loss, split, tiny_model
 
 from exactga import profiling
-from exactga.micro_batching import WindowWork
+from exactga.accumulation.step import train_window
+from exactga.data.micro_batching import WindowWork
 from exactga.profiling import (
     PHASES,
     ProfilerSection,
@@ -41,7 +42,6 @@ from exactga.profiling import (
 from exactga.profiling import hook as profiler_hook
 from exactga.profiling import phase_clock as profiler_phase_clock
 from exactga.profiling.report import CHARTS, RunFigures, report_markdown
-from exactga.training import train_window
 
 CPU = torch.device("cpu")
 # exactga's knobs, which are top-level config keys; the others are the ``profiler`` section's.

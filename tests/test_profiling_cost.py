@@ -14,9 +14,9 @@ from torch.overrides import TorchFunctionMode
 from unit_utils import make_loss, make_rows, micro_batch_loss, split, tiny_model
 
 from exactga import profiling
-from exactga.normalization import NormMode
+from exactga.accumulation.normalization import NormMode
+from exactga.accumulation.step import train_window
 from exactga.profiling import setup_profiler
-from exactga.training import train_window
 
 CPU = torch.device("cpu")
 IN_PLACE_MULTIPLIES = {torch.Tensor.__imul__, torch.Tensor.mul_, torch._foreach_mul_}

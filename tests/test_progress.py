@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torchtune import training
 
-from exactga.progress import TrainingProgress
+from exactga.run.progress import TrainingProgress
 
 
 def _progress(**overrides) -> TrainingProgress:

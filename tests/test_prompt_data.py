@@ -2,7 +2,7 @@
 
 The shipped file, configs/tiny/arithmetic_data.json (made by configs/tiny/make_arithmetic_data.py,
 described in configs/tiny/ASSETS.md), is loaded as the GRPO recipe loads it:
-``exactga.prompts.prompt_dataset`` with the tiny tokenizer. Bad rows are small JSON files
+``exactga.grpo.prompts.prompt_dataset`` with the tiny tokenizer. Bad rows are small JSON files
 through the same builder.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from recipe_utils import REPO_ROOT
 from torchtune.models.llama2 import llama2_tokenizer
 
-from exactga.prompts import prompt_dataset
+from exactga.grpo.prompts import prompt_dataset
 
 TINY = REPO_ROOT / "configs/tiny"
 SHIPPED = TINY / "arithmetic_data.json"

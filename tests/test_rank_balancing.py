@@ -1,4 +1,4 @@
-"""Unit tier: length-balanced ranks (``rank_balancing: by_tokens``, exactga.rank_balancing).
+"""Unit tier: length-balanced ranks (``rank_balancing: by_tokens``, exactga.data.rank_balancing).
 
 See [balanced ranks are exact] and [the length index]. The deal, the sampler (the same windows
 as stock's, their shares even, a resumed loader going on where it stopped), the length index on
@@ -17,20 +17,20 @@ from omegaconf import OmegaConf
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from unit_utils import CONFIGS
 
-from exactga.config import validate_config
-from exactga.data import build_dataloader, load_dataset
-from exactga.grpo_schemas import GrpoDistributedConfig
-from exactga.loss_units import IGNORE_INDEX
-from exactga.micro_batching import MicroBatching, MicroBatchingSettings
-from exactga.options import RankBalancing
-from exactga.rank_balancing import (
+from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.config.options import RankBalancing
+from exactga.config.schemas import FullFinetuneDistributedConfig
+from exactga.config.validation import validate_config
+from exactga.data.loader import build_dataloader, load_dataset
+from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
+from exactga.data.rank_balancing import (
     LengthBalancedSampler,
     LengthIndex,
     deal_by_length,
     length_index,
     planned_positions,
 )
-from exactga.schemas import FullFinetuneDistributedConfig
+from exactga.grpo.schema import GrpoDistributedConfig
 
 # --- the deal ----------------------------------------------------------------------------------
 

@@ -94,7 +94,7 @@ def test_optimizer_in_bwd_with_accumulation_is_refused_naming_both_keys(runs):
     _, proc = runs["in_bwd_ga2"]
     output = output_of(proc)
     assert proc.returncode != 0
-    # One message from rank 0, without a traceback; see [user errors] in exactga.cli.
+    # One message from rank 0, without a traceback; see [user errors] in exactga.launch.cli.
     assert "exactga: config keys 'optimizer_in_bwd' and 'gradient_accumulation_steps'" in output
     assert output.count("exactga: config keys 'optimizer_in_bwd'") == 1
 

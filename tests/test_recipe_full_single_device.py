@@ -166,7 +166,7 @@ def test_default_run_writes_checkpoint_and_metrics(tmp_path):
 
 def test_stock_torchtune_config_runs_unchanged(tmp_path):
     """torchtune 0.6.1's own llama3_2/1B config file, only overridden from the command line."""
-    from exactga.random_init_checkpointer import write_initial_checkpoint
+    from exactga.build.random_init_checkpointer import write_initial_checkpoint
 
     model = {
         "_component_": "torchtune.models.llama3_2.llama3_2",
@@ -219,7 +219,7 @@ def test_stock_torchtune_config_runs_unchanged(tmp_path):
     ids=["misspelt_key", "bad_mode"],
 )
 def test_bad_config_fails_naming_the_key(tmp_path, override, expected):
-    """One message, no traceback (see [user errors] in exactga.cli), before the resolved
+    """One message, no traceback (see [user errors] in exactga.launch.cli), before the resolved
     config is printed."""
     proc = run_tune(tiny_args(tmp_path / "out") + [override])
     out = output_of(proc)

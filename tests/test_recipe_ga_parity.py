@@ -10,9 +10,10 @@ import pytest
 from omegaconf import OmegaConf
 from recipe_utils import SMALL_MODEL, output_of, read_scalars, run_tune
 
-from exactga.config import validate_config
-from exactga.micro_batching import MicroBatching
-from exactga.normalization import NormMode
+from exactga.accumulation.normalization import NormMode
+from exactga.config.validation import validate_config
+from exactga.data.micro_batching import MicroBatching
+from exactga.parity.schema import GaParityConfig
 from exactga.parity.scoring import (
     PRECISION_FLOOR_FACTOR,
     PrecisionView,
@@ -22,7 +23,6 @@ from exactga.parity.scoring import (
     plan_runs,
     verdict,
 )
-from exactga.parity_schemas import GaParityConfig
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 CONFIGS = {

@@ -13,13 +13,13 @@ import pytest
 from omegaconf import OmegaConf
 from recipe_utils import SMALL_MODEL, output_of, run_tune
 
-from exactga.config import validate_config
-from exactga.micro_batching import MicroBatching
-from exactga.normalization import NormMode
+from exactga.accumulation.normalization import NormMode
+from exactga.config.validation import validate_config
+from exactga.data.micro_batching import MicroBatching
+from exactga.dpo.schema import PAIR_COLLATE
 from exactga.parity.preference import check_preference_keys, collate_fn_for
+from exactga.parity.schema import GaParityConfig
 from exactga.parity.scoring import Split, plan_runs
-from exactga.parity_schemas import GaParityConfig
-from exactga.preference_schemas import PAIR_COLLATE
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 DPO_CONFIG = "configs/tiny/ga_parity_dpo.yaml"

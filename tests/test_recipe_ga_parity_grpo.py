@@ -14,10 +14,10 @@ import pytest
 from omegaconf import OmegaConf
 from recipe_utils import output_of, run_tune
 
-from exactga.config import validate_config
-from exactga.grpo_schemas import GrpoParityConfig, is_grpo_config
-from exactga.normalization import NormMode
+from exactga.accumulation.normalization import NormMode
+from exactga.config.validation import validate_config
 from exactga.parity.grpo_report import grpo_splits
+from exactga.parity.grpo_schema import GrpoParityConfig, is_grpo_config
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 GRPO_CONFIG = "configs/tiny/ga_parity_grpo.yaml"

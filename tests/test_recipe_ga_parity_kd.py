@@ -1,7 +1,7 @@
 """The GA parity report on a knowledge-distillation config: its KD keys, and through one
 ``tune run`` that the report trains the KD mix, says so, lands exact splits at the fp32 floor
 and stock torchtune's KD weighting (``post_scale``) above it. See [stock kd weighting] in
-exactga.distillation; the SFT report: tests/test_recipe_ga_parity.py."""
+exactga.kd.distillation; the SFT report: tests/test_recipe_ga_parity.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from kd_utils import SMALL_TEACHER
 from omegaconf import OmegaConf
 from recipe_utils import SMALL_MODEL, output_of, run_tune
 
-from exactga.config import validate_config
-from exactga.parity_schemas import GaParityConfig
+from exactga.config.validation import validate_config
+from exactga.parity.schema import GaParityConfig
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 KD_CONFIG = "configs/tiny/ga_parity_kd.yaml"

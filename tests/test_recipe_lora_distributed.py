@@ -6,7 +6,7 @@ by one launch per number of ranks (tests/many_runs.py: each run still goes throu
 they wrote. Under ``pytest -n 2`` the fixture's runs are shared between the workers through a
 file lock, so they are made once per session.
 The one-rank reference is this recipe with ``--nproc_per_node 1``: the adapters start from the
-same values whatever the number of ranks (``exactga.distributed.initialize_adapters``).
+same values whatever the number of ranks (``exactga.runtime.distributed.initialize_adapters``).
 
 Parity runs are in fp64 with torch's CrossEntropyLoss and plain SGD. Even so, torchtune's RoPE
 computes in fp32 (``x.float()`` in ``RotaryPositionalEmbeddings.forward``), so the splits'
@@ -206,7 +206,7 @@ def test_activation_checkpointing_changes_no_number(runs):
 
 def test_one_rank_trains_bit_identically_to_the_single_device_recipe(runs):
     """The same config on one rank of this recipe and on the single-device recipe: the same
-    initial adapters (drawn from the seed alone, see [adapter init] in exactga.lora), the same
+    initial adapters (drawn from the seed alone, see [adapter init] in exactga.build.lora), the same
     logged losses and the same trained adapters, to the bit."""
     one_rank, single = runs / "1rank_8x1", runs / "single_device_8x1"
     adapters, single_adapters = load_adapters(one_rank / ADAPTERS), load_adapters(single / ADAPTERS)

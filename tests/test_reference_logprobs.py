@@ -1,5 +1,5 @@
 """``precompute_reference_logprobs``: every pair's reference log-probs computed once before
-training, then looked up; see [precomputed reference] in exactga.reference_logprobs. In-process
+training, then looked up; see [precomputed reference] in exactga.dpo.reference_logprobs. In-process
 on test_preference's pairs and models, against its fp64 oracle, on one rank and on 2 gloo
 ranks with a sharded reference."""
 
@@ -13,8 +13,8 @@ from test_preference import PAIRS, Case, _is_layer
 from torchtune.training import shard_model
 from unit_utils import run_on_ranks
 
-from exactga.preference import PreferencePairs, collate_pairs, dpo_loss_step
-from exactga.reference_logprobs import (
+from exactga.dpo.preference import PreferencePairs, collate_pairs, dpo_loss_step
+from exactga.dpo.reference_logprobs import (
     PAIR_INDEX,
     IndexedPairs,
     ReferenceTable,

@@ -1,4 +1,4 @@
-"""exactga's recipes and configs in torchtune's command line (exactga.registry): ``tune ls``
+"""exactga's recipes and configs in torchtune's command line (exactga.launch.registry): ``tune ls``
 lists them under ``exactga/``, ``tune cp`` copies them, ``tune run exactga/<recipe> --config
 exactga/<config>`` runs them, and a copied recipe, edited, runs with a copied tiny config from
 any folder. Stock names keep meaning stock recipes."""
@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT, logged_steps, output_of, run_tune
 
-from exactga import registry
+from exactga.launch import registry
 
 CONFIGS = sorted(
     p.relative_to(REPO_ROOT / "configs") for p in (REPO_ROOT / "configs").rglob("*.yaml")

@@ -59,7 +59,7 @@ RESUMABLE = {
 TENSORBOARD = "torchtune.training.metric_logging.TensorBoardLogger"
 SCENARIOS = {
     # TensorBoard: the resumed launch goes on in the killed one's run folder (see
-    # [resumed TensorBoard run] in exactga.metric_logging).
+    # [resumed TensorBoard run] in exactga.run.metric_logging).
     "full": ([RECIPE, "--config", TINY_CONFIG], {"metric_logger._component_": TENSORBOARD}),
     "lora": ([LORA_RECIPE, "--config", LORA_TINY_CONFIG], {}),
     # fp32 master weights under bf16 (docs/precision.md): the step checkpoints hold the fp32

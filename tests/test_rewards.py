@@ -1,4 +1,4 @@
-"""Reward components and their checks (exactga.rewards): what each reward gives a completion,
+"""Reward components and their checks (exactga.grpo.rewards): what each reward gives a completion,
 how the weighted total and the successes come out, and bad rewards or configs named."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from exactga.rewards import (
+from exactga.grpo.rewards import (
     CharacterShare,
     CorrectAnswer,
     DigitFormat,
@@ -183,8 +183,8 @@ def test_build_rewards_instantiates_the_config_list():
     cfg = OmegaConf.create(
         {
             "rewards": [
-                {"_component_": "exactga.rewards.CorrectAnswer"},
-                {"_component_": "exactga.rewards.DigitFormat", "weight": 0.5},
+                {"_component_": "exactga.grpo.rewards.CorrectAnswer"},
+                {"_component_": "exactga.grpo.rewards.DigitFormat", "weight": 0.5},
             ]
         }
     )
@@ -197,25 +197,28 @@ def test_build_rewards_instantiates_the_config_list():
     ("rewards", "message"),
     [
         (
-            {"_component_": "exactga.rewards.CorrectAnswer"},
+            {"_component_": "exactga.grpo.rewards.CorrectAnswer"},
             r"^config key 'rewards' must be a list ",
         ),
         ([], r"^config key 'rewards' is empty"),
-        (["exactga.rewards.CorrectAnswer"], r"^config key 'rewards\[0\]' must be a section with "),
+        (
+            ["exactga.grpo.rewards.CorrectAnswer"],
+            r"^config key 'rewards\[0\]' must be a section with ",
+        ),
         (
             [
-                {"_component_": "exactga.rewards.DigitFormat"},
-                {"_component_": "exactga.rewards.DigitFormat", "weight": 0.5},
+                {"_component_": "exactga.grpo.rewards.DigitFormat"},
+                {"_component_": "exactga.grpo.rewards.DigitFormat", "weight": 0.5},
             ],
             r"^config key 'rewards\[1\]' \(digit_format\) has the name 'digit_format' of "
             r"rewards\[0\]; their metrics would be one\.",
         ),
         (
-            [{"_component_": "exactga.rewards.DigitFormat", "weight": "nan"}],
+            [{"_component_": "exactga.grpo.rewards.DigitFormat", "weight": "nan"}],
             r"^config key 'rewards\[0\]' \(digit_format\): weight 'nan' is not a number\.$",
         ),
         (
-            [{"_component_": "exactga.rewards.DigitFormat", "weight": float("inf")}],
+            [{"_component_": "exactga.grpo.rewards.DigitFormat", "weight": float("inf")}],
             r"^config key 'rewards\[0\]' \(digit_format\): weight inf is not finite\.$",
         ),
         (

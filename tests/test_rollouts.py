@@ -1,4 +1,4 @@
-"""Rollouts that do not depend on the rank layout (exactga.rollouts).
+"""Rollouts that do not depend on the rank layout (exactga.grpo.rollouts).
 
 A group's completions must be a function of (seed, step, prompt index, sample index) and the
 weights: the same whether the group is generated alone, after others or in another order, with
@@ -18,9 +18,9 @@ from torchtune.generation import generate
 from torchtune.training import shard_model
 from unit_utils import run_on_ranks, tiny_model
 
-from exactga.loss_units import IGNORE_INDEX, shift_labels
-from exactga.policy import collate_rollouts
-from exactga.rollouts import (
+from exactga.accumulation.loss_units import IGNORE_INDEX, shift_labels
+from exactga.grpo.policy import collate_rollouts
+from exactga.grpo.rollouts import (
     RolloutGroup,
     SamplingSettings,
     check_prompt,

@@ -1,5 +1,5 @@
 """StepBook: what every recipe does around an optimizer step, in its one order; see
-[step bookkeeping] in ``exactga.steps``. Real windows and counters, a recording stand-in for
+[step bookkeeping] in ``exactga.run.steps``. Real windows and counters, a recording stand-in for
 the scheduler, logger, profiler and checkpoint writers, and an injected clock."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 from grouping import GroupingNormalizer
 from unit_utils import make_loss, make_rows, split, tiny_model
 
-from exactga.progress import TrainingProgress
-from exactga.steps import StepBook
-from exactga.training import NonFiniteLossError, NonFinitePolicy, StepOutcome
+from exactga.accumulation.step import StepContext, StepOutcome
+from exactga.config.options import NonFinitePolicy
+from exactga.run.progress import TrainingProgress
+from exactga.run.steps import NonFiniteLossError, StepBook, StepBookSettings
 
 
 class Recorder:
@@ -83,14 +84,14 @@ def _book(recorder: Recorder, **overrides) -> tuple[StepBook, Loader]:
     settings = dict(
         dataloader=loader,
         normalizer=GroupingNormalizer(make_loss("plain", model), 2),
-        profiler=recorder,
+        context=StepContext(model, torch.device("cpu"), recorder),
         optimizer=optimizer,
         lr_scheduler=recorder,
-        nonfinite_policy=NonFinitePolicy.STOP,
+        settings=StepBookSettings(
+            log_every_n_steps=2, save_every_n_steps=1, nonfinite_policy=NonFinitePolicy.STOP
+        ),
         save_step_checkpoint=recorder.save_step,
         save_epoch_checkpoint=recorder.save_epoch,
-        save_every_n_steps=1,
-        log_every_n_steps=2,
         metric_logger=recorder,
         show_progress=False,
         clock=Clock(10.0, 14.0, 99.0),
@@ -182,3 +183,26 @@ def test_a_line_printed_in_the_loop_lands_on_its_own_line_not_on_the_bar(monkeyp
     pieces = re.split(r"[\r\n]", terminal.getvalue())
     assert "epoch 1" in terminal.getvalue()  # the bar was drawn
     assert [p for p in pieces if "my step" in p] == ["my step 1", "my step 2"]
+
+
+class CountedReads:
+    """A metric value that counts its host reads (as a device tensor's ``float()`` would sync)."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.reads = value, 0
+
+    def __float__(self) -> float:
+        self.reads += 1
+        return self.value
+
+
+def test_a_recipes_own_metrics_are_read_and_logged_on_logged_steps_only() -> None:
+    recorder = Recorder()
+    book, _ = _book(recorder)  # logs every 2nd step
+    own = CountedReads(3.5)
+    for window in book.windows(0):
+        book.end_step(window, StepOutcome(skipped=False), metrics={"my/metric": own})
+    book.end_epoch(0)
+    assert sorted(recorder.logged) == [2]
+    assert recorder.logged[2]["my/metric"] == 3.5
+    assert own.reads == 1  # step 1 was not logged: its value was never read

@@ -26,7 +26,7 @@ from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from exactga.loss_units import IGNORE_INDEX, shift_labels
+from exactga.accumulation.loss_units import IGNORE_INDEX, shift_labels
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"

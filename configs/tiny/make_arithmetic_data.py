@@ -14,7 +14,7 @@ at most 9 tokens with the tiny tokenizer (digits are split, one piece each) and 
 two digits: a completion of 8 to 16 tokens has room for it. Nothing is downloaded and nothing
 is random: the output is byte-for-byte deterministic.
 
-``--stats`` loads the written file through ``exactga.prompts.prompt_dataset`` with the tiny
+``--stats`` loads the written file through ``exactga.grpo.prompts.prompt_dataset`` with the tiny
 tokenizer and prints what configs/tiny/ASSETS.md quotes: rows per operation, prompt lengths in
 tokens, and how answers are spread.
 """
@@ -67,7 +67,7 @@ def measure(path: Path) -> None:
     """Print ASSETS.md's numbers, from ``path`` as a recipe would load it."""
     from torchtune.models.llama2 import llama2_tokenizer
 
-    from exactga.prompts import prompt_dataset
+    from exactga.grpo.prompts import prompt_dataset
 
     tokenizer = llama2_tokenizer(str(TOKENIZER_PATH), max_seq_len=None, prompt_template=None)
     dataset = prompt_dataset(tokenizer, source="json", data_files=str(path), split="train")

@@ -1,6 +1,6 @@
 """``cudnn_attention`` on CUDA: with the default (False) no cuDNN attention kernel runs, and
 the recipes' runs say which choice they made (issue #30; see [cuDNN attention and variable
-shapes] in ``exactga.kernels``). The kernels that ran are read from torch's profiler, so the
+shapes] in ``exactga.runtime.kernels``). The kernels that ran are read from torch's profiler, so the
 test checks what the GPU did, not only the flag."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cuda_runs import FULL_SINGLE, Launch, launch_all
 from torch.profiler import ProfilerActivity, profile
 
-from exactga.kernels import choose_attention_kernels
+from exactga.runtime.kernels import choose_attention_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_attention_kernels")]
 

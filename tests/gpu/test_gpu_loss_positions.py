@@ -4,7 +4,7 @@ projection's loss and gradients, in fp32 and in bf16, and takes less memory.
 The CPU tests (tests/test_loss_positions.py) show the cut exact on a 128-word vocabulary. Here
 the shapes are a real model's where it matters, the output projection: a 32,768-word vocabulary
 over 8 x 512 positions of which about half are scored, so the full projection's logits alone
-are 512 MiB in fp32. See [logits only at loss positions] in ``exactga.training``.
+are 512 MiB in fp32. See [logits only at loss positions] in ``exactga.accumulation.forward``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from exactga.loss_units import IGNORE_INDEX, LOSS_POSITIONS, loss_positions
-from exactga.training import causal_lm_loss
+from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS, loss_positions
+from exactga.sft.loss import causal_lm_loss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_loss_positions")]
 

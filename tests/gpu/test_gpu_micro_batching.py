@@ -3,7 +3,7 @@
 The same global batch of 64 samples per step, split three ways: ``fixed`` 8x8 (stock's split),
 ``by_length`` 8x8 and ``token_budget`` 64x1 with 1024 positions per micro-batch. In fp32 the
 three must train the same weights up to summation order (see [regrouping is exact] in
-``exactga.micro_batching``), with the cuDNN/flash attention kernels of a GPU and, for one of
+``exactga.data.micro_batching``), with the cuDNN/flash attention kernels of a GPU and, for one of
 them, the one-rank NCCL path of the distributed recipe (the window's collective on the device).
 Each run must also process fewer positions than ``fixed``: the padding fraction it logs drops.
 """

@@ -1,8 +1,8 @@
 """The GA parity report on a GRPO config: every ``loss_aggregation`` under every split.
 
 ``recipes/ga_parity.py`` hands a config that sets ``grpo_samples`` to :class:`GrpoParity`, which
-trains it as recipes/grpo_full_finetune_distributed.py does (the one step of exactga.grpo:
-``make_rollouts``, ``ppo_windows``, ``exactga.policy.grpo_loss_step`` and the recipes'
+trains it as recipes/grpo_full_finetune_distributed.py does (the one step of exactga.grpo.step:
+``make_rollouts``, ``ppo_windows``, ``exactga.grpo.policy.grpo_loss_step`` and the recipes'
 ``train_window``), once per listed ``loss_aggregation`` as the full batch on one device and then
 under every split and mode, and scores and reports each aggregation as its own objective with
 the fine-tuning report's tables, verdict and figure (exactga.parity.report). See [grpo parity].
@@ -37,13 +37,17 @@ from omegaconf import DictConfig
 from torchtune import config, training, utils
 from tqdm import tqdm
 
-from exactga import distributed
-from exactga.data import build_prompt_loader
-from exactga.grpo import StepSettings, make_rollouts, ppo_windows
-from exactga.grpo_schemas import GrpoParityConfig, loss_settings
-from exactga.normalization import LossNormalizer
-from exactga.options import LossAggregation, MasterWeights, MicroBatching, NormMode
+from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.step import train_window
+from exactga.config.options import LossAggregation, MasterWeights, MicroBatching, NormMode
+from exactga.data.loader import build_prompt_loader
+from exactga.grpo.policy import grpo_loss_step, loss_units_for
+from exactga.grpo.rewards import build_rewards, reward_name
+from exactga.grpo.rollouts import SamplingSettings, check_prompt
+from exactga.grpo.schema import loss_settings
+from exactga.grpo.step import StepSettings, make_rollouts, ppo_windows
 from exactga.parity.grpo_report import PolicyObjective, grpo_splits, write_index
+from exactga.parity.grpo_schema import GrpoParityConfig
 from exactga.parity.report import markdown_table, write_report
 from exactga.parity.runs import (
     FrozenModels,
@@ -64,12 +68,9 @@ from exactga.parity.scoring import (
     summarize,
     verdict,
 )
-from exactga.policy import grpo_loss_step, loss_units_for
-from exactga.precision import Precision
 from exactga.profiling import setup_profiler
-from exactga.rewards import build_rewards, reward_name
-from exactga.rollouts import SamplingSettings, check_prompt
-from exactga.training import train_window
+from exactga.runtime import distributed
+from exactga.runtime.precision import Precision
 
 log = utils.get_logger("INFO")
 

@@ -2,8 +2,8 @@
 
 A config whose ``loss`` weighs pairs (torchtune's ``DPOLoss`` or ``RSOLoss``; see
 ``GaParityConfig.is_preference``) trains every run as the DPO recipes do: windows of preference
-pairs collated by ``exactga.preference.collate_pairs``, counted in pairs by ``PreferencePairs``
-through the one normaliser, and the loss step ``exactga.preference.dpo_loss_step`` (see [pairs
+pairs collated by ``exactga.dpo.preference.collate_pairs``, counted in pairs by ``PreferencePairs``
+through the one normaliser, and the loss step ``exactga.dpo.preference.dpo_loss_step`` (see [pairs
 as loss units] there). LoRA DPO's reference is each run's policy with its adapters off; full
 DPO's is a frozen copy of ``model`` with the weights of ``ref_checkpointer``, built once in
 ``dtype`` on one device and once sharded like the policy for the ``BxGxN`` runs
@@ -39,14 +39,14 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from exactga.distributed import is_rank_zero
-from exactga.loss_units import Batch
+from exactga.accumulation.loss_units import Batch
+from exactga.config.schemas import TrainingRunConfig
+from exactga.data.rows import is_preference_sample
+from exactga.dpo.preference import dpo_loss_step, frozen_model_reference, lora_reference
+from exactga.dpo.schema import PAIR_COLLATE
 from exactga.parity.scoring import ParityRun, RunSummary, sorted_runs
-from exactga.precision import Precision
-from exactga.preference import dpo_loss_step, frozen_model_reference, lora_reference
-from exactga.preference_rows import is_preference_sample
-from exactga.preference_schemas import PAIR_COLLATE
-from exactga.schemas import TrainingRunConfig
+from exactga.runtime.distributed import is_rank_zero
+from exactga.runtime.precision import Precision
 
 
 def collate_fn_for(collate_fn: str | None, is_preference: bool) -> str:

@@ -325,13 +325,13 @@ class Distillation:
             f"(`{self.teacher}`) into the student: loss = {1 - r:g} x `{self.loss}` + {r:g} x "
             f"`{self.kd_loss}` (`kd_ratio: {r:g}`), with the loss step of "
             "recipes/knowledge_distillation_single_device.py. `post_scale` is stock torchtune "
-            "0.6.1's KD recipe's weighting (see [stock kd weighting] in exactga.distillation)."
+            "0.6.1's KD recipe's weighting (see [stock kd weighting] in exactga.kd.distillation)."
         )
 
 
 def stock_kd_gap_section(data: DataShape) -> str:
     """When stock's KD weighting (``post_scale`` under KD) differs from exact, and whether this
-    config's data makes it. See [stock kd weighting] in exactga.distillation."""
+    config's data makes it. See [stock kd weighting] in exactga.kd.distillation."""
     varies = data.min_row_tokens != data.max_row_tokens
     if varies:
         here = "so stock's gap shows in the `post_scale` rows above"

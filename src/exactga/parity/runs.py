@@ -25,15 +25,15 @@ from torch import nn
 from torchtune import config, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from exactga import distributed
-from exactga.frozen import build_frozen_model
+from exactga.build.frozen import build_frozen_model
 from exactga.parity.scoring import ParityRun, RunSummary
+from exactga.runtime import distributed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from exactga.normalization import Window
-    from exactga.precision import Precision
+    from exactga.accumulation.normalization import Window
+    from exactga.runtime.precision import Precision
 
 _NO_MICRO_BATCH = 2**62  # the fewest units of a rank that ran none, larger than any count
 
@@ -150,7 +150,7 @@ def build_sharded_model(
 class FrozenModels:
     """A frozen model with ``state`` (a reference), built on first use once per layout and
     dtype: on one device for the ``BxG`` runs, sharded over ``dp_mesh`` like the policy for the
-    ``BxGxN`` runs (``exactga.frozen.build_frozen_model``, the recipes' rule)."""
+    ``BxGxN`` runs (``exactga.build.frozen.build_frozen_model``, the recipes' rule)."""
 
     def __init__(
         self,

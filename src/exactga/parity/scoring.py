@@ -28,7 +28,7 @@ in bf16": less than bf16 itself. Measured on the tiny config: docs/ga_parity.md,
 
 Which runs train is :func:`plan_runs`: every normalisation mode under ``fixed`` micro-batches,
 and ``exact`` also under every other listed ``micro_batching`` (see [regrouping is exact] in
-:mod:`exactga.micro_batching`: the baselines weight micro-batches by their split, so regrouping
+:mod:`exactga.data.micro_batching`: the baselines weight micro-batches by their split, so regrouping
 would change what they optimise, and only ``fixed`` is theirs). A DPO config's ``naive`` also
 trains under ``token_budget``, to show what that does to stock's weighting (see [stock dpo
 weighting] in :mod:`exactga.parity.preference`).
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exactga.options import MicroBatching, NormMode
+from exactga.config.options import MicroBatching, NormMode
 
 MODE_ORDER = ("naive", "post_scale", "exact")
 MODE_LABELS = {

@@ -5,7 +5,7 @@ off, so the training loop carries no ``if profiling:`` branches): :func:`setup_p
 builds it from the few config values it reads, :class:`TrainingProfiler` is entered once
 around training. One idea a module:
 
-- :mod:`~exactga.profiling.settings`: the ``profiler`` section and the top-level knobs
+- :mod:`~exactga.config.profiler`: the ``profiler`` section and the top-level knobs
   (``log_timings``, ``saved_latency_every_n_steps``, ``peak_flops``), one default each.
 - :mod:`~exactga.profiling.phase_clock`: phase timings (``time/data_ms``,
   ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``),
@@ -49,35 +49,34 @@ live in ``tests/profiling_utils.py``.
 import importlib
 from typing import Any
 
-# Public name -> the module that defines it. Loaded on first use (PEP 562), so that importing
-# one light module of the package (``exactga.schemas`` imports ``profiling.settings``) does not
-# load the hook and, through it, the runtime.
+# Public name -> the module that defines it. Loaded on first use (PEP 562), so that reading one
+# constant of the package does not load the hook and, through it, the runtime.
 _HOMES = {
-    "PEAK_FLOPS_BF16": "flops",
-    "device_peak_flops": "flops",
-    "model_flops_per_token": "flops",
-    "TrainingProfiler": "hook",
-    "setup_profiler": "hook",
-    "PHASES": "phase_clock",
-    "REPORT_CATEGORY": "report",
-    "REPORT_RUN": "report",
-    "REPORT_TAG": "report",
-    "SAVED_LATENCY_FRACTION": "saved_latency",
-    "SAVED_LATENCY_NUM_SAMPLES": "saved_latency",
-    "SavedLatency": "saved_latency",
-    "SavedLatencySample": "saved_latency",
-    "sample_gradients": "saved_latency",
-    "time_scaling_pass": "saved_latency",
-    "ProfilerSection": "settings",
-    "ProfilerSettings": "settings",
-    "parse_settings": "settings",
+    "PEAK_FLOPS_BF16": "exactga.profiling.flops",
+    "device_peak_flops": "exactga.profiling.flops",
+    "model_flops_per_token": "exactga.profiling.flops",
+    "TrainingProfiler": "exactga.profiling.hook",
+    "setup_profiler": "exactga.profiling.hook",
+    "PHASES": "exactga.profiling.phase_clock",
+    "REPORT_CATEGORY": "exactga.profiling.report",
+    "REPORT_RUN": "exactga.profiling.report",
+    "REPORT_TAG": "exactga.profiling.report",
+    "SAVED_LATENCY_FRACTION": "exactga.profiling.saved_latency",
+    "SAVED_LATENCY_NUM_SAMPLES": "exactga.profiling.saved_latency",
+    "SavedLatency": "exactga.profiling.saved_latency",
+    "SavedLatencySample": "exactga.profiling.saved_latency",
+    "sample_gradients": "exactga.profiling.saved_latency",
+    "time_scaling_pass": "exactga.profiling.saved_latency",
+    "ProfilerSection": "exactga.config.profiler",
+    "ProfilerSettings": "exactga.config.profiler",
+    "parse_settings": "exactga.config.profiler",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name not in _HOMES:
         raise AttributeError(f"module 'exactga.profiling' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"exactga.profiling.{_HOMES[name]}"), name)
+    return getattr(importlib.import_module(_HOMES[name]), name)
 
 
 __all__ = [

@@ -21,7 +21,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from exactga.micro_batching import PaddingMeter, WindowWork
+from exactga.config.profiler import ProfilerSection, ProfilerSettings, parse_settings
+from exactga.data.micro_batching import PaddingMeter, WindowWork
 from exactga.profiling.flops import device_peak_flops, model_flops_per_token
 from exactga.profiling.phase_clock import PHASES, PhaseClock
 from exactga.profiling.report import (
@@ -32,7 +33,6 @@ from exactga.profiling.report import (
     report_markdown,
 )
 from exactga.profiling.saved_latency import SavedLatency, SavedLatencySampler, summary_line
-from exactga.profiling.settings import ProfilerSection, ProfilerSettings, parse_settings
 from exactga.profiling.traces import TraceRecorder
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torchtune import utils
 
-from exactga.profiling.settings import ProfilerSettings
+from exactga.config.profiler import ProfilerSettings
 
 log = utils.get_logger("INFO")
 

@@ -1,0 +1,321 @@
+"""LoRA, DoRA and QLoRA adapters: their first values, how they are loaded, what is saved.
+
+Both LoRA recipes (one device, and FSDP over N ranks) call these, so that a run moved from one
+GPU to two starts from the same adapters and writes the same files. See [adapter init].
+
+# Note [adapter init]
+# torchtune draws a LoRA module's ``lora_a`` when the module is built, from the global RNG:
+# on one device that is after every earlier module's draws, so the adapters depend on the
+# model's layout; under FSDP the model is built on the meta device and torchtune draws each
+# *shard* after sharding, from each rank's own generator, so the adapters depend on the number
+# of ranks too. Here the full adapter tensors are drawn on the host from the run's ``seed``
+# alone, module by module in ``named_modules()`` order, with torchtune's own initialisers
+# (Kaiming-uniform ``lora_a``, zero ``lora_b``), and loaded like any state dict; the global
+# RNG is left as it was. A run starts from the same adapters on one device and on N ranks.
+# They are drawn in fp32 (or fp64) and then cast: torch draws another stream for a bf16
+# tensor, so a bf16 run would start from adapters unrelated to the fp32 run's, and no
+# comparison of the precisions (docs/precision.md) would mean anything.
+
+# Note [DoRA in PEFT]
+# torchtune's HF checkpointer writes the PEFT adapter with ``tune_to_peft_adapter_weights``,
+# which renames each DoRA ``magnitude`` to PEFT's ``lora_magnitude_vector`` and permutes the
+# rows of q_proj's and k_proj's ``lora_B`` from torchtune's rotary order into Hugging Face's,
+# but leaves those projections' magnitudes (one value per output row, so per the same rows) in
+# torchtune's order; and the adapter config it writes has no ``use_dora``, so PEFT builds plain
+# LoRA and drops the magnitudes. On the tiny DoRA run PEFT's merged projections were then
+# 2.1e-2 to 3.3e-2 off the run's, and q_proj still 1.2e-1 off with ``use_dora`` alone. Here
+# the config says ``use_dora`` when the adapters have magnitudes, and those of q_proj and
+# k_proj get lora_B's row permutation in the file torchtune wrote, before the adapter folder
+# appears. LoRA adapters (no magnitudes) are left exactly as torchtune writes them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torchtune import training
+from torchtune.modules.peft import (
+    DoRALinear,
+    LoRALinear,
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    validate_missing_and_unexpected_for_lora,
+)
+from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
+
+from exactga.build.model_state import load_model_state, state_dict_name, state_dict_shapes
+from exactga.config.schemas import check_lora_model
+from exactga.run.checkpointing import move_peft_adapter_to_own_folder
+
+# How a state dict reaches the model: ``nn.Module.load_state_dict(strict=False)`` on one
+# device, torchtune's ``load_from_full_model_state_dict`` under FSDP. Returns missing and
+# unexpected keys.
+LoadStateDict = Callable[[nn.Module, Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The adapters' shape, as the ``model`` section of a LoRA config gives it."""
+
+    rank: int
+    alpha: float
+    attn_modules: tuple[str, ...]
+    apply_to_mlp: bool
+    apply_to_output: bool
+
+    @classmethod
+    def from_config(cls, cfg_model: DictConfig) -> LoraSettings:
+        """Read the section, or say which keys a LoRA builder would have.
+
+        Raises:
+            ValueError: the section is not a LoRA/QLoRA builder's.
+        """
+        check_lora_model(cfg_model)
+        return cls(
+            rank=cfg_model.lora_rank,
+            alpha=cfg_model.lora_alpha,
+            attn_modules=tuple(cfg_model.lora_attn_modules),
+            apply_to_mlp=cfg_model.apply_lora_to_mlp,
+            apply_to_output=cfg_model.get("apply_lora_to_output", False),
+        )
+
+    def adapter_config(self) -> dict[str, Any]:
+        """PEFT's ``adapter_config.json`` content, as stock torchtune writes it."""
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": get_lora_module_names(
+                list(self.attn_modules), self.apply_to_mlp, self.apply_to_output
+            ),
+            "peft_type": "LORA",
+        }
+
+
+def load_lora_weights(
+    model: nn.Module,
+    settings: LoraSettings,
+    *,
+    base_state: Mapping[str, Any],
+    base_source: str,
+    adapters: Mapping[str, Any] | None,
+    load: LoadStateDict,
+    seed: int,
+    dtype: torch.dtype,
+) -> None:
+    """Load the frozen base, then the adapters to go on from or fresh ones ([adapter init]).
+
+    The order matters for DoRA: its magnitudes start as the norms of the loaded base weights,
+    and a resumed run's trained magnitudes must overwrite those.
+
+    Raises:
+        ValueError: base weights of another model, or adapters that do not fit the model.
+    """
+    base_missing, base_unexpected = load_model_state(
+        model, base_state, base_source, load=load, strict=False
+    )
+    if adapters is None:
+        initialize_adapters(model, dtype=dtype, seed=seed, load=load)
+    for module in model.modules():
+        if hasattr(module, "initialize_dora_magnitude"):
+            module.initialize_dora_magnitude()
+    lora_missing = lora_unexpected = None
+    if adapters is not None:
+        lora_missing, lora_unexpected = load(model, adapters)
+    validate_missing_and_unexpected_for_lora(
+        lora_attn_modules=list(settings.attn_modules),
+        apply_lora_to_mlp=settings.apply_to_mlp,
+        apply_lora_to_output=settings.apply_to_output,
+        base_missing=base_missing,
+        base_unexpected=base_unexpected,
+        lora_missing=lora_missing,
+        lora_unexpected=lora_unexpected,
+    )
+
+
+def initialize_adapters(
+    model: nn.Module, *, dtype: torch.dtype, seed: int, load: LoadStateDict
+) -> None:
+    """Give every LoRA/DoRA adapter its first value, from ``seed`` alone ([adapter init]).
+
+    The drawn tensors are keyed as ``model.state_dict()`` keys them (see [state-dict keys]);
+    DoRA magnitudes get a placeholder, set from the base weights afterwards.
+
+    Raises:
+        ValueError: a drawn adapter has no parameter of that name to land in.
+    """
+    drawn: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _draw_adapters(model, dtype, drawn)
+    _check_keys_exist(drawn, state_dict_shapes(model).keys())
+    load(model, drawn)
+
+
+def _draw_adapters(model: nn.Module, dtype: torch.dtype, out: dict[str, torch.Tensor]) -> None:
+    for module_name, module in model.named_modules():
+        if not isinstance(module, (LoRALinear, DoRALinear)):
+            continue
+        name = state_dict_name(module_name)
+        for part, init in (("lora_a", _lora_a_init_params), ("lora_b", _lora_b_init_params)):
+            shape = getattr(module, part).weight.shape
+            draw_dtype = torch.promote_types(dtype, torch.float32)  # see [adapter init]
+            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=draw_dtype)
+            linear = linear.to_empty(device="cpu")
+            init(linear)
+            out[f"{name}.{part}.weight"] = linear.weight.detach().to(dtype)
+        if isinstance(module, DoRALinear):
+            out[f"{name}.magnitude"] = torch.ones(module.out_dim, dtype=dtype)
+
+
+def _check_keys_exist(drawn: Mapping[str, torch.Tensor], model_keys: Any) -> None:
+    known = set(model_keys)
+    missing = [key for key in drawn if key not in known]
+    if missing:
+        raise ValueError(
+            f"initial LoRA adapter '{missing[0]}' has no parameter of that name in the model's "
+            f"state dict ({len(missing)} such keys); the model section's LoRA builder and its "
+            "wrappers disagree. Please report this with your config."
+        )
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable adapter tensors, keyed as the state dict keys them, for step checkpoints.
+
+    Read from the parameters rather than ``state_dict()``, which for QLoRA would dequantize
+    every frozen NF4 weight just to drop it.
+    """
+    return {
+        state_dict_name(name): param.detach() for name, param in get_adapter_params(model).items()
+    }
+
+
+def epoch_checkpoint_weights(
+    state_dict: dict[str, Any], settings: LoraSettings, merge: bool
+) -> dict[str, Any]:
+    """What stock hands its checkpointer at an epoch's end, from a host ``state_dict``.
+
+    The adapters and the adapter config, and with ``merge`` (stock: unless
+    ``save_adapter_weights_only``) the full weights with the adapters merged in. Merging adds
+    each adapter into its base weight *in place* (torchtune's ``get_merged_lora_ckpt``), so
+    those base weights are copied first: a host state dict can share storage with the model
+    (on CPU, or gathered from one rank), whose frozen base would otherwise silently take the
+    adapters in (stock 0.6.1's bug on CPU).
+    """
+    adapters = get_adapter_state_dict(state_dict)
+    adapter_config = settings.adapter_config()
+    if any(key.endswith(".magnitude") for key in adapters):
+        adapter_config["use_dora"] = True  # see [DoRA in PEFT]
+    weights: dict[str, Any] = {
+        training.ADAPTER_KEY: adapters,
+        training.ADAPTER_CONFIG: adapter_config,
+    }
+    if merge:
+        weights[training.MODEL_KEY] = get_merged_lora_ckpt(
+            _with_merge_targets_copied(state_dict), rank=settings.rank, alpha=settings.alpha
+        )
+    return weights
+
+
+def save_epoch_checkpoint(
+    checkpointer: Any,
+    state_dict: dict[str, Any],
+    settings: LoraSettings,
+    *,
+    epoch: int,
+    adapter_only: bool,
+    training_state: dict[str, Any] | None = None,
+) -> None:
+    """Write an epoch's checkpoint through torchtune's ``checkpointer``: the adapters, merged
+    weights unless ``adapter_only``, and ``training_state`` (recipe and optimizer state) when
+    training goes on; then the PEFT adapter moves to ``epoch_N/adapter/``, see [adapter
+    folder]. Every recipe that trains adapters saves through this call (on rank 0)."""
+    ckpt_dict = epoch_checkpoint_weights(state_dict, settings, merge=not adapter_only)
+    use_dora = ckpt_dict[training.ADAPTER_CONFIG].get("use_dora", False)
+    if training_state is not None:
+        ckpt_dict.update(training_state)
+    checkpointer.save_checkpoint(
+        ckpt_dict,
+        epoch=epoch,
+        intermediate_checkpoint=training_state is not None,
+        adapter_only=adapter_only,
+    )
+    epoch_dir = Path(checkpointer._output_dir) / f"epoch_{epoch}"
+    if use_dora:
+        _put_peft_magnitudes_in_hf_order(epoch_dir, getattr(checkpointer, "_config", None))
+    move_peft_adapter_to_own_folder(epoch_dir, base_model_of(checkpointer))
+
+
+def peft_magnitudes_in_hf_order(
+    weights: Mapping[str, torch.Tensor], *, num_heads: int, num_kv_heads: int, head_dim: int
+) -> dict[str, torch.Tensor]:
+    """``weights``, a PEFT adapter as ``tune_to_peft_adapter_weights`` returns it, with the DoRA
+    magnitudes of q_proj and k_proj in Hugging Face's rotary row order: the permutation that
+    function applies to those projections' ``lora_B`` rows. See [DoRA in PEFT]."""
+    heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
+    suffix = ".lora_magnitude_vector"
+    permuted = dict(weights)
+    for key, magnitude in weights.items():
+        projection = key.removesuffix(suffix).rsplit(".", 1)[-1]
+        if key.endswith(suffix) and projection in heads:
+            n = heads[projection]
+            # torchtune's _permute_lora_matrix on a matrix of one column.
+            permuted[key] = magnitude.view(n, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+    return permuted
+
+
+def _put_peft_magnitudes_in_hf_order(epoch_dir: Path, hf_config: Mapping[str, Any] | None) -> None:
+    """Rewrite the PEFT adapter file torchtune wrote into ``epoch_dir`` (if it wrote one: only
+    its HF checkpointer does) with :func:`peft_magnitudes_in_hf_order`, reading the head counts
+    from the same Hugging Face ``config.json`` values torchtune used for ``lora_B``."""
+    safetensors_path = epoch_dir / "adapter_model.safetensors"
+    bin_path = epoch_dir / "adapter_model.bin"
+    if hf_config is None or not (safetensors_path.is_file() or bin_path.is_file()):
+        return
+    num_heads = hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim", None) or hf_config["hidden_size"] // num_heads
+    heads = {
+        "num_heads": num_heads,
+        "num_kv_heads": hf_config["num_key_value_heads"],
+        "head_dim": head_dim,
+    }
+    # Written beside and renamed over, so the file is torchtune's or the fixed one, never half.
+    if safetensors_path.is_file():
+        fixed = peft_magnitudes_in_hf_order(load_file(safetensors_path), **heads)
+        staging = safetensors_path.with_name(f".{safetensors_path.name}.tmp")
+        save_file(fixed, staging, metadata={"format": "pt"})  # torchtune's metadata
+        os.replace(staging, safetensors_path)
+    else:
+        weights = torch.load(bin_path, map_location="cpu", weights_only=True)
+        staging = bin_path.with_name(f".{bin_path.name}.tmp")
+        torch.save(peft_magnitudes_in_hf_order(weights, **heads), staging)
+        os.replace(staging, bin_path)
+
+
+def base_model_of(checkpointer: Any) -> str | None:
+    """What ``adapter_config.json`` names as the base: the hub repository torchtune recorded
+    (``repo_id``), else the checkpoint folder when it is a Hugging Face model folder."""
+    repo_id = getattr(checkpointer, "repo_id", None)
+    if repo_id:
+        return str(repo_id)
+    checkpoint_dir = Path(checkpointer._checkpoint_dir).resolve()
+    return str(checkpoint_dir) if (checkpoint_dir / "config.json").is_file() else None
+
+
+def _with_merge_targets_copied(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of ``state_dict`` whose weights that merging writes into are copies."""
+    copied = dict(state_dict)
+    for key in state_dict:
+        if key.endswith(".lora_a.weight"):
+            target = key[: -len(".lora_a.weight")] + ".weight"
+            copied[target] = state_dict[target].to("cpu", copy=True)
+    return copied

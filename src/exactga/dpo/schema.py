@@ -1,0 +1,141 @@
+"""The keys of the DPO recipes, with their one default and their checks (see
+exactga.config.schemas).
+
+torchtune 0.6.1's ``lora_dpo_single_device``, ``lora_dpo_distributed`` and
+``full_dpo_distributed`` read the keys of the fine-tuning recipe of the same kind, plus the
+reference's checkpointer for full DPO; their configs run unchanged here. Like
+exactga.config.schemas, this module imports only bottom modules (``tests/test_architecture.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING, DictConfig
+
+from exactga.config.options import MicroBatching, NormMode, SequenceLogProb
+from exactga.config.schemas import (
+    FullFinetuneDistributedConfig,
+    LoraFinetuneDistributedConfig,
+    LoraFinetuneSingleDeviceConfig,
+    max_seq_len_of,
+)
+
+# Stock collates pairs with torchtune's ``padded_collate_dpo`` and reads no ``collate_fn`` key;
+# this is the same layout as a dict, which the loader and the normaliser take.
+PAIR_COLLATE = "exactga.dpo.preference.collate_pairs"
+
+# A resume with another DPO loss (or beta, or its terms) is refused like one with another model;
+# see [what a resume may change] in exactga.run.resume.
+DPO_FINGERPRINT_KEYS = ("loss", "rpo_alpha", "sequence_log_prob")
+FULL_DPO_FINGERPRINT_KEYS = (*DPO_FINGERPRINT_KEYS, "ref_checkpointer")
+
+
+@dataclass
+class DpoLossKeys:
+    """exactga's keys for what the DPO loss is made of beyond ``loss``, read by all three
+    recipes (``exactga.dpo.preference.DpoTerms`` takes them). Neither is stock's: left at their
+    defaults, the loss is stock's per-pair ``loss`` on summed log-probs, with the same code."""
+
+    # The weight of an NLL term on the chosen responses, a mean over their tokens (RPO; TRL's
+    # name); 0: none. See [chosen tokens as the NLL's units] in exactga.dpo.preference.
+    rpo_alpha: float = 0.0
+    # A response's log-prob from its tokens': their sum (stock) or mean (length-normalised,
+    # IPO/SimPO). See [length-normalised log-probs are per pair] in exactga.dpo.preference.
+    sequence_log_prob: SequenceLogProb = SequenceLogProb.SUM
+
+
+def check_preference_keys(cfg: DictConfig) -> None:
+    """The keys every DPO recipe checks: a pair collate and a per-pair weighting.
+
+    Raises:
+        ValueError: naming the key, for a collate that does not stack pairs, a token
+            weighting (``post_scale``) or a negative ``rpo_alpha``.
+    """
+    if not math.isfinite(cfg.rpo_alpha) or cfg.rpo_alpha < 0:
+        raise ValueError(
+            f"config key 'rpo_alpha' must be at least 0 (0: no NLL term), got {cfg.rpo_alpha}."
+        )
+    if cfg.loss_normalization is NormMode.POST_SCALE:
+        raise ValueError(
+            "config key 'loss_normalization': post_scale is stock's token weighting of "
+            "fine-tuning; stock DPO weighs each micro-batch's mean over its pairs by 1/ga, "
+            "which is naive here. Choose exact (default) or naive."
+        )
+    check_packed_pairs(cfg)
+    if cfg.collate_fn != PAIR_COLLATE and not cfg.collate_fn.endswith("collate_pairs"):
+        raise ValueError(
+            f"config key 'collate_fn'={cfg.collate_fn}: DPO micro-batches stack each pair's "
+            f"chosen and rejected rows; use {PAIR_COLLATE} (torchtune's padded_collate_dpo "
+            "layout, as a dict), or remove the key."
+        )
+
+
+def check_packed_pairs(cfg: DictConfig) -> None:
+    """Under ``micro_batching: packed`` a pair is one document pair of a row: its two sides,
+    up to twice ``tokenizer.max_seq_len`` positions, must fit the model's ``max_seq_len``
+    (a row is one sequence to it), where both are given."""
+    if cfg.micro_batching is not MicroBatching.PACKED:
+        return
+    side, limit = max_seq_len_of(cfg, "tokenizer"), max_seq_len_of(cfg, "model")
+    if side and limit and 2 * side > limit:
+        raise ValueError(
+            f"config keys 'tokenizer.max_seq_len' and 'model.max_seq_len': a packed pair holds "
+            f"both its sides, up to 2 x {side} = {2 * side} positions, one sequence to the model, "
+            f"which takes at most {limit}; set model.max_seq_len={2 * side} (micro_batch_tokens "
+            f"at most that) or tokenizer.max_seq_len={limit // 2}."
+        )
+
+
+@dataclass
+class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, DpoLossKeys):
+    """``lora_dpo_single_device``: the LoRA keys; the reference is the policy without its
+    adapters. ``loss`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (one loss per pair)."""
+
+    collate_fn: str = PAIR_COLLATE
+    # exactga: each pair's reference log-probs computed once, before training, and looked up
+    # (see [precomputed reference] in exactga.dpo.reference_logprobs and docs/dpo.md).
+    precompute_reference_logprobs: bool = False
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        check_preference_keys(cfg)  # first: stock's own checks would name post_scale otherwise
+        super().check_flags(cfg)
+
+
+@dataclass
+class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig, DpoLossKeys):
+    """``lora_dpo_distributed``: the distributed LoRA keys; the reference as on one device."""
+
+    collate_fn: str = PAIR_COLLATE
+    # exactga: each pair's reference log-probs computed once, before training, and looked up
+    # (see [precomputed reference] in exactga.dpo.reference_logprobs and docs/dpo.md).
+    precompute_reference_logprobs: bool = False
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        check_preference_keys(cfg)  # first: stock's own checks would name post_scale otherwise
+        super().check_flags(cfg)
+
+
+@dataclass
+class FullDpoDistributedConfig(FullFinetuneDistributedConfig, DpoLossKeys):
+    """``full_dpo_distributed``: the full distributed keys plus ``ref_checkpointer``, the
+    reference's weights (a frozen copy of ``model``, sharded like it)."""
+
+    collate_fn: str = PAIR_COLLATE
+    ref_checkpointer: Any = MISSING
+    # exactga: as in the LoRA DPO recipes; the reference model is also freed after the pre-pass.
+    precompute_reference_logprobs: bool = False
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        check_preference_keys(cfg)  # first: stock's own checks would name post_scale otherwise
+        if cfg.tensor_parallel_dim > 1:
+            raise ValueError(
+                "config key 'tensor_parallel_dim': full DPO shards policy and reference over "
+                "data-parallel ranks only (as stock); set tensor_parallel_dim=1."
+            )
+        super().check_flags(cfg)

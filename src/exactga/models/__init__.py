@@ -1,0 +1,2 @@
+"""Model families beyond torchtune 0.6.1's builders, one package each, in torchtune's
+component-builder style (a builder taking every shape argument, sized builders beside it)."""

@@ -1,0 +1,383 @@
+"""What a training recipe does around each optimizer step, decided once for every recipe.
+
+The recipes keep the step in sight, so a user reading or editing a copy sees it::
+
+    with self._profiler:
+        for curr_epoch in progress.epochs():
+            for window in steps.windows(curr_epoch):
+                for batch in window:                    # this rank's micro-batches
+                    loss = self._loss_step(batch)       # forward and mean loss
+                    window.backward(loss)               # exact share of the window, backward
+                outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
+                report = steps.end_step(window, outcome)  # .loss: on logged steps
+            steps.end_epoch(curr_epoch)
+
+and :class:`StepBook` does the rest; see [step bookkeeping] and [bar-safe output].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchtune.training.lr_schedulers import get_lr
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from exactga.accumulation.normalization import Window
+from exactga.accumulation.optimizers import steps_in_backward
+from exactga.accumulation.step import StepContext, StepOutcome, TrainingWindow
+from exactga.config.options import NonFinitePolicy
+from exactga.run.metric_logging import flush_metric_logger
+from exactga.run.progress import TrainingProgress
+from exactga.runtime.distributed import memory_stats
+
+# Note [step bookkeeping]
+# After ``window.step`` every recipe does the same things in the same order, and each is a
+# number it logs or a file it writes, so each is decided here once:
+# 1. the counters move (``TrainingProgress.record_step``), then the learning-rate scheduler
+#    steps, on skipped steps too (torchtune's schedule counts optimizer steps, taken or not);
+# 2. a non-finite loss gets the config's policy (``nonfinite_loss``), which may save and stop;
+# 3. the profiler is told the step's work, the progress bar moves;
+# 4. on a logged step: the loss, the learning rate, the loss tokens per second per rank since
+#    the last logged step (every rank's tokens over the world size), the profiler's and the
+#    recipe's own metrics; every rank takes part (the loss is one all-reduce), rank 0 writes;
+# 5. a step checkpoint when one is due.
+# At an epoch's end the epoch closes before both saves (see [epoch close] in exactga.run.progress),
+# then the epoch checkpoint, then, when step checkpoints are on, one of the closed epoch.
+
+# Note [bar-safe output]
+# While an epoch's progress bar is drawn, a line printed to stdout, or logged, would land on the
+# bar's line and leave the bar broken in two. So from ``open_epoch`` to ``end_epoch`` stdout and
+# the console handlers of the root and torchtune loggers write through ``tqdm.write``, which
+# clears the bar, writes the line and draws the bar again below it: a user's ``print`` in a
+# copied recipe's loop (or ``log.info``) needs nothing special.
+
+
+@dataclass(frozen=True)
+class StepBookSettings:
+    """The config keys of a run's step bookkeeping, typed (``from_config``: after validation)."""
+
+    log_every_n_steps: int
+    save_every_n_steps: int | None  # None: no step checkpoints
+    nonfinite_policy: NonFinitePolicy
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> StepBookSettings:
+        return cls(cfg.log_every_n_steps, cfg.save_every_n_steps, cfg.nonfinite_loss)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one optimizer step did, for a recipe that wants to print or act on it.
+
+    ``loss`` is the exact window loss over every rank, read only on logged steps (it costs a
+    host read and, under data parallelism, an all-reduce); ``None`` otherwise and on a skipped
+    window. ``metrics`` is what was logged, empty on a step not logged.
+    """
+
+    step: int
+    skipped: bool
+    loss: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class StepBook:
+    """The bookkeeping of a recipe's loop: windows in, logs and checkpoints out.
+
+    Args:
+        progress: the run's counters.
+        context: how this rank runs a window's micro-batches (model, device, the recipe's
+            ``TrainingProfiler``, the gradient-sync policy); every window carries it.
+        dataloader: the recipe's loader of windows (``exactga.data.loader``).
+        normalizer: the recipe's ``LossNormalizer``.
+        optimizer: the recipe's optimizer: the logged learning rate is read from it, and an
+            ``OptimizerInBackward`` (``optimizer_in_bwd``) means a non-finite step has already
+            changed the weights.
+        lr_scheduler: stepped after every step, or ``None``.
+        settings: the config's ``log_every_n_steps``, ``save_every_n_steps``, ``nonfinite_loss``.
+        save_step_checkpoint: writes a step checkpoint and returns its folder (collective).
+        save_epoch_checkpoint: writes the checkpoint of an epoch (collective).
+        metric_logger: where logged metrics go; ``None`` on ranks that do not write.
+        world_size: data-parallel ranks (tokens per second are per rank).
+        memory_device: logs peak-memory statistics of this device, or ``None``.
+        window_metrics: the recipe's own metrics of a logged window (every rank calls it).
+        track: wraps each epoch's windows (the distiller's ``track``), or ``None``.
+        show_progress: draw the progress bar (rank 0).
+        clock: seconds, for the tokens-per-second figure; injected by tests.
+    """
+
+    def __init__(
+        self,
+        progress: TrainingProgress,
+        *,
+        context: StepContext,
+        dataloader: Any,
+        normalizer: Any,
+        optimizer: Any,
+        lr_scheduler: Any,
+        settings: StepBookSettings,
+        save_step_checkpoint: Callable[[], Path],
+        save_epoch_checkpoint: Callable[[int], Any],
+        metric_logger: Any | None,
+        world_size: int = 1,
+        memory_device: torch.device | None = None,
+        window_metrics: Callable[[Window], dict[str, float]] | None = None,
+        track: Callable[[Iterable[Window]], Iterable[Window]] | None = None,
+        show_progress: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.progress = progress
+        self.context = context
+        self.profiler = context.profiler
+        self.dataloader = dataloader
+        self.normalizer = normalizer
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.nonfinite_policy = settings.nonfinite_policy
+        self.save_step_checkpoint = save_step_checkpoint
+        self.save_epoch_checkpoint = save_epoch_checkpoint
+        self.save_every_n_steps = settings.save_every_n_steps
+        self.log_every_n_steps = settings.log_every_n_steps
+        self.metric_logger = metric_logger
+        self.world_size = world_size
+        self.memory_device = memory_device
+        self.window_metrics = window_metrics
+        self.track = track
+        self.show_progress = show_progress
+        self.clock = clock
+        self._epoch = 0
+        self._pbar: Any = None
+        self._bar_safe_output = contextlib.ExitStack()
+        self._num_tokens_since_log = 0
+        self._last_log_time: float | None = None
+
+    def windows(self, epoch: int) -> Iterator[TrainingWindow]:
+        """The windows of ``epoch`` still to train (all of them, or what a resume left), timed
+        by the profiler, each ready to run (``exactga.accumulation.step.TrainingWindow``)."""
+        self.open_epoch(epoch)
+        windows = self.normalizer.windows(self.dataloader, self.progress.windows_left_in(epoch))
+        timed = self.profiler.timed(self.track(windows) if self.track else windows)
+        yield from self.training(timed)
+
+    def training(self, windows: Iterable[Window]) -> Iterator[TrainingWindow]:
+        """``windows`` ready to run, numbered from the next optimizer step: for a recipe whose
+        windows do not come from its loader (GRPO's come from rollouts)."""
+        for window in windows:
+            yield TrainingWindow(window, self.context, self.progress.global_step + 1)
+
+    def open_epoch(self, epoch: int) -> None:
+        """Start ``epoch``: the loader's shuffle, the progress bar, the first logged interval.
+        :meth:`windows` calls it; a recipe whose windows do not come from its loader (GRPO's
+        come from generated rollouts) calls it and then :meth:`end_step` for each window."""
+        if self._last_log_time is None:  # the first logged interval starts with training
+            self._last_log_time = self.clock()
+        self._epoch = epoch
+        self.dataloader.sampler.set_epoch(epoch)
+        self.profiler.open_epoch()
+        self._pbar = tqdm(
+            total=self.progress.steps_per_epoch,
+            initial=self.progress.steps_done_in(epoch),  # > 0 after a mid-epoch resume
+            desc=f"epoch {epoch + 1}",
+            disable=not self.show_progress,
+        )
+        if self.show_progress:
+            self._bar_safe_output.enter_context(_bar_safe_output())
+
+    def end_step(
+        self,
+        window: Window | TrainingWindow,
+        outcome: StepOutcome,
+        metrics: dict[str, Any] | None = None,
+    ) -> StepReport:
+        """Everything after ``window.step`` returned; see [step bookkeeping]. ``metrics``: a
+        recipe's own scalars (floats or 0-d tensors), read and logged on logged steps only, so
+        a tensor costs no host read on the others."""
+        progress = self.progress
+        progress.record_step(outcome.skipped, outcome.nonfinite)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        if outcome.nonfinite:  # the same on every rank: the flag was reduced
+            handle_nonfinite_loss(
+                self.nonfinite_policy,
+                progress.global_step,
+                weights_updated=steps_in_backward(self.optimizer),
+                save_checkpoint=self.save_step_checkpoint,
+            )
+        self._num_tokens_since_log += self._tokens_of(window)
+        self.profiler.step(window.work())
+        self._pbar.update(1)
+        logged: dict[str, float] = {}
+        if progress.global_step % self.log_every_n_steps == 0:
+            logged = self._log(window, outcome, metrics or {})
+        if progress.should_save_step_checkpoint(self.save_every_n_steps, self._epoch):
+            self.save_step_checkpoint()
+            flush_metric_logger(self.metric_logger)  # [resumed TensorBoard run]
+        return StepReport(
+            step=progress.global_step,
+            skipped=outcome.skipped,
+            loss=logged.get("loss"),
+            metrics=logged,
+        )
+
+    def _tokens_of(self, window: Window) -> int:
+        """The tokens a step counts for ``tokens_per_second_per_gpu``: the loss tokens of every
+        rank, or, when the units are not tokens (pairs), the samples' own positions on all
+        ranks as this rank's times the world size (padding is not work)."""
+        if window.units_name == "loss_tokens":
+            return window.num_global_units
+        return window.num_sample_positions * self.world_size
+
+    def _log(
+        self, window: Window | TrainingWindow, outcome: StepOutcome, own: dict[str, Any]
+    ) -> dict[str, float]:
+        assert self._last_log_time is not None
+        elapsed = self.clock() - self._last_log_time
+        metrics = step_metrics(
+            window,
+            optimizer=self.optimizer,
+            grad_norm=outcome.grad_norm,
+            progress=self.progress,
+            tokens_per_second_per_gpu=self._num_tokens_since_log / elapsed / self.world_size,
+            memory_device=self.memory_device,
+        )
+        if self.window_metrics is not None:
+            metrics.update(self.window_metrics(window))
+        metrics.update(self.profiler.metrics(step=self.progress.global_step))
+        metrics.update({name: float(value) for name, value in own.items()})  # host reads here
+        if self.metric_logger is not None:
+            self.metric_logger.log_dict(metrics, step=self.progress.global_step)
+        if "loss" in metrics:
+            self._pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        self._num_tokens_since_log, self._last_log_time = 0, self.clock()
+        return metrics
+
+    def end_epoch(self, epoch: int) -> None:
+        """Close ``epoch`` and write its checkpoints, in the one order; see [step bookkeeping]."""
+        self._pbar.close()
+        self._bar_safe_output.close()
+        self.progress.close_epoch()  # before both saves: see [epoch close] in exactga.run.progress
+        self.save_epoch_checkpoint(epoch)
+        if self.save_every_n_steps:
+            self.save_step_checkpoint()
+            flush_metric_logger(self.metric_logger)
+
+
+@contextlib.contextmanager
+def _bar_safe_output() -> Iterator[None]:
+    """stdout and the console loggers through tqdm; see [bar-safe output]."""
+    # torchtune's logger (utils.get_logger, the recipes' ``log``) has a handler of its own.
+    loggers = [logging.getLogger(), logging.getLogger("torchtune.utils._logging")]
+    with (
+        logging_redirect_tqdm(loggers=loggers),
+        contextlib.redirect_stdout(_LinesAboveTheBar(sys.stdout, bar_stream=sys.stderr)),
+    ):
+        yield
+
+
+class _LinesAboveTheBar(io.TextIOBase):
+    """Writes whole lines to ``stream`` with the progress bars drawn on ``bar_stream`` cleared
+    first and drawn again after. (tqdm's ``DummyTqdmFile`` would not clear them: ``tqdm.write``
+    clears bars on another stream only while ``sys.stdout`` is the real one.)"""
+
+    def __init__(self, stream: Any, bar_stream: Any) -> None:
+        self._stream, self._bar_stream, self._partial_line = stream, bar_stream, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        lines, newline, self._partial_line = (self._partial_line + text).rpartition("\n")
+        if newline:
+            self._write_above_the_bar(lines + newline)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial_line:
+            self._write_above_the_bar(self._partial_line)
+            self._partial_line = ""
+        self._stream.flush()
+
+    def _write_above_the_bar(self, text: str) -> None:
+        with tqdm.external_write_mode(file=self._bar_stream):
+            self._stream.write(text)
+            self._stream.flush()
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training stopped on a non-finite loss (``nonfinite_loss: stop``)."""
+
+
+def handle_nonfinite_loss(
+    policy: NonFinitePolicy,
+    step: int,
+    *,
+    weights_updated: bool,
+    save_checkpoint: Callable[[], Path],
+) -> None:
+    """Apply ``policy`` to optimizer step ``step``, whose loss was not finite on some rank.
+
+    Every rank calls this (``save_checkpoint`` is collective under data parallelism).
+
+    Raises:
+        NonFiniteLossError: under ``stop``, or whenever the weights were already updated.
+    """
+    if weights_updated:
+        raise NonFiniteLossError(
+            f"non-finite loss at step {step}; with optimizer_in_bwd the weights were already "
+            "updated, so the run stops without saving. Resume from the last step checkpoint "
+            "(resume_from_checkpoint=True), e.g. with a lower learning rate."
+        )
+    if policy is NonFinitePolicy.SKIP:
+        warnings.warn(
+            f"non-finite loss at step {step}: the step is skipped (nonfinite_loss: skip); "
+            "the weights are unchanged.",
+            stacklevel=2,
+        )
+        return
+    path = save_checkpoint()
+    raise NonFiniteLossError(
+        f"non-finite loss at step {step} (nonfinite_loss: stop). The weights before it are "
+        f"saved in {path}; resume_from_checkpoint=True goes on with the next window."
+    )
+
+
+def step_metrics(
+    window: Window,
+    *,
+    optimizer: Any,
+    grad_norm: torch.Tensor | None,
+    progress: TrainingProgress,
+    tokens_per_second_per_gpu: float,
+    memory_device: torch.device | None = None,
+) -> dict[str, float]:
+    """The scalars every recipe logs on a logged step: stock torchtune's names and ours.
+
+    ``loss`` is the exact window loss over every data-parallel rank (one all-reduce of one
+    number, so every rank calls this); a skipped window logs no loss rather than a NaN one.
+    These are the only host read-backs of the step. ``memory_device`` adds peak-memory
+    statistics (``log_peak_memory_stats``; nothing on CPU). The window's loss units over every
+    rank are logged under their name (``loss_tokens``; ``pairs`` for a preference loss).
+    """
+    metrics = {
+        "lr": get_lr(optimizer),
+        "tokens_per_second_per_gpu": tokens_per_second_per_gpu,
+        window.units_name: float(window.num_global_units),
+        **progress.metrics(),
+    }
+    if not window.should_skip_step():
+        metrics["loss"] = window.global_mean_loss()
+    if grad_norm is not None:
+        metrics["grad_norm"] = float(grad_norm)
+    if memory_device is not None:
+        metrics.update(memory_stats(memory_device))
+    return metrics

@@ -1,0 +1,45 @@
+"""The supervised fine-tuning loss of one micro-batch: forward, label shift, mean token loss."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from exactga.accumulation.forward import projecting_only
+from exactga.accumulation.loss_units import LOSS_POSITIONS, shift_labels
+from exactga.runtime.precision import Precision
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    loss_fn: nn.Module,
+    batch: dict[str, torch.Tensor],
+    activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+    precision: Precision | None = None,
+) -> torch.Tensor:
+    """Forward and mean loss of one micro-batch already on the device.
+
+    See [shifted token count] in ``exactga.accumulation.loss_units``: the count that weights this
+    loss was taken on exactly these shifted labels. ``precision`` runs the forward under its
+    autocast (bf16 compute over fp32 master weights; see [fp32 master weights] in
+    ``exactga.runtime.precision``), the loss outside it. Logits are computed only at the positions
+    the loss scores when the batch carries their index; see [logits only at loss positions].
+    """
+    labels = batch.pop("labels")
+    positions = batch.pop(LOSS_POSITIONS, None)
+    autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
+    activations = activations_ctx or contextlib.nullcontext()
+    with activations, autocast, projecting_only(model, positions) as cut:
+        logits = model(**batch)
+    labels = shift_labels(labels, loss_fn.ignore_index)
+    if cut:
+        labels = labels.reshape(-1).index_select(0, positions).unsqueeze(0)
+    if not isinstance(logits, list):  # chunked losses take the list as it is
+        labels = labels.reshape(-1)
+        logits = logits.reshape(-1, logits.size(-1))
+    loss = loss_fn(logits, labels)
+    del logits  # frees the largest activation before backward
+    return loss
