@@ -21,15 +21,14 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
 from torch.optim import Optimizer
-from torchtune import config, modules, training, utils
+from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.model_state import load_model_state
+from exactga.build.model import FullWeights, ModelSettings, build_model
 from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -110,8 +109,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
-        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
-        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._model_settings = ModelSettings.from_config(cfg, self._device)
 
         # Epochs, steps and their outcomes; a resume sets them in setup.
         self._progress = TrainingProgress(
@@ -139,9 +137,16 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         ckpt_dict = self._checkpointer.load_checkpoint()
         resume.restore_progress(self._progress, ckpt_dict)
 
-        self._model = self._setup_model(
-            cfg.model, resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)
+        # Built, cast, compiled, checkpointed and loaded in the one order; see exactga.build.model.
+        built = build_model(
+            cfg.model,
+            FullWeights(resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)),
+            precision=self._precision,
+            device=self._device,
+            settings=self._model_settings,
+            notes=(self._attention_kernels, self._cpu_threads),
         )
+        self._model, self._activations_handling_ctx = built.model, built.activations_ctx
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
 
@@ -188,32 +193,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_model(
-        self, cfg_model: DictConfig, model_state_dict: dict[str, Any], source: str
-    ) -> nn.Module:
-        with training.set_default_dtype(self._dtype), self._device:
-            model = config.instantiate(cfg_model)
-        self._precision.cast_trainable(model)  # fp32 master weights, if asked for
-        if self._compile:
-            training.compile_model(model)
-        if self._enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-        load_model_state(model, model_state_dict, source)
-        training.validate_expected_param_dtype(
-            model.named_parameters(), dtype=self._precision.param_dtype
-        )
-        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            model, self._enable_activation_offloading
-        )
-        log.info(f"Model is initialized with {self._precision.describe()}.")
-        log.info(self._attention_kernels)
-        log.info(self._cpu_threads)
-        if self._device.type != "cpu":
-            training.log_memory_stats(training.get_memory_stats(device=self._device))
-        return model
 
     def _setup_optimizer(
         self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None

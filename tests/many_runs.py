@@ -7,7 +7,7 @@ tests/many_runs.py --config <plan.json>``, and each rank runs the plan's recipes
 another exactly as ``tune run`` starts one (``python -m recipes.<name> --config ...``): the
 recipe file executed afresh as ``__main__`` by ``runpy``, its own ``recipe_main``, config
 parsing, process group, training, checkpoints and ``sys.exit``. Nothing here imports a recipe
-into a test (STYLE.md point 10); the recipes still run only in the launched processes.
+into a test (docs/contributing.md point 10); the recipes still run only in the launched processes.
 
 What a fresh process would give each run, and a shared one would not, is reset per run:
 - its own process group: rank 0 serves the run's rendezvous store on a port of its own (the

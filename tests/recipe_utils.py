@@ -1,7 +1,7 @@
 """Helpers for the recipe tests: launch ``tune run`` in a subprocess and read what it wrote.
 
-Tests run recipes only through the real command line (STYLE.md point 10): nothing here imports
-a recipe. Every launch is offline.
+Tests run recipes only through the real command line (docs/contributing.md point 10): nothing here
+imports a recipe. Every launch is offline.
 """
 
 from __future__ import annotations

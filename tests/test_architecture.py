@@ -342,7 +342,7 @@ def test_recipes_let_the_library_choose_the_attention_kernels(recipe: Path) -> N
     assert "enable_cudnn_sdp" not in source and "sdpa_kernel" not in source
 
 
-def test_the_loader_alone_shapes_windows() -> None:
+def test_the_normaliser_has_no_say_in_a_windows_size() -> None:
     """``gradient_accumulation_steps`` and ``drop_partial_window`` are read by
     ``exactga.data.loader`` only: the normaliser counts the windows it is given and has no say in
     their size."""

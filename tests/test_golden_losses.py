@@ -1,6 +1,6 @@
-"""Golden loss curves (STYLE.md point 9c): every training recipe's tiny config, 8 steps, against
-the per-step losses recorded in tests/assets/losses/<name>.json: full and LoRA fine-tuning and
-knowledge distillation, each on one device and on 2 ranks.
+"""Golden loss curves (docs/contributing.md point 9c): every training recipe's tiny config, 8
+steps, against the per-step losses recorded in tests/assets/losses/<name>.json: full and LoRA
+fine-tuning and knowledge distillation, each on one device and on 2 ranks.
 
 The runs are those of tests/assets/losses/regenerate.py (imported from there, so the two cannot
 drift): the shipped tiny config with the small model, its fixed seed, 8 optimizer steps, the

@@ -1,7 +1,7 @@
 """Unit tests of exactga.kd.distillation: the KD denominator check, the combined loss's weights,
 and both models projecting only the scored positions (see [kd logits at loss positions]).
 
-Tier (a) of STYLE.md point 9: library functions against naive references, no launch.
+Tier (a) of docs/contributing.md point 9: library functions against naive references, no launch.
 """
 
 from __future__ import annotations

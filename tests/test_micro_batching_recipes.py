@@ -1,7 +1,7 @@
 """Length-aware micro-batching (issue #12) through the real ``tune run`` on CPU.
 
-Tier (b) of STYLE.md point 9. Every run steps on the same 64 sequences per step (same seed,
-same sampler order); only ``micro_batching`` and the split differ:
+Tier (b) of docs/contributing.md point 9. Every run steps on the same 64 sequences per step (same
+seed, same sampler order); only ``micro_batching`` and the split differ:
 
 - ``fixed`` 64x1, ``by_length`` 8x8, ``token_budget`` 64x1 (1024 padded positions per
   micro-batch) and ``packed`` 8x8 (rows of 512 positions) end within the parity bound of each

@@ -1,7 +1,7 @@
 """``exactga.runtime.precision``: ``dtype`` and ``master_weights`` in every tensor of a step, on
 CPU.
 
-Unit tier (STYLE.md point 9a): the library calls the recipes make (cast the trainable
+Unit tier (docs/contributing.md point 9a): the library calls the recipes make (cast the trainable
 parameters, autocast the forward, shard with a mixed-precision policy, write weights in
 ``dtype``) on torchtune's tiny Llama, checked tensor by tensor: the dtypes of parameters,
 gradients and optimizer state, that the forward really computes in bf16, what is saved, and the

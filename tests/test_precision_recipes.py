@@ -1,9 +1,9 @@
 """bf16 with fp32 master weights through the real ``tune run`` (issue #13), on CPU.
 
-Tier (b) of STYLE.md point 9. The runs are those of benchmarks/precision_table.py (imported from
-there, so the docs' table and these bounds measure the same runs): the tiny configs with the
-small model, 12 steps of 8 shuffled variable-length sequences of the bundled data, SGD or AdamW
-(learning rates in ``LEARNING_RATES`` there), the trained weights read from the last step
+Tier (b) of docs/contributing.md point 9. The runs are those of benchmarks/precision_table.py
+(imported from there, so the docs' table and these bounds measure the same runs): the tiny configs
+with the small model, 12 steps of 8 shuffled variable-length sequences of the bundled data, SGD or
+AdamW (learning rates in ``LEARNING_RATES`` there), the trained weights read from the last step
 checkpoint as the run holds them (fp32 master weights in fp32). The runs the tests read are
 made once per session, whichever test worker asks first (``run_once``), in two launches side by
 side: the one-device runs one after another in one, the 2-rank runs in the other

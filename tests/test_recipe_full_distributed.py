@@ -1,8 +1,8 @@
 """recipes/full_finetune_distributed.py through the real ``tune run --nproc_per_node 2`` on CPU.
 
-Tier (b) of STYLE.md point 9, gloo ranks, offline. All runs of the module are made once, in a
-module fixture, by one launch per number of ranks (tests/many_runs.py: each run still goes
-through the recipe as ``tune run`` starts it, one after another in the launch's processes) and
+Tier (b) of docs/contributing.md point 9, gloo ranks, offline. All runs of the module are made
+once, in a module fixture, by one launch per number of ranks (tests/many_runs.py: each run still
+goes through the recipe as ``tune run`` starts it, one after another in the launch's processes) and
 the two-node launch; each test then reads what they wrote. The one-rank reference
 is the single-device recipe (same sampler order, same initial checkpoint), so these runs also
 check the two recipes against each other.

@@ -1,8 +1,8 @@
 """``optimizer_in_bwd`` in recipes/full_finetune_distributed.py, through the real ``tune run``.
 
-Tier (b) of STYLE.md point 9, 2 gloo ranks on CPU, offline. Under FSDP2 the per-parameter
-optimizers run inside backward, on each rank's *sharded*, already reduce-scattered gradient;
-this checks that this is the same training as the ordinary optimizer step, and that the
+Tier (b) of docs/contributing.md point 9, 2 gloo ranks on CPU, offline. Under FSDP2 the
+per-parameter optimizers run inside backward, on each rank's *sharded*, already reduce-scattered
+gradient; this checks that this is the same training as the ordinary optimizer step, and that the
 combination that cannot work (accumulation) is refused by name. The three launches run side
 by side in one module fixture (about 40-60 s on 2 shared cores). Run with ``-rP`` to see the
 measured distance (docs/full_finetune_distributed.md quotes it).

@@ -1,9 +1,9 @@
 """recipes/knowledge_distillation_distributed.py on 2 gloo CPU ranks, through ``tune run``.
 
-Tier (b) of STYLE.md point 9. Two data-parallel ranks, student and teacher both sharded, must
-distil into the adapters one rank does with the same global batch (the 1-rank 8x1 runs of
-tests/test_recipe_kd_single_device.py, shared through ``run_once``), and a window with no loss
-token on any rank must skip its step while micro-batches empty on one rank still run with
+Tier (b) of docs/contributing.md point 9. Two data-parallel ranks, student and teacher both
+sharded, must distil into the adapters one rank does with the same global batch (the 1-rank 8x1
+runs of tests/test_recipe_kd_single_device.py, shared through ``run_once``), and a window with no
+loss token on any rank must skip its step while micro-batches empty on one rank still run with
 weight 0. One rank of the distributed recipe (through torchrun and without it, with a tied and an
 untied teacher) must land where two ranks do: issue #22 crashed there. Launches: three, one per
 number of ranks (2, 1 through torchrun, 1 without), each making its runs one after another

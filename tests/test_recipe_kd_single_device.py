@@ -1,8 +1,8 @@
 """recipes/knowledge_distillation_single_device.py run through the real ``tune run`` on CPU.
 
-Tier (b) of STYLE.md point 9: the tiny KD config (a teacher twice as wide as the small student),
-on the shipped data, in a subprocess, offline. The recipe is never imported; everything is read
-back from what a run writes. Run with ``-rP`` to see the measured distances docs/ quotes.
+Tier (b) of docs/contributing.md point 9: the tiny KD config (a teacher twice as wide as the small
+student), on the shipped data, in a subprocess, offline. The recipe is never imported; everything
+is read back from what a run writes. Run with ``-rP`` to see the measured distances docs/ quotes.
 
 Launches: one for the six parity runs (two cases x 8x1, 1x8, 2x4, one after another: see
 tests/many_runs.py; the 8x1 runs are shared with tests/test_recipe_kd_distributed.py), a killed

@@ -1,10 +1,10 @@
 """recipes/lora_finetune_distributed.py through the real ``tune run --nproc_per_node N`` on CPU.
 
-Tier (b) of STYLE.md point 9, gloo ranks, offline. All runs are made once, in a module fixture,
-by one launch per number of ranks (tests/many_runs.py: each run still goes through the recipe as
-``tune run`` starts it, one after another in the launch's processes); each test then reads what
-they wrote. Under ``pytest -n 2`` the fixture's runs are shared between the workers through a
-file lock, so they are made once per session.
+Tier (b) of docs/contributing.md point 9, gloo ranks, offline. All runs are made once, in a module
+fixture, by one launch per number of ranks (tests/many_runs.py: each run still goes through the
+recipe as ``tune run`` starts it, one after another in the launch's processes); each test then
+reads what they wrote. Under ``pytest -n 2`` the fixture's runs are shared between the workers
+through a file lock, so they are made once per session.
 The one-rank reference is this recipe with ``--nproc_per_node 1``: the adapters start from the
 same values whatever the number of ranks (``exactga.runtime.distributed.initialize_adapters``).
 

@@ -1,8 +1,8 @@
 """recipes/lora_finetune_single_device.py run through the real ``tune run`` on CPU.
 
-Tier (b) of STYLE.md point 9: the tiny LoRA config with a smaller model, on the shipped data, in
-a subprocess, offline. The recipe is never imported; everything is read back from what a run
-writes (adapter checkpoints and TensorBoard events).
+Tier (b) of docs/contributing.md point 9: the tiny LoRA config with a smaller model, on the shipped
+data, in a subprocess, offline. The recipe is never imported; everything is read back from what a
+run writes (adapter checkpoints and TensorBoard events).
 
 Run the parity tests with ``-rP`` to see the measured distances, which docs/ quotes.
 """

@@ -1,7 +1,7 @@
 """Kill a run with SIGKILL at a random step, resume it, and end where an uninterrupted run ends.
 
-Tier (b) of STYLE.md point 9: the real ``tune run`` in a subprocess, on CPU, offline. Each
-scenario trains 12 steps over two epochs with a step checkpoint after every step, once without
+Tier (b) of docs/contributing.md point 9: the real ``tune run`` in a subprocess, on CPU, offline.
+Each scenario trains 12 steps over two epochs with a step checkpoint after every step, once without
 interruption and once killed (the whole process group, as a lost machine would be) as soon as
 a checkpoint of a randomly drawn step exists, plus a random delay so the kill may land mid-step
 or mid-save. The resumed run must end with the same weights (relative L2 <= 1e-6; in practice

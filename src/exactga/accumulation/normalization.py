@@ -8,9 +8,11 @@ window, on every data-parallel rank, divided by the number of units in that wind
 what the loss averages over: a loss token after the shift by default, see
 ``exactga.accumulation.loss_units`` ([loss units], [shifted token count]); a loss that is a sum of
 terms over units of their own weighs each term by its own ([loss terms over their own units]).
-Windows come shaped from ``exactga.data.loader`` (``gradient_accumulation_steps``,
-``micro_batching``, ``drop_partial_window`` are read there and nowhere else); this module counts
-and weighs them. The notes below are referred to from the code (and from the recipes) by name.
+Windows come shaped by the recipes' loader (``exactga.data.loader`` reads
+``gradient_accumulation_steps``, ``micro_batching``, ``drop_partial_window``) or, for GRPO, from a
+step's rollouts (``exactga.grpo.step.ppo_windows``); this module counts and weighs what it is
+given and has no say in a window's size. The notes below are referred to from the code (and from
+the recipes) by name.
 
 Note [loss scaled before backward]
 Backward is linear, so scaling each micro-batch's mean loss by

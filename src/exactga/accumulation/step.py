@@ -171,6 +171,8 @@ class TrainingWindow:
                 their gradients are final; a tensor it returns is checked for finiteness and
                 logged as ``grad_norm``.
         """
+        if clip_grad_norm is not None and clip is not None:
+            raise ValueError("window.step takes clip_grad_norm or clip, not both.")
         if not self._ran_all:
             raise RuntimeError(
                 "window.step() before every micro-batch of the window ran: iterate the window "

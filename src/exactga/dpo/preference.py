@@ -34,7 +34,7 @@ depends on every layer, backward runs the same FSDP collectives as on the other 
 its labels would give a loss of log 2 that depends on no weight at all). The metrics skip it.
 
 Log-probs come only from response positions: the decoder's output projection runs only there
-(``projecting_only`` of exactga.accumulation.step, the same ``LOSS_POSITIONS`` index the SFT step
+(``projecting_only`` of exactga.accumulation.forward, the same ``LOSS_POSITIONS`` index the SFT step
 uses; see [logits only at loss positions]); stock projects all ``2B x L`` positions. Each position's
 ``log p(label)`` is taken in fp32 at least (bf16 logits are upcast) and summed into its row in
 fp64. A response's sum reaches hundreds of nats, where fp32's spacing is ~6e-5, and DPO takes

@@ -48,8 +48,8 @@ another rank's zero-weight filler under FSDP, keeps one real completion and carr
 loss units] there): its loss is finite and depends on every layer, so backward runs the same
 collectives as on the other ranks and the zero factor leaves an exactly zero gradient.
 
-Log-probs come only from completion positions (``projecting_only`` of exactga.accumulation.step; see
-[logits only at loss positions] there), each in fp32 at least; the per-token losses and their
+Log-probs come only from completion positions (``projecting_only`` of exactga.accumulation.forward;
+see [logits only at loss positions] there), each in fp32 at least; the per-token losses and their
 sums are fp64, which on ``B x L`` numbers costs nothing.
 """
 

@@ -3,11 +3,11 @@
 Note [user errors]
 exactga raises ``ValueError`` only for input a user can fix (a config key, a file, a data row, a
 checkpoint), naming what is wrong and how to fix it, and ``assert`` for its own invariants
-(STYLE.md point 7). So a ``ValueError`` raised from exactga's own code or from the recipe file
-is printed as that message alone, on rank 0, and the process exits with status 1; the 25 to 60
-lines of traceback above it would only bury it. Any other exception, a ``ValueError`` raised
-inside torch or torchtune included, keeps its traceback: that is a bug to report, not an input to
-fix. ``EXACTGA_TRACEBACK=1`` shows the traceback of user errors too.
+(docs/contributing.md point 7). So a ``ValueError`` raised from exactga's own code or from the
+recipe file is printed as that message alone, on rank 0, and the process exits with status 1; the
+25 to 60 lines of traceback above it would only bury it. Any other exception, a ``ValueError``
+raised inside torch or torchtune included, keeps its traceback: that is a bug to report, not an
+input to fix. ``EXACTGA_TRACEBACK=1`` shows the traceback of user errors too.
 
 Under torchrun every rank ends so, and the launcher would then print its own ``ChildFailedError``
 traceback and failure table, about 50 lines under the message. So each rank also writes the

@@ -1,6 +1,7 @@
 """The keys of the GA parity report, ``recipes/ga_parity.py``, on a fine-tuning, KD or DPO config
 (its ``parity`` section and the recipes' keys it reads); see docs/ga_parity.md. A GRPO config's
-are in exactga.grpo.schema. Like exactga.config.schemas, it imports no runtime module of exactga.
+are in exactga.parity.grpo_schema. Like exactga.config.schemas, it imports no runtime module of
+exactga.
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
-"""Supervised fine-tuning: the causal language-model loss of one micro-batch over shifted tokens,
-and the keys of the full and LoRA fine-tuning recipes."""
+"""Supervised fine-tuning: the causal language-model loss of one micro-batch over shifted tokens.
+The keys of the full and LoRA fine-tuning recipes, which the other families extend, are
+exactga.config.schemas'."""

@@ -1,10 +1,10 @@
 """Golden loss curves: the per-step loss of one short, fixed run of each training recipe.
 
-STYLE.md point 9c, after torchtitan's ``tests/assets/losses/``. For every training recipe, the
-file ``<name>.json`` next to this script holds the loss of each optimizer step of one run of its
-tiny config (``configs/tiny/<name>.yaml``), written at full precision (the float the recipe
-logged, through torchtune's ``DiskLogger``, which prints it with ``repr``). The run is the config
-as shipped (seed, data order, optimizer, warm-up, clipping, accumulation split) except for:
+docs/contributing.md point 9c, after torchtitan's ``tests/assets/losses/``. For every training
+recipe, the file ``<name>.json`` next to this script holds the loss of each optimizer step of one
+run of its tiny config (``configs/tiny/<name>.yaml``), written at full precision (the float the
+recipe logged, through torchtune's ``DiskLogger``, which prints it with ``repr``). The run is the
+config as shipped (seed, data order, optimizer, warm-up, clipping, accumulation split) except for:
 
 - the model, shrunk to the tests' ``SMALL_MODEL`` (``tests/recipe_utils.py``) so a step costs
   milliseconds, and for knowledge distillation the teacher to ``SMALL_TEACHER``
@@ -25,11 +25,11 @@ Usage, from the repository root::
 
 ``--check`` launches the runs and prints, per curve, the largest absolute difference from the
 file (0 means bit-identical); it exits 1 unless every curve is bit-identical. A refactor that
-must not change numbers shows that output (STYLE.md point 11). Regenerate the files only for a
-change that is meant to change the losses (a new default, another adapter initialisation), and
-show the old and new curve in that change. The files also record the torch version and the CPU
-instruction set they were made with: a different one may move the last digits (the test's
-tolerance allows for that; ``--check`` will show it).
+must not change numbers shows that output (docs/contributing.md point 11). Regenerate the files
+only for a change that is meant to change the losses (a new default, another adapter
+initialisation), and show the old and new curve in that change. The files also record the torch
+version and the CPU instruction set they were made with: a different one may move the last digits
+(the test's tolerance allows for that; ``--check`` will show it).
 """
 
 from __future__ import annotations

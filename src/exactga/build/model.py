@@ -1,0 +1,272 @@
+"""The trained model of a run, built in the one order every recipe uses.
+
+Built on the device (one device) or on the meta device (distributed); the adapters alone made
+trainable for LoRA; trainable weights cast as the precision policy keeps them; compiled;
+activation checkpointing; tensor and data parallelism (FSDP2, torchtune's sharding with the
+precision policy's mixed precision); RoPE buffers initialised; weights loaded (a full state, or a
+base plus adapters to go on from or drawn from the seed alone); checked; activation offloading.
+A step in another order changes numbers (a cast after sharding, an adapter drawn from a
+different RNG state) or memory, which is why no recipe spells the sequence out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torchtune import config, modules, training
+from torchtune.modules import TiedLinear
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.training.activations import apply_selective_activation_checkpointing
+
+from exactga.build.lora import LoraSettings, load_lora_weights
+from exactga.build.model_state import load_model_state
+from exactga.runtime import distributed
+from exactga.runtime.precision import Precision
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The config keys that decide how the model is built; ``from_config`` reads them once,
+    after validation (a key a recipe's schema lacks reads as off)."""
+
+    compile: bool = False
+    activation_checkpointing: bool = False
+    activation_offloading: bool = False
+    ac_mode: str | None = None  # torchtune's selective activation checkpointing
+    ac_option: int | None = None
+    custom_sharded_layers: list[str] | None = None
+    fsdp_cpu_offload: bool = False
+    fsdp_reshard_after_forward: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, device: torch.device) -> ModelSettings:
+        keys = cfg.keys()
+        return cls(
+            compile=cfg.compile,
+            activation_checkpointing=cfg.enable_activation_checkpointing,
+            activation_offloading=cfg.enable_activation_offloading,
+            ac_mode=cfg.ac_mode if "ac_mode" in keys else None,
+            ac_option=cfg.ac_option if "ac_option" in keys else None,
+            custom_sharded_layers=cfg.custom_sharded_layers
+            if "custom_sharded_layers" in keys
+            else None,
+            # Offloading parameters to the CPU is for a GPU's memory; on CPU it is ignored.
+            fsdp_cpu_offload="fsdp_cpu_offload" in keys
+            and bool(cfg.fsdp_cpu_offload)
+            and device.type != "cpu",
+            fsdp_reshard_after_forward="fsdp_reshard_after_forward" not in keys
+            or bool(cfg.fsdp_reshard_after_forward),
+        )
+
+
+@dataclass(frozen=True)
+class FullWeights:
+    """Every weight of the model, from ``source`` (a checkpoint folder, for messages)."""
+
+    state: dict[str, Any]
+    source: str
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA/DoRA/QLoRA model's base weights, and the adapters to go on from (``None``: fresh
+    ones drawn from ``seed`` alone; see [adapter init] in exactga.build.lora)."""
+
+    lora: LoraSettings
+    base_state: dict[str, Any]
+    base_source: str
+    adapters: dict[str, Any] | None
+    seed: int
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the model is spread over ranks: FSDP2 over ``dp_mesh``; with ``tp_mesh``, torchtune's
+    tensor-parallel ``tp_plan`` first (full-weight models only)."""
+
+    dp_mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None = None
+    tp_plan: Any = None
+
+
+@dataclass
+class BuiltModel:
+    """The model, and the context its forwards run in (activation offloading, or nothing)."""
+
+    model: nn.Module
+    activations_ctx: contextlib.AbstractContextManager[Any]
+
+
+def build_model(
+    cfg_model: DictConfig,
+    weights: FullWeights | AdapterWeights,
+    *,
+    precision: Precision,
+    device: torch.device,
+    settings: ModelSettings,
+    parallelism: Parallelism | None = None,
+    notes: tuple[object, ...] = (),
+) -> BuiltModel:
+    """Build ``cfg_model`` with ``weights`` as a recipe trains it: on ``device`` alone, or with
+    ``parallelism`` built on the meta device and sharded. ``notes`` (the attention kernels,
+    the thread count: what else decides the run's numbers) are logged after the model."""
+    start = time.perf_counter()
+    lora = isinstance(weights, AdapterWeights)
+    on = torch.device("meta") if parallelism is not None else device
+    with training.set_default_dtype(precision.compute_dtype), on:
+        model = config.instantiate(cfg_model)
+    adapter_params = get_adapter_params(model) if lora else None
+    if adapter_params is not None:
+        set_trainable_params(model, adapter_params)
+    precision.cast_trainable(model)  # fp32 master weights (or adapters), if asked for
+    if settings.compile:
+        training.compile_model(model, verbose=distributed.is_rank_zero())
+    if parallelism is not None and parallelism.tp_mesh is not None:
+        model = _tensor_parallel(model, parallelism)
+    _checkpoint_activations(model, settings)
+    if parallelism is not None:
+        _shard(model, precision, settings, parallelism.dp_mesh, lora=lora)
+        _init_rope(model, precision.compute_dtype, device)
+    _load(model, weights, precision, device, settings, sharded=parallelism is not None)
+    if parallelism is not None:
+        training.validate_no_params_on_meta_device(model)
+    else:
+        trainable = adapter_params.items() if adapter_params else model.named_parameters()
+        training.validate_expected_param_dtype(trainable, dtype=precision.param_dtype)
+    activations_ctx = training.get_act_offloading_ctx_manager(model, settings.activation_offloading)
+    _log_built(model, precision, device, parallelism, lora, time.perf_counter() - start, notes)
+    return BuiltModel(model, activations_ctx)
+
+
+def _tensor_parallel(model: nn.Module, parallelism: Parallelism) -> nn.Module:
+    if isinstance(getattr(model, "output", None), TiedLinear):
+        # torchtune 0.6.1's TP plans shard the output as a Linear; a tied output then
+        # multiplies a plain tensor by a DTensor deep inside the first forward.
+        raise ValueError(
+            "config keys 'tensor_parallel_dim' and 'model.tie_word_embeddings': tensor "
+            "parallelism needs an untied output projection (tie_word_embeddings: False)."
+        )
+    model = training.prepare_mha_for_tp(model, parallelism.tp_mesh)
+    parallelize_module(model, parallelism.tp_mesh, parallelize_plan=parallelism.tp_plan)
+    return model
+
+
+def _checkpoint_activations(model: nn.Module, settings: ModelSettings) -> None:
+    # As in torchtune: ``ac_mode`` selects selective AC only when full AC is off.
+    if not settings.activation_checkpointing and settings.ac_mode is not None:
+        apply_selective_activation_checkpointing(model, settings.ac_mode, settings.ac_option)
+    if settings.activation_checkpointing and settings.ac_mode is None:
+        training.set_activation_checkpointing(
+            model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+        )
+
+
+def _shard(
+    model: nn.Module,
+    precision: Precision,
+    settings: ModelSettings,
+    dp_mesh: DeviceMesh,
+    *,
+    lora: bool,
+) -> None:
+    """torchtune's sharding with the precision policy's mixed precision. A full-weight model on
+    one data-parallel rank is left whole, as stock leaves it; LoRA models are always sharded
+    (stock's LoRA-aware units: each layer one unit, only the adapters' gradients reduced)."""
+    if not lora and dp_mesh.size() == 1:
+        return
+    precision.shard_model(
+        model=model,
+        shard_conditions=[
+            partial(training.get_shard_conditions, names_to_match=settings.custom_sharded_layers)
+        ],
+        cpu_offload=settings.fsdp_cpu_offload,
+        reshard_after_forward=settings.fsdp_reshard_after_forward,
+        dp_mesh=dp_mesh,
+    )
+
+
+def _init_rope(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    with training.set_default_dtype(dtype), device:
+        for module in model.modules():
+            if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
+                module.rope_init()
+
+
+def _load(
+    model: nn.Module,
+    weights: FullWeights | AdapterWeights,
+    precision: Precision,
+    device: torch.device,
+    settings: ModelSettings,
+    *,
+    sharded: bool,
+) -> None:
+    if isinstance(weights, FullWeights):
+        load = None  # the model's own load_state_dict
+        if sharded:
+            load = partial(
+                training.load_from_full_model_state_dict,
+                device=device,
+                strict=True,
+                cpu_offload=settings.fsdp_cpu_offload,
+            )
+        load_model_state(model, weights.state, weights.source, **({"load": load} if load else {}))
+        return
+    if sharded:
+        load = partial(
+            training.load_from_full_model_state_dict,
+            device=device,
+            cpu_offload=settings.fsdp_cpu_offload,
+        )
+    else:
+        load = partial(nn.Module.load_state_dict, strict=False)
+    # The base, then the adapters to go on from or fresh ones drawn from the seed alone, the
+    # same on any number of ranks; see [adapter init] in exactga.build.lora.
+    load_lora_weights(
+        model,
+        weights.lora,
+        base_state=weights.base_state,
+        base_source=weights.base_source,
+        adapters=weights.adapters,
+        load=load,
+        seed=weights.seed,
+        dtype=precision.param_dtype,
+    )
+
+
+def _log_built(
+    model: nn.Module,
+    precision: Precision,
+    device: torch.device,
+    parallelism: Parallelism | None,
+    lora: bool,
+    seconds: float,
+    notes: tuple[object, ...],
+) -> None:
+    trainable = ""
+    if lora:
+        count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        sharded = " (sharded count)" if parallelism is not None else ""
+        trainable = f"; {count:,} trainable adapter parameters{sharded}"
+    if parallelism is None:
+        distributed.log_rank_zero(f"Model is initialized with {precision.describe()}{trainable}.")
+    else:
+        tp = parallelism.tp_mesh.size() if parallelism.tp_mesh is not None else 1
+        distributed.log_rank_zero(
+            f"Model built, sharded over dp={parallelism.dp_mesh.size()} x tp={tp} and loaded in "
+            f"{seconds:.2f} s, {precision.describe()}{trainable}."
+        )
+    for note in notes:
+        distributed.log_rank_zero(str(note))
+    if distributed.is_rank_zero() and device.type != "cpu":
+        training.log_memory_stats(distributed.memory_stats(device))
+    distributed.barrier()
