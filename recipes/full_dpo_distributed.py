@@ -28,9 +28,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
-from torchtune import config, modules, training, utils
+from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training.activations import apply_selective_activation_checkpointing
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
 from exactga.accumulation.loss_units import IGNORE_INDEX
@@ -42,7 +41,7 @@ from exactga.accumulation.optimizers import (
 )
 from exactga.accumulation.step import StepContext
 from exactga.build.frozen import build_frozen_model
-from exactga.build.model_state import load_model_state
+from exactga.build.model import FullWeights, ModelSettings, Parallelism, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.dpo.preference import (
     DpoTerms,
@@ -147,8 +146,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         # What the loss is beyond the per-pair ``loss``: see exactga.dpo.preference.DpoTerms.
         self._dpo_terms = DpoTerms(rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob)
         self._compile = cfg.compile
-        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
-        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._model_settings = ModelSettings.from_config(cfg, self._device)
 
         # Epochs, steps and their outcomes; a resume sets them in setup.
         self._progress = TrainingProgress(
@@ -177,9 +175,18 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             )
         )
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
-        self._model = self._setup_model(
-            cfg, resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)
+        # Built, cast, compiled, checkpointed, sharded and loaded in the one order; see
+        # exactga.build.model.
+        built = build_model(
+            cfg.model,
+            FullWeights(resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)),
+            precision=self._precision,
+            device=self._device,
+            settings=self._model_settings,
+            parallelism=Parallelism(dp_mesh=self._mesh["dp"], tp_mesh=None),
+            notes=(self._attention_kernels, self._cpu_threads),
         )
+        self._model, self._activations_handling_ctx = built.model, built.activations_ctx
         ref_model = self._setup_reference_model(cfg)  # held only by the reference below
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
@@ -252,66 +259,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_model(
-        self, cfg: DictConfig, model_state_dict: dict[str, Any], source: str
-    ) -> nn.Module:
-        """Build on the meta device, apply activation checkpointing and FSDP2, then load the
-        full state dict shard by shard."""
-        t0 = time.perf_counter()
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
-            model = config.instantiate(cfg.model)
-        self._precision.cast_trainable(model)  # fp32 master weights, if asked for
-        if self._compile:
-            training.compile_model(model, verbose=self._is_rank_zero)
-
-        # As in torchtune: ``ac_mode`` selects selective AC only when full AC is off.
-        if not self._enable_activation_checkpointing and cfg.ac_mode is not None:
-            apply_selective_activation_checkpointing(model, cfg.ac_mode, cfg.ac_option)
-        if self._enable_activation_checkpointing and cfg.ac_mode is None:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-        if self.dp_size > 1:  # torchtune's sharding, with a bf16 policy over fp32 master weights
-            self._precision.shard_model(
-                model=model,
-                shard_conditions=[
-                    partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
-                ],
-                cpu_offload=self._fsdp_cpu_offload,
-                reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                dp_mesh=self._mesh["dp"],
-            )
-
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in model.modules():
-                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
-                    m.rope_init()
-        load_model_state(
-            model,
-            model_state_dict,
-            source,
-            load=partial(
-                training.load_from_full_model_state_dict,
-                device=self._device,
-                strict=True,
-                cpu_offload=self._fsdp_cpu_offload,
-            ),
-        )
-        training.validate_no_params_on_meta_device(model)
-        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            model, self._enable_activation_offloading
-        )
-        distributed.log_rank_zero(
-            f"Model built, sharded over dp={self.dp_size} and loaded in "
-            f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}."
-        )
-        distributed.log_rank_zero(self._attention_kernels)
-        distributed.log_rank_zero(self._cpu_threads)
-        if self._is_rank_zero and self._device.type != "cpu":
-            training.log_memory_stats(distributed.memory_stats(self._device))
-        distributed.barrier()
-        return model
 
     def _setup_reference_model(self, cfg: DictConfig) -> nn.Module:
         """The frozen reference: ``model`` with the weights of ``ref_checkpointer`` (stock's

@@ -22,20 +22,15 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 """
 
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
-from torchtune import config, modules, training, utils
-from torchtune.modules import TiedLinear
+from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training.activations import apply_selective_activation_checkpointing
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
 from exactga.accumulation.normalization import LossNormalizer
@@ -45,7 +40,7 @@ from exactga.accumulation.optimizers import (
     load_full_optimizer_state,
 )
 from exactga.accumulation.step import StepContext
-from exactga.build.model_state import load_model_state
+from exactga.build.model import FullWeights, ModelSettings, Parallelism, build_model
 from exactga.config.schemas import FullFinetuneDistributedConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -148,8 +143,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
-        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
-        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._model_settings = ModelSettings.from_config(cfg, self._device)
 
         # Epochs, steps and their outcomes; a resume sets them in setup.
         self._progress = TrainingProgress(
@@ -178,9 +172,22 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             )
         )
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
-        self._model = self._setup_model(
-            cfg, resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)
+        # Built, cast, compiled, checkpointed, sharded and loaded in the one order; see
+        # exactga.build.model.
+        built = build_model(
+            cfg.model,
+            FullWeights(resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)),
+            precision=self._precision,
+            device=self._device,
+            settings=self._model_settings,
+            parallelism=Parallelism(
+                dp_mesh=self._mesh["dp"],
+                tp_mesh=self._mesh["tp"] if self._tensor_parallel_dim > 1 else None,
+                tp_plan=self._tensor_parallel_plan,  # applied only with a tp_mesh
+            ),
+            notes=(self._attention_kernels, self._cpu_threads),
         )
+        self._model, self._activations_handling_ctx = built.model, built.activations_ctx
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
         if resume.from_epoch_checkpoint and self._enable_async_checkpointing:
@@ -241,76 +248,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_model(
-        self, cfg: DictConfig, model_state_dict: dict[str, Any], source: str
-    ) -> nn.Module:
-        """Build on the meta device, apply TP, activation checkpointing and FSDP2, then load
-        the full state dict shard by shard."""
-        t0 = time.perf_counter()
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
-            model = config.instantiate(cfg.model)
-        self._precision.cast_trainable(model)  # fp32 master weights, if asked for
-        if self._compile:
-            training.compile_model(model, verbose=self._is_rank_zero)
-
-        if self._tensor_parallel_dim > 1:
-            if isinstance(getattr(model, "output", None), TiedLinear):
-                # torchtune 0.6.1's TP plans shard the output as a Linear; a tied output then
-                # multiplies a plain tensor by a DTensor deep inside the first forward.
-                raise ValueError(
-                    "config keys 'tensor_parallel_dim' and 'model.tie_word_embeddings': tensor "
-                    "parallelism needs an untied output projection (tie_word_embeddings: False)."
-                )
-            model = training.prepare_mha_for_tp(model, self._mesh["tp"])
-            parallelize_module(model, self._mesh["tp"], parallelize_plan=self._tensor_parallel_plan)
-        # As in torchtune: ``ac_mode`` selects selective AC only when full AC is off.
-        if not self._enable_activation_checkpointing and cfg.ac_mode is not None:
-            apply_selective_activation_checkpointing(model, cfg.ac_mode, cfg.ac_option)
-        if self._enable_activation_checkpointing and cfg.ac_mode is None:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-        if self.dp_size > 1:  # torchtune's sharding, with a bf16 policy over fp32 master weights
-            self._precision.shard_model(
-                model=model,
-                shard_conditions=[
-                    partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
-                ],
-                cpu_offload=self._fsdp_cpu_offload,
-                reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                dp_mesh=self._mesh["dp"],
-            )
-
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in model.modules():
-                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
-                    m.rope_init()
-        load_model_state(
-            model,
-            model_state_dict,
-            source,
-            load=partial(
-                training.load_from_full_model_state_dict,
-                device=self._device,
-                strict=True,
-                cpu_offload=self._fsdp_cpu_offload,
-            ),
-        )
-        training.validate_no_params_on_meta_device(model)
-        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            model, self._enable_activation_offloading
-        )
-        distributed.log_rank_zero(
-            f"Model built, sharded over dp={self.dp_size} x tp={self._tensor_parallel_dim} and "
-            f"loaded in {time.perf_counter() - t0:.2f} s, {self._precision.describe()}."
-        )
-        distributed.log_rank_zero(self._attention_kernels)
-        distributed.log_rank_zero(self._cpu_threads)
-        if self._is_rank_zero and self._device.type != "cpu":
-            training.log_memory_stats(distributed.memory_stats(self._device))
-        distributed.barrier()
-        return model
 
     def _setup_optimizer(
         self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None

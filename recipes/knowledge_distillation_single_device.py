@@ -22,7 +22,6 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 """
 
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +29,14 @@ import torchtune.modules.common_utils as common_utils
 from omegaconf import DictConfig
 from torch import nn
 from torch.optim import Optimizer
-from torchtune import config, modules, training, utils
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import StepContext
 from exactga.build.frozen import freeze_model
-from exactga.build.lora import LoraSettings, adapter_state, load_lora_weights, save_epoch_checkpoint
+from exactga.build.lora import LoraSettings, adapter_state, save_epoch_checkpoint
+from exactga.build.model import AdapterWeights, ModelSettings, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.kd.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
 from exactga.kd.schema import KnowledgeDistillationSingleDeviceConfig
@@ -118,8 +117,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
-        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
-        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._model_settings = ModelSettings.from_config(cfg, self._device)
         self._kd_ratio = cfg.kd_ratio
 
         # LoRA settings, read from the model section as stock does.
@@ -151,12 +149,23 @@ class KDRecipeSingleDevice(FTRecipeInterface):
 
         # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
         common_utils._use_low_cpu_ram = cfg.low_cpu_ram
-        self._model = self._setup_model(
+        # Built, adapters made trainable, cast, compiled, checkpointed and loaded in the one
+        # order; see exactga.build.model.
+        built = build_model(
             cfg.model,
-            base_model_state_dict=ckpt_dict[training.MODEL_KEY],
-            base_source=checkpointer_source(cfg.checkpointer),
-            lora_weights_state_dict=resume.adapter_weights(ckpt_dict),
+            AdapterWeights(
+                lora=self._lora,
+                base_state=ckpt_dict[training.MODEL_KEY],
+                base_source=checkpointer_source(cfg.checkpointer),
+                adapters=resume.adapter_weights(ckpt_dict),
+                seed=self._progress.seed,
+            ),
+            precision=self._precision,
+            device=self._device,
+            settings=self._model_settings,
+            notes=(self._attention_kernels, self._cpu_threads),
         )
+        self._model, self._activations_handling_ctx = built.model, built.activations_ctx
         self._teacher_model = self._setup_teacher_model(cfg.teacher_model, cfg.teacher_checkpointer)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
@@ -218,54 +227,6 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_model(
-        self,
-        cfg_model: DictConfig,
-        base_model_state_dict: dict[str, Any],
-        base_source: str,
-        lora_weights_state_dict: dict[str, Any] | None,
-    ) -> nn.Module:
-        with training.set_default_dtype(self._dtype), self._device:
-            model = config.instantiate(cfg_model)
-        self.adapter_params = get_adapter_params(model)
-        set_trainable_params(model, self.adapter_params)
-        self._precision.cast_trainable(model)  # fp32 adapters over the base, if asked for
-        if self._compile:
-            training.compile_model(model)
-        if self._enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-
-        # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
-        # as the distributed recipe does; see [adapter init] in exactga.build.lora.
-        load_lora_weights(
-            model,
-            self._lora,
-            base_state=base_model_state_dict,
-            base_source=base_source,
-            adapters=lora_weights_state_dict,
-            load=partial(nn.Module.load_state_dict, strict=False),
-            seed=self._progress.seed,
-            dtype=self._precision.param_dtype,
-        )
-        training.validate_expected_param_dtype(
-            self.adapter_params.items(), dtype=self._precision.param_dtype
-        )
-        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            model, self._enable_activation_offloading
-        )
-        num_trainable = sum(p.numel() for p in self.adapter_params.values())
-        log.info(
-            f"Model is initialized with {self._precision.describe()}; "
-            f"{num_trainable:,} trainable adapter parameters."
-        )
-        log.info(self._attention_kernels)
-        log.info(self._cpu_threads)
-        if self._device.type != "cpu":
-            training.log_memory_stats(training.get_memory_stats(device=self._device))
-        return model
 
     def _setup_teacher_model(
         self, cfg_teacher: DictConfig, cfg_teacher_checkpointer: DictConfig

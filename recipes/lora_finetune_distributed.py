@@ -31,15 +31,14 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
 from torch.optim import Optimizer
-from torchtune import config, modules, training, utils
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import StepContext
-from exactga.build.lora import LoraSettings, load_lora_weights, save_epoch_checkpoint
+from exactga.build.lora import LoraSettings, save_epoch_checkpoint
+from exactga.build.model import AdapterWeights, ModelSettings, Parallelism, build_model
 from exactga.config.schemas import LoraFinetuneDistributedConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -134,8 +133,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
-        self._enable_activation_checkpointing = cfg.enable_activation_checkpointing
-        self._enable_activation_offloading = cfg.enable_activation_offloading
+        self._model_settings = ModelSettings.from_config(cfg, self._device)
 
         # LoRA settings, read from the model section as stock does.
         self._lora = LoraSettings.from_config(cfg.model)
@@ -167,12 +165,24 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
         resume.restore_progress(self._progress, ckpt_dict)
 
-        self._model = self._setup_model(
-            cfg,
-            base_model_state_dict=ckpt_dict[training.MODEL_KEY],
-            base_source=checkpointer_source(cfg.checkpointer),
-            lora_weights_state_dict=resume.adapter_weights(ckpt_dict),
+        # Built on meta, adapters trainable, cast, compiled, checkpointed, sharded and loaded in
+        # the one order; see exactga.build.model.
+        built = build_model(
+            cfg.model,
+            AdapterWeights(
+                lora=self._lora,
+                base_state=ckpt_dict[training.MODEL_KEY],
+                base_source=checkpointer_source(cfg.checkpointer),
+                adapters=resume.adapter_weights(ckpt_dict),
+                seed=self._progress.seed,
+            ),
+            precision=self._precision,
+            device=self._device,
+            settings=self._model_settings,
+            parallelism=Parallelism(dp_mesh=self._mesh["dp"]),
+            notes=(self._attention_kernels, self._cpu_threads),
         )
+        self._model, self._activations_handling_ctx = built.model, built.activations_ctx
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
 
@@ -226,76 +236,6 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_model(
-        self,
-        cfg: DictConfig,
-        base_model_state_dict: dict[str, Any],
-        base_source: str,
-        lora_weights_state_dict: dict[str, Any] | None,
-    ) -> nn.Module:
-        """Build on the meta device, freeze the base, apply activation checkpointing and FSDP2,
-        then load base weights and adapters shard by shard."""
-        t0 = time.perf_counter()
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
-            model = config.instantiate(cfg.model)
-        set_trainable_params(model, get_adapter_params(model))
-        self._precision.cast_trainable(model)  # fp32 adapters over the base, if asked for
-        if self._compile:
-            training.compile_model(model, verbose=self._is_rank_zero)
-        if self._enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-        # torchtune's LoRA-aware sharding, as stock: each layer is its own FSDP unit, so frozen
-        # and trainable parameters share units and only the adapters' gradients are reduced
-        # (in fp32 under fp32 master weights).
-        self._precision.shard_model(
-            model=model,
-            shard_conditions=[
-                partial(training.get_shard_conditions, names_to_match=cfg.custom_sharded_layers)
-            ],
-            cpu_offload=self._fsdp_cpu_offload,
-            reshard_after_forward=cfg.fsdp_reshard_after_forward,
-            dp_mesh=self._mesh["dp"],
-        )
-
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in model.modules():
-                if hasattr(m, "rope_init"):  # RoPE buffers are not in the state dict
-                    m.rope_init()
-        # The base, then the adapters to go on from or fresh ones drawn from the seed alone,
-        # the same on any number of ranks; see [adapter init] in exactga.build.lora.
-        load_lora_weights(
-            model,
-            self._lora,
-            base_state=base_model_state_dict,
-            base_source=base_source,
-            adapters=lora_weights_state_dict,
-            load=partial(
-                training.load_from_full_model_state_dict,
-                device=self._device,
-                cpu_offload=self._fsdp_cpu_offload,
-            ),
-            seed=self._progress.seed,
-            dtype=self._precision.param_dtype,
-        )
-        training.validate_no_params_on_meta_device(model)
-        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            model, self._enable_activation_offloading
-        )
-        num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        distributed.log_rank_zero(
-            f"Model built, sharded over dp={self.dp_size} and loaded in "
-            f"{time.perf_counter() - t0:.2f} s, {self._precision.describe()}; "
-            f"{num_trainable:,} trainable adapter parameters (sharded count)."
-        )
-        distributed.log_rank_zero(self._attention_kernels)
-        distributed.log_rank_zero(self._cpu_threads)
-        if self._is_rank_zero and self._device.type != "cpu":
-            training.log_memory_stats(distributed.memory_stats(self._device))
-        distributed.barrier()
-        return model
 
     def _setup_optimizer(
         self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
