@@ -36,10 +36,10 @@ from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import (
     build_optimizer,
-    full_optimizer_state,
     load_full_optimizer_state,
 )
 from exactga.accumulation.step import StepContext
+from exactga.build.checkpoints import RunCheckpoints
 from exactga.build.frozen import build_frozen_model
 from exactga.build.model import FullWeights, ModelSettings, Parallelism, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
@@ -61,7 +61,6 @@ from exactga.run.resume import (
     find_resume_point,
     run_fingerprint,
     validate_run_config,
-    write_step_checkpoint,
 )
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
@@ -236,6 +235,14 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             resumed_mid_run=resume.from_step_checkpoint,
         )
 
+        self._checkpoints = RunCheckpoints(
+            self._progress,
+            self._step_checkpointer,
+            self._fingerprint,
+            self._device,
+            epoch_writer=self._checkpoint_client,
+            sharded=True,
+        )
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
             num_training_steps=self._progress.num_training_steps,
@@ -310,35 +317,12 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         )
 
     def save_checkpoint(self, epoch: int) -> None:
-        """Gather the full state on rank 0 and write it there (all ranks must call this)."""
-        self._checkpoint_client.save_checkpoint(
-            model=self._model,
-            optimizer=self._optimizer,
-            training_progress=self._progress.for_checkpoint_client(),
-            epoch=epoch,
-        )
+        """The epoch's checkpoint, as stock writes it (every rank calls this)."""
+        self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
 
     def save_step_checkpoint(self) -> Path:
-        """Everything a resumed run needs to go on with the next window; all ranks call this.
-
-        Rank 0 gathers and writes the full weights and optimizer state, every rank its RNG and
-        data-loader position; the folder appears atomically once all are on disk.
-        """
-        model_state = training.gather_cpu_state_dict(
-            self._model, self._is_rank_zero, device=self._device
-        )
-        optimizer_state = full_optimizer_state(
-            self._model, self._optimizer, self._is_rank_zero, device=self._device
-        )
-        return write_step_checkpoint(
-            self._step_checkpointer,
-            self._progress,
-            self._fingerprint,
-            device=self._device,
-            dataloader=self._dataloader,
-            model_state=model_state if self._is_rank_zero else None,
-            optimizer_state=optimizer_state if self._is_rank_zero else None,
-        )
+        """Everything a resumed run needs to go on with the next window; atomic (all ranks)."""
+        return self._checkpoints.save_step(self._model, self._optimizer, self._dataloader)
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Reference and policy log-probs, and the mean DPO loss over the micro-batch's pairs."""

@@ -28,6 +28,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
+from exactga.build.checkpoints import RunCheckpoints
 from exactga.build.model import FullWeights, ModelSettings, build_model
 from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
@@ -40,7 +41,6 @@ from exactga.run.resume import (
     find_resume_point,
     run_fingerprint,
     validate_run_config,
-    write_step_checkpoint,
 )
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
@@ -174,6 +174,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             resumed_mid_run=resume.from_step_checkpoint,
         )
 
+        self._checkpoints = RunCheckpoints(
+            self._progress,
+            self._step_checkpointer,
+            self._fingerprint,
+            self._device,
+            epoch_writer=self._checkpointer,
+        )
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
             num_training_steps=self._progress.num_training_steps,
@@ -217,26 +224,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
 
     def save_checkpoint(self, epoch: int) -> None:
-        ckpt_dict: dict[str, Any] = {training.MODEL_KEY: self._model.state_dict()}
-        intermediate = not self._progress.is_last_epoch(epoch)
-        if intermediate:
-            ckpt_dict.update(self._progress.epoch_checkpoint_state())
-            ckpt_dict[training.OPT_KEY] = self._optimizer.state_dict()
-        self._checkpointer.save_checkpoint(
-            ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate
-        )
+        """The epoch's checkpoint, as stock writes it."""
+        self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
 
     def save_step_checkpoint(self) -> Path:
         """Everything a resumed run needs to go on with the next window; atomic."""
-        return write_step_checkpoint(
-            self._step_checkpointer,
-            self._progress,
-            self._fingerprint,
-            device=self._device,
-            dataloader=self._dataloader,
-            model_state=self._model.state_dict(),
-            optimizer_state=self._optimizer.state_dict(),
-        )
+        return self._checkpoints.save_step(self._model, self._optimizer, self._dataloader)
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""

@@ -38,8 +38,9 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import StepContext
+from exactga.build.checkpoints import RunCheckpoints
 from exactga.build.frozen import freeze_model
-from exactga.build.lora import LoraSettings, save_epoch_checkpoint
+from exactga.build.lora import LoraSettings
 from exactga.build.model import AdapterWeights, ModelSettings, Parallelism, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.kd.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
@@ -54,7 +55,6 @@ from exactga.run.resume import (
     find_resume_point,
     run_fingerprint,
     validate_run_config,
-    write_step_checkpoint,
 )
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
@@ -225,6 +225,16 @@ class KDRecipeDistributed(FTRecipeInterface):
             resumed_mid_run=resume.from_step_checkpoint,
         )
 
+        self._checkpoints = RunCheckpoints(
+            self._progress,
+            self._step_checkpointer,
+            self._fingerprint,
+            self._device,
+            epoch_writer=self._checkpointer,
+            lora=self._lora,
+            adapter_only=self._save_adapter_weights_only,
+            sharded=True,
+        )
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
             num_training_steps=self._progress.num_training_steps,
@@ -315,59 +325,12 @@ class KDRecipeDistributed(FTRecipeInterface):
         )
 
     def save_checkpoint(self, epoch: int) -> None:
-        """Gather on rank 0 and write there what stock writes (all ranks must call this):
-        adapters and adapter config, merged weights unless adapter-only, recipe and optimizer
-        state if training goes on."""
-        intermediate = not self._progress.is_last_epoch(epoch)
-        t0 = time.perf_counter()
-        cpu_state_dict = training.gather_cpu_state_dict(
-            self._model,
-            self._is_rank_zero,
-            device=self._device,
-            adapter_weights_only=self._save_adapter_weights_only,
-        )
-        opt_state_dict = None
-        if intermediate:
-            opt_state_dict = training.get_full_optimizer_state_dict(
-                self._model, self._optimizer, self._is_rank_zero, device=self._device
-            )
-        if self._is_rank_zero:
-            training_state = None  # recipe and optimizer state, if training goes on
-            if intermediate:
-                training_state = self._progress.epoch_checkpoint_state()
-                training_state[training.OPT_KEY] = opt_state_dict
-            save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/: docs/using_outputs.md
-                self._checkpointer,
-                cpu_state_dict,
-                self._lora,
-                epoch=epoch,
-                adapter_only=self._save_adapter_weights_only,
-                training_state=training_state,
-            )
-            log.info(f"Checkpoint gathered and written in {time.perf_counter() - t0:.2f} s")
-        distributed.barrier()
+        """The epoch's checkpoint, as stock writes it (every rank calls this)."""
+        self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
 
     def save_step_checkpoint(self) -> Path:
-        """Everything a resumed run needs to go on with the next window; all ranks call this.
-
-        Rank 0 gathers and writes the full adapters and optimizer state, every rank its RNG
-        and data-loader position; the folder appears atomically once all are on disk.
-        """
-        adapters = training.gather_cpu_state_dict(
-            self._model, self._is_rank_zero, device=self._device, adapter_weights_only=True
-        )
-        optimizer_state = training.get_full_optimizer_state_dict(
-            self._model, self._optimizer, self._is_rank_zero, device=self._device
-        )
-        return write_step_checkpoint(
-            self._step_checkpointer,
-            self._progress,
-            self._fingerprint,
-            device=self._device,
-            dataloader=self._dataloader,
-            model_state=adapters if self._is_rank_zero else None,
-            optimizer_state=optimizer_state if self._is_rank_zero else None,
-        )
+        """Everything a resumed run needs to go on with the next window; atomic (all ranks)."""
+        return self._checkpoints.save_step(self._model, self._optimizer, self._dataloader)
 
     def train(self) -> None:
         distributed.cleanup_before_training(self._device)

@@ -31,7 +31,8 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import StepContext
-from exactga.build.lora import LoraSettings, adapter_state, save_epoch_checkpoint
+from exactga.build.checkpoints import RunCheckpoints
+from exactga.build.lora import LoraSettings
 from exactga.build.model import AdapterWeights, ModelSettings, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.dpo.preference import (
@@ -53,7 +54,6 @@ from exactga.run.resume import (
     find_resume_point,
     run_fingerprint,
     validate_run_config,
-    write_step_checkpoint,
 )
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
@@ -209,6 +209,15 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             resumed_mid_run=resume.from_step_checkpoint,
         )
 
+        self._checkpoints = RunCheckpoints(
+            self._progress,
+            self._step_checkpointer,
+            self._fingerprint,
+            self._device,
+            epoch_writer=self._checkpointer,
+            lora=self._lora,
+            adapter_only=self._save_adapter_weights_only,
+        )
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg.lr_scheduler,
             num_training_steps=self._progress.num_training_steps,
@@ -251,35 +260,12 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         )
 
     def save_checkpoint(self, epoch: int) -> None:
-        """Adapter weights and config, merged weights unless adapter-only, recipe state if
-        training goes on: the same dictionary stock hands its checkpointer."""
-        # Host tensors: merging then needs no second model on the device.
-        state_dict = {k: v.cpu() for k, v in self._model.state_dict().items()}
-        training_state = None  # recipe and optimizer state, if training goes on
-        if not self._progress.is_last_epoch(epoch):
-            training_state = self._progress.epoch_checkpoint_state()
-            training_state[training.OPT_KEY] = self._optimizer.state_dict()
-        save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/, see docs/using_outputs.md
-            self._checkpointer,
-            state_dict,
-            self._lora,
-            epoch=epoch,
-            adapter_only=self._save_adapter_weights_only,
-            training_state=training_state,
-        )
+        """The epoch's checkpoint, as stock writes it."""
+        self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
 
     def save_step_checkpoint(self) -> Path:
-        """Everything a resumed run needs to go on with the next window; atomic. The frozen
-        base is not in it: a resumed run reads it from the checkpointer again."""
-        return write_step_checkpoint(
-            self._step_checkpointer,
-            self._progress,
-            self._fingerprint,
-            device=self._device,
-            dataloader=self._dataloader,
-            model_state=adapter_state(self._model),
-            optimizer_state=self._optimizer.state_dict(),
-        )
+        """Everything a resumed run needs to go on with the next window; atomic."""
+        return self._checkpoints.save_step(self._model, self._optimizer, self._dataloader)
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Reference and policy log-probs, and the mean DPO loss over the micro-batch's pairs."""

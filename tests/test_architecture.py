@@ -159,7 +159,7 @@ ALLOWED_IMPORTS = {
     "data": {"config", "runtime"},
     "accumulation": {"config", "runtime", "data"},
     "run": {"config", "runtime", "data", "accumulation"},
-    "build": {"config", "runtime", "run"},
+    "build": {"config", "runtime", "accumulation", "run"},
     "models": {"config", "runtime", "build"},
     **{
         family: {"config", "runtime", "data", "accumulation", "build", "models"}

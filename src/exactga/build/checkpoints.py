@@ -1,0 +1,140 @@
+"""What a run's checkpoints hold of its model and optimizer, written the one way for each kind of
+model: full weights or adapters, on one device or gathered from FSDP2 shards on rank 0.
+
+Epoch checkpoints are torchtune's (stock's files and layout: the weights; for LoRA the adapters,
+their config and merged weights unless adapter-only; recipe and optimizer state while training
+goes on). Step checkpoints are exactga's atomic ones (``exactga.run.resume``: weights, optimizer,
+counters, RNG and loader position). Under data parallelism every rank calls both, rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torchtune import training, utils
+
+from exactga.accumulation.optimizers import full_optimizer_state
+from exactga.build.lora import LoraSettings, adapter_state, save_epoch_checkpoint
+from exactga.run.checkpointing import StepCheckpointer
+from exactga.run.progress import TrainingProgress
+from exactga.run.resume import write_step_checkpoint
+from exactga.runtime import distributed
+
+log = utils.get_logger("INFO")
+
+
+@dataclass
+class RunCheckpoints:
+    """The checkpoints of one run.
+
+    Args:
+        progress: the run's counters (what a checkpoint records of them).
+        step_checkpointer: where step checkpoints go (``step_checkpointer_for``).
+        fingerprint: what a resume must match (``run_fingerprint``).
+        device: the training device (RNG state, gathering).
+        epoch_writer: torchtune's checkpointer, or for a sharded full-weight model its
+            ``CheckpointClient`` (which gathers, and writes asynchronously when asked).
+        lora: the adapters' settings for a LoRA model, ``None`` for full weights.
+        adapter_only: ``save_adapter_weights_only``: no merged weights at an epoch's end.
+        sharded: the model is sharded with FSDP2 over the data-parallel ranks.
+    """
+
+    progress: TrainingProgress
+    step_checkpointer: StepCheckpointer
+    fingerprint: Mapping[str, Any]
+    device: torch.device
+    epoch_writer: Any
+    lora: LoraSettings | None = None
+    adapter_only: bool = False
+    sharded: bool = False
+
+    def save_epoch(self, model: nn.Module, optimizer: Optimizer, epoch: int) -> None:
+        """The checkpoint of ``epoch``, as stock writes it."""
+        if self.lora is not None:
+            self._save_adapters(model, optimizer, epoch)
+        elif self.sharded:  # torchtune's client gathers the full state on rank 0 and writes
+            self.epoch_writer.save_checkpoint(
+                model=model,
+                optimizer=optimizer,
+                training_progress=self.progress.for_checkpoint_client(),
+                epoch=epoch,
+            )
+        else:
+            ckpt_dict: dict[str, Any] = {training.MODEL_KEY: model.state_dict()}
+            intermediate = not self.progress.is_last_epoch(epoch)
+            if intermediate:
+                ckpt_dict.update(self.progress.epoch_checkpoint_state())
+                ckpt_dict[training.OPT_KEY] = optimizer.state_dict()
+            self.epoch_writer.save_checkpoint(
+                ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate
+            )
+
+    def save_step(self, model: nn.Module, optimizer: Optimizer, dataloader: Any) -> Path:
+        """Everything a resumed run needs to go on with the next window; atomic. A LoRA run's
+        frozen base is not in it: a resumed run reads it from the checkpointer again."""
+        rank_zero = distributed.is_rank_zero()
+        if not self.sharded:
+            weights = adapter_state(model) if self.lora is not None else model.state_dict()
+            model_state, optimizer_state = weights, optimizer.state_dict()
+        elif self.lora is not None:
+            model_state = training.gather_cpu_state_dict(
+                model, rank_zero, device=self.device, adapter_weights_only=True
+            )
+            optimizer_state = training.get_full_optimizer_state_dict(
+                model, optimizer, rank_zero, device=self.device
+            )
+        else:
+            model_state = training.gather_cpu_state_dict(model, rank_zero, device=self.device)
+            optimizer_state = full_optimizer_state(model, optimizer, rank_zero, device=self.device)
+        return write_step_checkpoint(
+            self.step_checkpointer,
+            self.progress,
+            self.fingerprint,
+            device=self.device,
+            dataloader=dataloader,
+            model_state=model_state if rank_zero else None,
+            optimizer_state=optimizer_state if rank_zero else None,
+        )
+
+    def _save_adapters(self, model: nn.Module, optimizer: Optimizer, epoch: int) -> None:
+        """Adapter weights and config, merged weights unless adapter-only, recipe and optimizer
+        state if training goes on: the same dictionary stock hands its checkpointer."""
+        intermediate = not self.progress.is_last_epoch(epoch)
+        start = time.perf_counter()
+        rank_zero = distributed.is_rank_zero()
+        if self.sharded:
+            state_dict = training.gather_cpu_state_dict(
+                model, rank_zero, device=self.device, adapter_weights_only=self.adapter_only
+            )
+            optimizer_state = None
+            if intermediate:
+                optimizer_state = training.get_full_optimizer_state_dict(
+                    model, optimizer, rank_zero, device=self.device
+                )
+        else:
+            # Host tensors: merging then needs no second model on the device.
+            state_dict = {k: v.cpu() for k, v in model.state_dict().items()}
+            optimizer_state = optimizer.state_dict() if intermediate else None
+        if rank_zero:
+            training_state = None  # recipe and optimizer state, if training goes on
+            if intermediate:
+                training_state = self.progress.epoch_checkpoint_state()
+                training_state[training.OPT_KEY] = optimizer_state
+            save_epoch_checkpoint(  # the PEFT adapter in epoch_N/adapter/: docs/using_outputs.md
+                self.epoch_writer,
+                state_dict,
+                self.lora,
+                epoch=epoch,
+                adapter_only=self.adapter_only,
+                training_state=training_state,
+            )
+            if self.sharded:
+                log.info(f"Checkpoint gathered and written in {time.perf_counter() - start:.2f} s")
+        distributed.barrier()
