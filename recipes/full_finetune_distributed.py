@@ -24,11 +24,9 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.optim import Optimizer
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
@@ -36,7 +34,6 @@ from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import (
     build_optimizer,
-    load_full_optimizer_state,
 )
 from exactga.accumulation.step import StepContext
 from exactga.build.checkpoints import RunCheckpoints
@@ -47,7 +44,7 @@ from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
 from exactga.run.checkpointing import step_checkpointer_for
 from exactga.run.metric_logging import open_metric_logger
-from exactga.run.progress import TrainingProgress
+from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
     find_resume_point,
     run_fingerprint,
@@ -188,7 +185,14 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self._model, self._activations_handling_ctx = built.model, built.activations_ctx
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+        self._optimizer = build_optimizer(
+            cfg.optimizer,
+            self._model,
+            in_backward=self._optimizer_in_bwd,
+            state=resume.optimizer_state(ckpt_dict),
+            sharded=True,
+            device=self._device,
+        )  # see [optimizer in backward]
         if resume.from_epoch_checkpoint and self._enable_async_checkpointing:
             # torchtune's distributed checkpoint loads weights and optimizer state in place.
             ckpt_dict = self._checkpoint_client.load_distributed_checkpoint(
@@ -232,11 +236,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             epoch_writer=self._checkpoint_client,
             sharded=True,
         )
-        self._lr_scheduler = self._setup_lr_scheduler(
-            cfg.lr_scheduler,
-            num_training_steps=self._progress.num_training_steps,
-            last_epoch=self._progress.global_step - 1,
-        )
+        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, self._progress)
         # Traces, memory snapshots and the report from rank 0 only; every rank times its phases.
         self._profiler = setup_profiler(
             cfg.profiler,
@@ -255,29 +255,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
         )
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_optimizer(
-        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
-    ) -> Optimizer:
-        # optimizer_in_bwd: one optimizer per parameter, stepped inside backward on its sharded,
-        # reduced gradient, behind the optimizer's interface; see [optimizer in backward] in
-        # exactga.accumulation.optimizers.
-        optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
-        if opt_state_dict:
-            load_full_optimizer_state(self._model, optimizer, opt_state_dict, self._device)
-        return optimizer
-
-    def _setup_lr_scheduler(
-        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
-    ) -> Any:
-        if cfg_lr_scheduler is None:
-            return None
-        return config.instantiate(
-            cfg_lr_scheduler,
-            self._optimizer,
-            num_training_steps=num_training_steps,
-            last_epoch=last_epoch,
-        )
 
     def save_checkpoint(self, epoch: int) -> None:
         """The epoch's checkpoint, as stock writes it (every rank calls this)."""

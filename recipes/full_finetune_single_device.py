@@ -17,11 +17,9 @@ Copy this file to change the loop; the numerics stay in ``exactga``. docs/ has a
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch.optim import Optimizer
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
@@ -36,7 +34,7 @@ from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
 from exactga.run.checkpointing import step_checkpointer_for
 from exactga.run.metric_logging import open_metric_logger
-from exactga.run.progress import TrainingProgress
+from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
     find_resume_point,
     run_fingerprint,
@@ -148,7 +146,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         self._model, self._activations_handling_ctx = built.model, built.activations_ctx
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+        self._optimizer = build_optimizer(
+            cfg.optimizer,
+            self._model,
+            in_backward=self._optimizer_in_bwd,
+            state=resume.optimizer_state(ckpt_dict),
+        )  # see [optimizer in backward]
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._compile:
@@ -181,11 +184,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._device,
             epoch_writer=self._checkpointer,
         )
-        self._lr_scheduler = self._setup_lr_scheduler(
-            cfg.lr_scheduler,
-            num_training_steps=self._progress.num_training_steps,
-            last_epoch=self._progress.global_step - 1,
-        )
+        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, self._progress)
         self._profiler = setup_profiler(
             cfg.profiler,
             self._device,
@@ -200,28 +199,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_optimizer(
-        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
-    ) -> Optimizer:
-        # optimizer_in_bwd: one optimizer per parameter, stepped inside backward, behind the
-        # optimizer's interface; see [optimizer in backward] in exactga.accumulation.optimizers.
-        optimizer = build_optimizer(cfg_optimizer, self._model, in_backward=self._optimizer_in_bwd)
-        if opt_state_dict:
-            optimizer.load_state_dict(opt_state_dict)
-        return optimizer
-
-    def _setup_lr_scheduler(
-        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
-    ) -> Any:
-        if cfg_lr_scheduler is None:
-            return None
-        return config.instantiate(
-            cfg_lr_scheduler,
-            self._optimizer,
-            num_training_steps=num_training_steps,
-            last_epoch=last_epoch,
-        )
 
     def save_checkpoint(self, epoch: int) -> None:
         """The epoch's checkpoint, as stock writes it."""

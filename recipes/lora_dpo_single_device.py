@@ -19,17 +19,16 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torchtune.modules.common_utils as common_utils
 from omegaconf import DictConfig
-from torch.optim import Optimizer
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.build.checkpoints import RunCheckpoints
 from exactga.build.lora import LoraSettings
@@ -48,7 +47,7 @@ from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
 from exactga.run.checkpointing import step_checkpointer_for
 from exactga.run.metric_logging import open_metric_logger
-from exactga.run.progress import TrainingProgress
+from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
     checkpointer_source,
     find_resume_point,
@@ -175,7 +174,11 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         )
         self._model, self._activations_handling_ctx = built.model, built.activations_ctx
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(cfg.optimizer, resume.optimizer_state(ckpt_dict))
+        self._optimizer = build_optimizer(
+            cfg.optimizer,
+            self._model,
+            state=resume.optimizer_state(ckpt_dict),
+        )
 
         # One loss per pair (with rpo_alpha also an NLL over the chosen tokens); the normaliser
         # weighs each term by its units.
@@ -218,11 +221,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             lora=self._lora,
             adapter_only=self._save_adapter_weights_only,
         )
-        self._lr_scheduler = self._setup_lr_scheduler(
-            cfg.lr_scheduler,
-            num_training_steps=self._progress.num_training_steps,
-            last_epoch=self._progress.global_step - 1,
-        )
+        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, self._progress)
         self._profiler = setup_profiler(
             cfg.profiler,
             self._device,
@@ -237,27 +236,6 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         self._checkpoint_dir = cfg.checkpointer.output_dir
         self._log_dir = getattr(self._metric_logger, "log_dir", None)
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_optimizer(
-        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
-    ) -> Optimizer:
-        # All parameters, as stock passes them; the frozen ones never get a gradient.
-        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
-        if opt_state_dict:
-            optimizer.load_state_dict(opt_state_dict)
-        return optimizer
-
-    def _setup_lr_scheduler(
-        self, cfg_lr_scheduler: DictConfig | None, num_training_steps: int, last_epoch: int
-    ) -> Any:
-        if cfg_lr_scheduler is None:
-            return None
-        return config.instantiate(
-            cfg_lr_scheduler,
-            self._optimizer,
-            num_training_steps=num_training_steps,
-            last_epoch=last_epoch,
-        )
 
     def save_checkpoint(self, epoch: int) -> None:
         """The epoch's checkpoint, as stock writes it."""

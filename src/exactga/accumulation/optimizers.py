@@ -102,13 +102,32 @@ class OptimizerInBackward(Optimizer):
         return f"{type(self).__name__}({len(self.optim_map)} x {type(first).__name__})"
 
 
-def build_optimizer(cfg_optimizer: DictConfig, model: nn.Module, *, in_backward: bool) -> Optimizer:
-    """The config's optimizer over ``model``'s parameters; with ``in_backward``
-    (``optimizer_in_bwd``) one per parameter, stepped inside backward, behind the same
-    interface. See [optimizer in backward]."""
+def build_optimizer(
+    cfg_optimizer: DictConfig,
+    model: nn.Module,
+    *,
+    in_backward: bool = False,
+    state: Mapping[str, Any] | None = None,
+    sharded: bool = False,
+    device: torch.device | None = None,
+) -> Optimizer:
+    """The config's optimizer over all of ``model``'s parameters (as stock passes them: frozen
+    ones never get a gradient); with ``in_backward`` (``optimizer_in_bwd``) one per parameter,
+    stepped inside backward, behind the same interface (see [optimizer in backward]). With
+    ``state`` (a resume) its state is loaded: a full state sharded into an FSDP2 ``model``'s
+    optimizer on ``device`` when ``sharded`` (every rank calls this)."""
     if in_backward:
-        return OptimizerInBackward(model, lambda params: config.instantiate(cfg_optimizer, params))
-    return config.instantiate(cfg_optimizer, model.parameters())
+        optimizer = OptimizerInBackward(
+            model, lambda params: config.instantiate(cfg_optimizer, params)
+        )
+    else:
+        optimizer = config.instantiate(cfg_optimizer, model.parameters())
+    if state and sharded:
+        assert device is not None, "a sharded optimizer's state is loaded onto a device"
+        load_full_optimizer_state(model, optimizer, state, device)
+    elif state:
+        optimizer.load_state_dict(state)
+    return optimizer
 
 
 def steps_in_backward(optimizer: Optimizer | None) -> bool:

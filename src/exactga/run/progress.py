@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torchtune import training
+from omegaconf import DictConfig
+from torchtune import config, training
 
 # Note [epoch close]
 # ``epochs_run`` counts finished epochs, and both epoch-end saves record it: torchtune's
@@ -191,3 +192,18 @@ class TrainingProgress:
             "skipped_steps": float(self.num_skipped_steps),
             "nonfinite_steps": float(self.num_nonfinite_steps),
         }
+
+
+def build_lr_scheduler(
+    cfg_lr_scheduler: DictConfig | None, optimizer: Any, progress: TrainingProgress
+) -> Any:
+    """The config's learning-rate schedule over the run's optimizer steps, at the step the
+    run is at (0 on a fresh start, the resumed step otherwise); ``None`` without one."""
+    if cfg_lr_scheduler is None:
+        return None
+    return config.instantiate(
+        cfg_lr_scheduler,
+        optimizer,
+        num_training_steps=progress.num_training_steps,
+        last_epoch=progress.global_step - 1,
+    )
