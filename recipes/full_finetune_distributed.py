@@ -23,7 +23,6 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 
 import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -43,7 +42,7 @@ from exactga.data.loader import dataloader_from_config, load_dataset, model_voca
 from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
 from exactga.run.checkpointing import step_checkpointer_for
-from exactga.run.metric_logging import open_metric_logger
+from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
     find_resume_point,
@@ -130,11 +129,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self.dp_size = self._mesh["dp"].size()
         self.dp_rank = self._mesh["dp"].get_local_rank()
 
-        self._output_dir = cfg.output_dir
         self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
-        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
-        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
@@ -157,10 +153,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
-        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
-        if self._is_rank_zero:
-            self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
-            self._metric_logger.log_config(cfg)
+        # Rank 0's; a resumed run's curves go on in its run ([resumed TensorBoard run]).
+        self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
         # torchtune's client reads the base weights, or with an epoch resume the epoch's.
         self._checkpoint_client = self._precision.saving_in_dtype(  # weights for users in dtype
             CheckpointClient(
@@ -248,21 +242,14 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
             peak_flops=cfg.peak_flops,
             rank=self.rank,
-            metric_logger=self._metric_logger if self._is_rank_zero else None,
+            metric_logger=self._metric_logger,
         )
         self._checkpoint_dir = cfg.checkpointer.output_dir
-        self._log_dir = (
-            getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
-        )
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 
     def save_checkpoint(self, epoch: int) -> None:
         """The epoch's checkpoint, as stock writes it (every rank calls this)."""
         self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
-
-    def save_step_checkpoint(self) -> Path:
-        """Everything a resumed run needs to go on with the next window; atomic (all ranks)."""
-        return self._checkpoints.save_step(self._model, self._optimizer, self._dataloader)
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
@@ -287,7 +274,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
-        self._report_outputs()
+        outputs = "Checkpoints"
+        report_outputs(self._profiler.summary(), self._checkpoint_dir, self._metric_logger, outputs)
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
@@ -306,23 +294,12 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
             settings=self._book_settings,
-            save_step_checkpoint=self.save_step_checkpoint,
-            save_epoch_checkpoint=self.save_checkpoint,
-            metric_logger=self._metric_logger if self._is_rank_zero else None,
-            world_size=self.world_size,
-            memory_device=self._device if self._log_peak_memory_stats else None,
-            show_progress=self._is_rank_zero,
+            checkpoints=self._checkpoints,
+            metric_logger=self._metric_logger,
         )
 
-    def _report_outputs(self) -> None:
-        distributed.log_rank_zero(self._profiler.summary())
-        distributed.log_rank_zero(f"Checkpoints are in {self._checkpoint_dir}")
-        if self._log_dir is not None:
-            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
-
     def cleanup(self) -> None:
-        if self._is_rank_zero:
-            self._metric_logger.close()
+        close_metric_logger(self._metric_logger)
         distributed.destroy()
 
 

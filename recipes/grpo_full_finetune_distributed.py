@@ -25,7 +25,6 @@ import sys
 import time
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +57,7 @@ from exactga.grpo.step import (
 from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
 from exactga.run.checkpointing import step_checkpointer_for
-from exactga.run.metric_logging import open_metric_logger
+from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
     find_resume_point,
@@ -133,10 +132,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.dp_size = self._mesh["dp"].size()
         self.dp_rank = self._mesh["dp"].get_local_rank()
 
-        self._output_dir = cfg.output_dir
-        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
-
-        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
@@ -172,10 +167,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self._fingerprint = run_fingerprint(cfg, GRPO_FINGERPRINT_KEYS, world_size=self.world_size)
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
-        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
-        if self._is_rank_zero:
-            self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
-            self._metric_logger.log_config(cfg)
+        # Rank 0's; a resumed run's curves go on in its run ([resumed TensorBoard run]).
+        self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
         self._checkpoint_client = self._precision.saving_in_dtype(  # weights for users in dtype
             CheckpointClient(
                 OmegaConf.merge(cfg, {"resume_from_checkpoint": resume.from_epoch_checkpoint})
@@ -277,12 +270,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
             peak_flops=cfg.peak_flops,
             rank=self.rank,
-            metric_logger=self._metric_logger if self._is_rank_zero else None,
+            metric_logger=self._metric_logger,
         )
         self._checkpoint_dir = cfg.checkpointer.output_dir
-        self._log_dir = (
-            getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
-        )
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 
     def _setup_reference_model(self, cfg: DictConfig) -> nn.Module:
@@ -314,10 +304,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     def save_checkpoint(self, epoch: int) -> None:
         """The epoch's checkpoint, as stock writes it (every rank calls this)."""
         self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
-
-    def save_step_checkpoint(self) -> Path:
-        """Everything a resumed run needs to go on with the next window; atomic (all ranks)."""
-        return self._checkpoints.save_step(self._model, self._optimizer, self._dataloader)
 
     def _make_rollouts(self, prompts: list[dict[str, Any]], rollout_step: int) -> StepRollouts:
         """Generate, score and record log-probs for one step's prompts on this rank; see
@@ -384,7 +370,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                     prompt_batches, None
                 )  # lets the loader see its end, as exactga.accumulation.normalization
                 steps.end_epoch(curr_epoch)
-        self._report_outputs()
+        outputs = "Checkpoints"
+        report_outputs(self._profiler.summary(), self._checkpoint_dir, self._metric_logger, outputs)
 
     def _window_metrics(self, window: Window) -> dict[str, float]:
         """What a logged step adds: the policy's KL and clipping over the window, and the
@@ -416,24 +403,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
             settings=self._book_settings,
-            save_step_checkpoint=self.save_step_checkpoint,
-            save_epoch_checkpoint=self.save_checkpoint,
-            metric_logger=self._metric_logger if self._is_rank_zero else None,
-            world_size=self.world_size,
-            memory_device=self._device if self._log_peak_memory_stats else None,
+            checkpoints=self._checkpoints,
+            metric_logger=self._metric_logger,
             window_metrics=self._window_metrics,
-            show_progress=self._is_rank_zero,
         )
 
-    def _report_outputs(self) -> None:
-        distributed.log_rank_zero(self._profiler.summary())
-        distributed.log_rank_zero(f"Checkpoints are in {self._checkpoint_dir}")
-        if self._log_dir is not None:
-            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
-
     def cleanup(self) -> None:
-        if self._is_rank_zero:
-            self._metric_logger.close()
+        close_metric_logger(self._metric_logger)
         distributed.destroy()
 
 

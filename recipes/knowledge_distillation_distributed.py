@@ -26,7 +26,6 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -47,7 +46,7 @@ from exactga.kd.schema import KnowledgeDistillationDistributedConfig
 from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
 from exactga.run.checkpointing import step_checkpointer_for
-from exactga.run.metric_logging import open_metric_logger
+from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
     checkpointer_source,
@@ -119,12 +118,9 @@ class KDRecipeDistributed(FTRecipeInterface):
         self.dp_size = self._mesh["dp"].size()
         self.dp_rank = self._mesh["dp"].get_local_rank()
 
-        self._output_dir = cfg.output_dir
         self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
-        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
-        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
@@ -149,10 +145,8 @@ class KDRecipeDistributed(FTRecipeInterface):
         self._fingerprint = run_fingerprint(cfg, KD_FINGERPRINT_KEYS, world_size=self.world_size)
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
-        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
-        if self._is_rank_zero:
-            self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
-            self._metric_logger.log_config(cfg)
+        # Rank 0's; a resumed run's curves go on in its run ([resumed TensorBoard run]).
+        self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
         self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
             config.instantiate(
                 cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
@@ -252,12 +246,9 @@ class KDRecipeDistributed(FTRecipeInterface):
             saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
             peak_flops=cfg.peak_flops,
             rank=self.rank,
-            metric_logger=self._metric_logger if self._is_rank_zero else None,
+            metric_logger=self._metric_logger,
         )
         self._checkpoint_dir = cfg.checkpointer.output_dir
-        self._log_dir = (
-            getattr(self._metric_logger, "log_dir", None) if self._is_rank_zero else None
-        )
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 
     def _setup_teacher_model(self, cfg: DictConfig) -> nn.Module:
@@ -306,10 +297,6 @@ class KDRecipeDistributed(FTRecipeInterface):
         """The epoch's checkpoint, as stock writes it (every rank calls this)."""
         self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
 
-    def save_step_checkpoint(self) -> Path:
-        """Everything a resumed run needs to go on with the next window; atomic (all ranks)."""
-        return self._checkpoints.save_step(self._model, self._optimizer, self._dataloader)
-
     def train(self) -> None:
         distributed.cleanup_before_training(self._device)
         if self._compile:
@@ -327,7 +314,8 @@ class KDRecipeDistributed(FTRecipeInterface):
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
-        self._report_outputs()
+        outputs = "Student adapters and checkpoints"
+        report_outputs(self._profiler.summary(), self._checkpoint_dir, self._metric_logger, outputs)
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
@@ -346,25 +334,14 @@ class KDRecipeDistributed(FTRecipeInterface):
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
             settings=self._book_settings,
-            save_step_checkpoint=self.save_step_checkpoint,
-            save_epoch_checkpoint=self.save_checkpoint,
-            metric_logger=self._metric_logger if self._is_rank_zero else None,
-            world_size=self.world_size,
-            memory_device=self._device if self._log_peak_memory_stats else None,
+            checkpoints=self._checkpoints,
+            metric_logger=self._metric_logger,
             window_metrics=self._distiller.window_metrics,
             track=self._distiller.track,
-            show_progress=self._is_rank_zero,
         )
 
-    def _report_outputs(self) -> None:
-        distributed.log_rank_zero(self._profiler.summary())
-        distributed.log_rank_zero(f"Student adapters and checkpoints are in {self._checkpoint_dir}")
-        if self._log_dir is not None:
-            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
-
     def cleanup(self) -> None:
-        if self._is_rank_zero:
-            self._metric_logger.close()
+        close_metric_logger(self._metric_logger)
         distributed.destroy()
 
 

@@ -22,7 +22,6 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 """
 
 import sys
-from pathlib import Path
 
 import torchtune.modules.common_utils as common_utils
 from omegaconf import DictConfig
@@ -43,7 +42,7 @@ from exactga.kd.schema import KnowledgeDistillationSingleDeviceConfig
 from exactga.launch.cli import run_recipe
 from exactga.profiling import setup_profiler
 from exactga.run.checkpointing import step_checkpointer_for
-from exactga.run.metric_logging import open_metric_logger
+from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
     checkpointer_source,
@@ -107,12 +106,9 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
         self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
 
-        self._output_dir = cfg.output_dir
         self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
-        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type != "cpu"
 
         self._save_adapter_weights_only = cfg.save_adapter_weights_only
-        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._clip_grad_norm = cfg.clip_grad_norm
         self._loss_normalization = cfg.loss_normalization
         self._compile = cfg.compile
@@ -135,9 +131,8 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
         self._fingerprint = run_fingerprint(cfg, KD_FINGERPRINT_KEYS, world_size=1)
         resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
-        # A resumed run's TensorBoard curves go on in its run; [resumed TensorBoard run].
-        self._metric_logger = open_metric_logger(cfg.metric_logger, resumed=resume.resumed)
-        self._metric_logger.log_config(cfg)
+        # A resumed run's curves go on in its run ([resumed TensorBoard run]).
+        self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
         self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
             config.instantiate(
                 cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
@@ -233,7 +228,6 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             metric_logger=self._metric_logger,
         )
         self._checkpoint_dir = cfg.checkpointer.output_dir
-        self._log_dir = getattr(self._metric_logger, "log_dir", None)
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 
     def _setup_teacher_model(
@@ -259,10 +253,6 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         """The epoch's checkpoint, as stock writes it."""
         self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
 
-    def save_step_checkpoint(self) -> Path:
-        """Everything a resumed run needs to go on with the next window; atomic."""
-        return self._checkpoints.save_step(self._model, self._optimizer, self._dataloader)
-
     def train(self) -> None:
         if self._compile:
             log.info("torch.compile is on: expect a slow first step while it compiles.")
@@ -279,7 +269,8 @@ class KDRecipeSingleDevice(FTRecipeInterface):
                     report = steps.end_step(window, outcome)  # .loss: on logged steps
                     log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
                 steps.end_epoch(curr_epoch)
-        self._report_outputs()
+        outputs = "Student adapters and checkpoints"
+        report_outputs(self._profiler.summary(), self._checkpoint_dir, self._metric_logger, outputs)
 
     def _step_book(self) -> StepBook:
         """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
@@ -292,22 +283,14 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler,
             settings=self._book_settings,
-            save_step_checkpoint=self.save_step_checkpoint,
-            save_epoch_checkpoint=self.save_checkpoint,
+            checkpoints=self._checkpoints,
             metric_logger=self._metric_logger,
-            memory_device=self._device if self._log_peak_memory_stats else None,
             window_metrics=self._distiller.window_metrics,
             track=self._distiller.track,
         )
 
-    def _report_outputs(self) -> None:
-        log.info(self._profiler.summary())
-        log.info(f"Student adapters and checkpoints are in {self._checkpoint_dir}")
-        if self._log_dir is not None:
-            log.info(f"TensorBoard logs are in {self._log_dir} (tensorboard --logdir <that>)")
-
     def cleanup(self) -> None:
-        self._metric_logger.close()
+        close_metric_logger(self._metric_logger)
 
 
 @config.parse

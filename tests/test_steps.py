@@ -44,11 +44,11 @@ class Recorder:
     def open_epoch(self) -> None:  # the profiler's: shapes are counted per epoch
         pass
 
-    def save_step(self) -> Path:
+    def save_step(self, model, optimizer, dataloader) -> Path:  # the checkpoints'
         self.calls.append(("step checkpoint",))
         return Path("step")
 
-    def save_epoch(self, epoch: int) -> None:
+    def save_epoch(self, model, optimizer, epoch: int) -> None:
         self.calls.append(("epoch checkpoint", epoch))
 
 
@@ -90,8 +90,7 @@ def _book(recorder: Recorder, **overrides) -> tuple[StepBook, Loader]:
         settings=StepBookSettings(
             log_every_n_steps=2, save_every_n_steps=1, nonfinite_policy=NonFinitePolicy.STOP
         ),
-        save_step_checkpoint=recorder.save_step,
-        save_epoch_checkpoint=recorder.save_epoch,
+        checkpoints=recorder,
         metric_logger=recorder,
         show_progress=False,
         clock=Clock(10.0, 14.0, 99.0),

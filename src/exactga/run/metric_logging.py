@@ -32,6 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 from torchtune.training.metric_logging import TensorBoardLogger
 
+from exactga.runtime.distributed import is_rank_zero, log_rank_zero
+
 _TENSORBOARD_COMPONENTS = {
     "torchtune.training.metric_logging.TensorBoardLogger",
     "torchtune.training.TensorBoardLogger",
@@ -49,6 +51,34 @@ def open_metric_logger(cfg_metric_logger: DictConfig, resumed: bool) -> Any:
     for key in ("_component_", "log_dir", "organize_logs"):
         kwargs.pop(key, None)
     return AppendingTensorBoardLogger(run_folder, **kwargs)
+
+
+def open_run_logger(cfg: DictConfig, resumed: bool) -> Any | None:
+    """The run's metric logger with the config logged to it, on global rank 0; ``None`` on
+    the other ranks, which write no metrics. See [resumed TensorBoard run] for ``resumed``."""
+    if not is_rank_zero():
+        return None
+    metric_logger = open_metric_logger(cfg.metric_logger, resumed=resumed)
+    metric_logger.log_config(cfg)
+    return metric_logger
+
+
+def report_outputs(
+    profiler_summary: str, checkpoint_dir: str, metric_logger: Any | None, what: str
+) -> None:
+    """The run's closing lines, on rank 0: the profiler's summary, where ``what`` (its
+    checkpoints) were written and where its TensorBoard logs are."""
+    log_rank_zero(profiler_summary)
+    log_rank_zero(f"{what} are in {checkpoint_dir}")
+    log_dir = getattr(metric_logger, "log_dir", None)
+    if log_dir is not None:
+        log_rank_zero(f"TensorBoard logs are in {log_dir} (tensorboard --logdir <that>)")
+
+
+def close_metric_logger(metric_logger: Any | None) -> None:
+    """Close the run's metric logger, on the rank that has one."""
+    if metric_logger is not None:
+        metric_logger.close()
 
 
 def flush_metric_logger(metric_logger: Any | None) -> None:

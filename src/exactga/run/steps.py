@@ -26,9 +26,10 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -39,7 +40,7 @@ from exactga.accumulation.step import StepContext, StepOutcome, TrainingWindow
 from exactga.config.options import NonFinitePolicy
 from exactga.run.metric_logging import flush_metric_logger
 from exactga.run.progress import TrainingProgress
-from exactga.runtime.distributed import memory_stats
+from exactga.runtime.distributed import is_rank_zero, memory_stats
 
 # Note [step bookkeeping]
 # After ``window.step`` every recipe does the same things in the same order, and each is a
@@ -70,10 +71,24 @@ class StepBookSettings:
     log_every_n_steps: int
     save_every_n_steps: int | None  # None: no step checkpoints
     nonfinite_policy: NonFinitePolicy
+    log_peak_memory_stats: bool = False  # on a GPU; there is nothing to log on CPU
 
     @classmethod
     def from_config(cls, cfg: Any) -> StepBookSettings:
-        return cls(cfg.log_every_n_steps, cfg.save_every_n_steps, cfg.nonfinite_loss)
+        return cls(
+            cfg.log_every_n_steps,
+            cfg.save_every_n_steps,
+            cfg.nonfinite_loss,
+            cfg.log_peak_memory_stats,
+        )
+
+
+class Checkpoints(Protocol):
+    """What the step book saves through (``exactga.build.checkpoints.RunCheckpoints``)."""
+
+    def save_step(self, model: Any, optimizer: Any, dataloader: Any) -> Path: ...
+
+    def save_epoch(self, model: Any, optimizer: Any, epoch: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -104,15 +119,15 @@ class StepBook:
             ``OptimizerInBackward`` (``optimizer_in_bwd``) means a non-finite step has already
             changed the weights.
         lr_scheduler: stepped after every step, or ``None``.
-        settings: the config's ``log_every_n_steps``, ``save_every_n_steps``, ``nonfinite_loss``.
-        save_step_checkpoint: writes a step checkpoint and returns its folder (collective).
-        save_epoch_checkpoint: writes the checkpoint of an epoch (collective).
+        settings: the config's ``log_every_n_steps``, ``save_every_n_steps``,
+            ``nonfinite_loss`` and ``log_peak_memory_stats``.
+        checkpoints: writes step and epoch checkpoints of the context's model and the
+            optimizer (collective under data parallelism).
         metric_logger: where logged metrics go; ``None`` on ranks that do not write.
-        world_size: data-parallel ranks (tokens per second are per rank).
-        memory_device: logs peak-memory statistics of this device, or ``None``.
         window_metrics: the recipe's own metrics of a logged window (every rank calls it).
         track: wraps each epoch's windows (the distiller's ``track``), or ``None``.
-        show_progress: draw the progress bar (rank 0).
+        world_size: ranks, for tokens per second per rank; the process group's by default.
+        show_progress: draw the progress bar; on global rank 0 by default.
         clock: seconds, for the tokens-per-second figure; injected by tests.
     """
 
@@ -126,14 +141,12 @@ class StepBook:
         optimizer: Any,
         lr_scheduler: Any,
         settings: StepBookSettings,
-        save_step_checkpoint: Callable[[], Path],
-        save_epoch_checkpoint: Callable[[int], Any],
+        checkpoints: Checkpoints,
         metric_logger: Any | None,
-        world_size: int = 1,
-        memory_device: torch.device | None = None,
         window_metrics: Callable[[Window], dict[str, float]] | None = None,
         track: Callable[[Iterable[Window]], Iterable[Window]] | None = None,
-        show_progress: bool = True,
+        world_size: int | None = None,
+        show_progress: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.progress = progress
@@ -144,16 +157,16 @@ class StepBook:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.nonfinite_policy = settings.nonfinite_policy
-        self.save_step_checkpoint = save_step_checkpoint
-        self.save_epoch_checkpoint = save_epoch_checkpoint
+        self.checkpoints = checkpoints
         self.save_every_n_steps = settings.save_every_n_steps
         self.log_every_n_steps = settings.log_every_n_steps
         self.metric_logger = metric_logger
-        self.world_size = world_size
-        self.memory_device = memory_device
+        self.world_size = world_size if world_size is not None else _world_size()
+        on_gpu = context.device.type != "cpu"
+        self.memory_device = context.device if settings.log_peak_memory_stats and on_gpu else None
         self.window_metrics = window_metrics
         self.track = track
-        self.show_progress = show_progress
+        self.show_progress = show_progress if show_progress is not None else is_rank_zero()
         self.clock = clock
         self._epoch = 0
         self._pbar: Any = None
@@ -229,6 +242,10 @@ class StepBook:
             metrics=logged,
         )
 
+    def save_step_checkpoint(self) -> Path:
+        """A step checkpoint of the run as it stands (every rank calls this); its folder."""
+        return self.checkpoints.save_step(self.context.model, self.optimizer, self.dataloader)
+
     def _tokens_of(self, window: Window) -> int:
         """The tokens a step counts for ``tokens_per_second_per_gpu``: the loss tokens of every
         rank, or, when the units are not tokens (pairs), the samples' own positions on all
@@ -266,7 +283,7 @@ class StepBook:
         self._pbar.close()
         self._bar_safe_output.close()
         self.progress.close_epoch()  # before both saves: see [epoch close] in exactga.run.progress
-        self.save_epoch_checkpoint(epoch)
+        self.checkpoints.save_epoch(self.context.model, self.optimizer, epoch)
         if self.save_every_n_steps:
             self.save_step_checkpoint()
             flush_metric_logger(self.metric_logger)
@@ -381,3 +398,7 @@ def step_metrics(
     if memory_device is not None:
         metrics.update(memory_stats(memory_device))
     return metrics
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
