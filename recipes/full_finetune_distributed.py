@@ -36,17 +36,15 @@ from exactga.accumulation.optimizers import (
 )
 from exactga.accumulation.step import StepContext
 from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.model import FullWeights, ModelSettings, Parallelism, build_model
+from exactga.build.model import FullWeights, ModelSettings, Parallelism, build_loss, build_model
 from exactga.config.schemas import FullFinetuneDistributedConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
-from exactga.profiling import setup_profiler
-from exactga.run.checkpointing import step_checkpointer_for
+from exactga.profiling import profiler_from_config
 from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
-    find_resume_point,
-    run_fingerprint,
+    start_run,
     validate_run_config,
 )
 from exactga.run.steps import StepBook, StepBookSettings
@@ -145,14 +143,10 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         )
 
     def setup(self, cfg: DictConfig) -> None:
-        self._step_checkpointer = step_checkpointer_for(
-            cfg.output_dir, cfg.keep_last_n_checkpoints, self.rank, self.world_size
-        )
-        self._fingerprint = run_fingerprint(
-            cfg, world_size=self.world_size, tensor_parallel_dim=self._tensor_parallel_dim
-        )
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
-        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._step_checkpointer, self._fingerprint, resume = start_run(
+            cfg, tensor_parallel_dim=self._tensor_parallel_dim
+        )
         # Rank 0's; a resumed run's curves go on in its run ([resumed TensorBoard run]).
         self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
         # torchtune's client reads the base weights, or with an epoch resume the epoch's.
@@ -194,11 +188,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             )
         resume.restore_progress(self._progress, ckpt_dict)
 
-        self._loss_fn = config.instantiate(cfg.loss)
-        if self._compile:
-            self._loss_fn = training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
-        if hasattr(self._loss_fn, "num_output_chunks"):
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=self._compile)
         self._normalizer = LossNormalizer(
             self._loss_fn,
             mode=self._loss_normalization,
@@ -231,19 +221,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             sharded=True,
         )
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, self._progress)
-        # Traces, memory snapshots and the report from rank 0 only; every rank times its phases.
-        self._profiler = setup_profiler(
-            cfg.profiler,
-            self._device,
-            self._model,
-            output_dir=cfg.output_dir,
-            micro_batching=cfg.micro_batching,
-            log_timings=cfg.log_timings,
-            saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
-            peak_flops=cfg.peak_flops,
-            rank=self.rank,
-            metric_logger=self._metric_logger,
-        )
+        # Phase timings on every rank; traces, snapshots and the report on rank 0.
+        self._profiler = profiler_from_config(cfg, self._device, self._model, self._metric_logger)
         self._checkpoint_dir = cfg.checkpointer.output_dir
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 

@@ -26,17 +26,15 @@ from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.model import FullWeights, ModelSettings, build_model
+from exactga.build.model import FullWeights, ModelSettings, build_loss, build_model
 from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
-from exactga.profiling import setup_profiler
-from exactga.run.checkpointing import step_checkpointer_for
+from exactga.profiling import profiler_from_config
 from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import (
-    find_resume_point,
-    run_fingerprint,
+    start_run,
     validate_run_config,
 )
 from exactga.run.steps import StepBook, StepBookSettings
@@ -113,11 +111,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
 
     def setup(self, cfg: DictConfig) -> None:
-
         # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
-        self._step_checkpointer = step_checkpointer_for(cfg.output_dir, cfg.keep_last_n_checkpoints)
-        self._fingerprint = run_fingerprint(cfg, world_size=1)
-        resume = find_resume_point(cfg, self._step_checkpointer, self._fingerprint)
+        self._step_checkpointer, self._fingerprint, resume = start_run(cfg)
         # A resumed run's curves go on in its run ([resumed TensorBoard run]).
         self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
         self._checkpointer = self._precision.saving_in_dtype(  # weights for users in dtype
@@ -148,11 +143,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             state=resume.optimizer_state(ckpt_dict),
         )  # see [optimizer in backward]
 
-        self._loss_fn = config.instantiate(cfg.loss)
-        if self._compile:
-            self._loss_fn = training.compile_loss(self._loss_fn)
-        if hasattr(self._loss_fn, "num_output_chunks"):
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=self._compile)
         self._normalizer = LossNormalizer(
             self._loss_fn,
             mode=self._loss_normalization,
@@ -180,17 +171,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             epoch_writer=self._checkpointer,
         )
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, self._progress)
-        self._profiler = setup_profiler(
-            cfg.profiler,
-            self._device,
-            self._model,
-            output_dir=cfg.output_dir,
-            micro_batching=cfg.micro_batching,
-            log_timings=cfg.log_timings,
-            saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
-            peak_flops=cfg.peak_flops,
-            metric_logger=self._metric_logger,
-        )
+        # Phase timings on every rank; traces, snapshots and the report on rank 0.
+        self._profiler = profiler_from_config(cfg, self._device, self._model, self._metric_logger)
         self._checkpoint_dir = cfg.checkpointer.output_dir
         resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
 

@@ -147,6 +147,17 @@ def build_model(
     return BuiltModel(model, activations_ctx)
 
 
+def build_loss(cfg_loss: DictConfig, model: nn.Module, *, compile_loss: bool) -> nn.Module:
+    """The config's token loss, compiled when asked; a chunked loss (``num_output_chunks``)
+    has ``model`` return its logits in as many chunks, which is what that loss takes."""
+    loss_fn = config.instantiate(cfg_loss)
+    if compile_loss:
+        loss_fn = training.compile_loss(loss_fn, verbose=distributed.is_rank_zero())
+    if hasattr(loss_fn, "num_output_chunks"):
+        model.set_num_output_chunks(loss_fn.num_output_chunks)
+    return loss_fn
+
+
 def _tensor_parallel(model: nn.Module, parallelism: Parallelism) -> nn.Module:
     if isinstance(getattr(model, "output", None), TiedLinear):
         # torchtune 0.6.1's TP plans shard the output as a Linear; a tied output then

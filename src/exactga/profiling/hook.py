@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
@@ -269,4 +270,25 @@ def setup_profiler(
         metric_logger = None
     return TrainingProfiler(
         settings, device, model, micro_batching=micro_batching, metric_logger=metric_logger
+    )
+
+
+def profiler_from_config(
+    cfg: DictConfig, device: torch.device, model: nn.Module, metric_logger: Any
+) -> TrainingProfiler:
+    """:func:`setup_profiler` from a validated recipe config (its ``profiler`` section,
+    ``output_dir``, ``micro_batching``, ``log_timings``, ``saved_latency_every_n_steps``,
+    ``peak_flops``). Traces, memory snapshots and the report come from global rank 0 only;
+    every rank times its phases. ``metric_logger``: rank 0's (``None`` elsewhere)."""
+    return setup_profiler(
+        cfg.profiler,
+        device,
+        model,
+        output_dir=cfg.output_dir,
+        micro_batching=cfg.micro_batching,
+        log_timings=cfg.log_timings,
+        saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
+        peak_flops=cfg.peak_flops,
+        rank=dist.get_rank() if dist.is_initialized() else 0,
+        metric_logger=metric_logger,
     )

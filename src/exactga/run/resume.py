@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
 
@@ -171,6 +172,20 @@ def checkpointer_source(cfg_checkpointer: DictConfig) -> str:
     """Where torchtune's checkpointer reads weights from, for messages about weights that do
     not fit the model (the base weights, or an epoch checkpoint's)."""
     return f"checkpointer.checkpoint_dir ({cfg_checkpointer.checkpoint_dir})"
+
+
+def start_run(
+    cfg: DictConfig, extra_keys: tuple[str, ...] = (), **extra: Any
+) -> tuple[StepCheckpointer, dict[str, Any], ResumePoint]:
+    """A run's step checkpointer (this rank's, in ``output_dir``), its fingerprint (the config's
+    values a resume must match, the world size, ``extra_keys`` and ``extra``: see
+    :func:`run_fingerprint`) and where it goes on from (:func:`find_resume_point`)."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    checkpointer = step_checkpointer_for(
+        cfg.output_dir, cfg.keep_last_n_checkpoints, rank, world_size
+    )
+    fingerprint = run_fingerprint(cfg, extra_keys, world_size=world_size, **extra)
+    return checkpointer, fingerprint, find_resume_point(cfg, checkpointer, fingerprint)
 
 
 def find_resume_point(
