@@ -33,10 +33,7 @@ from exactga.launch.cli import run_recipe
 from exactga.profiling import profiler_from_config
 from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
-from exactga.run.resume import (
-    start_run,
-    validate_run_config,
-)
+from exactga.run.resume import start_run, validate_run_config
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime.kernels import choose_attention_kernels

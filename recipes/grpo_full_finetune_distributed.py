@@ -35,9 +35,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
 from exactga.accumulation.normalization import LossNormalizer, Window
-from exactga.accumulation.optimizers import (
-    build_optimizer,
-)
+from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.build.checkpoints import RunCheckpoints
 from exactga.build.frozen import build_frozen_model
@@ -58,10 +56,7 @@ from exactga.launch.cli import run_recipe
 from exactga.profiling import profiler_from_config
 from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
-from exactga.run.resume import (
-    start_run,
-    validate_run_config,
-)
+from exactga.run.resume import start_run, validate_run_config
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
