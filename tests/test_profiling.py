@@ -417,16 +417,20 @@ def test_other_ranks_time_their_phases_but_trace_and_report_nothing(tmp_path, cl
     "recipe", sorted((REPO_ROOT / "recipes").glob("*.py")), ids=lambda path: path.stem
 )
 def test_recipes_hand_the_profiler_a_few_values_not_their_config(recipe: Path) -> None:
-    """``setup_profiler`` takes the ``profiler`` section and a few named values; a recipe that
-    passed its whole config, or a copy edited for its rank, would decide again what the hook
-    reads (the rank's part is ``setup_profiler``'s own)."""
+    """A recipe builds one profiler hook: through ``profiler_from_config``, which alone reads
+    what the hook takes from a validated config (the rank's part included), or through
+    ``setup_profiler`` with named values; never ``setup_profiler`` handed a config, or a copy
+    edited for its rank, which would decide again what the hook reads."""
     calls = [
         node
         for node in ast.walk(ast.parse(recipe.read_text()))
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup_profiler"
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) in {"setup_profiler", "profiler_from_config"}
     ]
     assert len(calls) == 1, f"{recipe.name} builds {len(calls)} profiler hooks"
     (call,) = calls
+    if call.func.id == "profiler_from_config":
+        return
     for arg in [*call.args, *(keyword.value for keyword in call.keywords)]:
         assert not (isinstance(arg, ast.Name) and "cfg" in arg.id), (
             f"{recipe.name}:{call.lineno} hands setup_profiler a config ({arg.id})"
