@@ -215,6 +215,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             ignore_idx=IGNORE_INDEX,
             num_replicas=self.dp_size,
             rank=self.dp_rank,
+            rank_balancing=cfg.rank_balancing,
             state_dict=resume.dataloader_state(ckpt_dict),
         )
         self._progress.start(

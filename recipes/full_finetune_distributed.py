@@ -200,6 +200,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             ignore_idx=self._loss_fn.ignore_index,
             num_replicas=self.dp_size,
             rank=self.dp_rank,
+            rank_balancing=cfg.rank_balancing,
             state_dict=resume.dataloader_state(ckpt_dict),
         )
         self._progress.start(

@@ -208,6 +208,7 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
             ignore_idx=IGNORE_INDEX,
             num_replicas=self.dp_size,
             rank=self.dp_rank,
+            rank_balancing=cfg.rank_balancing,
             state_dict=resume.dataloader_state(ckpt_dict),
         )
         self._progress.start(

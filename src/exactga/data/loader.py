@@ -197,12 +197,13 @@ def dataloader_from_config(
     ignore_idx: int,
     num_replicas: int = 1,
     rank: int = 0,
+    rank_balancing: RankBalancing = RankBalancing.NONE,
     state_dict: Mapping[str, Any] | None = None,
 ) -> WindowLoader:
     """:func:`build_dataloader` with the batching keys of a validated recipe config
     (``batch_size``, ``gradient_accumulation_steps``, ``micro_batching``,
     ``micro_batch_tokens``, ``pad_to_multiple_of``, ``drop_partial_window``, ``shuffle``,
-    ``collate_fn``, ``rank_balancing``, and ``device`` for a packed row's mask), read here once
+    ``collate_fn``, and ``device`` for a packed row's mask), read here once
     for every training recipe so that no recipe can build its windows differently."""
     return build_dataloader(
         dataset,
@@ -218,7 +219,7 @@ def dataloader_from_config(
         rank=rank,
         state_dict=state_dict,
         flex_attention=uses_flex_attention(cfg.device),
-        rank_balancing=cfg.get("rank_balancing") or RankBalancing.NONE,
+        rank_balancing=rank_balancing,  # the distributed schemas' key; one rank has none
     )
 
 

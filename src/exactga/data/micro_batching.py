@@ -87,7 +87,7 @@ class MicroBatchingSettings:
             mode=as_option(MicroBatching, cfg.micro_batching, "micro_batching"),
             batch_size=int(cfg.batch_size if batch_size is None else batch_size),
             micro_batch_tokens=cfg.micro_batch_tokens,
-            pad_to_multiple_of=cfg.get("pad_to_multiple_of"),
+            pad_to_multiple_of=cfg.pad_to_multiple_of,
         )
 
 
