@@ -33,9 +33,6 @@ from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.frozen import build_frozen_model
-from exactga.build.model import FullWeights, ModelSettings, Parallelism, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.dpo.preference import (
     DpoTerms,
@@ -56,6 +53,9 @@ from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.frozen import build_frozen_model
+from exactga.setup.model import FullWeights, ModelSettings, Parallelism, build_model
 
 log = utils.get_logger("INFO")
 
@@ -155,7 +155,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         )
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
         # Built, cast, compiled, checkpointed, sharded and loaded in the one order; see
-        # exactga.build.model.
+        # exactga.setup.model.
         built = build_model(
             cfg.model,
             FullWeights(resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)),

@@ -33,8 +33,6 @@ from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.model import FullWeights, ModelSettings, Parallelism, build_loss, build_model
 from exactga.config.schemas import FullFinetuneDistributedConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -47,6 +45,8 @@ from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.model import FullWeights, ModelSettings, Parallelism, build_loss, build_model
 from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
@@ -152,7 +152,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
         # Built, cast, compiled, checkpointed, sharded and loaded in the one order; see
-        # exactga.build.model.
+        # exactga.setup.model.
         built = build_model(
             cfg.model,
             FullWeights(resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)),

@@ -25,8 +25,6 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.model import FullWeights, ModelSettings, build_loss, build_model
 from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -38,6 +36,8 @@ from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.model import FullWeights, ModelSettings, build_loss, build_model
 from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
@@ -122,7 +122,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         ckpt_dict = self._checkpointer.load_checkpoint()
         resume.restore_progress(self._progress, ckpt_dict)
 
-        # Built, cast, compiled, checkpointed and loaded in the one order; see exactga.build.model.
+        # Built, cast, compiled, checkpointed and loaded in the one order; see exactga.setup.model.
         built = build_model(
             cfg.model,
             FullWeights(resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)),

@@ -81,8 +81,6 @@ from tqdm import tqdm
 from exactga.accumulation.loss_units import loss_ignore_index
 from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.accumulation.step import train_window
-from exactga.build.frozen import freeze_model
-from exactga.build.lora import LoraSettings, load_lora_weights
 from exactga.data.loader import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.data.packing import uses_flex_attention
@@ -124,6 +122,8 @@ from exactga.run.resume import checkpointer_source, validate_run_config
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
 from exactga.runtime.precision import MasterWeights, Precision
+from exactga.setup.frozen import freeze_model
+from exactga.setup.lora import LoraSettings, load_lora_weights
 from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")

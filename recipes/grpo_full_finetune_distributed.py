@@ -37,9 +37,6 @@ from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 from exactga.accumulation.normalization import LossNormalizer, Window
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.frozen import build_frozen_model
-from exactga.build.model import FullWeights, ModelSettings, Parallelism, build_model
 from exactga.data.loader import build_prompt_loader
 from exactga.grpo.policy import PolicyMetrics, grpo_loss_step, loss_units_for
 from exactga.grpo.rewards import build_rewards
@@ -62,6 +59,9 @@ from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.frozen import build_frozen_model
+from exactga.setup.model import FullWeights, ModelSettings, Parallelism, build_model
 
 log = utils.get_logger("INFO")
 
@@ -166,7 +166,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
         # Built, cast, compiled, checkpointed, sharded and loaded in the one order; see
-        # exactga.build.model.
+        # exactga.setup.model.
         built = build_model(
             cfg.model,
             FullWeights(resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)),

@@ -5,7 +5,7 @@ unchanged, with the same artefacts, written by rank 0 (student adapters in torch
 PEFT's format with ``adapter_config.json``; merged student weights unless
 ``save_adapter_weights_only``) and metrics (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
 ``tokens_per_second_per_gpu``), plus ours. Student and teacher are both sharded over the
-data-parallel ranks; the teacher runs under no_grad (exactga.build.frozen). What differs from stock:
+data-parallel ranks; the teacher runs under no_grad (exactga.setup.frozen). What differs from stock:
 the loss of
 each optimizer step is exactly ``(1 - kd_ratio)`` times the full-batch class loss plus
 ``kd_ratio`` times the full-batch KD loss of the window over every rank, whatever the split into
@@ -36,10 +36,6 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.frozen import freeze_model
-from exactga.build.lora import LoraSettings
-from exactga.build.model import AdapterWeights, ModelSettings, Parallelism, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.kd.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
 from exactga.kd.schema import KnowledgeDistillationDistributedConfig
@@ -53,6 +49,10 @@ from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.frozen import freeze_model
+from exactga.setup.lora import LoraSettings
+from exactga.setup.model import AdapterWeights, ModelSettings, Parallelism, build_model
 
 log = utils.get_logger("INFO")
 
@@ -146,7 +146,7 @@ class KDRecipeDistributed(FTRecipeInterface):
         resume.restore_progress(self._progress, ckpt_dict)
 
         # Built on meta, adapters trainable, cast, compiled, checkpointed, sharded and loaded in
-        # the one order; see exactga.build.model.
+        # the one order; see exactga.setup.model.
         built = build_model(
             cfg.model,
             AdapterWeights(

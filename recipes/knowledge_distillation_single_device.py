@@ -32,10 +32,6 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.frozen import freeze_model
-from exactga.build.lora import LoraSettings
-from exactga.build.model import AdapterWeights, ModelSettings, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.kd.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
 from exactga.kd.schema import KnowledgeDistillationSingleDeviceConfig
@@ -48,6 +44,10 @@ from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.frozen import freeze_model
+from exactga.setup.lora import LoraSettings
+from exactga.setup.model import AdapterWeights, ModelSettings, build_model
 
 log = utils.get_logger("INFO")
 
@@ -58,7 +58,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
     """Distils a frozen teacher into LoRA adapters on a frozen student, on one device.
 
     The teacher (``teacher_model`` from ``teacher_checkpointer``) is frozen and runs under
-    no_grad (exactga.build.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
+    no_grad (exactga.setup.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
     builder), so only its adapters get gradients and optimizer state.
 
     Features (each a config key; defaults in ``exactga.config.schemas``):
@@ -135,7 +135,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
         # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
         common_utils._use_low_cpu_ram = cfg.low_cpu_ram
         # Built, adapters made trainable, cast, compiled, checkpointed and loaded in the one
-        # order; see exactga.build.model.
+        # order; see exactga.setup.model.
         built = build_model(
             cfg.model,
             AdapterWeights(

@@ -30,9 +30,6 @@ from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.lora import LoraSettings
-from exactga.build.model import AdapterWeights, ModelSettings, Parallelism, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.dpo.preference import (
     DpoTerms,
@@ -53,6 +50,9 @@ from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.lora import LoraSettings
+from exactga.setup.model import AdapterWeights, ModelSettings, Parallelism, build_model
 
 log = utils.get_logger("INFO")
 
@@ -151,7 +151,7 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
         resume.restore_progress(self._progress, ckpt_dict)
 
         # Built on meta, adapters trainable, cast, compiled, checkpointed, sharded and loaded in
-        # the one order; see exactga.build.model.
+        # the one order; see exactga.setup.model.
         built = build_model(
             cfg.model,
             AdapterWeights(

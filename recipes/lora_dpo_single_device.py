@@ -29,9 +29,6 @@ from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.lora import LoraSettings
-from exactga.build.model import AdapterWeights, ModelSettings, build_model
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.dpo.preference import (
     DpoTerms,
@@ -51,6 +48,9 @@ from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.lora import LoraSettings
+from exactga.setup.model import AdapterWeights, ModelSettings, build_model
 
 log = utils.get_logger("INFO")
 
@@ -143,7 +143,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
         common_utils._use_low_cpu_ram = cfg.low_cpu_ram
         # Built, adapters made trainable, cast, compiled, checkpointed and loaded in the one
-        # order; see exactga.build.model.
+        # order; see exactga.setup.model.
         built = build_model(
             cfg.model,
             AdapterWeights(

@@ -34,9 +34,6 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.lora import LoraSettings
-from exactga.build.model import AdapterWeights, ModelSettings, Parallelism, build_loss, build_model
 from exactga.config.schemas import LoraFinetuneDistributedConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -49,6 +46,9 @@ from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.lora import LoraSettings
+from exactga.setup.model import AdapterWeights, ModelSettings, Parallelism, build_loss, build_model
 from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
@@ -148,7 +148,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         resume.restore_progress(self._progress, ckpt_dict)
 
         # Built on meta, adapters trainable, cast, compiled, checkpointed, sharded and loaded in
-        # the one order; see exactga.build.model.
+        # the one order; see exactga.setup.model.
         built = build_model(
             cfg.model,
             AdapterWeights(

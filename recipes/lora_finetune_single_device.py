@@ -30,9 +30,6 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
-from exactga.build.checkpoints import RunCheckpoints
-from exactga.build.lora import LoraSettings
-from exactga.build.model import AdapterWeights, ModelSettings, build_loss, build_model
 from exactga.config.schemas import LoraFinetuneSingleDeviceConfig
 from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -44,6 +41,9 @@ from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime.kernels import choose_attention_kernels
 from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.lora import LoraSettings
+from exactga.setup.model import AdapterWeights, ModelSettings, build_loss, build_model
 from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
@@ -137,7 +137,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
         common_utils._use_low_cpu_ram = cfg.low_cpu_ram
         # Built, adapters made trainable, cast, compiled, checkpointed and loaded in the one
-        # order; see exactga.build.model.
+        # order; see exactga.setup.model.
         built = build_model(
             cfg.model,
             AdapterWeights(

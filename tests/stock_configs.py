@@ -12,7 +12,7 @@ the shipped YAML with only these sections replaced:
   the sizes: 2 layers, width 64, vocabulary 2048. Families without a component builder of their
   own use the one their stock builders call (llama3_3 -> llama3_1, phi4 -> phi3,
   qwen2_5 -> qwen2).
-- ``checkpointer``: ``exactga.build.random_init_checkpointer.initialized_hf_checkpointer`` with the
+- ``checkpointer``: ``exactga.setup.random_init_checkpointer.initialized_hf_checkpointer`` with the
   stock ``model_type``, which writes seeded random weights of the plain model in that family's
   HF layout on first use (``llama3/8B_full``'s Meta-format checkpointer becomes this HF one
   too).
@@ -215,7 +215,7 @@ def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig
     )
     cfg.dataset = dataset
     cfg.checkpointer = {
-        "_component_": "exactga.build.random_init_checkpointer.initialized_hf_checkpointer",
+        "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
         # The base model the weights are drawn for: the plain builder for a LoRA model.
         "model": base_model if is_lora else "${model}",
         "init_seed": 0,
@@ -240,7 +240,7 @@ def _adapt_teacher(cfg: DictConfig) -> None:
         teacher["head_dim"] = width // NUM_HEADS
     cfg.teacher_model = teacher
     cfg.teacher_checkpointer = {
-        "_component_": "exactga.build.random_init_checkpointer.initialized_hf_checkpointer",
+        "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
         "model": "${teacher_model}",
         "init_seed": 1,
         "checkpoint_dir": "${output_dir}/teacher_model",

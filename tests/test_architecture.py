@@ -32,8 +32,8 @@ LIBRARY_ONLY_NAMES = {
     "ConcatDataset": "the dataset (exactga.data.loader.load_dataset)",
     "checked_dataset": "the dataset (exactga.data.loader.load_dataset)",
     "scale_grads": "gradient scaling (exactga.accumulation.normalization)",
-    "get_merged_lora_ckpt": "the saved adapters (exactga.build.lora.epoch_checkpoint_weights)",
-    "get_adapter_state_dict": "the saved adapters (exactga.build.lora.epoch_checkpoint_weights)",
+    "get_merged_lora_ckpt": "the saved adapters (exactga.setup.lora.epoch_checkpoint_weights)",
+    "get_adapter_state_dict": "the saved adapters (exactga.setup.lora.epoch_checkpoint_weights)",
     "restore_rng_state": "resume (exactga.run.resume.ResumePoint)",
     "capture_rng_state": "resume (exactga.run.resume.write_step_checkpoint)",
     "handle_nonfinite_loss": "the non-finite policy (exactga.run.steps.StepBook)",
@@ -150,7 +150,7 @@ def _exactga_imports(path: Path) -> set[str]:
 # one package per loss family above them (a family never imports another), then the parity
 # report, which trains every family. The profiler is the recipes' (and the report's): the step
 # takes it as an argument and never imports it. docs/architecture.md draws the same table.
-LAYERS = ("config", "launch", "runtime", "data", "accumulation", "run", "build")
+LAYERS = ("config", "launch", "runtime", "data", "accumulation", "run", "setup")
 FAMILIES = ("sft", "kd", "dpo", "grpo")
 ALLOWED_IMPORTS = {
     "config": set(),
@@ -159,10 +159,10 @@ ALLOWED_IMPORTS = {
     "data": {"config", "runtime"},
     "accumulation": {"config", "runtime", "data"},
     "run": {"config", "runtime", "data", "accumulation"},
-    "build": {"config", "runtime", "accumulation", "run"},
-    "models": {"config", "runtime", "build"},
+    "setup": {"config", "runtime", "accumulation", "run"},
+    "models": {"config", "runtime", "setup"},
     **{
-        family: {"config", "runtime", "data", "accumulation", "build", "models"}
+        family: {"config", "runtime", "data", "accumulation", "setup", "models"}
         for family in FAMILIES
     },
     "profiling": {"config", "runtime", "data", "accumulation"},

@@ -58,7 +58,6 @@ from exactga.accumulation import normalization
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer, NormMode
-from exactga.build.frozen import freeze_model
 from exactga.config.options import SequenceLogProb
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
@@ -77,6 +76,7 @@ from exactga.dpo.preference import (
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
+from exactga.setup.frozen import freeze_model
 
 CPU = torch.device("cpu")
 ALPHA = 0.5

@@ -29,8 +29,8 @@ from torchtune import config
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training import FullModelHFCheckpointer
 
-from exactga.build.lora import initialize_adapters
-from exactga.build.random_init_checkpointer import write_initial_checkpoint
+from exactga.setup.lora import initialize_adapters
+from exactga.setup.random_init_checkpointer import write_initial_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -166,7 +166,7 @@ def test_default_run_writes_checkpoint_and_metrics(tmp_path):
 
 def test_stock_torchtune_config_runs_unchanged(tmp_path):
     """torchtune 0.6.1's own llama3_2/1B config file, only overridden from the command line."""
-    from exactga.build.random_init_checkpointer import write_initial_checkpoint
+    from exactga.setup.random_init_checkpointer import write_initial_checkpoint
 
     model = {
         "_component_": "torchtune.models.llama3_2.llama3_2",

@@ -93,11 +93,11 @@ from exactga.accumulation.loss_units import (
     shift_labels,
 )
 from exactga.accumulation.normalization import Window
-from exactga.build.frozen import frozen_forward
 from exactga.config.options import SequenceLogProb, as_option
 from exactga.data.packing import PACKED_SEQUENCES
 from exactga.dpo.reference_logprobs import PAIR_INDEX, ReferenceTable
 from exactga.runtime.precision import Precision
+from exactga.setup.frozen import frozen_forward
 
 # An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
 # no pair. See [pairs as loss units].
@@ -311,7 +311,7 @@ def lora_reference(model: nn.Module, precision: Precision | None = None) -> Refe
 
 def frozen_model_reference(ref_model: nn.Module, precision: Precision | None = None) -> Reference:
     """The reference of full DPO: a separate model, frozen at setup with
-    ``exactga.build.frozen.freeze_model`` (and sharded like the policy under FSDP)."""
+    ``exactga.setup.frozen.freeze_model`` (and sharded like the policy under FSDP)."""
 
     def reference(inputs: Batch, positions: torch.Tensor, targets: torch.Tensor):
         with frozen_forward():

@@ -25,9 +25,9 @@ from torch import nn
 from torchtune import config, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from exactga.build.frozen import build_frozen_model
 from exactga.parity.scoring import ParityRun, RunSummary
 from exactga.runtime import distributed
+from exactga.setup.frozen import build_frozen_model
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -150,7 +150,7 @@ def build_sharded_model(
 class FrozenModels:
     """A frozen model with ``state`` (a reference), built on first use once per layout and
     dtype: on one device for the ``BxG`` runs, sharded over ``dp_mesh`` like the policy for the
-    ``BxGxN`` runs (``exactga.build.frozen.build_frozen_model``, the recipes' rule)."""
+    ``BxGxN`` runs (``exactga.setup.frozen.build_frozen_model``, the recipes' rule)."""
 
     def __init__(
         self,

@@ -84,7 +84,7 @@ class StepBookSettings:
 
 
 class Checkpoints(Protocol):
-    """What the step book saves through (``exactga.build.checkpoints.RunCheckpoints``)."""
+    """What the step book saves through (``exactga.setup.checkpoints.RunCheckpoints``)."""
 
     def save_step(self, model: Any, optimizer: Any, dataloader: Any) -> Path: ...
 

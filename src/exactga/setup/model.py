@@ -27,10 +27,10 @@ from torchtune.modules import TiedLinear
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training.activations import apply_selective_activation_checkpointing
 
-from exactga.build.lora import LoraSettings, load_lora_weights
-from exactga.build.model_state import load_model_state
 from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
+from exactga.setup.lora import LoraSettings, load_lora_weights
+from exactga.setup.model_state import load_model_state
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class FullWeights:
 @dataclass(frozen=True)
 class AdapterWeights:
     """A LoRA/DoRA/QLoRA model's base weights, and the adapters to go on from (``None``: fresh
-    ones drawn from ``seed`` alone; see [adapter init] in exactga.build.lora)."""
+    ones drawn from ``seed`` alone; see [adapter init] in exactga.setup.lora)."""
 
     lora: LoraSettings
     base_state: dict[str, Any]
@@ -241,7 +241,7 @@ def _load(
     else:
         load = partial(nn.Module.load_state_dict, strict=False)
     # The base, then the adapters to go on from or fresh ones drawn from the seed alone, the
-    # same on any number of ranks; see [adapter init] in exactga.build.lora.
+    # same on any number of ranks; see [adapter init] in exactga.setup.lora.
     load_lora_weights(
         model,
         weights.lora,
