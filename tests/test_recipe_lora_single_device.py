@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from many_runs import launch_runs, run_of
 from recipe_utils import (
     EMPTY_WINDOW_RUN,
     QLORA_TINY_CONFIG,
@@ -73,8 +74,10 @@ PARITY_CASES = [  # (precision, optimizer, train_on_input)
 ]
 
 
-def _train(output_dir: Path, batch_size: int, ga: int, extra: list[str], **overrides) -> Path:
-    """Train PARITY_STEPS steps with this split; returns ``output_dir`` after checking success."""
+def _train_args(
+    output_dir: Path, batch_size: int, ga: int, extra: list[str], **overrides
+) -> list[str]:
+    """The ``tune run`` arguments of PARITY_STEPS steps with this split."""
     args = lora_tiny_args(
         output_dir,
         batch_size=batch_size,
@@ -84,9 +87,62 @@ def _train(output_dir: Path, batch_size: int, ga: int, extra: list[str], **overr
         lr_scheduler__num_warmup_steps=0,
         **overrides,
     )
-    proc = run_tune(args + extra)
+    return args + extra
+
+
+def _train(output_dir: Path, batch_size: int, ga: int, extra: list[str], **overrides) -> Path:
+    """Train PARITY_STEPS steps with this split; returns ``output_dir`` after checking success."""
+    proc = run_tune(_train_args(output_dir, batch_size, ga, extra, **overrides))
     assert proc.returncode == 0, output_of(proc)[-4000:]
     return output_dir
+
+
+def _case_id(precision: str, optimizer: str, train_on_input: bool) -> str:
+    return f"{precision}-{optimizer}-{'train_on_input' if train_on_input else 'masked_input'}"
+
+
+def _case_extra(precision: str, optimizer: str) -> list[str]:
+    extra = OPTIMIZERS[optimizer] + PRECISIONS[precision][0]
+    if precision == "fp64" and optimizer == "adamw":
+        extra += FP64_ADAMW
+    return extra
+
+
+def _parity_runs(root: Path) -> None:
+    """Every split of every parity case, one after another in one launch (tests/many_runs.py:
+    each still the recipe as ``tune run`` starts it; only the start-up is shared)."""
+    runs = []
+    for precision, optimizer, train_on_input in PARITY_CASES:
+        for bs, ga in SPLITS:
+            out = root / _case_id(precision, optimizer, train_on_input) / f"{bs}x{ga}"
+            args = _train_args(
+                out,
+                bs,
+                ga,
+                _case_extra(precision, optimizer),
+                dataset__train_on_input=train_on_input,
+            )
+            nproc, run = run_of(args, out)
+            assert nproc == 0
+            runs.append(run)
+    launch_runs(runs, nproc=0)
+
+
+@pytest.fixture(scope="module")
+def parity_runs(run_once):
+    """``case id -> {(bs, ga): folder}``, every run checked to have succeeded."""
+    root = run_once("lora_parity_runs", _parity_runs)
+
+    def get(case_id: str) -> dict[tuple[int, int], Path]:
+        runs = {}
+        for bs, ga in SPLITS:
+            out = root / case_id / f"{bs}x{ga}"
+            output = (out / "output.txt").read_text()
+            assert (out / "returncode").read_text() == "0", output[-4000:]
+            runs[(bs, ga)] = out
+        return runs
+
+    return get
 
 
 def _initial_adapters(out: Path, extra: list[str]) -> dict[str, torch.Tensor]:
@@ -144,25 +200,17 @@ def test_adapter_init_is_seeded_and_b_starts_at_zero(tmp_path, initial_adapters)
 @pytest.mark.parametrize(
     ("precision", "optimizer", "train_on_input"),
     PARITY_CASES,
-    ids=[f"{p}-{o}-{'train_on_input' if t else 'masked_input'}" for p, o, t in PARITY_CASES],
+    ids=[_case_id(*case) for case in PARITY_CASES],
 )
 def test_accumulation_splits_match_full_batch(
-    tmp_path, initial_adapters_at, precision, optimizer, train_on_input
+    parity_runs, initial_adapters_at, precision, optimizer, train_on_input
 ):
     """8x1, 1x8 and 2x4 train to the same adapters (fp64: relative L2 <= 1e-7)."""
     from recipe_utils import relative_l2
 
-    dtype_overrides, tolerance = PRECISIONS[precision]
+    tolerance = PRECISIONS[precision][1]
     initial_adapters = initial_adapters_at(precision)
-    extra = OPTIMIZERS[optimizer] + dtype_overrides
-    if precision == "fp64" and optimizer == "adamw":
-        extra += FP64_ADAMW
-    runs = {
-        (bs, ga): _train(
-            tmp_path / f"{bs}x{ga}", bs, ga, extra, dataset__train_on_input=train_on_input
-        )
-        for bs, ga in SPLITS
-    }
+    runs = parity_runs(_case_id(precision, optimizer, train_on_input))
     reference = runs[SPLITS[0]]
     a_ref = load_adapters(reference / ADAPTERS)
     ref_scalars = read_scalars(reference / "logs")
