@@ -16,12 +16,24 @@ What a fresh process would give each run, and a shared one would not, is reset p
   connect, intermittently;
 - Python's "once per location" warnings (``warnings.catch_warnings``) and torchtune's
   ``log_once``, so a run prints the warnings it would print alone;
-- its output: file descriptors 1 and 2 of each rank go to ``<folder>/rank<R>.log``.
+- its output: file descriptors 1 and 2 of each rank go to ``<folder>/rank<R>.log``;
+- its working directory, the launch's (``sys.path`` and the imported modules are shared, so
+  runs that need another ``PYTHONPATH`` or working directory get launches of their own).
 
 A run that fails ends the launch (its peer may be waiting in one of its collectives); the runs
 it did not reach are launched again, so a failure shows as that run's own, and never hides
 another run's result. Each run's folder then holds ``output.txt`` (its ranks' output, and the
 launch's when it failed) and ``returncode``, as one launch of its own would leave.
+
+Runs expected to fail (the tests of bad input) may share a launch too: with
+``go_on_after_failure=True``, which needs ``nproc=0`` (one process, no torchrun, so no peer
+waits on a failed run), the launch goes on to the next run after a failing one, and each run's
+folder holds its own status and exactly its own output (``output.txt``: its stdout and stderr,
+nothing of the launch's or another run's). Only a run that ended the launch itself (the process
+died or timed out in it) gets the launch's output too, and the runs after it are launched again,
+as above. ``launch_runs`` returns each launch's own output (what the launch printed outside its
+runs), for a caller to check. Without it, or under torchrun, a failing run ends the launch as
+above.
 """
 
 from __future__ import annotations
@@ -66,19 +78,30 @@ def launch_runs(
     nproc: int = 2,
     timeout_per_run: float = 300,
     extra_env: dict[str, str] | None = None,
-) -> None:
+    go_on_after_failure: bool = False,
+) -> list[str]:
     """Run every run of ``runs`` on ``nproc`` ranks (0: no torchrun), as few launches as
-    possible; each run's folder gets ``output.txt`` and ``returncode``."""
+    possible; each run's folder gets ``output.txt`` and ``returncode``. With
+    ``go_on_after_failure`` (``nproc=0`` only), a failing run does not end its launch. Returns
+    each launch's own output (outside its runs)."""
     from recipe_utils import output_of, run_tune  # host side only; the ranks never need it
 
+    if go_on_after_failure and nproc:
+        raise ValueError("go_on_after_failure needs nproc=0: under torchrun a peer would wait")
     pending = list(runs)
     for run in pending:
         run.folder.mkdir(parents=True, exist_ok=True)
     launch = 0
+    launch_outputs = []
     while pending:
         plan = pending[0].folder / f"plan_{launch}.json"
         plan.write_text(
-            json.dumps([[r.recipe, r.args, str(r.folder), r.env or {}] for r in pending])
+            json.dumps(
+                {
+                    "go_on_after_failure": go_on_after_failure,
+                    "runs": [[r.recipe, r.args, str(r.folder), r.env or {}] for r in pending],
+                }
+            )
         )
         launcher = ["--nproc_per_node", str(nproc)] if nproc else []
         try:
@@ -90,6 +113,7 @@ def launch_runs(
             launch_output, launch_status = output_of(proc), proc.returncode
         except subprocess.TimeoutExpired as err:
             launch_output, launch_status = f"launch timed out: {err}", -9
+        launch_outputs.append(launch_output)
         while pending:
             run = pending.pop(0)
             statuses = [_read_status(run.folder, rank) for rank in range(max(nproc, 1))]
@@ -97,12 +121,16 @@ def launch_runs(
             if all(status == 0 for status in statuses):
                 _finish(run.folder, output, 0)
                 continue
+            if go_on_after_failure and statuses[0] is not None:  # it failed; the launch went on
+                _finish(run.folder, output, statuses[0])
+                continue
             # The run that ended the launch: its failure is its own.
             failed = next((s for s in statuses if s not in (None, 0)), None)
             status = failed if failed is not None else (launch_status or 1)
             _finish(run.folder, f"{launch_output}\n--- the run's ranks ---\n{output}", status)
             break
         launch += 1
+    return launch_outputs
 
 
 def _finish(folder: Path, output: str, status: int) -> None:
@@ -127,7 +155,8 @@ def _main() -> None:
     plan = json.loads(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
     rank = int(os.environ.get("RANK", "0"))
     agent_store = _agent_store()
-    for index, (recipe, args, folder, env) in enumerate(plan):
+    go_on = plan["go_on_after_failure"] and agent_store is None  # no peer waits on a failure
+    for index, (recipe, args, folder, env) in enumerate(plan["runs"]):
         if agent_store is not None:
             _own_rendezvous(agent_store, rank, index)
         launch_env = {key: os.environ.get(key) for key in env}
@@ -139,7 +168,7 @@ def _main() -> None:
             else:
                 os.environ[key] = value
         (Path(folder) / f"exit{rank}").write_text(str(status))
-        if status != 0:
+        if status != 0 and not go_on:
             os._exit(status)  # torchrun ends the peer, which may wait in a collective
 
 
@@ -175,7 +204,7 @@ def _run(recipe: str, args: list[str], log_path: Path) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    argv = sys.argv
+    argv, cwd = sys.argv, os.getcwd()
     with open(log_path, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -192,6 +221,7 @@ def _run(recipe: str, args: list[str], log_path: Path) -> int:
             status = 1
         finally:
             sys.argv = argv
+            os.chdir(cwd)
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(saved[0], 1)

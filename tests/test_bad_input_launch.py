@@ -12,6 +12,14 @@ The unit tests of the same checks are in tests/test_bad_input.py (rows), tests/t
 and tests/test_config_checks.py (keys, values, combinations, files) and
 tests/test_checkpointing.py (checkpoints); the distributed recipe launched with torchrun on bad
 input in tests/test_recipe_full_distributed_extra.py.
+
+Most launches fail at start-up, so a launch of its own would cost mostly the import of torch and
+torchtune. The single-process cases therefore share launches (tests/many_runs.py with
+``go_on_after_failure``: each case still the recipe as ``tune run`` starts it, its status and
+exactly its own output kept, and the launch goes on after it fails): the config and row cases in
+one module fixture, the cases reading a copy of the finished run in another (their setup needs
+it), the users' own dataset in a third (its own ``PYTHONPATH``). The 2-rank case (torchrun) and
+the missing ``--config`` file (tune's own command line) keep launches of their own.
 """
 
 from __future__ import annotations
@@ -19,14 +27,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+from many_runs import launch_runs, run_of
 from recipe_utils import (
     INITIAL,
     LORA_RECIPE,
     LORA_TINY_CONFIG,
     REPO_ROOT,
+    TUNE,
     output_of,
     run_tune,
     tiny_args,
@@ -75,6 +87,37 @@ def assert_fails_naming(proc, out_dir: Path, names: list[str], before_config: bo
         assert MODEL_BUILT not in output, output[-4000:]
         assert not (out_dir / INITIAL).exists(), "the initial checkpoint was written"
     return message
+
+
+class Launched(NamedTuple):
+    """One case of a shared launch: its result as ``run_tune`` gives it (its status, and its
+    own output alone as ``stdout``) and its folder (a test's ``tmp_path``)."""
+
+    proc: subprocess.CompletedProcess
+    folder: Path
+
+
+def launch_together(
+    root: Path, args_of: dict[str, list[str]], extra_env: dict[str, str] | None = None
+) -> dict[str, Launched]:
+    """``tune run *args`` of every case, single-process, in one launch (tests/many_runs.py, going
+    on after a failing run); case ``name``'s folder is ``root / name``."""
+    runs = {}
+    for name, args in args_of.items():
+        nproc, runs[name] = run_of(args, root / name / "launch")
+        assert nproc == 0, args
+    launches = launch_runs(
+        list(runs.values()), nproc=0, extra_env=extra_env, go_on_after_failure=True
+    )
+    for output in launches:  # what a launch printed outside its runs: no failure of its own
+        assert "Traceback" not in output and "exactga: " not in output, output[-4000:]
+    launched = {}
+    for name, run in runs.items():
+        status = int((run.folder / "returncode").read_text())
+        output = (run.folder / "output.txt").read_text()
+        proc = subprocess.CompletedProcess([TUNE, "run", run.recipe, *run.args], status, output, "")
+        launched[name] = Launched(proc, root / name)
+    return launched
 
 
 # --- configuration: keys, values, combinations, files -----------------------------------------
@@ -164,19 +207,23 @@ CONFIG_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("recipe", "overrides", "names"),
-    [case[1:] for case in CONFIG_CASES],
-    ids=[case[0] for case in CONFIG_CASES],
-)
-def test_config_error_is_one_message_before_the_config_is_printed(
-    tmp_path, recipe, overrides, names
-):
+def config_case_args(tmp_path: Path, recipe: tuple[str, str] | None, overrides: dict) -> list[str]:
     out = tmp_path / "out"
     args = tiny_args(out, **overrides)
     if recipe is not None:
         args = with_recipe(recipe, args)
-    assert_fails_naming(run_tune(args), out, names)
+    return args
+
+
+@pytest.mark.xdist_group("bad_input_shared")
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [(case[0], case[3]) for case in CONFIG_CASES],
+    ids=[case[0] for case in CONFIG_CASES],
+)
+def test_config_error_is_one_message_before_the_config_is_printed(shared_launch, case, names):
+    proc, tmp_path = shared_launch[case]
+    assert_fails_naming(proc, tmp_path / "out", names)
 
 
 def test_under_torchrun_a_config_error_is_one_message_without_the_launchers_traceback(tmp_path):
@@ -215,8 +262,12 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.xdist_group("bad_input_finished_run")
-def test_resume_after_a_run_finished_without_step_checkpoints(finished_run, tmp_path):
+# The setup of each case on the finished run (in its ``tmp_path``): its ``tune run`` args, the
+# folder that must not get an initial checkpoint, and the names its message must hold. The
+# cases then share one launch (``finished_run_cases``).
+
+
+def resume_after_a_run_finished(finished_run: Path, tmp_path: Path):
     out = copy_of(finished_run, tmp_path)
     shutil.rmtree(out / "step_checkpoints")
     args = tiny_args(out, max_steps_per_epoch=1, resume_from_checkpoint=True)
@@ -225,22 +276,29 @@ def test_resume_after_a_run_finished_without_step_checkpoints(finished_run, tmp_
         f"checkpointer.checkpoint_dir={out / 'epoch_0'}",
     ]
     # No model built: the copy's base_model/ is the finished run's, so no folder to watch.
-    assert_fails_naming(run_tune(args), tmp_path / "no_new_output", names)
+    return args, tmp_path / "no_new_output", names
 
 
 @pytest.mark.xdist_group("bad_input_finished_run")
-def test_resume_from_a_truncated_step_checkpoint_names_the_file(finished_run, tmp_path):
+def test_resume_after_a_run_finished_without_step_checkpoints(finished_run_cases):
+    proc, out, names = finished_run_cases["resume_after_finish"]
+    assert_fails_naming(proc, out, names)
+
+
+def resume_from_a_truncated_step_checkpoint(finished_run: Path, tmp_path: Path):
     out = copy_of(finished_run, tmp_path)
     weights = out / "step_checkpoints" / "step_000001" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     args = tiny_args(out, max_steps_per_epoch=1, resume_from_checkpoint=True)
+    names = [f"no usable step checkpoint in {out / 'step_checkpoints'}", str(weights), "truncated"]
+    return args, out, names
+
+
+@pytest.mark.xdist_group("bad_input_finished_run")
+def test_resume_from_a_truncated_step_checkpoint_names_the_file(finished_run_cases):
+    proc, out, names = finished_run_cases["truncated_step_checkpoint"]
     # The check reads every byte of the checkpoint, so it runs once, where the run reads it.
-    assert_fails_naming(
-        run_tune(args),
-        out,
-        [f"no usable step checkpoint in {out / 'step_checkpoints'}", str(weights), "truncated"],
-        before_config=False,
-    )
+    assert_fails_naming(proc, out, names, before_config=False)
 
 
 STOCK_CHECKPOINTER = {
@@ -249,12 +307,17 @@ STOCK_CHECKPOINTER = {
 WITHOUT_INITIALIZER = ["~checkpointer.model", "~checkpointer.init_seed"]
 
 
-@pytest.mark.xdist_group("bad_input_finished_run")
-@pytest.mark.parametrize(
-    "problem",
-    ["missing_files", "missing_folder", "no_config_json", "output_inside", "truncated", "cut_bin"],
-)
-def test_checkpoint_dir_without_the_named_files(finished_run, tmp_path, problem):
+CHECKPOINT_DIR_PROBLEMS = [
+    "missing_files",
+    "missing_folder",
+    "no_config_json",
+    "output_inside",
+    "truncated",
+    "cut_bin",
+]
+
+
+def checkpoint_dir_without_the_named_files(finished_run: Path, tmp_path: Path, problem: str):
     """torchtune's own checkpointer, pointed at a folder that lacks what it names."""
     checkpoint_dir = finished_run / "base_model"  # holds config.json and model.safetensors
     files = "[model-00001-of-00002.safetensors,model-00002-of-00002.safetensors]"
@@ -299,12 +362,18 @@ def test_checkpoint_dir_without_the_named_files(finished_run, tmp_path, problem)
         "checkpointer__checkpoint_dir": checkpoint_dir,
         "checkpointer__checkpoint_files": files,
     }
-    assert_fails_naming(run_tune([*tiny_args(out, **overrides), *WITHOUT_INITIALIZER]), out, names)
+    return [*tiny_args(out, **overrides), *WITHOUT_INITIALIZER], out, names
 
 
 @pytest.mark.xdist_group("bad_input_finished_run")
-def test_truncated_initial_weights_of_the_tiny_configs_checkpointer(finished_run, tmp_path):
-    """exactga's initialized_hf_checkpointer reads back the weights it wrote on first use."""
+@pytest.mark.parametrize("problem", CHECKPOINT_DIR_PROBLEMS)
+def test_checkpoint_dir_without_the_named_files(finished_run_cases, problem):
+    """torchtune's own checkpointer, pointed at a folder that lacks what it names."""
+    proc, out, names = finished_run_cases[f"checkpoint_dir_{problem}"]
+    assert_fails_naming(proc, out, names)
+
+
+def truncated_initial_weights(finished_run: Path, tmp_path: Path):
     out = copy_of(finished_run, tmp_path)
     weights = out / INITIAL
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -313,13 +382,49 @@ def test_truncated_initial_weights_of_the_tiny_configs_checkpointer(finished_run
         "(truncated?)",
         f"Delete '{weights.parent}' to have the initial weights written again",
     ]
-    proc = run_tune(tiny_args(out, max_steps_per_epoch=1))
+    return tiny_args(out, max_steps_per_epoch=1), out, names
+
+
+@pytest.mark.xdist_group("bad_input_finished_run")
+def test_truncated_initial_weights_of_the_tiny_configs_checkpointer(finished_run_cases):
+    """exactga's initialized_hf_checkpointer reads back the weights it wrote on first use."""
+    proc, _, names = finished_run_cases["truncated_initial"]
     output = output_of(proc)
     assert proc.returncode != 0 and "Traceback" not in output, output[-4000:]
     message = message_of(output)
     for name in names:
         assert name in message, message
     assert CONFIG_PRINTED not in output
+
+
+class FinishedRunCase(NamedTuple):
+    proc: subprocess.CompletedProcess
+    out: Path  # the folder that must not get an initial checkpoint
+    names: list[str]
+
+
+@pytest.fixture(scope="module")
+def finished_run_cases(finished_run, tmp_path_factory) -> dict[str, FinishedRunCase]:
+    """Every case set up on a copy of ``finished_run``, then launched together."""
+    root = tmp_path_factory.mktemp("finished_run_cases")
+    setups = {
+        "resume_after_finish": resume_after_a_run_finished,
+        "truncated_step_checkpoint": resume_from_a_truncated_step_checkpoint,
+        "truncated_initial": truncated_initial_weights,
+    }
+    prepared = {}
+    for name, setup in setups.items():
+        (root / name).mkdir()
+        prepared[name] = setup(finished_run, root / name)
+    for problem in CHECKPOINT_DIR_PROBLEMS:
+        name = f"checkpoint_dir_{problem}"
+        (root / name).mkdir()
+        prepared[name] = checkpoint_dir_without_the_named_files(finished_run, root / name, problem)
+    launched = launch_together(root, {name: args for name, (args, _, _) in prepared.items()})
+    return {
+        name: FinishedRunCase(launched[name].proc, out, names)
+        for name, (_, out, names) in prepared.items()
+    }
 
 
 # --- dataset rows ----------------------------------------------------------------------------
@@ -392,21 +497,44 @@ ROW_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("rows", "overrides", "names"),
-    [case[1:] for case in ROW_CASES],
-    ids=[case[0] for case in ROW_CASES],
-)
-def test_bad_row_is_one_message_naming_row_and_file(tmp_path, rows, overrides, names):
+def row_case_args(tmp_path: Path, rows: list[dict], overrides: dict) -> list[str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "rows.json"
     data.write_text(json.dumps(rows))
     out = tmp_path / "out"
     plain = {k: v for k, v in overrides.items() if "." not in k}
     added = [f"{k}={v}" for k, v in overrides.items() if "." in k]
-    args = tiny_args(out, dataset__data_files=data, max_steps_per_epoch=2, **plain) + added
-    message = assert_fails_naming(run_tune(args), out, names, before_config=False)
+    return tiny_args(out, dataset__data_files=data, max_steps_per_epoch=2, **plain) + added
+
+
+@pytest.mark.xdist_group("bad_input_shared")
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [(case[0], case[3]) for case in ROW_CASES],
+    ids=[case[0] for case in ROW_CASES],
+)
+def test_bad_row_is_one_message_naming_row_and_file(shared_launch, case, names):
+    proc, tmp_path = shared_launch[case]
+    data, out = tmp_path / "rows.json", tmp_path / "out"
+    message = assert_fails_naming(proc, out, names, before_config=False)
     if "row" in names[0]:
         assert str(data) in message
+
+
+@pytest.fixture(scope="module")
+def shared_launch(tmp_path_factory) -> dict[str, Launched]:
+    """Every configuration case and every row case, by its id, launched together."""
+    root = tmp_path_factory.mktemp("bad_input_shared")
+    args_of = {name: config_case_args(root / name, *case) for name, *case, _ in CONFIG_CASES}
+    args_of |= {name: row_case_args(root / name, *case) for name, *case, _ in ROW_CASES}
+    launched = launch_together(root, args_of)
+    # The row cases fail after the config is printed and the model built, so a run in a shared
+    # launch prints both as one of its own would: the config cases' checks that neither is in
+    # their output are not empty.
+    for name, *_ in ROW_CASES:
+        output = output_of(launched[name].proc)
+        assert CONFIG_PRINTED in output and MODEL_BUILT in output, output[-4000:]
+    return launched
 
 
 # A dataset of the user's own that gives bad samples: only the sample checks apply.
@@ -437,25 +565,38 @@ def samples(tokenizer, problem, **kwargs):
 """
 
 
-@pytest.mark.parametrize(
-    ("problem", "expected"),
-    [
-        ("no_labels", "a sample must hold 'tokens' and 'labels', got tokens."),
-        ("length_mismatch", "3 tokens but 2 labels"),
-        ("negative_id", "token id -1 is negative"),
-    ],
-)
-def test_bad_sample_of_a_users_own_dataset(tmp_path, problem, expected):
-    (tmp_path / "own_dataset.py").write_text(OWN_DATASET)
+OWN_SAMPLE_PROBLEMS = [
+    ("no_labels", "a sample must hold 'tokens' and 'labels', got tokens."),
+    ("length_mismatch", "3 tokens but 2 labels"),
+    ("negative_id", "token id -1 is negative"),
+]
+
+
+@pytest.fixture(scope="module")
+def own_dataset_launch(tmp_path_factory) -> dict[str, Launched]:
+    """Each problem's run, launched together with ``own_dataset.py`` on ``PYTHONPATH`` (the
+    same module for all three; the other cases' launch keeps the plain path)."""
+    root = tmp_path_factory.mktemp("own_dataset")
+    (root / "own_dataset.py").write_text(OWN_DATASET)
+    args_of = {}
+    for problem, _ in OWN_SAMPLE_PROBLEMS:
+        out = root / problem / "out"
+        args = tiny_args(
+            out,
+            dataset___component_="own_dataset.samples",
+            shuffle=False,
+            batch_size=4,
+            max_steps_per_epoch=2,
+        )
+        args_of[problem] = [*args, f"dataset.problem={problem}"]
+    return launch_together(root, args_of, extra_env={"PYTHONPATH": str(root)})
+
+
+@pytest.mark.xdist_group("bad_input_own_dataset")
+@pytest.mark.parametrize(("problem", "expected"), OWN_SAMPLE_PROBLEMS)
+def test_bad_sample_of_a_users_own_dataset(own_dataset_launch, problem, expected):
+    proc, tmp_path = own_dataset_launch[problem]
     out = tmp_path / "out"
-    args = tiny_args(
-        out,
-        dataset___component_="own_dataset.samples",
-        shuffle=False,
-        batch_size=4,
-        max_steps_per_epoch=2,
-    )
-    proc = run_tune([*args, f"dataset.problem={problem}"], extra_env={"PYTHONPATH": str(tmp_path)})
     assert_fails_naming(
         proc, out, ["dataset row 3 (0-based) of dataset", expected], before_config=False
     )
