@@ -162,7 +162,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             precision=self._precision,
             device=self._device,
             settings=self._model_settings,
-            parallelism=Parallelism(dp_mesh=self._mesh["dp"], tp_mesh=None),
+            parallelism=Parallelism(dp_mesh=self._mesh["dp"]),
             notes=(self._attention_kernels, self._cpu_threads),
         )
         self._model, self._activations_handling_ctx = built.model, built.activations_ctx

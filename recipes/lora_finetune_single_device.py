@@ -36,7 +36,7 @@ from exactga.launch.cli import run_recipe
 from exactga.profiling import profiler_from_config
 from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
-from exactga.run.resume import checkpointer_source, start_run, validate_run_config
+from exactga.run.resume import start_run, validate_run_config
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime.kernels import choose_attention_kernels
@@ -140,12 +140,8 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         # order; see exactga.setup.model.
         built = build_model(
             cfg.model,
-            AdapterWeights(
-                lora=self._lora,
-                base_state=ckpt_dict[training.MODEL_KEY],
-                base_source=checkpointer_source(cfg.checkpointer),
-                adapters=resume.adapter_weights(ckpt_dict),
-                seed=self._progress.seed,
+            AdapterWeights.at_start(
+                self._lora, resume, ckpt_dict, cfg.checkpointer, self._progress.seed
             ),
             precision=self._precision,
             device=self._device,

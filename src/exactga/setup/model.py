@@ -27,6 +27,7 @@ from torchtune.modules import TiedLinear
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training.activations import apply_selective_activation_checkpointing
 
+from exactga.run.resume import ResumePoint, checkpointer_source
 from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
 from exactga.setup.lora import LoraSettings, load_lora_weights
@@ -86,6 +87,21 @@ class AdapterWeights:
     base_source: str
     adapters: dict[str, Any] | None
     seed: int
+
+    @classmethod
+    def at_start(
+        cls,
+        lora: LoraSettings,
+        resume: ResumePoint,
+        ckpt_dict: dict[str, Any],
+        cfg_checkpointer: DictConfig,
+        seed: int,
+    ) -> AdapterWeights:
+        """What a LoRA run loads at start-up: the checkpointer's base, and the adapters of the
+        step or epoch checkpoint it resumes from (``None`` on a fresh start)."""
+        base_source = checkpointer_source(cfg_checkpointer)
+        adapters = resume.adapter_weights(ckpt_dict)
+        return cls(lora, ckpt_dict[training.MODEL_KEY], base_source, adapters, seed)
 
 
 @dataclass(frozen=True)
