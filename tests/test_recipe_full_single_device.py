@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchtune
+from many_runs import launch_runs, run_of
 from omegaconf import OmegaConf
 from recipe_utils import (
     EMPTY_WINDOW_RUN,
@@ -56,10 +57,10 @@ OPTIMIZERS = {
 PARITY_TOLERANCE = 1e-5
 
 
-def _train(
+def _train_args(
     output_dir: Path, batch_size: int, ga: int, extra: list[str], **overrides: object
-) -> Path:
-    """Train PARITY_STEPS steps with this split; returns ``output_dir`` after checking success."""
+) -> list[str]:
+    """The ``tune run`` arguments of PARITY_STEPS steps with this split."""
     args = tiny_args(
         output_dir,
         batch_size=batch_size,
@@ -69,22 +70,63 @@ def _train(
         lr_scheduler__num_warmup_steps=0,
         **overrides,
     )
-    proc = run_tune(args + extra)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    return output_dir
+    return args + extra
 
 
+PARITY_CASES = [(opt, toi) for opt in OPTIMIZERS for toi in (True, False)]
+# The negative control's runs: the mean of micro-batch means, SGD, every first label kept.
+NAIVE_EXTRA = [
+    *OPTIMIZERS["sgd"],
+    "loss_normalization=naive",
+    "micro_batching=fixed",
+    "dataset.train_on_input=True",
+]
+NAIVE_SPLITS = [(8, 1), (1, 8)]
+
+
+def _case_id(optimizer: str, train_on_input: bool) -> str:
+    return f"{optimizer}-{'train_on_input' if train_on_input else 'masked_input'}"
+
+
+def _parity_runs(root: Path) -> None:
+    """Every split of every parity case and the negative control's two runs, one after another
+    in one launch (tests/many_runs.py: each still the recipe as ``tune run`` starts it)."""
+    runs = []
+    for optimizer, train_on_input in PARITY_CASES:
+        for bs, ga in SPLITS:
+            out = root / _case_id(optimizer, train_on_input) / f"{bs}x{ga}"
+            extra = OPTIMIZERS[optimizer]
+            args = _train_args(out, bs, ga, extra, dataset__train_on_input=train_on_input)
+            runs.append(run_of(args, out)[1])
+    for bs, ga in NAIVE_SPLITS:
+        out = root / "naive" / f"{bs}x{ga}"
+        runs.append(run_of(_train_args(out, bs, ga, NAIVE_EXTRA), out)[1])
+    launch_runs(runs, nproc=0)
+
+
+@pytest.fixture(scope="module")
+def parity_runs(run_once):
+    """``case id -> {(bs, ga): folder}``, every run checked to have succeeded."""
+    root = run_once("full_parity_runs", _parity_runs)
+
+    def get(case_id: str, splits=SPLITS) -> dict[tuple[int, int], Path]:
+        runs = {}
+        for bs, ga in splits:
+            out = root / case_id / f"{bs}x{ga}"
+            output = (out / "output.txt").read_text()
+            assert (out / "returncode").read_text() == "0", output[-4000:]
+            runs[(bs, ga)] = out
+        return runs
+
+    return get
+
+
+@pytest.mark.xdist_group("full_parity_runs")
 @pytest.mark.parametrize("train_on_input", [True, False], ids=["train_on_input", "masked_input"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_accumulation_splits_match_full_batch(tmp_path, optimizer, train_on_input):
+def test_accumulation_splits_match_full_batch(parity_runs, optimizer, train_on_input):
     """8x1, 1x8 and 2x4 train to the same weights (relative L2 <= 1e-5)."""
-    extra = OPTIMIZERS[optimizer]
-    runs = {
-        (bs, ga): _train(
-            tmp_path / f"{bs}x{ga}", bs, ga, extra, dataset__train_on_input=train_on_input
-        )
-        for bs, ga in SPLITS
-    }
+    runs = parity_runs(_case_id(optimizer, train_on_input))
     reference = runs[SPLITS[0]]
     w_init = load_weights(reference / INITIAL)
     w_ref = load_weights(reference / TRAINED)
@@ -107,17 +149,12 @@ def test_accumulation_splits_match_full_batch(tmp_path, optimizer, train_on_inpu
         assert rel <= PARITY_TOLERANCE, f"{bs}x{ga} differs from 8x1 by {rel:.3e}"
 
 
-def test_naive_normalization_breaks_parity(tmp_path):
+@pytest.mark.xdist_group("full_parity_runs")
+def test_naive_normalization_breaks_parity(parity_runs):
     """Negative control: the check above has teeth. The mean of micro-batch means (naive)
     weighs short sequences up, so 1x8 moves away from 8x1 by far more than the tolerance."""
-    extra = [
-        *OPTIMIZERS["sgd"],
-        "loss_normalization=naive",
-        "micro_batching=fixed",
-        "dataset.train_on_input=True",
-    ]
-    full = _train(tmp_path / "8x1", 8, 1, extra)
-    accumulated = _train(tmp_path / "1x8", 1, 8, extra)
+    runs = parity_runs("naive", NAIVE_SPLITS)
+    full, accumulated = runs[(8, 1)], runs[(1, 8)]
     rel = relative_l2(
         load_weights(accumulated / TRAINED),
         load_weights(full / TRAINED),
