@@ -28,6 +28,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from exactga.parity.scoring import ParityRun, RunSummary
 from exactga.runtime import distributed
 from exactga.setup.frozen import build_frozen_model
+from exactga.setup.model import init_rope
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -138,10 +139,7 @@ def build_sharded_model(
         reshard_after_forward=True,
         dp_mesh=dp_mesh,
     )
-    with training.set_default_dtype(precision.compute_dtype), device:
-        for module in model.modules():
-            if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
-                module.rope_init()
+    init_rope(model, precision.compute_dtype, device)  # not in the state dict
     training.load_from_full_model_state_dict(model, state, device, strict=True)
     training.validate_no_params_on_meta_device(model)
     return model

@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtune import config, training
 
+from exactga.setup.model import init_rope
+
 # Note [frozen forwards run under no_grad]
 # A frozen model's forward must build no autograd graph and keep no activations: its outputs
 # are only read by the trained model's loss. Both ``torch.no_grad()`` and
@@ -81,10 +83,7 @@ def build_frozen_model(
             reshard_after_forward=reshard_after_forward,
             dp_mesh=dp_mesh,
         )
-    with training.set_default_dtype(dtype), device:
-        for module in model.modules():
-            if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
-                module.rope_init()
+    init_rope(model, dtype, device)  # not in the state dict
     training.load_from_full_model_state_dict(
         model, state_dict, device, strict=True, cpu_offload=cpu_offload
     )

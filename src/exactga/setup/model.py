@@ -151,7 +151,7 @@ def build_model(
     _checkpoint_activations(model, settings)
     if parallelism is not None:
         _shard(model, precision, settings, parallelism.dp_mesh, lora=lora)
-        _init_rope(model, precision.compute_dtype, device)
+        init_rope(model, precision.compute_dtype, device)
     _load(model, weights, precision, device, settings, sharded=parallelism is not None)
     if parallelism is not None:
         training.validate_no_params_on_meta_device(model)
@@ -221,7 +221,8 @@ def _shard(
     )
 
 
-def _init_rope(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def init_rope(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """RoPE buffers of a model built on the meta device, made on ``device`` in ``dtype``."""
     with training.set_default_dtype(dtype), device:
         for module in model.modules():
             if hasattr(module, "rope_init"):  # RoPE buffers are not in the state dict
