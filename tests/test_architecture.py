@@ -159,8 +159,9 @@ ALLOWED_IMPORTS = {
     "data": {"config", "runtime"},
     "accumulation": {"config", "runtime", "data"},
     "run": {"config", "runtime", "data", "accumulation"},
-    "setup": {"config", "runtime", "accumulation", "run"},
-    "models": {"config", "runtime", "setup"},
+    # Model families sit below setup: setup builds them, converts their weights, seeds them.
+    "models": {"config", "runtime"},
+    "setup": {"config", "runtime", "accumulation", "run", "models"},
     **{
         family: {"config", "runtime", "data", "accumulation", "setup", "models"}
         for family in FAMILIES

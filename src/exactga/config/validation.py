@@ -290,6 +290,7 @@ def _check_checkpointer_files(section: DictConfig, resuming: bool) -> None:
     On a resume from torchtune's epoch checkpoint the weights come from ``output_dir`` instead,
     as torchtune decides; only the folder is checked then.
     """
+    _check_model_type_is_readable(section)
     component = str(section.get("_component_", "")).rsplit(".", 1)[-1]
     if component == "initialized_hf_checkpointer":
         _check_written_initial_weights(section)
@@ -349,6 +350,23 @@ def _check_checkpointer_files(section: DictConfig, resuming: bool) -> None:
             f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''} in "
             f"checkpointer.checkpoint_dir '{checkpoint_dir}'{_relative_to(checkpoint_dir)}; it "
             f"holds {shown or 'nothing'}."
+        )
+
+
+# The model types exactga's checkpointer adds (exactga.models.hf_format.FORMATS; a test keeps the
+# two lists equal): torchtune 0.6.1's own checkpointers fail on them with a bare KeyError.
+EXACTGA_MODEL_TYPES = ("QWEN3", "GEMMA3")
+
+
+def _check_model_type_is_readable(section: DictConfig) -> None:
+    component = str(section.get("_component_", ""))
+    model_type = section.get("model_type")
+    if component.startswith("torchtune.") and model_type in EXACTGA_MODEL_TYPES:
+        raise ValueError(
+            f"config key 'checkpointer.model_type'={model_type!r}: torchtune 0.6.1's "
+            f"{component.rsplit('.', 1)[-1]} has no such model type. Set "
+            "checkpointer._component_ to exactga.models.checkpointer.FullModelHFCheckpointer "
+            "(the same arguments), which reads and writes it."
         )
 
 

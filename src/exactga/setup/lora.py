@@ -250,7 +250,8 @@ def save_epoch_checkpoint(
         adapter_only=adapter_only,
     )
     epoch_dir = Path(checkpointer._output_dir) / f"epoch_{epoch}"
-    if use_dora:
+    # An exactga family's format writes PEFT's order itself; torchtune's permutes lora_B only.
+    if use_dora and getattr(checkpointer, "hf_format", None) is None:
         _put_peft_magnitudes_in_hf_order(epoch_dir, getattr(checkpointer, "_config", None))
     move_peft_adapter_to_own_folder(epoch_dir, base_model_of(checkpointer))
 

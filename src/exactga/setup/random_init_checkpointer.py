@@ -12,6 +12,7 @@ is ever downloaded.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import tempfile
@@ -23,13 +24,16 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 from torchtune import config
 from torchtune.models import convert_weights
-from torchtune.training import FullModelHFCheckpointer
+
+from exactga.models.checkpointer import FullModelHFCheckpointer
+from exactga.models.hf_format import hf_format
 
 
 def initialized_hf_checkpointer(
     *, model: DictConfig | dict[str, Any], init_seed: int = 0, **checkpointer_kwargs: Any
 ) -> FullModelHFCheckpointer:
-    """A ``FullModelHFCheckpointer`` whose ``checkpoint_dir`` is created from ``model`` if empty.
+    """A ``FullModelHFCheckpointer`` whose ``checkpoint_dir`` is created from ``model`` if empty
+    (exactga's, so that the families torchtune 0.6.1 lacks are written and read too).
 
     Args:
         model: the recipe's model section (``model: ${model}`` in the config).
@@ -67,10 +71,11 @@ def write_initial_checkpoint(
     written in the layout its loader converts from (Phi-3's fused projections, Qwen2's tied
     output, ...), so any family of torchtune's builders round-trips.
     """
-    if model_type not in _HF_ARCHITECTURES:
+    family_format = hf_format(model_type)
+    if model_type not in _HF_ARCHITECTURES and family_format is None:
         raise ValueError(
             f"config key 'checkpointer.model_type'={model_type!r}: the initial checkpoint can be "
-            f"written for {', '.join(_HF_ARCHITECTURES)} only."
+            f"written for {', '.join(_HF_ARCHITECTURES)}, QWEN3 and GEMMA3 only."
         )
     if "lora_rank" in model_cfg:
         raise ValueError(
@@ -83,12 +88,28 @@ def write_initial_checkpoint(
         with torch.device("cpu"):
             model = config.instantiate(model_cfg)
         _init_like_pretraining(model)
-    hf_config = _hf_config(model_cfg, model, model_type)
-    state_dict = _tune_to_hf(model.state_dict(), hf_config, model_type)
+    if family_format is not None:  # an exactga family describes its own format
+        hf_config = family_format.hf_config(_builder_arguments(model_cfg))
+        state_dict = family_format.tune_to_hf(model.state_dict(), hf_config)
+    else:
+        hf_config = _hf_config(model_cfg, model, model_type)
+        state_dict = _tune_to_hf(model.state_dict(), hf_config, model_type)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     weights = {key: value.contiguous() for key, value in state_dict.items()}
     _atomic_write(checkpoint_dir / "config.json", lambda p: p.write_text(json.dumps(hf_config)))
     _atomic_write(checkpoint_dir / file_name, lambda p: save_file(weights, str(p)))
+
+
+def _builder_arguments(model_cfg: DictConfig) -> dict[str, Any]:
+    """Every argument the model section's builder is called with, its defaults included: the
+    ``config.json`` must describe the model built, not only the keys the config spells out."""
+    from torchtune.config._utils import _get_component_from_path
+
+    kwargs = OmegaConf.to_container(model_cfg, resolve=True)
+    builder = _get_component_from_path(kwargs.pop("_component_"))
+    bound = inspect.signature(builder).bind(**kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _init_like_pretraining(model: torch.nn.Module, std: float = 0.02) -> None:

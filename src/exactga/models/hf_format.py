@@ -1,0 +1,62 @@
+"""How a model family's weights are named and laid out in Hugging Face's files, both ways.
+
+torchtune 0.6.1's ``FullModelHFCheckpointer`` picks its conversion with a fixed ``ModelType``
+enum, which has no member for the families exactga adds. Each family package here describes its
+format once (an :class:`HFFormat`), and :mod:`exactga.models.checkpointer` and the seeded initial
+checkpoint (``exactga.setup.random_init_checkpointer``) look it up by the checkpointer's
+``model_type`` name, so reading, writing and the first checkpoint of a tiny test model can never
+disagree on a key.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+StateDict = dict[str, torch.Tensor]
+# (state dict, the checkpoint's config.json as a dict) -> converted state dict
+Conversion = Callable[[StateDict, Mapping[str, Any]], StateDict]
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """One family's Hugging Face format.
+
+    Args:
+        architecture: ``config.json``'s ``architectures[0]``, e.g. ``"Qwen3ForCausalLM"``.
+        hf_model_type: ``config.json``'s ``model_type``, e.g. ``"qwen3"``.
+        hf_to_tune: HF names and layout to torchtune's (what ``model.load_state_dict`` takes).
+        tune_to_hf: the inverse, for saving; ``hf_to_tune(tune_to_hf(sd, c), c)`` equals ``sd``.
+        adapter_to_peft: a LoRA adapter state dict (torchtune's keys) to PEFT's keys and
+            layout, so ``PeftModel.from_pretrained`` loads the saved adapter.
+        hf_config: the keyword arguments of the family's component builder to the
+            ``config.json`` fields a model built with them has (for seeded test checkpoints).
+    """
+
+    architecture: str
+    hf_model_type: str
+    hf_to_tune: Conversion
+    tune_to_hf: Conversion
+    adapter_to_peft: Conversion
+    hf_config: Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+# checkpointer.model_type -> "module:attribute" of its HFFormat; imported on first use so that
+# naming a checkpointer loads only the family it converts.
+FORMATS = {
+    "QWEN3": "exactga.models.qwen3._convert_weights:QWEN3_FORMAT",
+    "GEMMA3": "exactga.models.gemma3._convert_weights:GEMMA3_FORMAT",
+}
+
+
+def hf_format(model_type: str) -> HFFormat | None:
+    """The format of ``model_type`` if exactga adds that family, else ``None`` (a stock type)."""
+    where = FORMATS.get(model_type)
+    if where is None:
+        return None
+    module, attribute = where.split(":")
+    return getattr(importlib.import_module(module), attribute)
