@@ -250,10 +250,49 @@ def save_epoch_checkpoint(
         adapter_only=adapter_only,
     )
     epoch_dir = Path(checkpointer._output_dir) / f"epoch_{epoch}"
-    # An exactga family's format writes PEFT's order itself; torchtune's permutes lora_B only.
-    if use_dora and getattr(checkpointer, "hf_format", None) is None:
-        _put_peft_magnitudes_in_hf_order(epoch_dir, getattr(checkpointer, "_config", None))
+    # An exactga family's format writes PEFT's order itself; only torchtune's file is fixed.
+    if getattr(checkpointer, "hf_format", None) is None:
+        hf_config = getattr(checkpointer, "_config", None)
+        if _rotates_halves(checkpointer):  # see [Qwen2 adapters in PEFT]
+            _rewrite_peft_adapter(epoch_dir, hf_config, peft_lora_b_unpermuted)
+        elif use_dora:
+            _rewrite_peft_adapter(epoch_dir, hf_config, peft_magnitudes_in_hf_order)
     move_peft_adapter_to_own_folder(epoch_dir, base_model_of(checkpointer))
+
+
+# Note [Qwen2 adapters in PEFT]
+# torchtune 0.6.1's HF checkpointer writes every model type's PEFT adapter (but Phi's and the
+# vision model's) with ``tune_to_peft_adapter_weights``, which permutes the rows of q_proj's and
+# k_proj's ``lora_B`` from torchtune's interleaved rotary order into Hugging Face's halves. Qwen2
+# has no such permutation: torchtune builds it with the halves' rotary embedding and converts its
+# base weights unpermuted. So a stock Qwen2/2.5 adapter loads in PEFT with those rows scrambled
+# (tests/test_qwen2_peft_adapter.py: PEFT's logits 0.87 off the trained LoRA model's, 0.025 for
+# DoRA, relative L2; under 1e-5 once fixed). The file torchtune wrote is put back in the base
+# weights' order here; its DoRA magnitudes were never permuted, so they stay as they are.
+_HALVES_MODEL_TYPES = ("QWEN2",)
+
+
+def _rotates_halves(checkpointer: Any) -> bool:
+    """torchtune's checkpointer, for a model whose q/k rows are in Hugging Face's order."""
+    model_type = getattr(checkpointer, "_model_type", None)
+    return getattr(model_type, "name", None) in _HALVES_MODEL_TYPES
+
+
+def peft_lora_b_unpermuted(
+    weights: Mapping[str, torch.Tensor], *, num_heads: int, num_kv_heads: int, head_dim: int
+) -> dict[str, torch.Tensor]:
+    """``weights``, a PEFT adapter as ``tune_to_peft_adapter_weights`` returns it, with the
+    permutation that function applied to q_proj's and k_proj's ``lora_B`` rows undone. See
+    [Qwen2 adapters in PEFT]."""
+    heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
+    restored = dict(weights)
+    for key, value in weights.items():
+        projection = key.removesuffix(".lora_B.weight").rsplit(".", 1)[-1]
+        if key.endswith(".lora_B.weight") and projection in heads:
+            n, rank = heads[projection], value.shape[-1]
+            # torchtune's (n, head_dim/2, 2) -> (n, 2, head_dim/2), read backwards.
+            restored[key] = value.view(n, 2, head_dim // 2, rank).transpose(1, 2).reshape(-1, rank)
+    return restored
 
 
 def peft_magnitudes_in_hf_order(
@@ -274,10 +313,15 @@ def peft_magnitudes_in_hf_order(
     return permuted
 
 
-def _put_peft_magnitudes_in_hf_order(epoch_dir: Path, hf_config: Mapping[str, Any] | None) -> None:
+def _rewrite_peft_adapter(
+    epoch_dir: Path,
+    hf_config: Mapping[str, Any] | None,
+    fix: Callable[..., dict[str, torch.Tensor]],
+) -> None:
     """Rewrite the PEFT adapter file torchtune wrote into ``epoch_dir`` (if it wrote one: only
-    its HF checkpointer does) with :func:`peft_magnitudes_in_hf_order`, reading the head counts
-    from the same Hugging Face ``config.json`` values torchtune used for ``lora_B``."""
+    its HF checkpointer does) with ``fix`` (:func:`peft_magnitudes_in_hf_order` or
+    :func:`peft_lora_b_unpermuted`), reading the head counts from the same Hugging Face
+    ``config.json`` values torchtune used for ``lora_B``."""
     safetensors_path = epoch_dir / "adapter_model.safetensors"
     bin_path = epoch_dir / "adapter_model.bin"
     if hf_config is None or not (safetensors_path.is_file() or bin_path.is_file()):
@@ -291,14 +335,14 @@ def _put_peft_magnitudes_in_hf_order(epoch_dir: Path, hf_config: Mapping[str, An
     }
     # Written beside and renamed over, so the file is torchtune's or the fixed one, never half.
     if safetensors_path.is_file():
-        fixed = peft_magnitudes_in_hf_order(load_file(safetensors_path), **heads)
+        fixed = fix(load_file(safetensors_path), **heads)
         staging = safetensors_path.with_name(f".{safetensors_path.name}.tmp")
         save_file(fixed, staging, metadata={"format": "pt"})  # torchtune's metadata
         os.replace(staging, safetensors_path)
     else:
         weights = torch.load(bin_path, map_location="cpu", weights_only=True)
         staging = bin_path.with_name(f".{bin_path.name}.tmp")
-        torch.save(peft_magnitudes_in_hf_order(weights, **heads), staging)
+        torch.save(fix(weights, **heads), staging)
         os.replace(staging, bin_path)
 
 
