@@ -163,3 +163,74 @@ def test_an_interrupted_save_leaves_the_previous_file_and_no_partial_one(
         ckpt.save_checkpoint({training.MODEL_KEY: changed}, epoch=0)
     assert {p.name: p.read_bytes() for p in epoch.glob("model-*.safetensors")} == before
     assert not [p for p in epoch.iterdir() if p.name.startswith(".")]
+
+
+GEMMA3_TEXT = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 8,
+}
+TINY_VISION = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
+
+
+def test_a_multimodal_gemma3_release_saves_its_text_decoder_for_transformers(tmp_path):
+    """Gemma 3 4B and up ship as ``Gemma3ForConditionalGeneration``: the text decoder is read
+    out of it, trained, and written as a ``Gemma3ForCausalLM`` folder (its config, its keys,
+    in files of its own) that transformers loads as the same decoder."""
+    from exactga.models.gemma3 import gemma3
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(
+        text_config=GEMMA3_TEXT, vision_config=TINY_VISION, mm_tokens_per_image=4
+    )
+    multimodal = transformers.Gemma3ForConditionalGeneration(config).eval()
+    multimodal.save_pretrained(tmp_path / "hf")
+    ckpt = FullModelHFCheckpointer(
+        checkpoint_dir=str(tmp_path / "hf"),
+        checkpoint_files=["model.safetensors"],
+        model_type="GEMMA3",
+        output_dir=str(tmp_path / "out"),
+    )
+    ours = gemma3(
+        vocab_size=128,
+        num_layers=2,
+        num_heads=4,
+        head_dim=8,
+        num_kv_heads=2,
+        embed_dim=32,
+        intermediate_dim=64,
+        max_seq_len=64,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=8,
+    ).eval()
+    ours.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY], strict=True)
+    tokens = torch.randint(0, 100, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = multimodal(input_ids=tokens).logits
+    assert _rel(_logits(ours, tokens), expected) < 1e-5
+
+    ckpt.save_checkpoint({training.MODEL_KEY: ours.state_dict()}, epoch=0)
+    epoch = tmp_path / "out" / "epoch_0"
+    saved = json.loads((epoch / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma3ForCausalLM"]
+    index = json.loads((epoch / "model.safetensors.index.json").read_text())
+    assert not [k for k in index["weight_map"] if "vision" in k or "language_model" in k]
+    text_only = transformers.AutoModelForCausalLM.from_pretrained(epoch).eval()
+    assert type(text_only).__name__ == "Gemma3ForCausalLM"
+    assert _rel(_logits(text_only, tokens), expected) < 1e-5

@@ -18,20 +18,19 @@ back from transformers' own tokens.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizer_files import write_gemma3_folder, write_qwen3_folder
 from torchtune.data import Message
 from torchtune.datasets import alpaca_dataset, chat_dataset, preference_dataset
 
 from exactga.models.gemma3._tokenizer import Gemma3Tokenizer, gemma3_tokenizer
 from exactga.models.qwen3._tokenizer import (
     QWEN3_SPECIAL_TOKENS,
-    QWEN3_TEXT_MARKER_TOKENS,
     Qwen3Tokenizer,
     qwen3_tokenizer,
     render_qwen3_turns,
@@ -42,17 +41,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 sentencepiece = pytest.importorskip("sentencepiece")
 
-ASSETS = Path(__file__).parent / "assets" / "tokenizers"
 IGNORE = -100  # torchtune's CROSS_ENTROPY_IGNORE_IDX
-
-# Training text for the tiny tokenizers: the chat words, so they get merges, and unicode.
-CORPUS = (
-    "system user assistant model You are a helpful assistant. What is six times seven? "
-    "Six sevens are forty-two, so the answer is 42. Let me think step by step. "
-    "The quick brown fox jumps over the lazy dog; what does the fox say?\n"
-    "Grüße aus Köln, naïve café, déjà vu. 你好，世界。 こんにちは 🙂👍 \t tabs\n\n"
-    "Instruction: Answer the question. Input: the weather in Paris. Output: sunny.\n"
-) * 30
 
 # Plain texts for encode: unicode (decomposed too), emoji, digits, whitespace runs, and
 # special tokens written in the text.
@@ -137,75 +126,6 @@ def expected_mask(ids: Sequence[int], hf_tokenizer: Any, turn_start: str) -> lis
 
 # ---------------------------------------------------------------------------------------------
 # Qwen3
-
-
-def qwen3_added_tokens() -> dict[int, dict[str, Any]]:
-    """Qwen3's ``added_tokens_decoder``: ids 151643-151668, the first 14 special, the text
-    markers (tool calls, fill-in-the-middle, tool responses, thinking) not."""
-    return {
-        token_id: {
-            "content": content,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": content not in QWEN3_TEXT_MARKER_TOKENS,
-        }
-        for content, token_id in QWEN3_SPECIAL_TOKENS.items()
-    }
-
-
-def train_byte_level_bpe(text: str) -> Any:
-    """A byte-level BPE with Qwen2/Qwen3's normalizer, pre-tokenizer and decoder."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers.trainers import BpeTrainer
-    from torchtune.models.qwen2._tokenizer import PRETOKENIZE_REGEX
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(
-        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tokenizer.train_from_iterator(text.splitlines(), trainer)
-    return tokenizer
-
-
-def write_qwen3_folder(folder: Path) -> Path:
-    """Qwen3's tokenizer files for a tiny BPE: vocab.json and merges.txt (what our tokenizer
-    reads), tokenizer.json and tokenizer_config.json (what transformers reads)."""
-    bpe = train_byte_level_bpe(CORPUS)
-    bpe.model.save(str(folder))  # vocab.json, merges.txt
-    added = qwen3_added_tokens()
-    spec = json.loads(bpe.to_str())
-    # tokenizers numbers an added token missing from the model's vocab after the vocab (here
-    # ~600), so the added tokens also go into tokenizer.json's vocab to keep Qwen3's ids.
-    spec["model"]["vocab"].update({entry["content"]: i for i, entry in added.items()})
-    spec["added_tokens"] = [{"id": i, **entry} for i, entry in added.items()]
-    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-    config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {str(i): entry for i, entry in added.items()},
-        "bos_token": None,
-        "chat_template": (ASSETS / "qwen3_chat_template.jinja").read_text(),
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 131072,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -385,86 +305,6 @@ def test_split_thinking_is_the_chat_templates_split() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Gemma 3
-
-# Gemma 3's first pieces: the meta pieces, then <mask>, [multimodal], 99 unused, the turn
-# tokens at 105 and 106, and newline runs from 107.
-GEMMA3_PIECES = [
-    "<mask>",
-    "[multimodal]",
-    *(f"<unused{i}>" for i in range(99)),
-    "<start_of_turn>",
-    "<end_of_turn>",
-    "\n",
-    "\n\n",
-    "\n\n\n",
-]
-
-
-def train_sentencepiece_bpe(text: str) -> bytes:
-    """A SentencePiece BPE set up as Gemma's: byte fallback, digits split, whitespace kept
-    as written (no normalisation, no dummy prefix), Gemma 3's ids for its special pieces."""
-    import sentencepiece as spm
-
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(text.split("\n\n")),
-        model_writer=model,
-        model_type="bpe",
-        vocab_size=800,
-        hard_vocab_limit=False,
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        pad_piece="<pad>",
-        eos_piece="<eos>",
-        bos_piece="<bos>",
-        unk_piece="<unk>",
-        user_defined_symbols=GEMMA3_PIECES,
-        byte_fallback=True,
-        split_digits=True,
-        add_dummy_prefix=False,
-        remove_extra_whitespaces=False,
-        normalization_rule_name="identity",
-        allow_whitespace_only_pieces=True,
-        character_coverage=1.0,
-        minloglevel=2,
-    )
-    return model.getvalue()
-
-
-def write_gemma3_folder(folder: Path) -> Path:
-    """Gemma 3's tokenizer files for a tiny model: tokenizer.model and tokenizer_config.json
-    (transformers converts the SentencePiece model to its own BPE when it loads the folder)."""
-    (folder / "tokenizer.model").write_bytes(train_sentencepiece_bpe(CORPUS))
-    special = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>"}
-    special |= {105: "<start_of_turn>", 106: "<end_of_turn>"}
-    config = {
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "added_tokens_decoder": {
-            str(i): {
-                "content": content,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, content in special.items()
-        },
-        "bos_token": "<bos>",
-        "chat_template": (ASSETS / "gemma3_chat_template.jinja").read_text(),
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<eos>",
-        "pad_token": "<pad>",
-        "unk_token": "<unk>",
-        "mask_token": "<mask>",
-        "spaces_between_special_tokens": False,
-        "tokenizer_class": "GemmaTokenizer",
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -112,6 +112,11 @@ class FullModelHFCheckpointer(_TorchtuneHFCheckpointer):
         # The model folder's other files (config.json, tokenizer, ...): the epoch folder is a
         # model folder transformers can load.
         copy_files(self._checkpoint_dir, epoch_dir, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
+        saved_config = self.hf_format.saved_config(self._config)
+        if not adapter_only and saved_config != self._config:  # the weights are another model's
+            config_path = epoch_dir / "config.json"
+            text = json.dumps(saved_config, indent=2)
+            _write_atomically(config_path, lambda tmp: tmp.write_text(text))
         if intermediate_checkpoint:
             recipe_state = {
                 key: value
@@ -144,36 +149,39 @@ class FullModelHFCheckpointer(_TorchtuneHFCheckpointer):
         return merged
 
     def _write_model_shards(self, tune_weights: dict[str, torch.Tensor], epoch_dir: Path) -> None:
-        """The weights in HF's names, split into the files they were read from, and the index
-        naming the file of each key."""
-        hf_weights = self.hf_format.tune_to_hf(tune_weights, self._config)
-        shards: dict[str, dict[str, torch.Tensor]] = {}
-        total_size = 0
-        for key, weight in hf_weights.items():
-            if key not in self._weight_map:
-                raise ValueError(
-                    f"weight '{key}' is in no file of checkpointer.checkpoint_dir "
-                    f"'{self._checkpoint_dir}': the model built does not match the checkpoint "
-                    "read (e.g. tied against untied embeddings)."
-                )
-            shards.setdefault(self._weight_map[key], {})[key] = weight
-            total_size += weight.numel() * weight.element_size()
+        """The weights in HF's names, in the files they were read from (or, when the keys are
+        not those read, e.g. a multimodal release's text decoder, in files of at most
+        ``MAX_SHARD_BYTES``), the index naming the file of each key, and the config of what was
+        written."""
+        saved_config = self.hf_format.saved_config(self._config)
+        hf_weights = self.hf_format.tune_to_hf(tune_weights, saved_config)
+        shard_of = self._shards_as_read(hf_weights) or _shards_by_size(hf_weights)
         suffix = ".safetensors" if self._safe_serialization else ".bin"
+        count = f"{len(set(shard_of.values()))}".zfill(5)
         file_of_shard = {
-            index: SHARD_FNAME.format(cpt_idx=index.zfill(5), num_shards=f"{len(shards)}".zfill(5))
-            + suffix
-            for index in shards
+            index: SHARD_FNAME.format(cpt_idx=index.zfill(5), num_shards=count) + suffix
+            for index in set(shard_of.values())
         }
+        shards: dict[str, dict[str, torch.Tensor]] = {}
+        for key, weight in hf_weights.items():
+            shards.setdefault(shard_of[key], {})[key] = weight
         for index, weights in shards.items():
             _write_weights(epoch_dir / file_of_shard[index], weights, self._safe_serialization)
         index_name = SAFETENSOR_INDEX_FNAME if self._safe_serialization else TORCH_INDEX_FNAME
+        total_size = sum(w.numel() * w.element_size() for w in hf_weights.values())
         index = {
             "metadata": {"total_size": total_size},
-            "weight_map": {key: file_of_shard[i] for key, i in self._weight_map.items()},
+            "weight_map": {key: file_of_shard[i] for key, i in shard_of.items()},
         }
         _write_atomically(
             epoch_dir / index_name, lambda tmp: tmp.write_text(json.dumps(index, indent=2))
         )
+
+    def _shards_as_read(self, hf_weights: dict[str, torch.Tensor]) -> dict[str, str] | None:
+        """Each key's file as it was read (torchtune's layout), if the keys are those read."""
+        if set(hf_weights) != set(self._weight_map):
+            return None
+        return dict(self._weight_map)
 
     def _write_adapter(self, adapter: dict[str, torch.Tensor], epoch_dir: Path) -> None:
         """torchtune's adapter file (what a resume reads) and PEFT's (what users load)."""
@@ -183,6 +191,23 @@ class FullModelHFCheckpointer(_TorchtuneHFCheckpointer):
         suffix = ".safetensors" if self._safe_serialization else ".bin"
         peft_path = (epoch_dir / ADAPTER_MODEL_FNAME).with_suffix(suffix)
         _write_weights(peft_path, peft_weights, self._safe_serialization)
+
+
+# The largest file a save writes when it cannot keep the files it read (transformers' default).
+MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def _shards_by_size(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each key's file ("0001", "0002", ...): keys in order, a new file when the current one
+    would pass ``MAX_SHARD_BYTES``."""
+    shard_of, index, size = {}, 1, 0
+    for key, weight in weights.items():
+        nbytes = weight.numel() * weight.element_size()
+        if size and size + nbytes > MAX_SHARD_BYTES:
+            index, size = index + 1, 0
+        shard_of[key] = f"{index:04}"
+        size += nbytes
+    return shard_of
 
 
 def _write_weights(path: Path, weights: dict[str, torch.Tensor], safetensors: bool) -> None:

@@ -35,6 +35,9 @@ class HFFormat:
             layout, so ``PeftModel.from_pretrained`` loads the saved adapter.
         hf_config: the keyword arguments of the family's component builder to the
             ``config.json`` fields a model built with them has (for seeded test checkpoints).
+        saved_config: the ``config.json`` of the weights a save writes, from the one read: the
+            same for most families; a multimodal release's text config when only its text
+            decoder is trained (Gemma 3 4B and up).
     """
 
     architecture: str
@@ -43,6 +46,7 @@ class HFFormat:
     tune_to_hf: Conversion
     adapter_to_peft: Conversion
     hf_config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    saved_config: Callable[[Mapping[str, Any]], dict[str, Any]] = dict
 
 
 # checkpointer.model_type -> "module:attribute" of its HFFormat; imported on first use so that

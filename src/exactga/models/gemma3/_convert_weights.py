@@ -262,6 +262,22 @@ def gemma3_hf_config(builder_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return config
 
 
+def gemma3_saved_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` of the text decoder a save writes: a multimodal release's
+    (``Gemma3ForConditionalGeneration``: 4B, 12B, 27B) ``text_config`` as a
+    ``Gemma3ForCausalLM``'s, whose missing fields transformers fills with the same defaults it
+    gives the nested config; a text-only config as it is."""
+    if "text_config" not in config:
+        return dict(config)
+    text = dict(config["text_config"])
+    text["architectures"] = [ARCHITECTURE]
+    text["model_type"] = HF_MODEL_TYPE
+    for key in ("torch_dtype", "dtype", "transformers_version"):
+        if key in config and key not in text:
+            text[key] = config[key]
+    return text
+
+
 GEMMA3_FORMAT = HFFormat(
     architecture=ARCHITECTURE,
     hf_model_type=HF_MODEL_TYPE,
@@ -269,4 +285,5 @@ GEMMA3_FORMAT = HFFormat(
     tune_to_hf=gemma3_tune_to_hf,
     adapter_to_peft=gemma3_adapter_to_peft,
     hf_config=gemma3_hf_config,
+    saved_config=gemma3_saved_config,
 )

@@ -1,0 +1,351 @@
+"""Qwen3 and Gemma 3 fine-tuned through ``tune run``: exact splits, outputs transformers and PEFT
+load as the fine-tuned model (issue #41).
+
+For each family a tiny random model made with transformers' own class (``save_pretrained``; Qwen3
+tied as its small releases are, Gemma 3 with a local and a global layer and a window shorter than
+the rows) is read through exactga's checkpointer (``model_type: QWEN3`` / ``GEMMA3``) and trained
+with the family's own tokenizer (tiny files laid out as the release's, tests/tokenizer_files.py)
+on the bundled instruction data, full and LoRA, on one device and on 2 gloo ranks:
+
+- split invariance at the fp32 floor: 2x4 on one device lands where 8x1 does; 2 ranks (4x1 and
+  2x2 per rank) land where the same recipe on one rank does (8x1);
+- every output folder loads back as the fine-tuned model, within 1e-4 (relative L2 of the logits):
+  ``AutoModelForCausalLM.from_pretrained(epoch_0)`` and, for LoRA, ``PeftModel.from_pretrained(
+  base, epoch_0/adapter)`` against our builder with the run's weights.
+
+Launches: two (tests/many_runs.py): the one-device and one-rank runs, then the 2-rank runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from many_runs import launch_runs, run_of
+from omegaconf import OmegaConf
+from recipe_utils import REPO_ROOT
+from safetensors.torch import load_file
+from tokenizer_files import write_gemma3_folder, write_qwen3_folder
+from torchtune import config, training
+
+from exactga.models.checkpointer import FullModelHFCheckpointer
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+PARITY_TOLERANCE = 1e-5  # relative L2 of the weight difference over the update, fp32
+LOAD_BOUND = 1e-4  # relative L2 of the logits
+MIN_EFFECT = 1e-2  # fine-tuning moves the logits at least this much, relative
+LORA = {
+    "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"],
+    "apply_lora_to_mlp": True,
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.0,
+}
+
+# family -> (transformers class and config, our builder's arguments, tokenizer section,
+# checkpointer model_type)
+QWEN3_VOCAB = 151_936  # the tiny tokenizer keeps Qwen3's special-token ids (151643-151668)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": {
+        "hf_class": "Qwen3ForCausalLM",
+        "hf_config_class": "Qwen3Config",
+        "hf_config": {
+            "vocab_size": QWEN3_VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,  # not hidden / heads, as in the releases
+            "max_position_embeddings": 512,
+            "rope_theta": 1_000_000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+        "builder": "exactga.models.qwen3.qwen3",
+        "model": {
+            "vocab_size": QWEN3_VOCAB,
+            "embed_dim": 64,
+            "intermediate_dim": 128,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 32,
+            "max_seq_len": 512,
+            "rope_base": 1_000_000.0,
+            "norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+        "tokenizer": lambda folder: {
+            "_component_": "exactga.models.qwen3.qwen3_tokenizer",
+            "path": str(folder / "vocab.json"),
+            "merges_file": str(folder / "merges.txt"),
+            "max_seq_len": 256,
+        },
+        "write_tokenizer": write_qwen3_folder,
+        "model_type": "QWEN3",
+    },
+    "gemma3": {
+        "hf_class": "Gemma3ForCausalLM",
+        "hf_config_class": "Gemma3TextConfig",
+        "hf_config": {
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 512,
+            "sliding_window": 16,  # shorter than the rows: the window matters
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 16,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+            "rms_norm_eps": 1e-6,
+        },
+        "builder": "exactga.models.gemma3.gemma3",
+        "model": {
+            "vocab_size": 1024,
+            "embed_dim": 64,
+            "intermediate_dim": 128,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 16,
+            "max_seq_len": 512,
+            "sliding_window": 16,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 16,
+            "rope_base": 1_000_000.0,
+            "local_rope_base": 10_000.0,
+            "norm_eps": 1e-6,
+        },
+        "tokenizer": lambda folder: {
+            "_component_": "exactga.models.gemma3.gemma3_tokenizer",
+            "path": str(folder / "tokenizer.model"),
+            "max_seq_len": 256,
+        },
+        "write_tokenizer": write_gemma3_folder,
+        "model_type": "GEMMA3",
+    },
+}
+
+# kind -> (recipe, tiny config it starts from, trains adapters)
+KINDS = {
+    "full": ("full_finetune_single_device", "full_single_device", False),
+    "full_distributed": ("full_finetune_distributed", "full_distributed", False),
+    "lora": ("lora_finetune_single_device", "lora_single_device", True),
+    "lora_distributed": ("lora_finetune_distributed", "lora_distributed", True),
+}
+# (kind, ranks, batch_size, gradient_accumulation_steps): 8 sequences a step in every split.
+ONE_PROCESS = [
+    ("full", 1, 8, 1),
+    ("full", 1, 2, 4),
+    ("full_distributed", 1, 8, 1),
+    ("lora", 1, 8, 1),
+    ("lora", 1, 2, 4),
+    ("lora_distributed", 1, 8, 1),
+]
+TWO_RANKS = [("full_distributed", 2, 4, 1), ("lora_distributed", 2, 2, 2)]
+# split -> the split it must land on
+PARITY = {
+    ("full", 1, 2, 4): ("full", 1, 8, 1),
+    ("full_distributed", 2, 4, 1): ("full_distributed", 1, 8, 1),
+    ("lora", 1, 2, 4): ("lora", 1, 8, 1),
+    ("lora_distributed", 2, 2, 2): ("lora_distributed", 1, 8, 1),
+}
+OUTPUTS = [("full", 1, 8, 1), ("full_distributed", 2, 4, 1), ("lora", 1, 8, 1)]
+OUTPUTS += [("lora_distributed", 2, 2, 2)]
+
+
+def _split_id(split: tuple[str, int, int, int]) -> str:
+    kind, ranks, bs, ga = split
+    return f"{kind}-{ranks}rank-{bs}x{ga}"
+
+
+def _write_hf_base(family: str, folder: Path) -> Path:
+    """A seeded tiny model of ``family`` as transformers writes it."""
+    spec = FAMILIES[family]
+    torch.manual_seed(0)
+    hf_config = getattr(transformers, spec["hf_config_class"])(**spec["hf_config"])
+    model = getattr(transformers, spec["hf_class"])(hf_config)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _model_section(family: str, adapters: bool) -> dict[str, Any]:
+    spec = FAMILIES[family]
+    builder = spec["builder"]
+    if adapters:
+        module, name = builder.rsplit(".", 1)
+        return {"_component_": f"{module}.lora_{name}", **spec["model"], **LORA}
+    return {"_component_": builder, **spec["model"]}
+
+
+def _config(family: str, kind: str, base: Path, tokenizer: Path, folder: Path) -> Path:
+    """The kind's tiny config with the family's model, tokenizer and checkpointer."""
+    _, tiny, adapters = KINDS[kind]
+    cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{tiny}.yaml")
+    cfg.model = _model_section(family, adapters)
+    cfg.tokenizer = FAMILIES[family]["tokenizer"](tokenizer)
+    cfg.checkpointer = {
+        "_component_": "exactga.models.checkpointer.FullModelHFCheckpointer",
+        "checkpoint_dir": str(base),
+        "checkpoint_files": ["model.safetensors"],
+        "recipe_checkpoint": None,
+        "output_dir": "${output_dir}",
+        "model_type": FAMILIES[family]["model_type"],
+    }
+    path = folder / f"{family}_{kind}.yaml"
+    OmegaConf.save(cfg, path)
+    return path
+
+
+def _args(cfg: Path, split: tuple[str, int, int, int], out: Path) -> list[str]:
+    kind, ranks, bs, ga = split
+    recipe, _, adapters = KINDS[kind]
+    head = ["--nproc_per_node", str(ranks)] if ranks > 1 else []
+    return [
+        *head,
+        f"recipes/{recipe}.py",
+        "--config",
+        str(cfg),
+        f"output_dir={out}",
+        f"batch_size={bs}",
+        f"gradient_accumulation_steps={ga}",
+        f"max_steps_per_epoch={STEPS}",
+        "clip_grad_norm=null",
+        "lr_scheduler.num_warmup_steps=0",
+        # Plain gradient descent with steps large enough that the update dwarfs fp32 rounding
+        # and the adapters visibly move the logits.
+        "optimizer._component_=torch.optim.SGD",
+        f"optimizer.lr={0.5 if adapters else 0.2}",
+        "~optimizer.weight_decay",
+    ]
+
+
+def _launch_all(root: Path) -> None:
+    one, two = [], []
+    for family in FAMILIES:
+        base = _write_hf_base(family, root / family / "hf_base")
+        tokenizer = FAMILIES[family]["write_tokenizer"](_mkdir(root / family / "tokenizer"))
+        configs = {kind: _config(family, kind, base, tokenizer, root / family) for kind in KINDS}
+        for splits, runs in ((ONE_PROCESS, one), (TWO_RANKS, two)):
+            for split in splits:
+                out = root / family / _split_id(split)
+                runs.append(run_of(_args(configs[split[0]], split, out), out)[1])
+    launch_runs(one, nproc=0)
+    launch_runs(two, nproc=2)
+
+
+def _mkdir(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(run_once):
+    """``(family, split) -> output folder``, every run checked to have succeeded."""
+    root = run_once("model_family_runs", _launch_all)
+
+    def get(family: str, split: tuple[str, int, int, int]) -> Path:
+        out = root / family / _split_id(split)
+        output = (out / "output.txt").read_text()
+        assert (out / "returncode").read_text() == "0", output[-4000:]
+        return out
+
+    get.root = root
+    return get
+
+
+def _trained(out: Path, adapters: bool) -> dict[str, torch.Tensor]:
+    epoch = out / "epoch_0"
+    if adapters:
+        return torch.load(epoch / "adapter_model.pt", weights_only=True)
+    return load_file(epoch / "model-00001-of-00001.safetensors")
+
+
+def _initial(family: str, root: Path, adapters: bool, like: dict) -> dict[str, torch.Tensor]:
+    if adapters:  # LoRA's B starts at zero, A is seeded: the first step's update is B's alone
+        return {k: torch.zeros_like(v) if "lora_b" in k else v for k, v in like.items()}
+    return load_file(root / family / "hf_base" / "model.safetensors")
+
+
+@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.parametrize("split", list(PARITY), ids=_split_id)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_split_lands_where_the_full_batch_does(runs, family, split):
+    adapters = KINDS[split[0]][2]
+    reference = _trained(runs(family, PARITY[split]), adapters)
+    got = _trained(runs(family, split), adapters)
+    initial = _initial(family, runs.root, adapters, reference)
+    keys = sorted(k for k in reference if not adapters or "lora_b" in k)
+    diff = torch.cat([(got[k] - reference[k]).flatten().double() for k in keys]).norm()
+    update = torch.cat([(reference[k] - initial[k]).flatten().double() for k in keys]).norm()
+    print(f"{family} {_split_id(split)}: relative L2 {diff / update:.3e}")
+    assert update > 0
+    assert diff / update <= PARITY_TOLERANCE
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (4, 40), generator=torch.Generator().manual_seed(1))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@torch.no_grad()
+def _our_logits(family: str, root: Path, out: Path, adapters: bool, tokens) -> torch.Tensor:
+    """Our builder with the run's weights: the trained files read by our checkpointer (full), or
+    the base plus the run's ``adapter_model.pt`` (LoRA)."""
+    model = config.instantiate(OmegaConf.create(_model_section(family, adapters)))
+    folder = root / family / "hf_base" if adapters else out / "epoch_0"
+    files = ["model.safetensors"] if adapters else ["model-00001-of-00001.safetensors"]
+    reader = FullModelHFCheckpointer(
+        checkpoint_dir=str(folder),
+        checkpoint_files=files,
+        model_type=FAMILIES[family]["model_type"],
+        output_dir=str(out / "reread"),
+    )
+    state = reader.load_checkpoint()[training.MODEL_KEY]
+    if adapters:
+        state.update(torch.load(out / "epoch_0" / "adapter_model.pt", weights_only=True))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model.eval()(tokens)
+
+
+@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.parametrize("split", OUTPUTS, ids=_split_id)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_outputs_load_in_transformers_and_peft_as_the_fine_tuned_model(runs, family, split):
+    out = runs(family, split)
+    adapters = KINDS[split[0]][2]
+    tokens = _tokens(FAMILIES[family]["hf_config"]["vocab_size"])
+    base_folder = runs.root / family / "hf_base"
+    tuned = _our_logits(family, runs.root, out, adapters, tokens)
+    auto = transformers.AutoModelForCausalLM
+    with torch.no_grad():
+        base = auto.from_pretrained(base_folder).eval()(tokens).logits
+        merged = auto.from_pretrained(out / "epoch_0").eval()(tokens).logits
+    gaps = {"from_pretrained(epoch_0)": _rel(merged, tuned)}
+    if adapters:
+        with_adapter = peft.PeftModel.from_pretrained(
+            auto.from_pretrained(base_folder), out / "epoch_0" / "adapter"
+        ).eval()
+        with torch.no_grad():
+            gaps["PeftModel(base, epoch_0/adapter)"] = _rel(with_adapter(tokens).logits, tuned)
+    effect = _rel(tuned, base)
+    print(f"{family} {_split_id(split)}: moved {effect:.2e}; gaps {gaps}")
+    assert effect >= MIN_EFFECT
+    for way, gap in gaps.items():
+        assert gap <= LOAD_BOUND, (way, gap)
