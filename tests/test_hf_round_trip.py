@@ -12,18 +12,19 @@ is then loaded back three ways, and every way must give the fine-tuned model, wi
   ``adapter_model.pt`` for LoRA, the epoch's safetensors for the full fine-tune).
 
 The adapter is trained until it moves the logits by over 1% of their norm, so an adapter applied
-twice (what transformers did with stock's layout) is a hundred times the bound. Launches: six.
+twice (what transformers did with stock's layout) is a hundred times the bound. Launches: three
+(the one-process runs, the 2-rank runs, and the epoch resume; tests/many_runs.py).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from many_runs import Run, launch_runs, run_of
 from omegaconf import OmegaConf
 from recipe_utils import (
     REPO_ROOT,
@@ -137,19 +138,35 @@ def _args(name: str, base: Path, out: Path) -> list[str]:
     return args
 
 
+# Runs beside RUNS in the same launch: (name, the tune run args of a folder).
+EXTRA_RUNS = {
+    "adapter_only": lambda base, out: (
+        _args("lora_single_device", base, out) + ["save_adapter_weights_only=True"]
+    ),
+    # Two epochs with no step checkpoints: the epoch-resume test goes on from its epoch 0.
+    "two_epochs": lambda base, out: lora_tiny_args(out, **TWO_EPOCHS),
+}
+TWO_EPOCHS = {"epochs": 2, "max_steps_per_epoch": 2, "save_every_n_steps": "null"}
+
+
 @pytest.fixture(scope="module")
 def runs(hf_base, tmp_path_factory) -> dict[str, Path]:
-    """Every recipe fine-tuned from the same transformers folder, two launches at a time."""
+    """Every recipe fine-tuned from the same transformers folder, and EXTRA_RUNS: the one-process
+    runs one after another in one launch, the 2-rank ones in another (tests/many_runs.py: each
+    still the recipe as ``tune run`` starts it). Every run must succeed."""
     root = tmp_path_factory.mktemp("hf_round_trip")
-
-    def launch(name: str) -> Path:
-        out = root / name
-        proc = run_tune(_args(name, hf_base, out), timeout=600)
-        assert proc.returncode == 0, output_of(proc)[-4000:]
-        return out
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(RUNS, pool.map(launch, RUNS), strict=True))
+    planned = {name: _args(name, hf_base, root / name) for name in RUNS}
+    planned |= {name: make(hf_base, root / name) for name, make in EXTRA_RUNS.items()}
+    by_ranks: dict[int, list[Run]] = {}
+    for name, args in planned.items():
+        nproc, run = run_of(args, root / name)
+        by_ranks.setdefault(nproc, []).append(run)
+    for nproc, group in by_ranks.items():
+        launch_runs(group, nproc=nproc)
+    for name in planned:
+        output = (root / name / "output.txt").read_text()
+        assert (root / name / "returncode").read_text() == "0", f"{name}:\n{output[-4000:]}"
+    return {name: root / name for name in planned}
 
 
 def _tokens() -> torch.Tensor:
@@ -249,13 +266,10 @@ def test_the_layout_is_what_keeps_the_adapter_from_applying_twice(runs, tmp_path
 
 
 @pytest.mark.xdist_group("hf_round_trip")
-def test_adapter_only_writes_the_adapter_alone(hf_base, tmp_path):
+def test_adapter_only_writes_the_adapter_alone(runs, hf_base):
     """``save_adapter_weights_only: True`` writes no merged weights; the adapter still loads
     into the base with PEFT (its config names the base folder)."""
-    out = tmp_path / "adapter_only"
-    args = _args("lora_single_device", hf_base, out) + ["save_adapter_weights_only=True"]
-    proc = run_tune(args, timeout=600)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
+    out = runs["adapter_only"]
     epoch = out / "epoch_0"
     assert not list(epoch.glob("model*.safetensors"))
     assert sorted(p.name for p in (epoch / "adapter").iterdir()) == [
@@ -271,15 +285,14 @@ def test_adapter_only_writes_the_adapter_alone(hf_base, tmp_path):
     assert _rel(_hf_logits(with_adapter), tuned) <= BOUND
 
 
-def test_epoch_resume_finds_the_adapter_where_torchtune_looks(tmp_path):
+@pytest.mark.xdist_group("hf_round_trip")
+def test_epoch_resume_finds_the_adapter_where_torchtune_looks(runs, tmp_path):
     """torchtune's epoch resume (no step checkpoints) still reads ``epoch_N/adapter_model.pt``:
     a LoRA run stopped after its first of two epochs goes on with the second only and ends on
     the uninterrupted run's adapters, each epoch's PEFT adapter in its own folder."""
-    settings = {"epochs": 2, "max_steps_per_epoch": 2, "save_every_n_steps": "null"}
-    uninterrupted, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
-    for out in (uninterrupted, stopped):
-        proc = run_tune(lora_tiny_args(out, **settings), timeout=600)
-        assert proc.returncode == 0, output_of(proc)[-4000:]
+    uninterrupted, stopped = runs["two_epochs"], tmp_path / "stopped"
+    shutil.copytree(uninterrupted, stopped)
+    settings = TWO_EPOCHS
     # As if the run had stopped after epoch 0: its epoch-1 outputs and logs are gone.
     shutil.rmtree(stopped / "epoch_1")
     shutil.rmtree(stopped / "logs")

@@ -17,8 +17,9 @@ seed, same sampler order); only ``micro_batching`` and the split differ:
   ranks with ``token_budget``), to the uninterrupted run's weights bit for bit, with the same
   losses. tests/test_resume.py kills at random steps under the default mode.
 
-Each set of launches runs once per session (``run_once``), two at a time; the AdamW runs are
-also the resume tests' uninterrupted runs. Run with ``-rP`` to see the measured distances.
+Each set of runs is made once per session (``run_once``): the one-device runs one after another
+in one launch each (tests/many_runs.py), the 2-rank ones two launches at a time; the AdamW runs
+are also the resume tests' uninterrupted runs. Run with ``-rP`` to see the measured distances.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from many_runs import launch_runs, run_of
 from recipe_utils import (
     INITIAL,
     REPO_ROOT,
@@ -185,17 +187,29 @@ def _launch_side_by_side(launches: dict[str, tuple[list[str], dict[str, str]]]) 
             _check(future.result(), name)
 
 
+def _launch_in_one_process(named_args: dict[str, list[str]], root: Path) -> None:
+    """``name: tune run args`` (no launcher option), one after another in one launch
+    (tests/many_runs.py: each still the recipe as ``tune run`` starts it), output in
+    ``root/name``; every run must succeed."""
+    runs = [run_of(args, root / name)[1] for name, args in named_args.items()]
+    launch_runs(runs, nproc=0)
+    for name in named_args:
+        status = (root / name / "returncode").read_text()
+        assert status == "0", f"{name}:\n{(root / name / 'output.txt').read_text()[-4000:]}"
+
+
 @pytest.fixture(scope="module")
 def full_runs(run_once) -> Path:
     """Full fine-tuning on one device, ``<optimizer>_<mode>``, once per session."""
 
     def make(root: Path) -> None:
-        _launch_side_by_side(
+        _launch_in_one_process(
             {
-                f"{opt}_{mode}": (_full_args(root / f"{opt}_{mode}", mode, opt), {})
+                f"{opt}_{mode}": _full_args(root / f"{opt}_{mode}", mode, opt)
                 for opt in OPTIMIZERS
                 for mode in MODES
-            }
+            },
+            root,
         )
 
     return run_once("micro_batching_full", make)
@@ -238,8 +252,8 @@ def lora_runs(run_once) -> Path:
             }
             for name, settings in runs.items():
                 out = root / f"{precision}_{name}"
-                launches[out.name] = (lora_tiny_args(out) + _cli({**settings, **overrides}), {})
-        _launch_side_by_side(launches)
+                launches[out.name] = lora_tiny_args(out) + _cli({**settings, **overrides})
+        _launch_in_one_process(launches, root)
 
     return run_once("micro_batching_lora", make)
 

@@ -7,10 +7,10 @@ global batch of the first 16 rows of the bundled data, which is the whole datase
 them in. Before the launch the test writes the initial checkpoints itself (the recipes read an
 existing one), computes the reference gradient on them with torchtune's own model, tokenizer,
 dataset and checkpoint loader, and passes the learning rate that moves the weights by their own
-norm; after it, the trained weights (full) or adapters (LoRA, distillation) must be
-``w - lr * g`` of that gradient. Splits, micro-batching modes and gradient-sync policies differ
-across the six recipes. The in-process twin, with the variants that must fail, is
-tests/test_oracle.py.
+norm; after it (all six recipes in two launches, tests/many_runs.py), the trained weights (full)
+or adapters (LoRA, distillation) must be ``w - lr * g`` of that gradient. Splits, micro-batching
+modes and gradient-sync policies differ across the six recipes. The in-process twin, with the
+variants that must fail, is tests/test_oracle.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 import torch
 from kd_utils import SMALL_TEACHER  # the student's sizes, twice as wide
+from many_runs import Run, launch_runs
 from omegaconf import DictConfig, OmegaConf
 from oracle_utils import flat, lr_for_unit_update, reference_gradient, step_gap, trainable
-from recipe_utils import REPO_ROOT, SMALL_MODEL, load_adapters, output_of, run_tune
+from recipe_utils import REPO_ROOT, SMALL_MODEL, load_adapters
 from torchtune import config
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training import FullModelHFCheckpointer
@@ -165,24 +166,42 @@ def trained_weights(recipe: str, student: torch.nn.Module, output_dir: Path) -> 
     return flat([state[name] for name in names])
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_the_recipes_first_step_is_the_full_batch_step(recipe: str, tmp_path: Path) -> None:
-    cfg, overrides = recipe_config(recipe, tmp_path)
+def _prepare(recipe: str, output_dir: Path) -> dict[str, Any]:
+    """The recipe's initial checkpoints, written; its reference step; and its launch."""
+    cfg, overrides = recipe_config(recipe, output_dir)
     write_initial_checkpoints(cfg)
-    student, teacher, rows = reference_case(cfg, tmp_path)
+    student, teacher, rows = reference_case(cfg, output_dir)
     initial = flat(trainable(student))
     kd_ratio = float(cfg.kd_ratio) if teacher is not None else 0.0
     gradient = reference_gradient(student, rows, teacher, kd_ratio)
     lr = lr_for_unit_update(initial, gradient)
-
-    _, num_ranks, *_ = RECIPES[recipe]
-    head = ["--nproc_per_node", str(num_ranks)] if num_ranks > 1 else []
     config_file = REPO_ROOT / "configs" / "tiny" / f"{RECIPES[recipe][0]}.yaml"
     args = [f"{key}={'null' if value is None else value}" for key, value in overrides.items()]
     args += [f"optimizer.lr={lr!r}", "~optimizer.weight_decay"]
-    proc = run_tune([*head, f"recipes/{recipe}.py", "--config", str(config_file), *args])
-    assert proc.returncode == 0, output_of(proc)[-4000:]
+    run = Run(f"recipes/{recipe}.py", ["--config", str(config_file), *args], output_dir)
+    return {"student": student, "initial": initial, "gradient": gradient, "lr": lr, "run": run}
 
-    gap = step_gap(trained_weights(recipe, student, tmp_path), initial, gradient, lr)
-    print(f"{recipe}: relative L2 to the reference step {gap:.2e} (lr {lr:.3g})")
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Every recipe's reference and its finished run: the one-rank recipes one after another in
+    one launch, the 2-rank ones in another (tests/many_runs.py; each run still the recipe as
+    ``tune run`` starts it)."""
+    root = tmp_path_factory.mktemp("oracle_recipes")
+    cases = {recipe: _prepare(recipe, root / recipe) for recipe in RECIPES}
+    for ranks in sorted({spec[1] for spec in RECIPES.values()}):
+        runs = [cases[r]["run"] for r in RECIPES if RECIPES[r][1] == ranks]
+        launch_runs(runs, nproc=0 if ranks == 1 else ranks)
+    return cases
+
+
+@pytest.mark.xdist_group("oracle_recipes")
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_the_recipes_first_step_is_the_full_batch_step(launched, recipe: str) -> None:
+    case = launched[recipe]
+    out = case["run"].folder
+    assert (out / "returncode").read_text() == "0", (out / "output.txt").read_text()[-4000:]
+    trained = trained_weights(recipe, case["student"], out)
+    gap = step_gap(trained, case["initial"], case["gradient"], case["lr"])
+    print(f"{recipe}: relative L2 to the reference step {gap:.2e} (lr {case['lr']:.3g})")
     assert gap <= ORACLE_BOUND
