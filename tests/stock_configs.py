@@ -11,20 +11,25 @@ the shipped YAML with only these sections replaced:
   soft-capping, the config's LoRA keys, ``use_dora``, ``quantize_base`` of ``qlora_*``) except
   the sizes: 2 layers, width 64, vocabulary 2048. Families without a component builder of their
   own use the one their stock builders call (llama3_3 -> llama3_1, phi4 -> phi3,
-  qwen2_5 -> qwen2).
+  qwen2_5 -> qwen2). A sliding window (Gemma 2's, Gemma 3's) is shorter than the sequences, and
+  Gemma 3's layer pattern gives the two tiny layers one local and one global.
 - ``checkpointer``: ``exactga.setup.random_init_checkpointer.initialized_hf_checkpointer`` with the
   stock ``model_type``, which writes seeded random weights of the plain model in that family's
   HF layout on first use (``llama3/8B_full``'s Meta-format checkpointer becomes this HF one
   too).
 - ``tokenizer``: configs/tiny/tokenizer.model through ``llama2_tokenizer``, 64 tokens.
 - ``dataset``: configs/tiny/data.json through ``alpaca_dataset``; the stock section's other keys
-  (``packed``) are kept.
+  (``packed``) are kept. GRPO keeps its shipped prompts (the bundled configs/tiny/
+  arithmetic_data.json), and its ``ref_checkpointer`` reads the same initial weights.
 - ``device: cpu``, ``output_dir``, ``epochs: 1``, ``max_steps_per_epoch: 2``.
 
 Everything else (dtype, optimizer with ``fused``, compile, activation checkpointing,
 ``custom_sharded_layers``, ``fsdp_cpu_offload``, clipping, loss, scheduler, profiler, metric
 logger, batch size, accumulation) stays as shipped; in our configs also exactga's keys and their
 TensorBoard logger.
+
+exactga's Qwen3 and Gemma 3 configs (tests/test_family_config_sweep.py) are adapted the same way,
+on the single-device SFT recipes (``SINGLE_DEVICE_RECIPES``) and GRPO too.
 """
 
 from __future__ import annotations
@@ -65,8 +70,13 @@ OUR_CONFIGS = [
 # Knowledge distillation (tests/test_kd_stock_configs.py): the teacher is adapted as the model
 # is, twice as wide, with its own initial checkpoint under output_dir.
 KD_RECIPES = ("knowledge_distillation_single_device", "knowledge_distillation_distributed")
+# The single-device SFT recipes and GRPO, which only exactga's own configs are adapted for here
+# (torchtune 0.6.1's stock configs of them are not swept).
+SINGLE_DEVICE_RECIPES = ("full_finetune_single_device", "lora_finetune_single_device")
+GRPO = "grpo_full_finetune_distributed"
 TOKENIZER = REPO_ROOT / "configs" / "tiny" / "tokenizer.model"
 DATA = REPO_ROOT / "configs" / "tiny" / "data.json"
+PROMPTS = REPO_ROOT / "configs" / "tiny" / "arithmetic_data.json"  # GRPO's, shipped in its configs
 TOKENIZER_MAX_SEQ_LEN = 64
 MAX_STEPS_PER_EPOCH = 2
 
@@ -176,6 +186,8 @@ def tiny_model(stock_model: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]
         sizes["query_pre_attn_scalar"] = head_dim
     if "sliding_window_size" in arguments:  # gemma2: a window shorter than the sequences
         sizes["sliding_window_size"] = TOKENIZER_MAX_SEQ_LEN // 2
+    if "sliding_window" in arguments:  # gemma3
+        sizes.update(_tiny_gemma3_layers(arguments))
     model = {"_component_": path, **arguments, **sizes}
 
     base_path = path.replace(".lora_", ".")
@@ -184,9 +196,21 @@ def tiny_model(stock_model: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]
     return model, {"_component_": base_path, **base}
 
 
+def _tiny_gemma3_layers(arguments: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's window and layer pattern for the tiny model: a window shorter than the
+    sequences, so that it masks something, and a pattern that makes the last of the tiny layers
+    the one global layer (layer ``i`` is global iff ``(i + 1) % pattern == 0``), so that both
+    kinds run; the released pattern (6) would make 2 layers both local."""
+    assert arguments.get("layer_types") is None, "a layer_types list would need its own sizing"
+    return {
+        "sliding_window": TOKENIZER_MAX_SEQ_LEN // 2,
+        "sliding_window_pattern": TINY_SIZES["num_layers"],
+    }
+
+
 def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig:
     """Stock config ``name`` with tiny model, tokenizer, data and checkpointer, on CPU."""
-    assert recipe in RECIPES + KD_RECIPES, recipe
+    assert recipe in RECIPES + SINGLE_DEVICE_RECIPES + KD_RECIPES + (GRPO,), recipe
     cfg = stock_config(name)
     model, base_model = tiny_model(cfg.model)
     is_lora = recipe.startswith(("lora", "knowledge_distillation"))
@@ -205,16 +229,19 @@ def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig
         "max_seq_len": TOKENIZER_MAX_SEQ_LEN,
         "prompt_template": None,
     }
-    dataset = OmegaConf.to_container(cfg.dataset)
-    assert isinstance(dataset, dict), f"{name}: one dataset section expected"
-    dataset.update(
-        _component_="torchtune.datasets.alpaca_dataset",
-        source="json",
-        data_files=str(DATA),
-        split="train",
-    )
-    cfg.dataset = dataset
-    cfg.checkpointer = {
+    if recipe == GRPO:
+        _check_grpo_prompts(cfg, name)
+    else:
+        dataset = OmegaConf.to_container(cfg.dataset)
+        assert isinstance(dataset, dict), f"{name}: one dataset section expected"
+        dataset.update(
+            _component_="torchtune.datasets.alpaca_dataset",
+            source="json",
+            data_files=str(DATA),
+            split="train",
+        )
+        cfg.dataset = dataset
+    checkpointer = {
         "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
         # The base model the weights are drawn for: the plain builder for a LoRA model.
         "model": base_model if is_lora else "${model}",
@@ -225,9 +252,19 @@ def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig
         "output_dir": "${output_dir}",
         "model_type": cfg.checkpointer.model_type,
     }
+    cfg.checkpointer = checkpointer
+    if recipe == GRPO:  # the reference: the same initial weights, read again
+        cfg.ref_checkpointer = {**checkpointer, "model_type": cfg.ref_checkpointer.model_type}
     leftover = _paths_outside(cfg, Path(output_dir))
     assert not leftover, f"{name}: paths left outside output_dir: {leftover}"
     return cfg
+
+
+def _check_grpo_prompts(cfg: DictConfig, name: str) -> None:
+    """GRPO's configs read the bundled prompts (nothing to download), so the section stays as
+    shipped; only check that it does read them."""
+    data_files = OmegaConf.select(cfg, "dataset.data_files")  # ${exactga_file:...}, resolved
+    assert data_files == str(PROMPTS), f"{name}: GRPO prompts other than {PROMPTS}: {data_files}"
 
 
 def _adapt_teacher(cfg: DictConfig) -> None:
@@ -238,6 +275,8 @@ def _adapt_teacher(cfg: DictConfig) -> None:
     teacher.update(embed_dim=width, intermediate_dim=2 * width)
     if "head_dim" in teacher:
         teacher["head_dim"] = width // NUM_HEADS
+    if teacher.get("query_pre_attn_scalar") is not None:  # gemma3: scaled as its head_dim
+        teacher["query_pre_attn_scalar"] = width // NUM_HEADS
     cfg.teacher_model = teacher
     cfg.teacher_checkpointer = {
         "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
@@ -253,7 +292,7 @@ def _adapt_teacher(cfg: DictConfig) -> None:
 
 def _paths_outside(cfg: DictConfig, output_dir: Path) -> list[str]:
     """Absolute paths in ``cfg`` that are neither under ``output_dir`` nor tiny assets."""
-    allowed = (str(output_dir), str(TOKENIZER), str(DATA))
+    allowed = (str(output_dir), str(TOKENIZER), str(DATA), str(PROMPTS))
     found: list[str] = []
 
     def visit(node: Any) -> None:

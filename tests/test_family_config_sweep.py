@@ -1,0 +1,227 @@
+"""Every Qwen3 and Gemma 3 config (configs/qwen3/, configs/gemma3/) runs on tiny shapes through
+``tune run`` (issue #41: "Every new config passes the stock-config sweep on tiny shapes").
+
+Each config is adapted as tests/stock_configs.py adapts torchtune's stock configs: a tiny model
+of the same family built with the family's own component builder (``exactga.models.qwen3.qwen3``
+/ ``lora_qwen3``, ``exactga.models.gemma3.gemma3`` / ``lora_gemma3``) and every argument the
+config's sized builder passes it except the sizes (Gemma 3: a window shorter than the sequences,
+one local and one global layer), the tiny tokenizer, local data, a seeded initial checkpoint in
+the family's HF layout (``initialized_hf_checkpointer`` with the config's ``model_type``),
+``device: cpu``, 2 steps; every other key as shipped (dtype, master weights, optimizer, loss,
+activation checkpointing, micro-batching, logger, ...). By recipe:
+
+- full and LoRA/QLoRA fine-tuning (one device and distributed), KD (both recipes):
+  ``stock_configs.adapted_config``; KD's teacher twice the student's width;
+- GRPO: the same, keeping its shipped prompts (the bundled arithmetic questions), and its
+  ``ref_checkpointer`` reads the same initial weights;
+- LoRA DPO: ``adapted_dpo_config`` of tests/test_dpo_stock_configs.py (the bundled preference
+  pairs, 512 tokens).
+
+Which recipe runs a config is the registry's (``exactga.launch.registry``, which tests/
+test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py): the
+single-device runs one after another in one process, the distributed ones on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import stock_configs
+import torch
+from many_runs import Run, launch_runs
+from omegaconf import DictConfig, OmegaConf
+from recipe_utils import REPO_ROOT, read_scalars
+from test_dpo_stock_configs import PAIRS, adapted_dpo_config
+from torchtune import config
+
+from exactga.launch import registry
+from exactga.models.gemma3._component_builders import FULL as GLOBAL_LAYER
+from exactga.models.gemma3._component_builders import SLIDING as LOCAL_LAYER
+from exactga.models.gemma3._component_builders import gemma3_layer_types
+
+FAMILIES = ("qwen3", "gemma3")
+DPO = "lora_dpo_single_device"
+GRPO = stock_configs.GRPO
+DISTRIBUTED_RECIPES = {entry.name for entry in registry.RECIPES if entry.supports_distributed}
+# (recipe, config): every config of the two families, under the recipe the registry runs it on.
+SWEEP = [
+    (entry.name, f"configs/{name}")
+    for entry in registry.RECIPES
+    for name in entry.configs
+    if name.split("/")[0] in FAMILIES
+]
+SINGLE_DEVICE = [(recipe, name) for recipe, name in SWEEP if recipe not in DISTRIBUTED_RECIPES]
+DISTRIBUTED = [(recipe, name) for recipe, name in SWEEP if recipe in DISTRIBUTED_RECIPES]
+# Sections an adaptation replaces (stock_configs' module docstring); every other key is shipped.
+ADAPTED_KEYS = {"model", "tokenizer", "dataset", "checkpointer", "device", "output_dir"}
+ADAPTED_KEYS |= {"epochs", "max_steps_per_epoch", "teacher_model", "teacher_checkpointer"}
+ADAPTED_KEYS |= {"ref_checkpointer"}
+
+
+def _params(runs: list[tuple[str, str]]) -> list:
+    return [pytest.param(recipe, name, id=name.removeprefix("configs/")) for recipe, name in runs]
+
+
+def adapted(recipe: str, name: str, output_dir: Path) -> DictConfig:
+    """Config ``name`` adapted to tiny shapes for ``recipe``, as the module docstring says."""
+    if recipe == DPO:
+        return adapted_dpo_config(name, recipe, output_dir)
+    return stock_configs.adapted_config(name, recipe, output_dir)
+
+
+def _out(root: Path, name: str) -> Path:
+    return root / name.removeprefix("configs/")
+
+
+def _run(root: Path, recipe: str, name: str) -> Run:
+    """The run of the adapted config, saved to its output folder's ``config.yaml``."""
+    out = _out(root, name)
+    out.mkdir(parents=True)
+    config_path = out / "config.yaml"
+    OmegaConf.save(adapted(recipe, name, out), config_path)
+    return Run(f"recipes/{recipe}.py", ["--config", str(config_path)], out)
+
+
+@pytest.fixture(scope="module")
+def single_device_runs(run_once) -> Path:
+    """Every single-device config's run, one after another in one process (no torchrun)."""
+
+    def launch(root: Path) -> None:
+        launch_runs([_run(root, recipe, name) for recipe, name in SINGLE_DEVICE], nproc=0)
+
+    return run_once("family_config_single_device_runs", launch)
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(run_once) -> Path:
+    """Every distributed config's run, one after another on the same 2 gloo ranks."""
+
+    def launch(root: Path) -> None:
+        launch_runs([_run(root, recipe, name) for recipe, name in DISTRIBUTED], nproc=2)
+
+    return run_once("family_config_distributed_runs", launch)
+
+
+# --- fast: the list and the adaptation, in-process --------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_sweep_lists_every_config_of_the_family(family: str) -> None:
+    """A config added to configs/<family>/ is swept, once (else the registry misses it)."""
+    files = {
+        f"configs/{family}/{path.stem}" for path in (REPO_ROOT / "configs" / family).glob("*.yaml")
+    }
+    swept = [name for _, name in SWEEP if name.startswith(f"configs/{family}/")]
+    assert sorted(swept) == sorted(files)
+
+
+def test_both_launches_have_runs() -> None:
+    assert SINGLE_DEVICE and DISTRIBUTED
+    assert len(SINGLE_DEVICE) + len(DISTRIBUTED) == len(SWEEP) == len(set(SWEEP))
+
+
+# The tiny model's sizes (stock_configs.tiny_model): every other builder argument is the sized
+# builder's.
+SIZE_ARGUMENTS = {
+    "vocab_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "embed_dim",
+    "intermediate_dim",
+    "max_seq_len",
+    "head_dim",
+    "query_pre_attn_scalar",  # Gemma 3: its head_dim, as released at 1B and 4B
+    "sliding_window",  # Gemma 3: shorter than the sequences
+    "sliding_window_pattern",  # Gemma 3: a local and a global layer among the tiny ones
+}
+
+
+def _family_builder(stock_model: DictConfig) -> str:
+    """The component builder a sized builder of exactga's families calls: ``lora_qwen3`` for
+    ``qlora_qwen3_8b``, ``gemma3`` for ``gemma3_4b``."""
+    module, sized = stock_model._component_.rsplit(".", 1)
+    family = module.rsplit(".", 1)[1]
+    return f"{module}.lora_{family}" if "lora_" in sized else f"{module}.{family}"
+
+
+def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> None:
+    """``model`` is the family's component builder with the sized builder's arguments but the
+    sizes, and builds; Gemma 3's has a local and a global layer, its window shorter than the
+    sequences."""
+    assert model._component_ == _family_builder(stock_model), what
+    _, arguments = stock_configs.stock_component_call(stock_model)
+    tiny = OmegaConf.to_container(model, resolve=True)
+    assert tiny.keys() - {"_component_"} == arguments.keys(), what
+    for key in arguments.keys() - SIZE_ARGUMENTS:
+        assert tiny[key] == arguments[key], f"{what}: {key}"
+    assert tiny["num_layers"] == stock_configs.TINY_SIZES["num_layers"], what
+    if "sliding_window" in tiny:
+        kinds = gemma3_layer_types(tiny["num_layers"], tiny["sliding_window_pattern"])
+        assert set(kinds) == {LOCAL_LAYER, GLOBAL_LAYER}, f"{what}: {kinds}"
+        assert tiny["sliding_window"] < stock_configs.TOKENIZER_MAX_SEQ_LEN, what
+    with torch.device("cpu"):
+        config.instantiate(model)
+
+
+@pytest.mark.parametrize("recipe, name", _params(SWEEP))
+def test_every_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
+    """Tiny models of the family (student, teacher), seeded checkpoints of the config's
+    model_type, CPU, 2 steps, every other key as shipped; no path outside the run's folder."""
+    stock = stock_configs.stock_config(name)
+    cfg = adapted(recipe, name, tmp_path)
+    assert cfg.device == "cpu" and cfg.epochs == 1
+    assert cfg.max_steps_per_epoch == stock_configs.MAX_STEPS_PER_EPOCH
+    _check_tiny_model(cfg.model, stock.model, "model")
+    for key in stock_configs.LORA_KEYS:
+        if key in stock.model:
+            assert cfg.model[key] == stock.model[key], key
+    assert cfg.model.get("quantize_base", False) == (".qlora_" in stock.model._component_)
+    if "teacher_model" in stock:
+        _check_tiny_model(cfg.teacher_model, stock.teacher_model, "teacher_model")
+    for checkpointer in ("checkpointer", "teacher_checkpointer", "ref_checkpointer"):
+        if checkpointer in stock:
+            assert cfg[checkpointer]._component_.endswith(".initialized_hf_checkpointer")
+            assert cfg[checkpointer].model_type == stock[checkpointer].model_type, checkpointer
+    ours, shipped = OmegaConf.to_container(cfg), OmegaConf.to_container(stock)
+    assert ours.keys() == shipped.keys()
+    kept = shipped.keys() - ADAPTED_KEYS | ({"dataset"} if recipe == GRPO else set())
+    for key in kept:
+        assert ours[key] == shipped[key], key
+    outside = set(stock_configs._paths_outside(cfg, tmp_path)) - {str(PAIRS)}
+    assert not outside, f"paths left outside output_dir: {outside}"
+
+
+# --- slow: the two launches -------------------------------------------------------------------
+
+
+def _check_run(root: Path, recipe: str, name: str) -> None:
+    """Exit status 0, a finite loss logged at both steps, the epoch's artefacts on disk (for
+    LoRA the adapters, in PEFT's format too in epoch_0/adapter/)."""
+    out = _out(root, name)
+    output = (out / "output.txt").read_text()
+    first_error = stock_configs.first_error_line(output)
+    assert (out / "returncode").read_text() == "0", f"{first_error}\n{output[-4000:]}"
+    losses = stock_configs.logged_losses(out)
+    assert len(losses) == stock_configs.MAX_STEPS_PER_EPOCH, losses
+    assert stock_configs.all_finite(losses), losses
+    if recipe.startswith("knowledge_distillation"):  # both parts of the loss, logged
+        assert {"class_loss", "kd_loss"} <= read_scalars(out / "logs").keys()
+    cfg = OmegaConf.load(out / "config.yaml")
+    missing = [f for f in stock_configs.expected_artefacts(cfg) if not (out / f).is_file()]
+    assert not missing, f"no {missing} in {out}"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("family_configs")
+@pytest.mark.parametrize("recipe, name", _params(SINGLE_DEVICE))
+def test_single_device_config_runs(single_device_runs: Path, recipe: str, name: str) -> None:
+    _check_run(single_device_runs, recipe, name)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("family_configs")
+@pytest.mark.parametrize("recipe, name", _params(DISTRIBUTED))
+def test_distributed_config_runs(distributed_runs: Path, recipe: str, name: str) -> None:
+    _check_run(distributed_runs, recipe, name)
