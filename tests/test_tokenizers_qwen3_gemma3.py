@@ -517,3 +517,25 @@ def test_preference_dataset_accepts_the_tokenizers(tokenizer_pair: tuple, tmp_pa
         ids = sample[f"{side}_input_ids"]
         masked = expected_mask(ids, hf, turn_start)
         assert sample[f"{side}_labels"] == labels(ids, masked)
+
+
+def test_the_grpo_prompt_set_accepts_the_tokenizers(tokenizer_pair: tuple, tmp_path: Path) -> None:
+    """exactga's GRPO prompts (``exactga.grpo.prompts.prompt_dataset``) encode the question
+    with the family's ``encode``, as transformers' tokenizer encodes it, and keep the answer."""
+    from exactga.grpo.prompts import prompt_dataset
+
+    ours, hf, _ = tokenizer_pair
+    rows = [{"question": "14 - 4 =", "answer": "10"}, {"question": "6 * 7 =", "answer": "42"}]
+    data = prompt_dataset(
+        ours,
+        source="json",
+        data_files=write_json(tmp_path / "prompts.json", rows),
+        split="train",
+        cache_dir=str(tmp_path / "cache"),
+    )
+    assert len(data) == 2
+    for index, row in enumerate(rows):
+        sample = data[index]
+        prompt_ids = [t for t in sample["prompt_tokens"] if t not in (ours.bos_id, ours.eos_id)]
+        assert hf.decode(prompt_ids).strip().endswith(row["question"])
+        assert sample["answer"] == row["answer"]
