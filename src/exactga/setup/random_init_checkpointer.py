@@ -143,6 +143,7 @@ def _hf_config(model_cfg: DictConfig, model: torch.nn.Module, model_type: str) -
 
     attn = model.layers[0].attn
     architecture, hf_model_type = _HF_ARCHITECTURES[model_type]
+    arguments = _builder_arguments(model_cfg)  # the builder's own defaults, not guesses here
     return {
         "architectures": [architecture],
         "model_type": hf_model_type,
@@ -154,8 +155,9 @@ def _hf_config(model_cfg: DictConfig, model: torch.nn.Module, model_type: str) -
         "num_key_value_heads": attn.num_kv_heads,
         "head_dim": attn.head_dim,
         "max_position_embeddings": model_cfg.max_seq_len,
-        "rms_norm_eps": model_cfg.get("norm_eps", 1e-5),
-        "rope_theta": model_cfg.get("rope_base", 500_000),
+        # A sized builder takes neither: its family's released values.
+        "rms_norm_eps": arguments.get("norm_eps", 1e-5),
+        "rope_theta": arguments.get("rope_base", 500_000),
         "tie_word_embeddings": isinstance(model.output, TiedLinear),
         "torch_dtype": "float32",
     }
