@@ -138,6 +138,12 @@ def test_the_profiler_section_is_checked_against_its_schema() -> None:
             "'optimizer_in_bwd' and 'clip_grad_norm'",
         ),
         (
+            FullFinetuneDistributedConfig,
+            FULL_DISTRIBUTED,
+            {"optimizer_in_bwd": True, "clip_grad_norm": None, "gradient_accumulation_steps": 2},
+            "'optimizer_in_bwd' and 'gradient_accumulation_steps'",
+        ),
+        (
             FullFinetuneSingleDeviceConfig,
             FULL,
             {
