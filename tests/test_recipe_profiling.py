@@ -4,11 +4,11 @@ recipe, labelled traces, unchanged weights."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from many_runs import Run, launch_runs
 from profiling_utils import read_reports, tensorboard_charts, tensorboard_run_colours
 from recipe_utils import (
     LORA_RECIPE,
@@ -18,9 +18,7 @@ from recipe_utils import (
     TINY_CONFIG,
     TRAINED,
     load_weights,
-    output_of,
     read_scalars,
-    run_tune,
 )
 
 from exactga.profiling import PHASES, REPORT_CATEGORY
@@ -92,21 +90,19 @@ LAUNCHES = {
 RECIPE_RUNS = ["on", "lora_single_device", "full_distributed", "lora_distributed"]
 
 
-def _launch(name: str, root: Path) -> None:
-    nproc, recipe, config, settings = LAUNCHES[name]
-    out = root / name
-    overrides = [f"{key}={value}" for key, value in {**settings, "output_dir": out}.items()]
-    ranks = ["--nproc_per_node", str(nproc)] if nproc else []
-    proc = run_tune([*ranks, recipe, "--config", config, *overrides], timeout=600)
-    assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
-    (out / "output.txt").write_text(output_of(proc))
-
-
 def _launch_all(root: Path) -> None:
-    # Two launches at a time: each is mostly single-threaded start-up on a small machine.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for future in [pool.submit(_launch, name, root) for name in LAUNCHES]:
-            future.result()
+    """The launches by rank count, the runs of each one after another in one launch
+    (tests/many_runs.py); every run must succeed."""
+    by_ranks: dict[int, list[Run]] = {}
+    for name, (nproc, recipe, config, settings) in LAUNCHES.items():
+        out = root / name
+        overrides = [f"{key}={value}" for key, value in {**settings, "output_dir": out}.items()]
+        by_ranks.setdefault(nproc, []).append(Run(recipe, ["--config", config, *overrides], out))
+    for nproc, runs in by_ranks.items():
+        launch_runs(runs, nproc=nproc)
+    for name in LAUNCHES:
+        output = (root / name / "output.txt").read_text()
+        assert (root / name / "returncode").read_text() == "0", f"{name}:\n{output[-4000:]}"
 
 
 @pytest.fixture(scope="module")
