@@ -7,20 +7,21 @@ configs/tiny/preference_data.json) where stock reads Stack Exchange, and sequenc
 tokens (the pairs' longest; at 64 most responses would be cut away). Full DPO's
 ``ref_checkpointer`` reads the same initial weights as its ``checkpointer``. Every other key
 stays as shipped: bf16, fused AdamW, the DPO loss and its beta, batch size, accumulation,
-activation checkpointing, scheduler, DiskLogger. All five adapt in CI; one per recipe launches
-there, all five with ``EXACTGA_ALL_DPO_STOCK_CONFIGS=1``.
+activation checkpointing, scheduler, DiskLogger. All five adapt in CI; one per recipe runs
+there, all five with ``EXACTGA_ALL_DPO_STOCK_CONFIGS=1``, in one launch per rank count
+(tests/many_runs.py).
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import stock_configs
+from many_runs import Run, launch_runs
 from omegaconf import DictConfig, OmegaConf
-from recipe_utils import REPO_ROOT, output_of, run_tune
+from recipe_utils import REPO_ROOT
 
 SINGLE, DISTRIBUTED, FULL = "lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"
 ALL = [
@@ -76,23 +77,29 @@ def adapted_dpo_config(name: str, recipe: str, output_dir: Path) -> DictConfig:
     return cfg
 
 
-def _launch(root: Path, recipe: str, name: str) -> None:
+def _run(root: Path, recipe: str, name: str) -> tuple[int, Run]:
+    """The adapted config's run and its rank count (0: one process, no torchrun)."""
     out = root / name
     out.mkdir(parents=True)
     config_path = out / "config.yaml"
     OmegaConf.save(adapted_dpo_config(name, recipe, out), config_path)
-    head = [] if recipe == SINGLE else ["--nproc_per_node", "2"]
-    proc = run_tune([*head, f"recipes/{recipe}.py", "--config", str(config_path)], timeout=600)
-    (out / "output.txt").write_text(output_of(proc))
-    (out / "returncode").write_text(str(proc.returncode))
+    return (0 if recipe == SINGLE else 2), Run(
+        f"recipes/{recipe}.py", ["--config", str(config_path)], out
+    )
 
 
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
+    """Every selected config's run: the one-device ones in one launch, the 2-rank ones in
+    another (tests/many_runs.py: each still the recipe as ``tune run`` starts it)."""
+
     def launch_all(root: Path) -> None:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            for future in [pool.submit(_launch, root, r, n) for r, n in SELECTION]:
-                future.result()
+        by_ranks: dict[int, list[Run]] = {}
+        for recipe, name in SELECTION:
+            nproc, run = _run(root, recipe, name)
+            by_ranks.setdefault(nproc, []).append(run)
+        for nproc, group in by_ranks.items():
+            launch_runs(group, nproc=nproc)
 
     return run_once("dpo_stock_runs", launch_all)
 
