@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from many_runs import launch_runs, run_of
 from recipe_utils import (
     LORA_RECIPE,
     LORA_TINY_CONFIG,
@@ -106,14 +107,22 @@ def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int 
 @pytest.fixture(scope="module")
 def uninterrupted(run_once):
     """Each scenario's run without interruption, made on first use, once per session (under
-    ``pytest -n`` the module's tests run on several workers; they share these runs)."""
+    ``pytest -n`` the module's tests run on several workers; they share these runs): every
+    scenario's, one launch per rank count (tests/many_runs.py)."""
 
-    def make(out: Path, scenario: str) -> None:
-        proc = run_tune(_args(scenario, out), timeout=600)
-        assert proc.returncode == 0, output_of(proc)[-4000:]
+    def make(root: Path) -> None:
+        by_ranks: dict[int, list] = {}
+        for scenario in SCENARIOS:
+            nproc, run = run_of(_args(scenario, root / scenario), root / scenario)
+            by_ranks.setdefault(nproc, []).append(run)
+        for nproc, runs in by_ranks.items():
+            launch_runs(runs, nproc=nproc)
+        for scenario in SCENARIOS:
+            output = (root / scenario / "output.txt").read_text()
+            assert (root / scenario / "returncode").read_text() == "0", output[-4000:]
 
     def get(scenario: str) -> Path:
-        return run_once(f"resume_uninterrupted_{scenario}", lambda out: make(out, scenario))
+        return run_once("resume_uninterrupted", make) / scenario
 
     return get
 
