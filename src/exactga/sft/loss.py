@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from exactga.accumulation.forward import projecting_only
+from exactga.accumulation.forward import can_fuse_output, projecting_into_loss, projecting_only
+from exactga.accumulation.linear_cross_entropy import fusable_loss
 from exactga.accumulation.loss_units import LOSS_POSITIONS, shift_labels
 from exactga.runtime.precision import Precision
 
@@ -27,11 +28,19 @@ def causal_lm_loss(
     autocast (bf16 compute over fp32 master weights; see [fp32 master weights] in
     ``exactga.runtime.precision``), the loss outside it. Logits are computed only at the positions
     the loss scores when the batch carries their index; see [logits only at loss positions].
+    With a ``LinearCrossEntropyLoss`` on a decoder whose projection it can fuse, the logits are
+    never made: the forward returns the loss; see [projection fused with the loss].
     """
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
     activations = activations_ctx or contextlib.nullcontext()
+    fused = fusable_loss(loss_fn)
+    if fused is not None and can_fuse_output(model):
+        labels = shift_labels(labels, fused.ignore_index)
+        # Inside the forward: under FSDP2 the output weight is gathered only there.
+        with activations, autocast, projecting_into_loss(model, fused, labels, positions):
+            return model(**batch)
     with activations, autocast, projecting_only(model, positions) as cut:
         logits = model(**batch)
     labels = shift_labels(labels, loss_fn.ignore_index)
