@@ -5,7 +5,8 @@ For each family a tiny random model made with transformers' own class (``save_pr
 tied as its small releases are, Gemma 3 with a local and a global layer and a window shorter than
 the rows) is read through exactga's checkpointer (``model_type: QWEN3`` / ``GEMMA3``) and trained
 with the family's own tokenizer (tiny files laid out as the release's, tests/tokenizer_files.py)
-on the bundled instruction data, full and LoRA, on one device and on 2 gloo ranks:
+on the bundled instruction data, full and LoRA, on one device and on 2 gloo ranks, with the loss
+the families' configs use (the output projection fused with the loss, docs/large_vocab.md):
 
 - split invariance at the fp32 floor: 2x4 on one device lands where 8x1 does; 2 ranks (4x1 and
   2x2 per rank) land where the same recipe on one rank does (8x1);
@@ -196,6 +197,8 @@ def _config(family: str, kind: str, base: Path, tokenizer: Path, folder: Path) -
     cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{tiny}.yaml")
     cfg.model = _model_section(family, adapters)
     cfg.tokenizer = FAMILIES[family]["tokenizer"](tokenizer)
+    # As the shipped configs of these families: the projection computed with the loss.
+    cfg.loss = {"_component_": "exactga.accumulation.linear_cross_entropy.LinearCrossEntropyLoss"}
     cfg.checkpointer = {
         "_component_": "exactga.models.checkpointer.FullModelHFCheckpointer",
         "checkpoint_dir": str(base),
