@@ -32,9 +32,10 @@ offloading's no-op). It fuses a torchtune ``TransformerDecoder`` whose output is
 mesh dimension. Every other model takes the present path with materialised logits, with no error
 and the same loss: a LoRA or DoRA output (``apply_lora_to_output``: the adapter's own matmuls),
 an NF4-quantised or QAT-fake-quantised output (their weight is not a plain matrix), a
-tensor-parallel output (its weight stays distributed in the forward), a decoder asked for
-``output_hidden_states``, a decoder class with an ``unembed`` of its own (it may do more than
-norm and project), and any model that is not a torchtune decoder.
+soft-capped one (a ``TiedLinear`` subclass: the cap acts on the logits), a tensor-parallel output
+(its weight stays distributed in the forward), a decoder asked for ``output_hidden_states``, a
+decoder class with an ``unembed`` of its own (it may do more than norm and project), and any
+model that is not a torchtune decoder.
 
 Why not ``torch.nn.functional.linear_cross_entropy``: torch 2.13 has one; with
 ``options=LinearCrossEntropyOptions(...)`` it chunks the rows and never makes the whole logits,
