@@ -49,6 +49,37 @@ class HFFormat:
     saved_config: Callable[[Mapping[str, Any]], dict[str, Any]] = dict
 
 
+# torchtune adapter parameter -> PEFT's (PEFT drops its adapter name, "default", on save and keeps
+# a DoRA magnitude without ".weight"); and what PeftModel puts before the wrapped model's names.
+_PEFT_PARAMETERS = {
+    "lora_a.weight": "lora_A.weight",
+    "lora_b.weight": "lora_B.weight",
+    "magnitude": "lora_magnitude_vector",
+}
+_PEFT_PREFIX = "base_model.model."
+
+
+def peft_adapter(adapter: StateDict, weight_to_hf: Callable[[str], str]) -> StateDict:
+    """A torchtune LoRA/DoRA adapter (``layers.0.attn.q_proj.lora_a.weight``, ...,
+    ``...magnitude``) in PEFT's names (``base_model.model.model.layers.0.self_attn.q_proj.
+    lora_A.weight``, ..., ``...lora_magnitude_vector``), for a family whose HF rows are in
+    torchtune's order (no RoPE permutation: tensors as they are).
+
+    ``weight_to_hf`` is the family's HF name of a torchtune weight: the adapted linear's own
+    weight names its module in both formats. It raises ``ValueError`` for a module the family's
+    model has not; so does this for a key that is no adapter parameter.
+    """
+    converted: StateDict = {}
+    for key, value in adapter.items():
+        parameter = next((p for p in _PEFT_PARAMETERS if key.endswith("." + p)), None)
+        if parameter is None:
+            raise ValueError(f"'{key}' is no LoRA/DoRA adapter parameter")
+        module = key[: -len(parameter) - 1]
+        hf_module = weight_to_hf(f"{module}.weight").removesuffix(".weight")
+        converted[f"{_PEFT_PREFIX}{hf_module}.{_PEFT_PARAMETERS[parameter]}"] = value
+    return converted
+
+
 # checkpointer.model_type -> "module:attribute" of its HFFormat; imported on first use so that
 # naming a checkpointer loads only the family it converts.
 FORMATS = {

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from exactga.models.gemma3._component_builders import gemma3, gemma3_layer_types
-from exactga.models.hf_format import HFFormat
+from exactga.models.hf_format import HFFormat, peft_adapter
 
 StateDict = dict[str, torch.Tensor]
 
@@ -75,15 +75,6 @@ _MULTIMODAL_PREFIXES = {
 _NOT_THE_DECODER = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 _HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _TUNE_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
-
-# torchtune adapter parameter -> PEFT's
-_PEFT_PARAMETERS = {
-    "lora_a.weight": "lora_A.weight",
-    "lora_b.weight": "lora_B.weight",
-    "magnitude": "lora_magnitude_vector",
-}
-_TUNE_ADAPTER_KEY = re.compile(r"^layers\.(\d+)\.(.+)\.(lora_a\.weight|lora_b\.weight|magnitude)$")
-_PEFT_PREFIX = "base_model.model."
 
 
 def _text_decoder_key(key: str) -> str | None:
@@ -149,37 +140,22 @@ _LAYER_KEYS_TO_HF = {tune: hf for hf, tune in _LAYER_KEYS.items()}
 def gemma3_tune_to_hf(state_dict: StateDict, config: Mapping[str, Any]) -> StateDict:
     """The inverse of :func:`gemma3_hf_to_tune` for a ``Gemma3ForCausalLM``: no
     ``lm_head.weight`` (tied: transformers ties it to ``model.embed_tokens.weight`` on load)."""
-    converted: StateDict = {}
-    for key, value in state_dict.items():
-        if key in _TOP_KEYS_TO_HF:
-            converted[_TOP_KEYS_TO_HF[key]] = value
-            continue
-        match = _TUNE_LAYER_KEY.match(key)
-        if match is None or match.group(2) not in _LAYER_KEYS_TO_HF:
-            raise _unexpected(key, "torchtune -> HF")
-        converted[f"model.layers.{match.group(1)}.{_LAYER_KEYS_TO_HF[match.group(2)]}"] = value
-    return converted
+    return {_tune_to_hf_key(key): value for key, value in state_dict.items()}
 
 
-_MODULES_TO_HF = {tune: hf for hf, tune in _LAYER_MODULES.items()}
+def _tune_to_hf_key(key: str) -> str:
+    if key in _TOP_KEYS_TO_HF:
+        return _TOP_KEYS_TO_HF[key]
+    match = _TUNE_LAYER_KEY.match(key)
+    if match is None or match.group(2) not in _LAYER_KEYS_TO_HF:
+        raise _unexpected(key, "torchtune -> HF")
+    return f"model.layers.{match.group(1)}.{_LAYER_KEYS_TO_HF[match.group(2)]}"
 
 
 def gemma3_adapter_to_peft(adapter: StateDict, config: Mapping[str, Any]) -> StateDict:
-    """A torchtune LoRA/DoRA adapter (``layers.N.attn.q_proj.lora_a.weight``, ...,
-    ``...magnitude``) in PEFT's names for a ``Gemma3ForCausalLM``
-    (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``, ...,
-    ``...lora_magnitude_vector``). Tensors as they are: no RoPE permutation (module docstring).
-    """
-    converted: StateDict = {}
-    for key, value in adapter.items():
-        match = _TUNE_ADAPTER_KEY.match(key)
-        if match is None or match.group(2) not in _MODULES_TO_HF:
-            raise _unexpected(key, "adapter -> PEFT")
-        layer, module, parameter = match.groups()
-        hf_module = _MODULES_TO_HF[module]
-        peft_key = f"{_PEFT_PREFIX}model.layers.{layer}.{hf_module}.{_PEFT_PARAMETERS[parameter]}"
-        converted[peft_key] = value
-    return converted
+    """A torchtune LoRA/DoRA adapter in PEFT's names for a ``Gemma3ForCausalLM``; tensors as
+    they are: no RoPE permutation (module docstring)."""
+    return peft_adapter(adapter, _tune_to_hf_key)
 
 
 _LORA_ARGUMENTS = {

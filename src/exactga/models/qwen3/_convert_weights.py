@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from exactga.models.hf_format import HFFormat, StateDict
+from exactga.models.hf_format import HFFormat, StateDict, peft_adapter
 from exactga.models.qwen3._component_builders import resolved_head_dim
 
 # Weights outside the layers: HF name -> torchtune name.
@@ -49,15 +49,6 @@ _TUNE_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 # Buffers some HF checkpoints hold that torchtune recomputes (RoPE's inverse frequencies).
 _HF_KEYS_TO_SKIP = re.compile(r".*\.rotary_emb\.inv_freq")
 _HF_OUTPUT_KEY = "lm_head.weight"
-# torchtune adapter parameter suffix -> PEFT's (PEFT drops its adapter name, "default", on save
-# and keeps a DoRA magnitude without ".weight").
-_ADAPTER_SUFFIX_TO_PEFT = {
-    "lora_a.weight": "lora_A.weight",
-    "lora_b.weight": "lora_B.weight",
-    "magnitude": "lora_magnitude_vector",
-}
-# What PeftModel.save_pretrained puts before the wrapped model's own names.
-_PEFT_PREFIX = "base_model.model."
 
 
 def _hf_key_to_tune(key: str) -> str:
@@ -124,18 +115,6 @@ def tune_to_hf(state_dict: StateDict, config: Mapping[str, Any]) -> StateDict:
     return {_tune_key_to_hf(key): value for key, value in state_dict.items()}
 
 
-def _adapter_key_to_peft(key: str) -> str:
-    """PEFT's name of torchtune adapter parameter ``key`` (``layers.0.attn.q_proj.lora_a.weight``
-    -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``)."""
-    for suffix, peft_suffix in _ADAPTER_SUFFIX_TO_PEFT.items():
-        if key.endswith("." + suffix):
-            module = key[: -len(suffix) - 1]
-            # The adapted linear's own weight names the module in both formats.
-            hf_module = _tune_key_to_hf(f"{module}.weight").removesuffix(".weight")
-            return f"{_PEFT_PREFIX}{hf_module}.{peft_suffix}"
-    raise ValueError(f"'{key}' is no LoRA/DoRA adapter parameter of torchtune's Qwen3 model")
-
-
 def adapter_to_peft(adapter_state_dict: StateDict, config: Mapping[str, Any]) -> StateDict:
     """torchtune's Qwen3 adapter (``get_adapter_state_dict``'s keys) in PEFT's names, the file
     ``PeftModel.from_pretrained`` loads. Tensors are unchanged: see the module docstring.
@@ -148,7 +127,7 @@ def adapter_to_peft(adapter_state_dict: StateDict, config: Mapping[str, Any]) ->
         ValueError: a key that is no adapter parameter of a Qwen3 linear.
     """
     del config  # rotate-half RoPE: no row permutation for any head layout
-    return {_adapter_key_to_peft(key): value for key, value in adapter_state_dict.items()}
+    return peft_adapter(adapter_state_dict, _tune_key_to_hf)
 
 
 def hf_config(builder_kwargs: Mapping[str, Any]) -> dict[str, Any]:
