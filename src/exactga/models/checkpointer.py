@@ -93,8 +93,9 @@ class FullModelHFCheckpointer(_TorchtuneHFCheckpointer):
             return
         epoch_dir = self._output_dir / f"epoch_{epoch}"
         epoch_dir.mkdir(parents=True, exist_ok=True)
+        saved_config = self.hf_format.saved_config(self._config)  # of what is written
         if not adapter_only:
-            self._write_model_shards(state_dict[training.MODEL_KEY], epoch_dir)
+            self._write_model_shards(state_dict[training.MODEL_KEY], epoch_dir, saved_config)
         if training.ADAPTER_KEY in state_dict:
             self._write_adapter(state_dict[training.ADAPTER_KEY], epoch_dir)
         elif adapter_only:
@@ -112,7 +113,6 @@ class FullModelHFCheckpointer(_TorchtuneHFCheckpointer):
         # The model folder's other files (config.json, tokenizer, ...): the epoch folder is a
         # model folder transformers can load.
         copy_files(self._checkpoint_dir, epoch_dir, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
-        saved_config = self.hf_format.saved_config(self._config)
         if not adapter_only and saved_config != self._config:  # the weights are another model's
             config_path = epoch_dir / "config.json"
             text = json.dumps(saved_config, indent=2)
@@ -148,12 +148,16 @@ class FullModelHFCheckpointer(_TorchtuneHFCheckpointer):
             gc.collect()  # one file's tensors at a time beside the merged ones
         return merged
 
-    def _write_model_shards(self, tune_weights: dict[str, torch.Tensor], epoch_dir: Path) -> None:
+    def _write_model_shards(
+        self,
+        tune_weights: dict[str, torch.Tensor],
+        epoch_dir: Path,
+        saved_config: dict[str, Any],
+    ) -> None:
         """The weights in HF's names, in the files they were read from (or, when the keys are
         not those read, e.g. a multimodal release's text decoder, in files of at most
         ``MAX_SHARD_BYTES``), the index naming the file of each key, and the config of what was
         written."""
-        saved_config = self.hf_format.saved_config(self._config)
         hf_weights = self.hf_format.tune_to_hf(tune_weights, saved_config)
         shard_of = self._shards_as_read(hf_weights) or _shards_by_size(hf_weights)
         suffix = ".safetensors" if self._safe_serialization else ".bin"
