@@ -22,25 +22,18 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 """
 
 import sys
-import time
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch import nn
-from torchtune import config, training, utils
+from omegaconf import DictConfig
+from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
 from exactga.accumulation.normalization import LossNormalizer, Window
-from exactga.accumulation.optimizers import build_optimizer
-from exactga.accumulation.step import StepContext
-from exactga.data.loader import build_prompt_loader
 from exactga.grpo.policy import PolicyMetrics, grpo_loss_step, loss_units_for
+from exactga.grpo.prompts import checked_prompt_loader
 from exactga.grpo.rewards import build_rewards
-from exactga.grpo.rollouts import SamplingSettings, check_prompt
 from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig, loss_settings
 from exactga.grpo.step import (
     StepRollouts,
@@ -50,18 +43,8 @@ from exactga.grpo.step import (
     rollout_metrics,
 )
 from exactga.launch.cli import run_recipe
-from exactga.profiling import profiler_from_config
-from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
-from exactga.run.progress import TrainingProgress, build_lr_scheduler
-from exactga.run.resume import start_run, validate_run_config
-from exactga.run.steps import StepBook, StepBookSettings
-from exactga.run.threads import use_cpu_threads
-from exactga.runtime import distributed
-from exactga.runtime.kernels import choose_attention_kernels
-from exactga.runtime.precision import Precision
-from exactga.setup.checkpoints import RunCheckpoints
-from exactga.setup.frozen import build_frozen_model
-from exactga.setup.model import FullWeights, ModelSettings, Parallelism, build_model
+from exactga.run.steps import StepBookSettings
+from exactga.setup.run_start import RunStart, Runtime, validated_config
 
 log = utils.get_logger("INFO")
 
@@ -104,186 +87,66 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        self._device = utils.get_device(device=cfg.device)
-        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
-        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
-        self._cpu_threads = use_cpu_threads(  # see [cpu threads]
-            cfg.cpu_threads, optimizer_on_cpu=cfg.fsdp_cpu_offload and self._device.type != "cpu"
-        )
-        self._gradient_sync = cfg.gradient_sync
-
-        self._enable_async_checkpointing = cfg.enable_async_checkpointing
-        self._fsdp_cpu_offload = cfg.fsdp_cpu_offload and self._device.type != "cpu"
-        distributed.init_distributed(
-            self._device,
-            offload_ops_to_cpu=self._fsdp_cpu_offload or self._enable_async_checkpointing,
-        )
-        self.world_size, self.rank = utils.get_world_size_and_rank()
-        self._is_rank_zero = self.rank == 0
-        self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
-        self.dp_size = self._mesh["dp"].size()
-        self.dp_rank = self._mesh["dp"].get_local_rank()
-
-        self._optimizer_in_bwd = cfg.optimizer_in_bwd
+        # Device, process group, data-parallel mesh, precision policy, kernels, threads and
+        # the seed; see [setup order].
+        self._runtime = Runtime.distributed(cfg)
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._loss_normalization = cfg.loss_normalization
-        self._compile = cfg.compile
-        self._model_settings = ModelSettings.from_config(cfg, self._device)
-
         # The RL keys (stock's names).
-        self._batch_size = cfg.batch_size
         self._ppo_epochs = cfg.ppo_epochs
         self._max_generated_tokens = cfg.max_generated_tokens
         self._loss_aggregation = cfg.loss_aggregation
         self._loss_settings = loss_settings(cfg)
-        # Step checkpoints only between rollout steps: the rollouts themselves are not saved.
-        self._book_settings = replace(  # logging, saving, non-finite
-            StepBookSettings.from_config(cfg),
-            save_every_n_steps=cfg.save_every_n_steps * cfg.ppo_epochs
-            if cfg.save_every_n_steps
-            else None,
-        )
-
-        # Epochs, steps and their outcomes; a resume sets them in setup. An epoch is at most
-        # num_steps rollout steps, each ppo_epochs optimizer steps.
-        self._num_steps = cfg.num_steps
-        self._progress = TrainingProgress(
-            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
-            total_epochs=cfg.epochs,
-            max_steps_per_epoch=cfg.max_steps_per_epoch,
-        )
 
     def setup(self, cfg: DictConfig) -> None:
-        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
-        self._step_checkpointer, self._fingerprint, resume = start_run(cfg, GRPO_FINGERPRINT_KEYS)
-        # Rank 0's; a resumed run's curves go on in its run ([resumed TensorBoard run]).
-        self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
-        self._checkpoint_client = self._precision.saving_in_dtype(  # weights for users in dtype
-            CheckpointClient(
-                OmegaConf.merge(cfg, {"resume_from_checkpoint": resume.from_epoch_checkpoint})
-            )
-        )
-        ckpt_dict = self._checkpoint_client.load_base_checkpoint()
-        # Built, cast, compiled, checkpointed, sharded and loaded in the one order; see
-        # exactga.setup.model.
-        built = build_model(
-            cfg.model,
-            FullWeights(resume.model_weights(ckpt_dict), resume.weights_source(cfg.checkpointer)),
-            precision=self._precision,
-            device=self._device,
-            settings=self._model_settings,
-            parallelism=Parallelism(dp_mesh=self._mesh["dp"]),
-            notes=(self._attention_kernels, self._cpu_threads),
-        )
-        self._model, self._activations_handling_ctx = built.model, built.activations_ctx
-        self._ref_model = self._setup_reference_model(cfg)
+        # Resume point, metric logger, torchtune's checkpoint client and the weights it read.
+        start = RunStart(cfg, self._runtime, GRPO_FINGERPRINT_KEYS)
+        self._model = start.build_model(cfg.model, start.full_weights())
+        self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
+        # The frozen reference: ``model`` with ref_checkpointer's weights (also on resume, as
+        # stock), sharded like the policy.
+        self._ref_model = start.frozen_model(cfg.model, cfg.ref_checkpointer, "Reference")
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._step_settings = StepSettings.of(
-            num_prompts=cfg.batch_size,
-            grpo_samples=cfg.grpo_samples,
-            sampling=SamplingSettings(
-                max_generated_tokens=cfg.max_generated_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                stop_tokens=tuple(cfg.stop_token_ids or [self._tokenizer.eos_id]),
-            ),
-            ppo_epochs=cfg.ppo_epochs,
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            micro_batching=cfg.micro_batching,
-            micro_batch_tokens=cfg.micro_batch_tokens,
-            forward_batch_size=cfg.forward_batch_size,
-            pad_id=self._tokenizer.pad_id,
+        self._step_settings = StepSettings.from_config(
+            cfg, pad_id=self._tokenizer.pad_id, eos_id=self._tokenizer.eos_id
         )
         self._rewards = build_rewards(cfg.rewards)
-        self._optimizer = build_optimizer(
-            cfg.optimizer,
-            self._model,
-            in_backward=self._optimizer_in_bwd,
-            state=resume.optimizer_state(ckpt_dict),
-            sharded=True,
-            device=self._device,
-        )  # see [optimizer in backward]
-        resume.restore_progress(self._progress, ckpt_dict)
-
+        self._optimizer = start.build_optimizer(
+            cfg.optimizer, self._model, in_backward=cfg.optimizer_in_bwd
+        )
         # The policy loss is a mean over completion tokens or completions; the normaliser
         # weighs micro-batches by those units on every rank.
         self._normalizer = LossNormalizer(
             None,
-            mode=self._loss_normalization,
-            dp_group=distributed.dp_group(self._mesh),
+            mode=cfg.loss_normalization,
+            dp_group=self._runtime.dp_group,
             units=loss_units_for(self._loss_aggregation),
         )
-        self._policy_metrics = PolicyMetrics(self._device)
+        self._policy_metrics = PolicyMetrics(self._runtime.device)
         self._rollouts: StepRollouts | None = None  # the current step's, for its metrics
-
         # Prompts: batch_size per rank per step, dealt out of one shuffled order, so the
         # step's global batch is the same prompts on any number of ranks.
-        dataset = config.instantiate(cfg.dataset, self._tokenizer)
-        for prompt in dataset:  # every rank fails alike at start-up, not one rank mid-run
-            check_prompt(
-                self._model,
-                prompt["prompt_tokens"],
-                prompt_index=prompt["index"],
-                max_generated_tokens=self._max_generated_tokens,
-            )
-        self._dataloader = build_prompt_loader(
-            dataset,
-            batch_size=self._batch_size,
-            shuffle=cfg.shuffle,
-            num_replicas=self.dp_size,
-            rank=self.dp_rank,
-            state_dict=resume.dataloader_state(ckpt_dict),
+        self._dataloader = checked_prompt_loader(
+            cfg,
+            self._tokenizer,
+            self._model,
+            num_replicas=self._runtime.dp_size,
+            rank=self._runtime.dp_rank,
+            state_dict=start.dataloader_state(),
         )
-        rollout_steps = min(len(self._dataloader), self._num_steps)
-        self._progress.start(
-            rollout_steps * self._ppo_epochs,  # optimizer steps per epoch
-            resumed_mid_run=resume.from_step_checkpoint,
+        # Checkpoints, scheduler, profiler, logs: set up last. An epoch is at most num_steps
+        # rollout steps, each ppo_epochs optimizer steps; step checkpoints only fall between
+        # rollout steps, since the rollouts themselves are not saved.
+        book_settings = StepBookSettings.from_config(cfg)
+        every = cfg.save_every_n_steps * cfg.ppo_epochs if cfg.save_every_n_steps else None
+        self._run = start.training_run(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            self._normalizer,
+            windows_per_epoch=min(len(self._dataloader), cfg.num_steps) * cfg.ppo_epochs,
+            book_settings=replace(book_settings, save_every_n_steps=every),
+            window_metrics=self._window_metrics,
         )
-
-        self._checkpoints = RunCheckpoints(
-            self._progress,
-            self._step_checkpointer,
-            self._fingerprint,
-            self._device,
-            epoch_writer=self._checkpoint_client,
-            sharded=True,
-        )
-        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, self._progress)
-        # Phase timings on every rank; traces, snapshots and the report on rank 0.
-        self._profiler = profiler_from_config(cfg, self._device, self._model, self._metric_logger)
-        self._checkpoint_dir = cfg.checkpointer.output_dir
-        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_reference_model(self, cfg: DictConfig) -> nn.Module:
-        """The frozen reference: ``model`` with the weights of ``ref_checkpointer`` (stock's
-        rule: the original weights, also on resume), sharded like the policy, never saved."""
-        t0 = time.perf_counter()
-        ref_state = config.instantiate(
-            cfg.ref_checkpointer, should_load_recipe_state=False
-        ).load_checkpoint()
-        ref_model = build_frozen_model(
-            cfg.model,
-            ref_state[training.MODEL_KEY],
-            dtype=self._dtype,
-            device=self._device,
-            dp_mesh=self._mesh["dp"],
-            custom_sharded_layers=cfg.custom_sharded_layers,
-            cpu_offload=self._fsdp_cpu_offload,
-            reshard_after_forward=cfg.fsdp_reshard_after_forward,
-            compile_model=self._compile,
-            verbose=self._is_rank_zero,
-        )
-        distributed.log_rank_zero(
-            f"Reference built, sharded over dp={self.dp_size} and loaded in "
-            f"{time.perf_counter() - t0:.2f} s, precision {self._dtype}; frozen."
-        )
-        distributed.barrier()
-        return ref_model
-
-    def save_checkpoint(self, epoch: int) -> None:
-        """The epoch's checkpoint, as stock writes it (every rank calls this)."""
-        self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
 
     def _make_rollouts(self, prompts: list[dict[str, Any]], rollout_step: int) -> StepRollouts:
         """Generate, score and record log-probs for one step's prompts on this rank; see
@@ -295,12 +158,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             settings=self._step_settings,
             reward_components=self._rewards,
             tokenizer=self._tokenizer,
-            seed=self._progress.seed,
+            seed=self._runtime.progress.seed,
             step=rollout_step,
-            device=self._device,
-            run_full_length=self.dp_size > 1,  # every rank runs as many forwards
-            precision=self._precision,
-            phase=self._profiler.phase,
+            device=self._runtime.device,
+            run_full_length=self._runtime.dp_size > 1,  # every rank runs as many forwards
+            precision=self._runtime.precision,
+            phase=self._run.profiler.phase,
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -311,47 +174,33 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             batch,
             aggregation=self._loss_aggregation,
             max_generated_tokens=self._max_generated_tokens,
-            precision=self._precision,
-            activations_ctx=self._activations_handling_ctx,
+            precision=self._runtime.precision,
+            activations_ctx=self._activations_ctx,
             metrics=self._policy_metrics,
             **self._loss_settings,
         )
 
     def train(self) -> None:
-        distributed.cleanup_before_training(self._device)
-        if self._compile:
-            distributed.log_rank_zero("torch.compile is on: expect a slow first step.")
-        self._optimizer.zero_grad()
-        progress = self._progress
-        steps = self._step_book()
-        with self._profiler:
-            for curr_epoch in progress.epochs():
+        progress = self._runtime.progress
+        with self._run as steps:  # the profiler, the progress bar and the closing report
+            for curr_epoch in steps.epochs():
                 steps.open_epoch(curr_epoch)
                 rollout_steps_left = progress.windows_left_in(curr_epoch) // self._ppo_epochs
                 prompt_batches = iter(self._dataloader)
                 for _ in range(rollout_steps_left):
-                    prompts = next(prompt_batches)
                     rollout_step = progress.global_step // self._ppo_epochs
-                    rollouts = self._make_rollouts(prompts, rollout_step)
+                    rollouts = self._make_rollouts(next(prompt_batches), rollout_step)
                     self._rollouts = rollouts  # read by _window_metrics on logged steps
-                    for window in steps.training(
-                        ppo_windows(rollouts, self._step_settings, self._normalizer)
-                    ):
+                    windows = ppo_windows(rollouts, self._step_settings, self._normalizer)
+                    for window in steps.training(windows):  # ppo_epochs passes over them
                         self._policy_metrics.clear()  # this pass's KL and clipping
                         for batch in window:  # this rank's micro-batches, on the device
                             loss = self._loss_step(batch)  # forward and mean loss: edit here
                             window.backward(loss)  # weighed by its exact share, then backward
                         outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
-                        report = steps.end_step(window, outcome)  # .loss: on logged steps
-                        log.debug(
-                            "step %d: loss %s", report.step, report.loss
-                        )  # print() is bar-safe
-                next(
-                    prompt_batches, None
-                )  # lets the loader see its end, as exactga.accumulation.normalization
+                        steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                next(prompt_batches, None)  # lets the loader see its end (its epoch position)
                 steps.end_epoch(curr_epoch)
-        outputs = "Checkpoints"
-        report_outputs(self._profiler.summary(), self._checkpoint_dir, self._metric_logger, outputs)
 
     def _window_metrics(self, window: Window) -> dict[str, float]:
         """What a logged step adds: the policy's KL and clipping over the window, and the
@@ -361,44 +210,23 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         rollouts = rollout_metrics(
             self._rollouts,
             window.dp_group,
-            self._device,
+            self._runtime.device,
             generation_seconds=self._rollouts.generation_seconds,
         )
         return {**metrics, **rollouts}
 
-    def _step_book(self) -> StepBook:
-        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
-        return StepBook(
-            self._progress,
-            context=StepContext(
-                self._model,
-                self._device,
-                self._profiler,
-                partial(distributed.gradient_sync, self._model, self._gradient_sync),
-                announce_skip=self._is_rank_zero,
-            ),
-            dataloader=self._dataloader,
-            normalizer=self._normalizer,
-            optimizer=self._optimizer,
-            lr_scheduler=self._lr_scheduler,
-            settings=self._book_settings,
-            checkpoints=self._checkpoints,
-            metric_logger=self._metric_logger,
-            window_metrics=self._window_metrics,
-        )
+    def save_checkpoint(self, epoch: int) -> None:
+        """The epoch's checkpoint, as stock writes it (every rank calls this)."""
+        self._run.save_epoch(self._model, self._optimizer, epoch)
 
     def cleanup(self) -> None:
-        close_metric_logger(self._metric_logger)
-        distributed.destroy()
+        self._run.close()  # the metric logger and the process group
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Entry point: validates the config strictly, then trains."""
-    cfg = validate_run_config(cfg, GrpoDistributedConfig, RECIPE_NAME)
-    if distributed.is_rank_zero():
-        config.log_config(recipe_name="GRPOFullFinetuneRecipeDistributed", cfg=cfg)
+    """Entry point: the config checked strictly and logged, then training."""
+    cfg = validated_config(cfg, GrpoDistributedConfig, RECIPE_NAME)
     recipe = GRPOFullFinetuneRecipeDistributed(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()

@@ -23,31 +23,22 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 
 import sys
 
-import torchtune.modules.common_utils as common_utils
 from omegaconf import DictConfig
-from torch import nn
-from torchtune import config, training, utils
+from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.normalization import LossNormalizer
-from exactga.accumulation.optimizers import build_optimizer
-from exactga.accumulation.step import StepContext
-from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
-from exactga.kd.distillation import KD_FINGERPRINT_KEYS, Distiller, check_vocabularies
+from exactga.data.loader import load_dataset, model_vocab_size
+from exactga.kd.distillation import (
+    KD_FINGERPRINT_KEYS,
+    Distiller,
+    build_kd_losses,
+    check_vocabularies,
+)
 from exactga.kd.schema import KnowledgeDistillationSingleDeviceConfig
 from exactga.launch.cli import run_recipe
-from exactga.profiling import profiler_from_config
-from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
-from exactga.run.progress import TrainingProgress, build_lr_scheduler
-from exactga.run.resume import start_run, validate_run_config
-from exactga.run.steps import StepBook, StepBookSettings
-from exactga.run.threads import use_cpu_threads
-from exactga.runtime.kernels import choose_attention_kernels
-from exactga.runtime.precision import Precision
-from exactga.setup.checkpoints import RunCheckpoints
-from exactga.setup.frozen import freeze_model
 from exactga.setup.lora import LoraSettings
-from exactga.setup.model import AdapterWeights, ModelSettings, build_model
+from exactga.setup.run_start import RunStart, Runtime, validated_config
 
 log = utils.get_logger("INFO")
 
@@ -94,188 +85,75 @@ class KDRecipeSingleDevice(FTRecipeInterface):
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        self._device = utils.get_device(device=cfg.device)
-        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
-        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
-        self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
-
-        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
-
-        self._save_adapter_weights_only = cfg.save_adapter_weights_only
+        # Device, precision policy, kernels, threads and the seed; see [setup order].
+        self._runtime = Runtime.single_device(cfg)
+        self._lora = LoraSettings.from_config(cfg.model)  # the student's, as stock reads it
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._loss_normalization = cfg.loss_normalization
-        self._compile = cfg.compile
-        self._model_settings = ModelSettings.from_config(cfg, self._device)
-        self._kd_ratio = cfg.kd_ratio
-
-        # LoRA settings, read from the model section as stock does.
-        self._lora = LoraSettings.from_config(cfg.model)
-
-        # Epochs, steps and their outcomes; a resume sets them in setup.
-        self._progress = TrainingProgress(
-            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
-            total_epochs=cfg.epochs,
-            max_steps_per_epoch=cfg.max_steps_per_epoch,
-        )
 
     def setup(self, cfg: DictConfig) -> None:
-        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
-        self._step_checkpointer, self._fingerprint, resume = start_run(cfg, KD_FINGERPRINT_KEYS)
-        # A resumed run's curves go on in its run ([resumed TensorBoard run]).
-        self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
-        self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
-            config.instantiate(
-                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
-            )
-        )
-        ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
-        resume.restore_progress(self._progress, ckpt_dict)
-
-        # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
-        common_utils._use_low_cpu_ram = cfg.low_cpu_ram
-        # Built, adapters made trainable, cast, compiled, checkpointed and loaded in the one
-        # order; see exactga.setup.model.
-        built = build_model(
-            cfg.model,
-            AdapterWeights.at_start(
-                self._lora, resume, ckpt_dict, cfg.checkpointer, self._progress.seed
-            ),
-            precision=self._precision,
-            device=self._device,
-            settings=self._model_settings,
-            notes=(self._attention_kernels, self._cpu_threads),
-        )
-        self._model, self._activations_handling_ctx = built.model, built.activations_ctx
-        self._teacher_model = self._setup_teacher_model(cfg.teacher_model, cfg.teacher_checkpointer)
+        # Resume point, metric logger, torchtune's checkpointer and the student's frozen base.
+        start = RunStart(cfg, self._runtime, KD_FINGERPRINT_KEYS)
+        self._model = start.build_model(cfg.model, start.adapter_weights(self._lora))
+        # The frozen teacher, from its own checkpointer; never saved.
+        teacher = start.frozen_model(cfg.teacher_model, cfg.teacher_checkpointer, "Teacher")
+        check_vocabularies(model_vocab_size(self._model), model_vocab_size(teacher))
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = build_optimizer(
-            cfg.optimizer,
-            self._model,
-            state=resume.optimizer_state(ckpt_dict),
+        self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
+        loss_fn, kd_loss_fn = build_kd_losses(
+            cfg.loss, cfg.kd_loss, self._model, teacher, compile_loss=cfg.compile
         )
-
-        self._loss_fn = config.instantiate(cfg.loss)
-        self._kd_loss_fn = config.instantiate(cfg.kd_loss)
-        if self._compile:
-            self._loss_fn = training.compile_loss(self._loss_fn)
-            self._kd_loss_fn = training.compile_loss(self._kd_loss_fn)
-        if hasattr(self._loss_fn, "num_output_chunks"):
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
-            self._teacher_model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         # The combined loss and its checks; see [two token-normalised losses].
         self._distiller = Distiller(
             self._model,
-            self._teacher_model,
-            self._loss_fn,
-            self._kd_loss_fn,
-            self._kd_ratio,
-            precision=self._precision,
-            device=self._device,
-            activations_ctx=self._activations_handling_ctx,
+            teacher,
+            loss_fn,
+            kd_loss_fn,
+            cfg.kd_ratio,
+            precision=self._runtime.precision,
+            device=self._runtime.device,
+            activations_ctx=start.activations_ctx,
         )
-        self._normalizer = LossNormalizer(
-            self._loss_fn,
-            mode=self._loss_normalization,
-        )
-
-        # Data order, row checks and loader position: see [data order] in exactga.data.loader.
+        normalizer = LossNormalizer(loss_fn, mode=cfg.loss_normalization)
+        # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
-        self._dataloader = dataloader_from_config(
-            dataset,
-            cfg,
-            padding_idx=self._tokenizer.pad_id,
-            ignore_idx=self._loss_fn.ignore_index,
-            state_dict=resume.dataloader_state(ckpt_dict),
+        dataloader = start.dataloader(
+            dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=loss_fn.ignore_index
         )
-        self._progress.start(
-            len(self._dataloader),  # windows per epoch
-            resumed_mid_run=resume.from_step_checkpoint,
-        )
-
-        self._checkpoints = RunCheckpoints(
-            self._progress,
-            self._step_checkpointer,
-            self._fingerprint,
-            self._device,
-            epoch_writer=self._checkpointer,
+        # Checkpoints (adapters, and merged weights), scheduler, profiler, logs: set up last.
+        self._run = start.training_run(
+            self._model,
+            self._optimizer,
+            dataloader,
+            normalizer,
             lora=self._lora,
-            adapter_only=self._save_adapter_weights_only,
-        )
-        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, self._progress)
-        # Phase timings on every rank; traces, snapshots and the report on rank 0.
-        self._profiler = profiler_from_config(cfg, self._device, self._model, self._metric_logger)
-        self._checkpoint_dir = cfg.checkpointer.output_dir
-        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def _setup_teacher_model(
-        self, cfg_teacher: DictConfig, cfg_teacher_checkpointer: DictConfig
-    ) -> nn.Module:
-        """The frozen teacher in ``dtype``, from its own checkpointer (never saved)."""
-        teacher_state = config.instantiate(cfg_teacher_checkpointer).load_checkpoint()
-        with training.set_default_dtype(self._dtype), self._device:
-            teacher = config.instantiate(cfg_teacher)
-        teacher.load_state_dict(teacher_state[training.MODEL_KEY])
-        freeze_model(teacher)
-        if self._compile:
-            training.compile_model(teacher)
-        check_vocabularies(model_vocab_size(self._model), model_vocab_size(teacher))
-        training.validate_expected_param_dtype(teacher.named_parameters(), dtype=self._dtype)
-        num_params = sum(p.numel() for p in teacher.parameters())
-        log.info(f"Teacher is initialized with precision {self._dtype}; {num_params:,} frozen.")
-        if self._device.type != "cpu":
-            training.log_memory_stats(training.get_memory_stats(device=self._device))
-        return teacher
-
-    def save_checkpoint(self, epoch: int) -> None:
-        """The epoch's checkpoint, as stock writes it."""
-        self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
-
-    def train(self) -> None:
-        if self._compile:
-            log.info("torch.compile is on: expect a slow first step while it compiles.")
-        self._optimizer.zero_grad()
-        progress = self._progress
-        steps = self._step_book()
-        with self._profiler:
-            for curr_epoch in progress.epochs():
-                for window in steps.windows(curr_epoch):
-                    for batch in window:  # this rank's micro-batches, on the device
-                        loss = self._distiller.loss_step(batch)  # forward and mean loss: edit here
-                        window.backward(loss)  # weighed by its exact share, then backward
-                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
-                    report = steps.end_step(window, outcome)  # .loss: on logged steps
-                    log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
-                steps.end_epoch(curr_epoch)
-        outputs = "Student adapters and checkpoints"
-        report_outputs(self._profiler.summary(), self._checkpoint_dir, self._metric_logger, outputs)
-
-    def _step_book(self) -> StepBook:
-        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
-        return StepBook(
-            self._progress,
-            context=StepContext(self._model, self._device, self._profiler),
-            dataloader=self._dataloader,
-            normalizer=self._normalizer,
-            optimizer=self._optimizer,
-            lr_scheduler=self._lr_scheduler,
-            settings=self._book_settings,
-            checkpoints=self._checkpoints,
-            metric_logger=self._metric_logger,
-            window_metrics=self._distiller.window_metrics,
+            window_metrics=self._distiller.window_metrics,  # both losses, on logged steps
             track=self._distiller.track,
         )
 
+    def train(self) -> None:
+        with self._run as steps:  # the profiler, the progress bar and the closing report
+            for curr_epoch in steps.epochs():
+                for window in steps.windows(curr_epoch):
+                    for batch in window:  # this rank's micro-batches, on the device
+                        loss = self._distiller.loss_step(batch)  # teacher, student, both losses
+                        window.backward(loss)  # weighed by its exact share, then backward
+                    outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
+                    steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                steps.end_epoch(curr_epoch)
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """The epoch's checkpoint, as stock writes it: the student's adapters and merged
+        weights."""
+        self._run.save_epoch(self._model, self._optimizer, epoch)
+
     def cleanup(self) -> None:
-        close_metric_logger(self._metric_logger)
+        self._run.close()
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Entry point: validates the config strictly, then trains."""
-    cfg = validate_run_config(cfg, KnowledgeDistillationSingleDeviceConfig, RECIPE_NAME)
-    config.log_config(recipe_name="KDRecipeSingleDevice", cfg=cfg)
+    """Entry point: the config checked strictly and logged, then training."""
+    cfg = validated_config(cfg, KnowledgeDistillationSingleDeviceConfig, RECIPE_NAME)
     recipe = KDRecipeSingleDevice(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()

@@ -22,28 +22,17 @@ docs/lora_finetune_single_device.md.
 import sys
 
 import torch
-import torchtune.modules.common_utils as common_utils
 from omegaconf import DictConfig
-from torchtune import config, training, utils
+from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.normalization import LossNormalizer
-from exactga.accumulation.optimizers import build_optimizer
-from exactga.accumulation.step import StepContext
 from exactga.config.schemas import LoraFinetuneSingleDeviceConfig
-from exactga.data.loader import dataloader_from_config, load_dataset, model_vocab_size
+from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
-from exactga.profiling import profiler_from_config
-from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
-from exactga.run.progress import TrainingProgress, build_lr_scheduler
-from exactga.run.resume import start_run, validate_run_config
-from exactga.run.steps import StepBook, StepBookSettings
-from exactga.run.threads import use_cpu_threads
-from exactga.runtime.kernels import choose_attention_kernels
-from exactga.runtime.precision import Precision
-from exactga.setup.checkpoints import RunCheckpoints
 from exactga.setup.lora import LoraSettings
-from exactga.setup.model import AdapterWeights, ModelSettings, build_loss, build_model
+from exactga.setup.model import build_loss
+from exactga.setup.run_start import RunStart, Runtime, validated_config
 from exactga.sft.loss import causal_lm_loss
 
 log = utils.get_logger("INFO")
@@ -97,153 +86,59 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        self._device = utils.get_device(device=cfg.device)
-        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        self._precision = Precision.from_config(self._dtype, cfg.master_weights, self._device)
-        self._attention_kernels = choose_attention_kernels(cfg.cudnn_attention, self._device)
-        self._cpu_threads = use_cpu_threads(cfg.cpu_threads)  # see [cpu threads]
-
-        self._book_settings = StepBookSettings.from_config(cfg)  # logging, saving, non-finite
-
-        self._save_adapter_weights_only = cfg.save_adapter_weights_only
+        # Device, precision policy, kernels, threads and the seed; see [setup order].
+        self._runtime = Runtime.single_device(cfg)
+        self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._loss_normalization = cfg.loss_normalization
-        self._compile = cfg.compile
-        self._model_settings = ModelSettings.from_config(cfg, self._device)
-
-        # LoRA settings, read from the model section as stock does.
-        self._lora = LoraSettings.from_config(cfg.model)
-
-        # Epochs, steps and their outcomes; a resume sets them in setup.
-        self._progress = TrainingProgress(
-            seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
-            total_epochs=cfg.epochs,
-            max_steps_per_epoch=cfg.max_steps_per_epoch,
-        )
 
     def setup(self, cfg: DictConfig) -> None:
-        # Where to go on from: nothing, torchtune's epoch checkpoint or a step checkpoint.
-        self._step_checkpointer, self._fingerprint, resume = start_run(cfg)
-        # A resumed run's curves go on in its run ([resumed TensorBoard run]).
-        self._metric_logger = open_run_logger(cfg, resumed=resume.resumed)
-        self._checkpointer = self._precision.saving_in_dtype(  # adapters, merged: in dtype
-            config.instantiate(
-                cfg.checkpointer, should_load_recipe_state=resume.from_epoch_checkpoint
-            )
-        )
-        ckpt_dict = self._checkpointer.load_checkpoint()  # the frozen base, always
-        resume.restore_progress(self._progress, ckpt_dict)
-
-        # torchtune's switch to the low-CPU-RAM version of the NF4 state-dict hook.
-        common_utils._use_low_cpu_ram = cfg.low_cpu_ram
-        # Built, adapters made trainable, cast, compiled, checkpointed and loaded in the one
-        # order; see exactga.setup.model.
-        built = build_model(
-            cfg.model,
-            AdapterWeights.at_start(
-                self._lora, resume, ckpt_dict, cfg.checkpointer, self._progress.seed
-            ),
-            precision=self._precision,
-            device=self._device,
-            settings=self._model_settings,
-            notes=(self._attention_kernels, self._cpu_threads),
-        )
-        self._model, self._activations_handling_ctx = built.model, built.activations_ctx
+        # Resume point, metric logger, torchtune's checkpointer and the frozen base it read.
+        start = RunStart(cfg, self._runtime)
+        self._model = start.build_model(cfg.model, start.adapter_weights(self._lora))
+        self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = build_optimizer(
-            cfg.optimizer,
-            self._model,
-            state=resume.optimizer_state(ckpt_dict),
-        )
-
-        self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=self._compile)
-        self._normalizer = LossNormalizer(
-            self._loss_fn,
-            mode=self._loss_normalization,
-        )
-
-        # Data order, row checks and loader position: see [data order] in exactga.data.loader.
+        self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
+        self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
+        normalizer = LossNormalizer(self._loss_fn, mode=cfg.loss_normalization)
+        # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
-        self._dataloader = dataloader_from_config(
-            dataset,
-            cfg,
-            padding_idx=self._tokenizer.pad_id,
-            ignore_idx=self._loss_fn.ignore_index,
-            state_dict=resume.dataloader_state(ckpt_dict),
+        dataloader = start.dataloader(
+            dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
         )
-        self._progress.start(
-            len(self._dataloader),  # windows per epoch
-            resumed_mid_run=resume.from_step_checkpoint,
+        # Checkpoints (adapters, and merged weights), scheduler, profiler, logs: set up last.
+        self._run = start.training_run(
+            self._model, self._optimizer, dataloader, normalizer, lora=self._lora
         )
-
-        self._checkpoints = RunCheckpoints(
-            self._progress,
-            self._step_checkpointer,
-            self._fingerprint,
-            self._device,
-            epoch_writer=self._checkpointer,
-            lora=self._lora,
-            adapter_only=self._save_adapter_weights_only,
-        )
-        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, self._progress)
-        # Phase timings on every rank; traces, snapshots and the report on rank 0.
-        self._profiler = profiler_from_config(cfg, self._device, self._model, self._metric_logger)
-        self._checkpoint_dir = cfg.checkpointer.output_dir
-        resume.restore_rng(self._device)  # last: model and data setup above draw from the RNGs
-
-    def save_checkpoint(self, epoch: int) -> None:
-        """The epoch's checkpoint, as stock writes it."""
-        self._checkpoints.save_epoch(self._model, self._optimizer, epoch)
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
         return causal_lm_loss(
-            self._model, self._loss_fn, batch, self._activations_handling_ctx, self._precision
+            self._model, self._loss_fn, batch, self._activations_ctx, self._runtime.precision
         )
 
     def train(self) -> None:
-        if self._compile:
-            log.info("torch.compile is on: expect a slow first step while it compiles.")
-        self._optimizer.zero_grad()
-        progress = self._progress
-        steps = self._step_book()
-        with self._profiler:
-            for curr_epoch in progress.epochs():
+        with self._run as steps:  # the profiler, the progress bar and the closing report
+            for curr_epoch in steps.epochs():
                 for window in steps.windows(curr_epoch):
                     for batch in window:  # this rank's micro-batches, on the device
                         loss = self._loss_step(batch)  # forward and mean loss: edit here
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
-                    report = steps.end_step(window, outcome)  # .loss: on logged steps
-                    log.debug("step %d: loss %s", report.step, report.loss)  # print() is bar-safe
+                    steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
                 steps.end_epoch(curr_epoch)
-        outputs = "Adapters and checkpoints"
-        report_outputs(self._profiler.summary(), self._checkpoint_dir, self._metric_logger, outputs)
 
-    def _step_book(self) -> StepBook:
-        """The loop's bookkeeping: counters, scheduler, non-finite policy, logs and
-        checkpoints, in the one order; see [step bookkeeping] in ``exactga.run.steps``."""
-        return StepBook(
-            self._progress,
-            context=StepContext(self._model, self._device, self._profiler),
-            dataloader=self._dataloader,
-            normalizer=self._normalizer,
-            optimizer=self._optimizer,
-            lr_scheduler=self._lr_scheduler,
-            settings=self._book_settings,
-            checkpoints=self._checkpoints,
-            metric_logger=self._metric_logger,
-        )
+    def save_checkpoint(self, epoch: int) -> None:
+        """The epoch's checkpoint, as stock writes it: adapters, and merged weights."""
+        self._run.save_epoch(self._model, self._optimizer, epoch)
 
     def cleanup(self) -> None:
-        close_metric_logger(self._metric_logger)
+        self._run.close()
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Entry point: validates the config strictly, then trains."""
-    cfg = validate_run_config(cfg, LoraFinetuneSingleDeviceConfig, RECIPE_NAME)
-    config.log_config(recipe_name="LoRAFinetuneRecipeSingleDevice", cfg=cfg)
+    """Entry point: the config checked strictly and logged, then training."""
+    cfg = validated_config(cfg, LoraFinetuneSingleDeviceConfig, RECIPE_NAME)
     recipe = LoRAFinetuneRecipeSingleDevice(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()

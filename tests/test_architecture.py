@@ -161,7 +161,8 @@ ALLOWED_IMPORTS = {
     "run": {"config", "runtime", "data", "accumulation"},
     # Model families sit below setup: setup builds them, converts their weights, seeds them.
     "models": {"config", "runtime"},
-    "setup": {"config", "runtime", "accumulation", "run", "models"},
+    # Setup assembles a recipe's run (exactga.setup.run_start): the loader and the profiler too.
+    "setup": {"config", "runtime", "data", "accumulation", "run", "models", "profiling"},
     **{
         family: {"config", "runtime", "data", "accumulation", "setup", "models"}
         for family in FAMILIES

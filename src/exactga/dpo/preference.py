@@ -77,6 +77,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ from exactga.accumulation.loss_units import (
 from exactga.accumulation.normalization import Window
 from exactga.config.options import SequenceLogProb, as_option
 from exactga.data.packing import PACKED_SEQUENCES
-from exactga.dpo.reference_logprobs import PAIR_INDEX, ReferenceTable
+from exactga.dpo.reference_logprobs import PAIR_INDEX, ReferenceTable, with_precomputed_reference
 from exactga.runtime.precision import Precision
 from exactga.setup.frozen import frozen_forward
 
@@ -491,3 +492,30 @@ class PreferenceMetrics:
         if self.has_terms:  # chosen_nll: over the chosen tokens
             means[-1] = float(sums[-1]) / window.num_global_term_units[1]
         return dict(zip(self.names, means, strict=True))
+
+
+def reference_for_run(
+    reference: Any,
+    dataset: Any,
+    cfg: Any,
+    *,
+    pad_id: int,
+    device: torch.device,
+    dp_group: dist.ProcessGroup | None = None,
+) -> tuple[Any, Any]:
+    """What the loss step reads the reference from, and the dataset to load: ``reference``
+    and ``dataset`` as they are, or with the config's ``precompute_reference_logprobs`` a
+    table of every pair's reference log-probs, computed once over ``cfg.batch_size`` pairs at
+    a time, and the dataset its pairs are looked up from (see [precomputed reference] in
+    exactga.dpo.reference_logprobs). The caller drops its other handles on the reference
+    model, so that the table frees it."""
+    if not cfg.precompute_reference_logprobs:
+        return reference, dataset
+    return with_precomputed_reference(
+        reference,
+        dataset,
+        collate=partial(collate_pairs, padding_idx=pad_id),
+        batch_size=cfg.batch_size,
+        device=device,
+        dp_group=dp_group,
+    )

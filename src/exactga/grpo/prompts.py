@@ -28,7 +28,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from datasets import load_dataset
+from torch import nn
 from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchtune import config
+
+from exactga.data.loader import build_prompt_loader
+from exactga.grpo.rollouts import check_prompt
 
 QUESTION = "question"
 ANSWER = "answer"
@@ -149,4 +155,35 @@ def prompt_dataset(
         column_map=column_map,
         filter_fn=filter_fn,
         **load_dataset_kwargs,
+    )
+
+
+def checked_prompt_loader(
+    cfg: Any,
+    tokenizer: Any,
+    model: nn.Module,
+    *,
+    num_replicas: int,
+    rank: int,
+    state_dict: Mapping[str, Any] | None,
+) -> StatefulDataLoader:
+    """The config's prompts, every one checked against ``model`` first (so that every rank
+    fails alike at start-up, not one rank mid-run), dealt ``batch_size`` a step per rank out
+    of one shuffled order: a step's prompts over every rank are the same on any number of
+    ranks (``exactga.data.loader.build_prompt_loader``)."""
+    dataset = config.instantiate(cfg.dataset, tokenizer)
+    for prompt in dataset:
+        check_prompt(
+            model,
+            prompt["prompt_tokens"],
+            prompt_index=prompt["index"],
+            max_generated_tokens=cfg.max_generated_tokens,
+        )
+    return build_prompt_loader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=cfg.shuffle,
+        num_replicas=num_replicas,
+        rank=rank,
+        state_dict=state_dict,
     )

@@ -275,6 +275,28 @@ class StepSettings:
     pad_id: int
 
     @classmethod
+    def from_config(cls, cfg: Any, *, pad_id: int, eos_id: int) -> StepSettings:
+        """A GRPO config's step: ``batch_size`` prompts on this rank, each sampled
+        ``grpo_samples`` times until a stop token (``stop_token_ids``, or the tokenizer's
+        ``eos_id``) or ``max_generated_tokens``."""
+        return cls.of(
+            num_prompts=cfg.batch_size,
+            grpo_samples=cfg.grpo_samples,
+            sampling=SamplingSettings(
+                max_generated_tokens=cfg.max_generated_tokens,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                stop_tokens=tuple(cfg.stop_token_ids or [eos_id]),
+            ),
+            ppo_epochs=cfg.ppo_epochs,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            micro_batching=cfg.micro_batching,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            forward_batch_size=cfg.forward_batch_size,
+            pad_id=pad_id,
+        )
+
+    @classmethod
     def of(
         cls,
         *,

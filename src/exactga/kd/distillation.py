@@ -55,7 +55,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
+from torchtune import config, training
 
 from exactga.accumulation.forward import projecting_only
 from exactga.accumulation.loss_units import (
@@ -65,6 +67,7 @@ from exactga.accumulation.loss_units import (
     shift_labels,
 )
 from exactga.accumulation.normalization import Window
+from exactga.runtime.distributed import is_rank_zero
 from exactga.runtime.precision import Precision
 from exactga.setup.frozen import frozen_forward
 
@@ -216,6 +219,28 @@ def verify_kd_loss_denominator(
 
 # ---------------------------------------------------------------------------------------------
 # The combined loss of one micro-batch, and the exact window values of its two parts.
+
+
+def build_kd_losses(
+    cfg_loss: DictConfig,
+    cfg_kd_loss: DictConfig,
+    student: nn.Module,
+    teacher: nn.Module,
+    *,
+    compile_loss: bool,
+) -> tuple[nn.Module, nn.Module]:
+    """The class loss and the KD loss of a KD config, compiled when asked. A chunked class
+    loss (``num_output_chunks``) has both models return their logits in as many chunks, which
+    is what the two losses take."""
+    loss_fn = config.instantiate(cfg_loss)
+    kd_loss_fn = config.instantiate(cfg_kd_loss)
+    if compile_loss:
+        loss_fn = training.compile_loss(loss_fn, verbose=is_rank_zero())
+        kd_loss_fn = training.compile_loss(kd_loss_fn, verbose=is_rank_zero())
+    if hasattr(loss_fn, "num_output_chunks"):
+        student.set_num_output_chunks(loss_fn.num_output_chunks)
+        teacher.set_num_output_chunks(loss_fn.num_output_chunks)
+    return loss_fn, kd_loss_fn
 
 
 class Distiller:

@@ -174,6 +174,10 @@ class StepBook:
         self._num_tokens_since_log = 0
         self._last_log_time: float | None = None
 
+    def epochs(self) -> range:
+        """The epochs still to train (all of them, or what a resume left)."""
+        return self.progress.epochs()
+
     def windows(self, epoch: int) -> Iterator[TrainingWindow]:
         """The windows of ``epoch`` still to train (all of them, or what a resume left), timed
         by the profiler, each ready to run (``exactga.accumulation.step.TrainingWindow``)."""

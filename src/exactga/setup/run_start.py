@@ -1,0 +1,500 @@
+"""A recipe's setup, in the order that decides its numbers, written once for every recipe.
+
+A training recipe reads, top to bottom::
+
+    self._runtime = Runtime.single_device(cfg)         # or Runtime.distributed(cfg)
+    ...
+    start = RunStart(cfg, self._runtime, fingerprint_keys)  # resume point, logger, weights
+    self._model = start.build_model(cfg.model, start.full_weights())
+    self._optimizer = start.build_optimizer(cfg.optimizer, self._model)
+    ...                                                 # its loss and data, its own way
+    self._run = start.training_run(self._model, self._optimizer, dataloader, normalizer)
+
+and trains inside ``with self._run as steps:``. Each call here is one thing that changes a
+number or an artefact when two recipes do it differently (see [setup order]), so a recipe (or a
+user's copy) can neither skip it nor do it in another order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from types import TracebackType
+from typing import Any
+
+import torch
+import torchtune.modules.common_utils as common_utils
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torchtune import config, training, utils
+from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
+
+from exactga.accumulation.optimizers import build_optimizer
+from exactga.accumulation.step import StepContext
+from exactga.data.loader import dataloader_from_config
+from exactga.profiling import profiler_from_config
+from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
+from exactga.run.progress import TrainingProgress, build_lr_scheduler
+from exactga.run.resume import start_run, validate_run_config
+from exactga.run.steps import StepBook, StepBookSettings
+from exactga.run.threads import use_cpu_threads
+from exactga.runtime import distributed
+from exactga.runtime.kernels import choose_attention_kernels
+from exactga.runtime.precision import Precision
+from exactga.setup.checkpoints import RunCheckpoints
+from exactga.setup.frozen import build_frozen_model, freeze_model
+from exactga.setup.lora import LoraSettings
+from exactga.setup.model import AdapterWeights, FullWeights, ModelSettings, Parallelism, build_model
+
+log = utils.get_logger("INFO")
+
+
+def validated_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictConfig:
+    """The recipe's config checked strictly against ``schema`` before anything is built (see
+    ``exactga.run.resume.validate_run_config``), then logged on rank 0.
+
+    Raises:
+        ValueError: naming the key or file at fault.
+    """
+    cfg = validate_run_config(cfg, schema, recipe_name)
+    if distributed.is_rank_zero():
+        config.log_config(recipe_name=recipe_name, cfg=cfg)
+    return cfg
+
+
+# Note [setup order]
+# What a recipe's setup does, in this order, on every rank:
+# 1. ``Runtime``: the device, the precision policy, the attention kernels, the CPU threads, and
+#    under torchrun the process group and the ("dp", "tp") mesh; then the seed (the config's on
+#    every rank), before anything draws a random number.
+# 2. ``RunStart``: where the run goes on from (nothing, an epoch or a step checkpoint), the
+#    metric logger (a resumed run continues its own TensorBoard run), torchtune's checkpointer
+#    (wrapped so that weights for users are written in ``dtype``) and the weights it reads.
+# 3. the model: built, adapters made trainable, cast, compiled, sharded, loaded
+#    (``exactga.setup.model.build_model``); frozen reference and teacher models next.
+# 4. the optimizer, with the checkpoint's state; then the counters are restored.
+# 5. the recipe's own loss and data; the loader gets the checkpoint's position.
+# 6. ``training_run``: the counters learn the epoch length, then the checkpoints, the learning-
+#    rate scheduler, the profiler and the step bookkeeping; last the RNG states of a resumed
+#    run, because steps 3-5 draw from the RNGs (adapter init, dropout-free init, samplers).
+# A recipe that changes this order changes its numbers, which is why it is written once here.
+
+
+@dataclass
+class Runtime:
+    """Where and how a run computes, read from the config once (see [setup order], 1).
+
+    Build it with :meth:`single_device` or :meth:`distributed`; a recipe passes it to
+    :class:`RunStart` and reads ``device``, ``precision`` and, distributed, ``dp_size``.
+    """
+
+    device: torch.device
+    precision: Precision
+    model_settings: ModelSettings
+    progress: TrainingProgress
+    notes: tuple[object, ...]  # logged with the model: what else decides the run's numbers
+    mesh: DeviceMesh | None = None
+    tensor_parallel_plan: Any = None
+    tensor_parallel_dim: int = 1
+    fingerprint_extra: dict[str, Any] = field(default_factory=dict)
+    gradient_sync: Any = None  # the config's GradientSync, distributed only
+    async_checkpointing: bool = False
+
+    @classmethod
+    def single_device(cls, cfg: DictConfig) -> Runtime:
+        """One device: no process group, no sharding."""
+        device = utils.get_device(device=cfg.device)
+        dtype = training.get_dtype(cfg.dtype, device=device)
+        notes = (
+            choose_attention_kernels(cfg.cudnn_attention, device),
+            use_cpu_threads(cfg.cpu_threads),  # see [cpu threads] in exactga.run.threads
+        )
+        if "low_cpu_ram" in cfg:  # torchtune's low-CPU-RAM NF4 state-dict hook (QLoRA)
+            common_utils._use_low_cpu_ram = cfg.low_cpu_ram
+        return cls(
+            device=device,
+            precision=Precision.from_config(dtype, cfg.master_weights, device),
+            model_settings=ModelSettings.from_config(cfg, device),
+            progress=_seeded_progress(cfg),
+            notes=notes,
+        )
+
+    @classmethod
+    def distributed(cls, cfg: DictConfig, *, tensor_parallel: bool = False) -> Runtime:
+        """Every rank of a torchrun launch (or one rank without torchrun): the process group,
+        and the mesh, data-parallel only unless ``tensor_parallel`` (then the config's
+        ``tensor_parallel_dim`` and ``tensor_parallel_plan``)."""
+        device = utils.get_device(device=cfg.device)
+        dtype = training.get_dtype(cfg.dtype, device=device)
+        keys = cfg.keys()
+        # Parameters offloaded to the CPU are for a GPU's memory; on CPU the key is ignored.
+        cpu_offload = bool(cfg.fsdp_cpu_offload) and device.type != "cpu"
+        async_checkpointing = (
+            "enable_async_checkpointing" in keys and cfg.enable_async_checkpointing
+        )
+        notes = (
+            choose_attention_kernels(cfg.cudnn_attention, device),
+            use_cpu_threads(cfg.cpu_threads, optimizer_on_cpu=cpu_offload),  # see [cpu threads]
+        )
+        distributed.init_distributed(device, offload_ops_to_cpu=cpu_offload or async_checkpointing)
+        tp_dim = cfg.tensor_parallel_dim if tensor_parallel else 1
+        return cls(
+            device=device,
+            precision=Precision.from_config(dtype, cfg.master_weights, device),
+            model_settings=ModelSettings.from_config(cfg, device),
+            progress=_seeded_progress(cfg),
+            notes=notes,
+            mesh=distributed.build_device_mesh(device, tp_dim),
+            tensor_parallel_plan=config.instantiate(cfg.tensor_parallel_plan)
+            if tensor_parallel
+            else None,
+            tensor_parallel_dim=tp_dim,
+            fingerprint_extra={"tensor_parallel_dim": tp_dim} if tensor_parallel else {},
+            gradient_sync=cfg.gradient_sync,
+            async_checkpointing=async_checkpointing,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size() if self.mesh is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def dp_group(self) -> Any:
+        """The group loss units are counted over (``None``: this process alone)."""
+        return distributed.dp_group(self.mesh) if self.mesh is not None else None
+
+    @property
+    def parallelism(self) -> Parallelism | None:
+        if self.mesh is None:
+            return None
+        tp = self.tensor_parallel_dim > 1
+        return Parallelism(
+            dp_mesh=self.mesh["dp"],
+            tp_mesh=self.mesh["tp"] if tp else None,
+            tp_plan=self.tensor_parallel_plan if tp else None,
+        )
+
+    def step_context(self, model: nn.Module, profiler: Any) -> StepContext:
+        """How this rank runs a window's micro-batches; distributed, with the config's
+        gradient-sync policy, and only rank 0 announcing a skipped window."""
+        if self.mesh is None:
+            return StepContext(model, self.device, profiler)
+        return StepContext(
+            model,
+            self.device,
+            profiler,
+            partial(distributed.gradient_sync, model, self.gradient_sync),
+            announce_skip=distributed.is_rank_zero(),
+        )
+
+    def log(self, message: str) -> None:
+        """Log on global rank 0 (every rank, on one device, is rank 0)."""
+        distributed.log_rank_zero(message)
+
+
+def _seeded_progress(cfg: DictConfig) -> TrainingProgress:
+    """The run's counters, with the seed set: the config's on every rank (torchtune would seed
+    ``seed + rank``), before anything draws a random number."""
+    return TrainingProgress(
+        seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
+        total_epochs=cfg.epochs,
+        max_steps_per_epoch=cfg.max_steps_per_epoch,
+    )
+
+
+class RunStart:
+    """Where a run starts from, and what it builds against it (see [setup order], 2-6).
+
+    Opening it decides the resume point, opens the metric logger and torchtune's checkpointer
+    and reads its weights. Sharded full-weight recipes (their configs have
+    ``enable_async_checkpointing``) read through torchtune's ``CheckpointClient``, the others
+    through ``checkpointer`` itself, as stock does.
+
+    Args:
+        cfg: the validated config.
+        runtime: the recipe's :class:`Runtime`.
+        fingerprint_keys: config keys of the recipe's family that a resume must match.
+    """
+
+    def __init__(
+        self, cfg: DictConfig, runtime: Runtime, fingerprint_keys: tuple[str, ...] = ()
+    ) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.progress = runtime.progress
+        self.step_checkpointer, self.fingerprint, self.resume = start_run(
+            cfg, fingerprint_keys, **runtime.fingerprint_extra
+        )
+        # Rank 0's; a resumed run's curves go on in its run ([resumed TensorBoard run]).
+        self.metric_logger = open_run_logger(cfg, resumed=self.resume.resumed)
+        self._client = runtime.sharded and "enable_async_checkpointing" in cfg
+        if self._client:  # torchtune's client reads the base weights, or an epoch's
+            client_cfg = OmegaConf.merge(
+                cfg, {"resume_from_checkpoint": self.resume.from_epoch_checkpoint}
+            )
+            self.epoch_writer = runtime.precision.saving_in_dtype(CheckpointClient(client_cfg))
+            self.ckpt_dict = self.epoch_writer.load_base_checkpoint()
+        else:
+            self.epoch_writer = runtime.precision.saving_in_dtype(  # for users: in dtype
+                config.instantiate(
+                    cfg.checkpointer, should_load_recipe_state=self.resume.from_epoch_checkpoint
+                )
+            )
+            # Read even when a step checkpoint replaces its weights: the HF checkpointer
+            # learns there the layout it writes the epoch checkpoints in.
+            self.ckpt_dict = self.epoch_writer.load_checkpoint()
+        self.activations_ctx: Any = None  # the model's, once built
+
+    # -- weights ---------------------------------------------------------------------------
+    def full_weights(self) -> FullWeights:
+        """Every weight: the checkpointer's, or the checkpoint's the run resumes from."""
+        return FullWeights(
+            self.resume.model_weights(self.ckpt_dict),
+            self.resume.weights_source(self.cfg.checkpointer),
+        )
+
+    def adapter_weights(self, lora: LoraSettings) -> AdapterWeights:
+        """The frozen base, and the adapters to go on from (fresh ones from the seed)."""
+        return AdapterWeights.at_start(
+            lora, self.resume, self.ckpt_dict, self.cfg.checkpointer, self.progress.seed
+        )
+
+    # -- models ----------------------------------------------------------------------------
+    def build_model(
+        self, cfg_model: DictConfig, weights: FullWeights | AdapterWeights
+    ) -> nn.Module:
+        """The trained model, built, cast, compiled, sharded and loaded in the one order (see
+        ``exactga.setup.model.build_model``); its forwards run in ``activations_ctx``."""
+        built = build_model(
+            cfg_model,
+            weights,
+            precision=self.runtime.precision,
+            device=self.runtime.device,
+            settings=self.runtime.model_settings,
+            parallelism=self.runtime.parallelism,
+            notes=self.runtime.notes,
+        )
+        self.activations_ctx = built.activations_ctx
+        return built.model
+
+    def frozen_model(
+        self, cfg_model: DictConfig, cfg_checkpointer: DictConfig, role: str
+    ) -> nn.Module:
+        """A frozen model (a reference, a teacher) in ``dtype`` with the weights of its own
+        checkpointer (never the run's: stock's rule, also on resume), sharded like the trained
+        model when it is; never saved. ``role`` names it in the log."""
+        started = time.perf_counter()
+        runtime, settings = self.runtime, self.runtime.model_settings
+        state = config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
+        state_dict = state.load_checkpoint()[training.MODEL_KEY]
+        if runtime.sharded:
+            model = build_frozen_model(
+                cfg_model,
+                state_dict,
+                dtype=runtime.dtype,
+                device=runtime.device,
+                dp_mesh=runtime.mesh["dp"],
+                custom_sharded_layers=settings.custom_sharded_layers,
+                cpu_offload=settings.fsdp_cpu_offload,
+                reshard_after_forward=settings.fsdp_reshard_after_forward,
+                compile_model=settings.compile,
+                verbose=distributed.is_rank_zero(),
+            )
+        else:
+            model = _frozen_on_device(cfg_model, state_dict, runtime.dtype, runtime.device)
+            if settings.compile:
+                training.compile_model(model)
+        num_params = sum(p.numel() for p in model.parameters())
+        runtime.log(
+            f"{role} built and loaded in {time.perf_counter() - started:.2f} s over "
+            f"dp={runtime.dp_size}, precision {runtime.dtype}; {num_params:,} frozen."
+        )
+        if runtime.sharded:
+            distributed.barrier()
+        return model
+
+    # -- optimizer -------------------------------------------------------------------------
+    def build_optimizer(
+        self, cfg_optimizer: DictConfig, model: nn.Module, *, in_backward: bool = False
+    ) -> Any:
+        """The optimizer with the checkpoint's state (see [optimizer in backward] in
+        exactga.accumulation.optimizers); then the counters are restored."""
+        optimizer = build_optimizer(
+            cfg_optimizer,
+            model,
+            in_backward=in_backward,
+            state=self.resume.optimizer_state(self.ckpt_dict),
+            **({"sharded": True, "device": self.runtime.device} if self.runtime.sharded else {}),
+        )
+        if self._client and self.resume.from_epoch_checkpoint and self.runtime.async_checkpointing:
+            # torchtune's distributed checkpoint loads weights and optimizer state in place.
+            self.ckpt_dict = self.epoch_writer.load_distributed_checkpoint(model, optimizer)
+        self.resume.restore_progress(self.progress, self.ckpt_dict)
+        return optimizer
+
+    # -- data ------------------------------------------------------------------------------
+    def dataloader(self, dataset: Any, *, padding_idx: int, ignore_idx: int) -> Any:
+        """The loader of windows at the checkpoint's position; see [data order] in
+        exactga.data.loader. Ranks of one tensor-parallel group read the same data: the
+        sampler splits over the data-parallel ranks only."""
+        runtime = self.runtime
+        ranks = (
+            {
+                "num_replicas": runtime.dp_size,
+                "rank": runtime.dp_rank,
+                "rank_balancing": self.cfg.rank_balancing,
+            }
+            if runtime.sharded
+            else {}
+        )
+        return dataloader_from_config(
+            dataset,
+            self.cfg,
+            padding_idx=padding_idx,
+            ignore_idx=ignore_idx,
+            state_dict=self.resume.dataloader_state(self.ckpt_dict),
+            **ranks,
+        )
+
+    def dataloader_state(self) -> dict[str, Any] | None:
+        """The checkpoint's loader position, for a recipe that builds its own loader."""
+        return self.resume.dataloader_state(self.ckpt_dict)
+
+    # -- the loop's bookkeeping ------------------------------------------------------------
+    def training_run(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        dataloader: Any,
+        normalizer: Any,
+        *,
+        lora: LoraSettings | None = None,
+        windows_per_epoch: int | None = None,
+        book_settings: StepBookSettings | None = None,
+        **step_book_extras: Any,
+    ) -> TrainingRun:
+        """Everything the loop needs around the step, last in setup (see [setup order], 6).
+
+        Args:
+            lora: the adapters' settings of a LoRA model (adapter checkpoints, merged weights
+                unless the config's ``save_adapter_weights_only``).
+            windows_per_epoch: optimizer steps per epoch; the loader's length by default.
+            book_settings: the step bookkeeping's settings; the config's by default.
+            step_book_extras: ``window_metrics``, ``track``: see ``StepBook``.
+        """
+        cfg, runtime, progress = self.cfg, self.runtime, self.progress
+        progress.start(
+            len(dataloader) if windows_per_epoch is None else windows_per_epoch,
+            resumed_mid_run=self.resume.from_step_checkpoint,
+        )
+        checkpoints = RunCheckpoints(
+            progress,
+            self.step_checkpointer,
+            self.fingerprint,
+            runtime.device,
+            epoch_writer=self.epoch_writer,
+            lora=lora,
+            adapter_only=lora is not None and cfg.save_adapter_weights_only,
+            sharded=runtime.sharded,
+        )
+        lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, optimizer, progress)
+        # Phase timings on every rank; traces, snapshots and the report on rank 0.
+        profiler = profiler_from_config(cfg, runtime.device, model, self.metric_logger)
+        steps = StepBook(
+            progress,
+            context=runtime.step_context(model, profiler),
+            dataloader=dataloader,
+            normalizer=normalizer,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            settings=book_settings or StepBookSettings.from_config(cfg),
+            checkpoints=checkpoints,
+            metric_logger=self.metric_logger,
+            **step_book_extras,
+        )
+        self.resume.restore_rng(runtime.device)  # last: the setup above draws from the RNGs
+        outputs = "Adapters and checkpoints" if lora is not None else "Checkpoints"
+        return TrainingRun(steps, runtime, cfg.checkpointer.output_dir, outputs, cfg.compile)
+
+
+def _frozen_on_device(
+    cfg_model: DictConfig, state_dict: dict[str, Any], dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """``cfg_model`` built on ``device`` in ``dtype``, loaded and frozen (one device)."""
+    with training.set_default_dtype(dtype), device:
+        model = config.instantiate(cfg_model)
+    model.load_state_dict(state_dict)
+    freeze_model(model)
+    training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
+    return model
+
+
+class TrainingRun:
+    """What a recipe's ``train()`` runs in::
+
+        with self._run as steps:      # the profiler, the progress bar, the closing report
+            for curr_epoch in steps.epochs():
+                for window in steps.windows(curr_epoch):
+                    ...
+
+    Entering frees what setup left behind (distributed), says when a compile will make the
+    first step slow, clears the gradients and starts the profiler; leaving a finished loop
+    stops it and reports where the checkpoints and logs are.
+    """
+
+    def __init__(
+        self, steps: StepBook, runtime: Runtime, output_dir: str, outputs: str, compiled: bool
+    ) -> None:
+        self.steps = steps
+        self.runtime = runtime
+        self.output_dir = output_dir
+        self.outputs = outputs
+        self.compiled = compiled
+
+    @property
+    def profiler(self) -> Any:
+        return self.steps.profiler
+
+    def __enter__(self) -> StepBook:
+        if self.runtime.sharded:
+            distributed.cleanup_before_training(self.runtime.device)
+        if self.compiled:
+            self.runtime.log("torch.compile is on: expect a slow first step while it compiles.")
+        self.steps.optimizer.zero_grad()
+        self.profiler.__enter__()
+        return self.steps
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.profiler.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            summary = self.profiler.summary()
+            report_outputs(summary, self.output_dir, self.steps.metric_logger, self.outputs)
+
+    def save_epoch(self, model: nn.Module, optimizer: Any, epoch: int) -> None:
+        """The epoch's checkpoint, as stock writes it (every rank calls it)."""
+        self.steps.checkpoints.save_epoch(model, optimizer, epoch)
+
+    def close(self) -> None:
+        """The metric logger, and the process group when there is one."""
+        close_metric_logger(self.steps.metric_logger)
+        if self.runtime.sharded:
+            distributed.destroy()
