@@ -131,10 +131,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                     steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
                 steps.end_epoch(curr_epoch)
 
-    def save_checkpoint(self, epoch: int) -> None:
-        """The epoch's checkpoint, as stock writes it (every rank calls this)."""
-        self._run.save_epoch(self._model, self._optimizer, epoch)
-
     def cleanup(self) -> None:
         self._run.close()  # the metric logger and the process group
 

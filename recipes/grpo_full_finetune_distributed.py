@@ -215,10 +215,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         return {**metrics, **rollouts}
 
-    def save_checkpoint(self, epoch: int) -> None:
-        """The epoch's checkpoint, as stock writes it (every rank calls this)."""
-        self._run.save_epoch(self._model, self._optimizer, epoch)
-
     def cleanup(self) -> None:
         self._run.close()  # the metric logger and the process group
 

@@ -158,11 +158,6 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
                     steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
                 steps.end_epoch(curr_epoch)
 
-    def save_checkpoint(self, epoch: int) -> None:
-        """The epoch's checkpoint, as stock writes it: adapters and merged weights,
-        gathered to rank 0 (every rank calls this)."""
-        self._run.save_epoch(self._model, self._optimizer, epoch)
-
     def cleanup(self) -> None:
         self._run.close()  # the metric logger and the process group
 

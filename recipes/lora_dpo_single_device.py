@@ -156,10 +156,6 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
                     steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
                 steps.end_epoch(curr_epoch)
 
-    def save_checkpoint(self, epoch: int) -> None:
-        """The epoch's checkpoint, as stock writes it: adapters, and merged weights."""
-        self._run.save_epoch(self._model, self._optimizer, epoch)
-
     def cleanup(self) -> None:
         self._run.close()
 

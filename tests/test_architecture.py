@@ -62,6 +62,47 @@ def test_recipes_leave_numbers_data_order_and_resume_to_the_library(recipe: Path
     assert not offending, f"{recipe.name} decides {sorted(set(offending.values()))} itself"
 
 
+# What a training recipe sets up only through exactga.setup.run_start, one call each: the setup
+# that decides numbers and artefacts (see [setup order]). The parity report trains its splits
+# its own way.
+SETUP_ONLY_NAMES = {
+    "set_seed": "the seed (exactga.setup.run_start.Runtime)",
+    "init_distributed": "the process group (exactga.setup.run_start.Runtime)",
+    "build_device_mesh": "the device mesh (exactga.setup.run_start.Runtime)",
+    "start_run": "the resume point (exactga.setup.run_start.RunStart)",
+    "build_frozen_model": "frozen models (exactga.setup.run_start.RunStart.frozen_model)",
+    "shard_model": "sharding (exactga.setup.run_start.RunStart.build_model)",
+    "restore_progress": "the counters of a resume (RunStart.build_optimizer)",
+    "dataloader_from_config": "the loader (exactga.setup.run_start.RunStart.dataloader)",
+    "RunCheckpoints": "the checkpoints (exactga.setup.run_start.RunStart.training_run)",
+    "StepBook": "the step bookkeeping (exactga.setup.run_start.RunStart.training_run)",
+    "restore_rng": "the RNG states of a resume (RunStart.training_run)",
+}
+
+
+# What a recipe reaches only through exactga.setup.run_start's one call each (their names are
+# also RunStart's methods, so the test looks at imports rather than calls).
+SETUP_INTERNALS = {
+    "exactga.setup.model": {"build_model"},
+    "exactga.accumulation.optimizers": {"build_optimizer"},
+}
+
+
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
+def test_training_recipes_leave_the_setup_to_the_run_start(recipe: Path) -> None:
+    called = _names_called(recipe)
+    offending = {name: what for name, what in SETUP_ONLY_NAMES.items() if name in called}
+    assert not offending, f"{recipe.name} decides {sorted(set(offending.values()))} itself"
+
+
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
+def test_recipes_build_model_and_optimizer_through_the_run_start(recipe: Path) -> None:
+    for node in ast.walk(ast.parse(recipe.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module in SETUP_INTERNALS:
+            imported = {alias.name for alias in node.names} & SETUP_INTERNALS[node.module]
+            assert not imported, f"{recipe.name} imports {imported}: use RunStart's methods"
+
+
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
 def test_only_training_progress_moves_the_counters(recipe: Path) -> None:
     tree = ast.parse(recipe.read_text())
@@ -340,8 +381,12 @@ def test_recipes_let_the_library_choose_the_attention_kernels(recipe: Path) -> N
     """Every training recipe applies ``cudnn_attention`` through ``exactga.runtime.kernels`` (see
     [cuDNN attention and variable shapes]) and none sets torch's backend flags itself."""
     source = recipe.read_text()
-    assert "choose_attention_kernels(cfg.cudnn_attention" in source
+    assert "Runtime.single_device(cfg)" in source or "Runtime.distributed(cfg" in source
     assert "enable_cudnn_sdp" not in source and "sdpa_kernel" not in source
+    from exactga.setup import run_start
+
+    runtime_source = inspect.getsource(run_start.Runtime)
+    assert runtime_source.count("choose_attention_kernels(cfg.cudnn_attention") == 2
 
 
 def test_the_normaliser_has_no_say_in_a_windows_size() -> None:

@@ -48,7 +48,7 @@ COMMON = {
 # The loop's lines the edits replace, as recipes/full_finetune_single_device.py has them.
 LOSS_LINE = "loss = self._loss_step(batch)  # forward and mean loss: edit here"
 STEP_LINE = "outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)"
-END_STEP_LINE = "report = steps.end_step(window, outcome)"
+END_STEP_LINE = "steps.end_step(window, outcome)"
 TRAIN_DEF = "def train(self) -> None:\n"
 
 PENALTY = (
@@ -56,7 +56,7 @@ PENALTY = (
     "self._model.parameters())"
 )
 OWN_METRIC = (
-    'report = steps.end_step(window, outcome, metrics={"my/micro_batches": '
+    'steps.end_step(window, outcome, metrics={"my/micro_batches": '
     "len(window.micro_batches)})"
 )
 CLIP = (

@@ -114,13 +114,11 @@ def copied_and_edited(tmp_path_factory) -> tuple[Path, str]:
     _tune("cp", "exactga/full_finetune_single_device", str(folder / "my_recipe.py"))
     _tune("cp", "exactga/tiny/full_single_device", str(folder / "my_config.yaml"))
     recipe = (folder / "my_recipe.py").read_text()
-    line = re.search(
-        r"\n( +)log\.debug\(\"step %d: loss %s\", report\.step, report\.loss\)[^\n]*", recipe
-    )
-    assert line is not None, "the loop's report line moved: update this test and the docs"
-    (folder / "my_recipe.py").write_text(
-        recipe.replace(line.group(0), f"\n{line.group(1)}{PRINTED}")
-    )
+    line = re.search(r"\n( +)steps\.end_step\(window, outcome\)[^\n]*", recipe)
+    assert line is not None, "the loop's end_step line moved: update this test and the docs"
+    indent = line.group(1)
+    edited = f"\n{indent}report = steps.end_step(window, outcome)\n{indent}{PRINTED}"
+    (folder / "my_recipe.py").write_text(recipe.replace(line.group(0), edited))
     proc = run_tune(
         [
             "my_recipe.py",

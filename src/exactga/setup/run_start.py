@@ -489,10 +489,6 @@ class TrainingRun:
             summary = self.profiler.summary()
             report_outputs(summary, self.output_dir, self.steps.metric_logger, self.outputs)
 
-    def save_epoch(self, model: nn.Module, optimizer: Any, epoch: int) -> None:
-        """The epoch's checkpoint, as stock writes it (every rank calls it)."""
-        self.steps.checkpoints.save_epoch(model, optimizer, epoch)
-
     def close(self) -> None:
         """The metric logger, and the process group when there is one."""
         close_metric_logger(self.steps.metric_logger)
