@@ -56,8 +56,7 @@ PENALTY = (
     "self._model.parameters())"
 )
 OWN_METRIC = (
-    'steps.end_step(window, outcome, metrics={"my/micro_batches": '
-    "len(window.micro_batches)})"
+    'steps.end_step(window, outcome, metrics={"my/micro_batches": len(window.micro_batches)})'
 )
 CLIP = (
     "outcome = window.step(self._optimizer, clip=lambda params: "
