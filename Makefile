@@ -43,6 +43,13 @@ lint: install
 clean:
 	rm -rf outputs .pytest_cache
 
+# make tensorboard: TensorBoard over every run under outputs/ (TB_LOGDIR=... for another folder),
+# served on this machine only, at http://localhost:6006. See docs/quickstart.md.
+TB_LOGDIR ?= outputs
+.PHONY: tensorboard
+tensorboard: install
+	$(VENV)/bin/tensorboard --logdir $(TB_LOGDIR) --host localhost
+
 # make gpu-check: the GPU tests and benchmarks in their own virtual environment, and one report
 # (docs/gpu_report.md); see docs/quickstart.md, "GPU check". GPU_TORCH is installed only when
 # $(PYTHON) has no CUDA torch to reuse; GPU_WHEELS=DIR installs offline from a wheel folder;

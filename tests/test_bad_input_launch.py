@@ -207,12 +207,39 @@ CONFIG_CASES = [
 ]
 
 
+# The command line itself (see [command line] in exactga.launch.cli): (id, arguments after the
+# tiny args, names); torchtune's parser would fail on each with a traceback.
+COMMAND_LINE_CASES = [
+    (
+        "override_split_by_the_shell",
+        ["epochs", "3"],
+        ["command-line override 'epochs' is not key=value; write it as epochs=3"],
+    ),
+    (
+        "override_value_does_not_parse",
+        ["optimizer.lr=[1,"],
+        ["command-line override 'optimizer.lr=[1,': its value '[1,' does not parse"],
+    ),
+]
+
+
 def config_case_args(tmp_path: Path, recipe: tuple[str, str] | None, overrides: dict) -> list[str]:
     out = tmp_path / "out"
     args = tiny_args(out, **overrides)
     if recipe is not None:
         args = with_recipe(recipe, args)
     return args
+
+
+@pytest.mark.xdist_group("bad_input_shared")
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [(case[0], case[2]) for case in COMMAND_LINE_CASES],
+    ids=[case[0] for case in COMMAND_LINE_CASES],
+)
+def test_a_bad_command_line_is_one_message_before_the_config_is_printed(shared_launch, case, names):
+    proc, tmp_path = shared_launch[case]
+    assert_fails_naming(proc, tmp_path / "out", names)
 
 
 @pytest.mark.xdist_group("bad_input_shared")
@@ -232,6 +259,16 @@ def test_under_torchrun_a_config_error_is_one_message_without_the_launchers_trac
     args = ["--nproc_per_node", "2", *with_recipe(FULL_DISTRIBUTED, tiny_args(out, epoch=2))]
     proc = run_tune(args)
     assert_fails_naming(proc, out, ["unknown config key 'epoch'", "Did you mean 'epochs'?"])
+    assert proc.returncode == 1
+    assert "ChildFailedError" not in output_of(proc)
+
+
+def test_under_torchrun_a_bad_override_is_one_message_without_the_launchers_traceback(tmp_path):
+    """Every rank refuses the override before torchtune's parser sees it."""
+    out = tmp_path / "out"
+    args = [*with_recipe(FULL_DISTRIBUTED, tiny_args(out)), "optimizer.lr=[1,"]
+    proc = run_tune(["--nproc_per_node", "2", *args])
+    assert_fails_naming(proc, out, ["command-line override 'optimizer.lr=[1,'"])
     assert proc.returncode == 1
     assert "ChildFailedError" not in output_of(proc)
 
@@ -507,6 +544,37 @@ def row_case_args(tmp_path: Path, rows: list[dict], overrides: dict) -> list[str
     return tiny_args(out, dataset__data_files=data, max_steps_per_epoch=2, **plain) + added
 
 
+# A data file datasets cannot read or that holds no rows (see [data file faults] in
+# exactga.data.files): (id, the file's text, names). Found where the dataset is built.
+DATA_FILE_CASES = [
+    (
+        "data_file_not_valid_json",
+        '[{"instruction": "Say hi.", "input": "", "output": "Hi."}\n {"instruction": "Hi."}]\n',
+        ["config key 'dataset.data_files': ", "is not valid JSON (line 2, column 2: Expecting"],
+    ),
+    ("data_file_empty", "", ["config key 'dataset.data_files': ", "is empty (0 bytes)"]),
+]
+
+
+def data_file_case_args(tmp_path: Path, text: str) -> list[str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "train.json"
+    data.write_text(text)
+    return tiny_args(tmp_path / "out", dataset__data_files=data, max_steps_per_epoch=2)
+
+
+@pytest.mark.xdist_group("bad_input_shared")
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [(case[0], case[2]) for case in DATA_FILE_CASES],
+    ids=[case[0] for case in DATA_FILE_CASES],
+)
+def test_a_bad_data_file_is_one_message_naming_it(shared_launch, case, names):
+    proc, tmp_path = shared_launch[case]
+    message = assert_fails_naming(proc, tmp_path / "out", names, before_config=False)
+    assert str(tmp_path / "train.json") in message
+
+
 @pytest.mark.xdist_group("bad_input_shared")
 @pytest.mark.parametrize(
     ("case", "names"),
@@ -523,10 +591,16 @@ def test_bad_row_is_one_message_naming_row_and_file(shared_launch, case, names):
 
 @pytest.fixture(scope="module")
 def shared_launch(tmp_path_factory) -> dict[str, Launched]:
-    """Every configuration case and every row case, by its id, launched together."""
+    """Every configuration, command-line, row and data-file case, by its id, launched
+    together."""
     root = tmp_path_factory.mktemp("bad_input_shared")
     args_of = {name: config_case_args(root / name, *case) for name, *case, _ in CONFIG_CASES}
     args_of |= {name: row_case_args(root / name, *case) for name, *case, _ in ROW_CASES}
+    args_of |= {
+        name: [*config_case_args(root / name, None, {}), *extra]
+        for name, extra, _ in COMMAND_LINE_CASES
+    }
+    args_of |= {name: data_file_case_args(root / name, text) for name, text, _ in DATA_FILE_CASES}
     launched = launch_together(root, args_of)
     # The row cases fail after the config is printed and the model built, so a run in a shared
     # launch prints both as one of its own would: the config cases' checks that neither is in

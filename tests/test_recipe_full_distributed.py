@@ -227,7 +227,9 @@ def test_rank_and_accumulation_splits_match_one_rank(runs, name):
     # The profiler hook's scalars, logged by rank 0 at every step.
     for tag in ("time/step_ms", "time/backward_ms", "throughput/tokens_per_second"):
         assert len(scalars[tag]) == len(scalars["loss"]) and min(scalars[tag]) > 0, tag
-    assert scalars["normalization/saved_ms"][-1] > 0
+    # Samples at steps 2 and 12 only: too few for a figure (see [saved latency on a busy
+    # machine]), so none is logged; tests/test_recipe_profiling.py logs one.
+    assert "normalization/saved_ms" not in scalars
 
 
 def test_without_torchrun_the_recipe_trains_as_one_rank(runs):

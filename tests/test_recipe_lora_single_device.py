@@ -307,8 +307,9 @@ def test_artefacts_match_stock_layout(tmp_path):
     hook = ("time/step_ms", "time/forward_ms", "time/backward_ms", "throughput/tokens_per_second")
     for name in stock + hook:
         assert len(scalars.get(name, [])) == 2, f"metric {name!r}: {scalars.get(name)}"
-    # The profiler hook timed the gradient pass LoRA skips (step 2 is always sampled).
-    assert scalars["normalization/saved_ms"][-1] > 0
+    # One sample of the gradient pass LoRA skips (step 2) is too few for a figure (see [saved
+    # latency on a busy machine]); tests/test_recipe_profiling.py logs one for LoRA.
+    assert "normalization/saved_ms" not in scalars
     assert all(math.isfinite(v) for v in scalars["loss"])
 
 

@@ -116,9 +116,10 @@ def test_hook_logs_scalars_and_leaves_weights_bit_identical(runs):
     for tag in HOOK_SCALARS:
         assert len(scalars[tag]) == STEPS, tag
         assert all(value >= 0 for value in scalars[tag]), tag
-    # Sampled on steps 2 to 6 (every step after the warm-up step, five samples).
+    # Sampled on steps 2 to 6 (every step after the warm-up step, five samples); a figure from
+    # the third sample on (see [saved latency on a busy machine]).
     for tag in SAVED_SCALARS:
-        assert len(scalars[tag]) == STEPS - 1, tag
+        assert len(scalars[tag]) == STEPS - 3, tag
     for tag in ("time/forward_ms", "time/backward_ms", "normalization/saved_ms"):
         assert all(value > 0 for value in scalars[tag]), tag
     assert all(0 < f < 1 for f in scalars["normalization/saved_fraction"])

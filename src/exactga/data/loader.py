@@ -50,10 +50,17 @@ from torchtune.data import (
     OpenAIToMessages,
     ShareGPTToMessages,
 )
-from torchtune.datasets import ConcatDataset, PackedDataset, PreferenceDataset, SFTDataset
+from torchtune.datasets import (
+    ConcatDataset,
+    PackedDataset,
+    PreferenceDataset,
+    SFTDataset,
+    TextCompletionDataset,
+)
 
 from exactga.config.options import RankBalancing
 from exactga.data.collation import micro_batch_collate
+from exactga.data.files import read_data_files
 from exactga.data.micro_batching import (
     MicroBatchingSettings,
     SampleWindow,
@@ -99,15 +106,23 @@ _COLUMNS: dict[type, dict[str, tuple[type, bool]]] = {
 def load_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any, vocab_size: int) -> Dataset:
     """The configured dataset (a list of sections is concatenated), with its rows checked.
 
-    See [data order] and [checked rows].
+    See [data order], [data file faults] in exactga.data.files and [checked rows].
     """
     if isinstance(cfg_dataset, ListConfig):
         dataset: Dataset = ConcatDataset(
-            datasets=[config.instantiate(section, tokenizer) for section in cfg_dataset]
+            datasets=[
+                _build_section(section, tokenizer, f"dataset[{index}]")
+                for index, section in enumerate(cfg_dataset)
+            ]
         )
     else:
-        dataset = config.instantiate(cfg_dataset, tokenizer)
+        dataset = _build_section(cfg_dataset, tokenizer, "dataset")
     return checked_dataset(dataset, vocab_size=vocab_size, source=dataset_source(cfg_dataset))
+
+
+def _build_section(section: DictConfig, tokenizer: Any, key: str) -> Dataset:
+    """One dataset section, its unreadable or row-less files named (exactga.data.files)."""
+    return read_data_files(lambda: config.instantiate(section, tokenizer), section, key)
 
 
 def build_dataloader(
@@ -424,13 +439,11 @@ def _describe(err: Exception) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _message_datasets(
-    dataset: Dataset, source: str
-) -> Iterator[tuple[SFTDataset | PreferenceDataset, str]]:
-    """The ``SFTDataset``s and ``PreferenceDataset``s inside ``dataset`` (both keep their rows
-    in ``_data`` and their transform in ``_message_transform``), each with the name its
-    messages should use."""
-    if isinstance(dataset, (SFTDataset, PreferenceDataset)):
+def _message_datasets(dataset: Dataset, source: str) -> Iterator[tuple[Dataset, str]]:
+    """The ``SFTDataset``s, ``PreferenceDataset``s and ``TextCompletionDataset``s inside
+    ``dataset`` (each keeps its rows in ``_data``), each with the name its messages should
+    use."""
+    if isinstance(dataset, (SFTDataset, PreferenceDataset, TextCompletionDataset)):
         yield dataset, source
     elif isinstance(dataset, PackedDataset):
         yield from _message_datasets(dataset.ds, source)
@@ -439,19 +452,21 @@ def _message_datasets(
             yield from _message_datasets(part, f"{source}[{i}]")
 
 
-def _check_columns(dataset: SFTDataset | PreferenceDataset, source: str) -> None:
+def _check_columns(dataset: Dataset, source: str) -> None:
     """Raise naming the first row whose column is absent or of the wrong type.
 
-    Only for message transforms whose columns we know; any other dataset is left to the
-    per-sample checks. See [checked rows].
+    Only for message transforms whose columns we know, and text completion's one column; any
+    other dataset is left to the per-sample checks. See [checked rows].
     """
     transform = getattr(dataset, "_message_transform", None)
     columns = _COLUMNS.get(type(transform))
+    # Alpaca and input/output keep their map public, the chat and preference transforms private.
+    column_map = getattr(transform, "column_map", None) or getattr(transform, "_column_map", {})
+    if isinstance(dataset, TextCompletionDataset):  # its one column, config key 'column'
+        columns, column_map = {dataset._column: (str, False)}, {}
     data = getattr(dataset, "_data", None)
     if columns is None or not hasattr(data, "features"):  # e.g. a streaming dataset
         return
-    # Alpaca and input/output keep their map public, the chat and preference transforms private.
-    column_map = getattr(transform, "column_map", None) or getattr(transform, "_column_map", {})
     present = list(data.column_names)
     for default_name, (kind, optional) in columns.items():
         name = (column_map or {}).get(default_name, default_name)

@@ -36,6 +36,8 @@ from torchtune import config
 from exactga.data.loader import build_prompt_loader
 from exactga.grpo.rollouts import check_prompt
 
+from exactga.data.files import read_data_files
+
 QUESTION = "question"
 ANSWER = "answer"
 
@@ -77,7 +79,10 @@ class PromptDataset(Dataset):
         self._tokenizer = tokenizer
         data_files = load_dataset_kwargs.get("data_files")
         self._source = f"dataset ({source}: {data_files})" if data_files else f"dataset ({source})"
-        data = load_dataset(source, **load_dataset_kwargs)
+        data = read_data_files(  # a file that cannot be read, or has no rows, named
+            lambda: load_dataset(source, **load_dataset_kwargs),
+            {"source": source, **load_dataset_kwargs},
+        )
         if filter_fn is not None:
             data = data.filter(filter_fn)
         missing = [key for key, column in columns.items() if column not in data.column_names]

@@ -33,7 +33,12 @@ from exactga.profiling.report import (
     report_layout,
     report_markdown,
 )
-from exactga.profiling.saved_latency import SavedLatency, SavedLatencySampler, summary_line
+from exactga.profiling.saved_latency import (
+    SavedLatency,
+    SavedLatencySampler,
+    saved_latency_metrics,
+    summary_line,
+)
 from exactga.profiling.traces import TraceRecorder
 
 
@@ -171,10 +176,8 @@ class TrainingProfiler:
         metrics.update(self._padding.read_interval(elapsed_s))
         if self._peak_flops:
             metrics["throughput/mfu"] = tokens_per_second * self._flops_per_token / self._peak_flops
-        saved = self.saved_latency
-        if saved is not None:
-            metrics["normalization/saved_ms"] = saved.median_ms
-            metrics["normalization/saved_fraction"] = saved.median_ms / step_ms
+        # The end-of-run line's figure, or none; see [saved latency on a busy machine].
+        metrics.update(saved_latency_metrics(self.saved_latency, step_ms))
         if self._report is not None:
             phases = [*PHASES, *sorted(own_phases)]
             lines = self._charts.lines(metrics, phases)
