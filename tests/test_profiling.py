@@ -463,7 +463,7 @@ def test_report_goes_to_tensorboard_and_other_loggers_get_none(tmp_path, clock) 
     # No peak FLOP/s on a CPU: no MFU chart. Listed in reverse; see [report charts].
     assert titles == [title for key, (title, _) in reversed(CHARTS.items()) if key != "mfu"]
     logged = read_scalars(logger.log_dir)  # the scalars alone: the report is elsewhere
-    assert not any(tag.startswith("exactga_report/") for tag in logged)
+    assert not any(tag.startswith("~report_lines/") for tag in logged)
     assert "time/stacked_4_optimizer_ms" in logged  # the logged names stay as they were
     assert "| forward |" in report["markdown"] and "| MFU |" in report["markdown"]
 
@@ -617,7 +617,7 @@ def test_report_charts_show_the_logged_figures_as_shares(tmp_path, clock, monkey
         assert [step for step, _ in lines[run][tag]] == steps[-len(lines[run][tag]) :]
         return [value for _, value in lines[run][tag]]
 
-    saved = line("", "exactga_report/saved")
+    saved = line("", "~report_lines/saved")
     # From the third sample on (steps 2, 7, 12): see [saved latency on a busy machine].
     assert len(saved) == len(logged["normalization/saved_ms"]) == 40 - 11
     assert saved == pytest.approx(
@@ -628,27 +628,26 @@ def test_report_charts_show_the_logged_figures_as_shares(tmp_path, clock, monkey
         rel=1e-6,
     )
     assert saved == pytest.approx([100 * f for f in logged["normalization/saved_fraction"]])
-    assert line("", "exactga_report/saved_highest") == pytest.approx(
+    assert line("", "~report_lines/saved_highest") == pytest.approx(
         [max(saved[: i + 1]) for i in range(len(saved))]
     )
     tops = [
-        line(f"phases/{i}_{phase}", "exactga_report/phases_top")
-        for i, phase in enumerate(PHASES, 1)
+        line(f"phases/{i}_{phase}", "~report_lines/phases_top") for i, phase in enumerate(PHASES, 1)
     ]
     stacked = [logged[f"time/stacked_{i}_{phase}_ms"] for i, phase in enumerate(PHASES, 1)]
     for top, ms in zip(tops, stacked, strict=True):
         assert top == pytest.approx(
             [100 * a / b for a, b in zip(ms, step_ms, strict=True)], rel=1e-6
         )
-    assert line("phases/5_other", "exactga_report/phases_top") == [100.0] * 40
-    assert line("phases/5_other", "exactga_report/phases_bottom") == pytest.approx(tops[-1])
-    assert line("", "exactga_report/throughput") == pytest.approx(
+    assert line("phases/5_other", "~report_lines/phases_top") == [100.0] * 40
+    assert line("phases/5_other", "~report_lines/phases_bottom") == pytest.approx(tops[-1])
+    assert line("", "~report_lines/throughput") == pytest.approx(
         logged["throughput/tokens_per_second"], rel=1e-6
     )
-    assert line("", "exactga_report/mfu") == pytest.approx(
+    assert line("", "~report_lines/mfu") == pytest.approx(
         [100 * mfu for mfu in logged["throughput/mfu"]], rel=1e-6
     )
-    padding = line("positions/3_padding", "exactga_report/positions_bottom")
+    padding = line("positions/3_padding", "~report_lines/positions_bottom")
     assert padding == pytest.approx([90.0] * 40)  # 900 of 1000 positions are the samples'
 
 

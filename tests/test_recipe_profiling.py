@@ -125,12 +125,12 @@ def test_hook_logs_scalars_and_leaves_weights_bit_identical(runs):
     assert all(0 < f < 1 for f in scalars["normalization/saved_fraction"])
     # The report's chart lines repeat them, at the steps they were logged at.
     ((_, report),) = read_reports(runs / "on" / "logs").items()
-    throughput = report["lines"][""]["exactga_report/throughput"]
+    throughput = report["lines"][""]["~report_lines/throughput"]
     assert [step for step, _ in throughput] == list(range(1, STEPS + 1))
     assert [value for _, value in throughput] == pytest.approx(
         scalars["throughput/tokens_per_second"]
     )
-    saved = [value for _, value in report["lines"][""]["exactga_report/saved"]]
+    saved = [value for _, value in report["lines"][""]["~report_lines/saved"]]
     assert saved == pytest.approx([100 * f for f in scalars["normalization/saved_fraction"]])
     output = (runs / "on" / "output.txt").read_text()
     assert "skipping the gradient-scaling pass saved" in output
@@ -154,7 +154,7 @@ def test_every_recipe_writes_the_tensorboard_report(runs, name):
     reports = read_reports(logs)
     assert len(reports) == 1, reports
     ((folder, report),) = reports.items()
-    assert folder.parent.parent == logs  # <log_dir>/profiling_report, log_dir = logs/run_0_*
+    assert folder.parent.parent == logs  # <log_dir>/profiling_report, log_dir = logs/run_*
     (category,) = report["layout"]["category"]
     assert category["title"] == REPORT_CATEGORY
     charts = tensorboard_charts(logs)

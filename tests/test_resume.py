@@ -147,7 +147,7 @@ def _resumed_launch_events(log_dir: Path, reference: Path) -> Path:
     """The resumed launch's own event file in the killed run's TensorBoard run folder, after
     checking that folder reads as one run: each step once, with the uninterrupted run's loss
     (the killed launch's steps past its checkpoint were dropped, those before it flushed)."""
-    folders = sorted(log_dir.glob("run_0_*"))
+    folders = sorted(log_dir.glob("run_*"))
     # A second folder: the launch started a run of its own instead of going on with the killed one.
     assert len(folders) == 1, f"the resumed launch logged as another run: {folders}"
     (run_folder,) = folders

@@ -1,10 +1,13 @@
 """Screenshots of a run's TensorBoard report, taken in a real (headless) browser.
 
-Starts ``tensorboard`` on localhost over ``--logdir``, opens the custom-scalars and text tabs
-in Chromium and writes one PNG each. Nothing leaves the machine: Chromium runs with every
-background network feature off and a fresh profile. Needs ``chromium`` (Debian:
-``apt-get install -y chromium``), which CI does not have; the tests check the report's event
-files instead (tests/test_recipe_profiling.py). See docs/profiling.md, "Checking the report
+Starts ``tensorboard`` on localhost over ``--logdir``, opens the default tab (TIME SERIES),
+the custom-scalars tab and the text tab in Chromium and writes one PNG each. The charts are
+drawn as SVG (TensorBoard's ``?forceSVG=true``): its default WebGL renderer draws in a worker
+that headless Chromium's virtual time does not wait for, so cards came out empty. Nothing
+leaves the machine: Chromium runs with every background network feature off and a fresh
+profile. Needs ``chromium`` (Debian: ``apt-get install -y chromium``), which CI does not have;
+the tests check the event files instead (tests/test_metric_logging.py,
+tests/test_recipe_profiling.py). See docs/profiling.md, "Checking the report
 in a browser".
 
     python tools/tensorboard_screenshot.py --logdir outputs/tiny/full_single_device/logs \\
@@ -22,10 +25,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-# The tabs to shoot: (file name, URL fragment).
+# The tabs to shoot: (file name, URL fragment, window height: the default tab's five Overview
+# cards take three rows).
 TABS = [
-    ("tensorboard_custom_scalars.png", "custom_scalars"),
-    ("tensorboard_text.png", "text"),
+    ("tensorboard_time_series.png", "timeseries", 1700),
+    ("tensorboard_custom_scalars.png", "custom_scalars", 1200),
+    ("tensorboard_text.png", "text", 1200),
 ]
 CHROMIUM_FLAGS = [
     "--headless",
@@ -53,14 +58,14 @@ def wait_until_serving(url: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def screenshot(chromium: str, url: str, path: Path, args: argparse.Namespace) -> None:
+def screenshot(chromium: str, url: str, path: Path, height: int, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(
             [
                 chromium,
                 *CHROMIUM_FLAGS,
                 f"--user-data-dir={profile}",
-                f"--window-size={args.width},{args.height}",
+                f"--window-size={args.width},{height}",
                 f"--virtual-time-budget={args.virtual_time_ms}",
                 f"--screenshot={path}",
                 url,
@@ -79,7 +84,6 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=6123)
     parser.add_argument("--chromium", default="chromium")
     parser.add_argument("--width", type=int, default=1600)
-    parser.add_argument("--height", type=int, default=1200)
     parser.add_argument("--virtual-time-ms", type=int, default=15000)
     args = parser.parse_args()
 
@@ -105,8 +109,8 @@ def main() -> int:
     )
     try:
         wait_until_serving(base, timeout_s=60)
-        for name, tab in TABS:
-            screenshot(chromium, f"{base}#{tab}", out / name, args)
+        for name, tab, height in TABS:
+            screenshot(chromium, f"{base}?forceSVG=true#{tab}", out / name, height, args)
     finally:
         server.terminate()
         server.wait(timeout=30)

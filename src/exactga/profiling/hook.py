@@ -174,6 +174,13 @@ class TrainingProfiler:
         tokens_per_second = self._tokens_since_read / elapsed_s
         metrics["throughput/tokens_per_second"] = tokens_per_second
         metrics.update(self._padding.read_interval(elapsed_s))
+        # The end-of-run figures so far: the Overview charts draw them ([dashboard order]).
+        metrics["throughput/tokens_per_second_so_far"] = self._num_positions / (
+            self._step_ms_total / 1e3
+        )
+        run = self._padding.run
+        if run.known and run.num_positions:
+            metrics["throughput/padding_fraction_so_far"] = run.padding_fraction
         if self._peak_flops:
             metrics["throughput/mfu"] = tokens_per_second * self._flops_per_token / self._peak_flops
         # The end-of-run line's figure, or none; see [saved latency on a busy machine].

@@ -23,6 +23,10 @@ from exactga.profiling.saved_latency import SavedLatency
 REPORT_TAG = "exactga/profiling_report"
 REPORT_CATEGORY = "exactga profiling"
 REPORT_RUN = "profiling_report"  # its folder in the logger's; see [profiling report file]
+# The group of the charts' lines in the TIME SERIES and SCALARS tabs: "~" sorts after every
+# letter, so the group comes last, collapsed (see [dashboard order] in
+# exactga.run.metric_logging); the CUSTOM SCALARS tab is where they are read.
+REPORT_LINES = "~report_lines"
 
 # Note [report charts]
 # TensorBoard colours a line by its *run*, never by its tag: the CUSTOM SCALARS cards look a
@@ -82,11 +86,11 @@ def chart_tags(key: str) -> tuple[str, str, str]:
     """The (value, lower, upper) tags of report chart ``key``'s lines; see [report charts]."""
     if CHARTS[key][1]:  # a band of a stack: its top is the value
         return (
-            f"exactga_report/{key}_top",
-            f"exactga_report/{key}_bottom",
-            f"exactga_report/{key}_top",
+            f"{REPORT_LINES}/{key}_top",
+            f"{REPORT_LINES}/{key}_bottom",
+            f"{REPORT_LINES}/{key}_top",
         )
-    return f"exactga_report/{key}", f"exactga_report/{key}_lowest", f"exactga_report/{key}_highest"
+    return f"{REPORT_LINES}/{key}", f"{REPORT_LINES}/{key}_lowest", f"{REPORT_LINES}/{key}_highest"
 
 
 def report_layout(mfu: bool = True) -> dict[str, dict[str, list[Any]]]:

@@ -1,29 +1,69 @@
-"""The run's metric logger: the config's, and for a resumed run its TensorBoard curves go on in
-the run folder they started in.
+"""The run's metric logger: the config's; a TensorBoard one writes each launch as a run of its
+own with a readable name, its headline charts first, and a resumed launch goes on in its run.
+
+Note [one TensorBoard run per launch]
+torchtune's ``TensorBoardLogger`` names a launch's folder ``run_<rank>_<unix time>``
+(``run_0_1795585991.7634``), which says nothing to a reader and, in TensorBoard's run list,
+is cut off before its end. A launch here writes into ``<log_dir>/run_<date>_<time>``
+(``run_2026-11-27_06-40-12``, local time; ``_2``, ``_3`` ... when a launch in the same second
+took the name), on rank 0, the only rank that logs. Beside its event files the folder holds
+``exactga_run.json`` (TensorBoard reads only files whose name holds ``tfevents``): the output
+folder the launch trained into, when it started, and the identity (the manifest's CRC32) of
+every step checkpoint it wrote, recorded each time one is written (:func:`flush_metric_logger`
+runs with each step checkpoint).
 
 Note [resumed TensorBoard run]
-torchtune's ``TensorBoardLogger`` writes each launch into a folder of its own
-(``<log_dir>/run_<rank>_<time>``), so a run killed and resumed showed as two runs in
-TensorBoard, its curves cut in two, and the killed half ran past the checkpoint the second half
-starts from. A resumed run (``resume_from_checkpoint`` that found something to resume) therefore
-writes into the newest ``run_<rank>_*`` folder of ``log_dir``, and at its first scalar drops
+A run killed and resumed used to show as two runs in TensorBoard, its curves cut in two, and
+the killed half ran past the checkpoint the second half starts from; appending instead into
+the newest run folder of ``log_dir`` appended into another launch's run whenever one had
+started there in between (a fresh rerun into the same output folder, say). A resumed run
+(``resume_from_checkpoint`` that found something to resume) therefore writes into the run
+folder that *recorded the step checkpoint it resumes from* (see [one TensorBoard run per
+launch]): the newest step checkpoint of ``<output_dir>/step_checkpoints`` that a run folder
+recorded (the newest one itself unless a kill came between writing it and recording it);
+without step checkpoints (an epoch resume), the newest run folder recorded for the same output
+folder; and a run of its own when no folder qualifies (logs written before these records, or a
+resumed launch given another ``log_dir``), never another launch's. At its first scalar it drops
 from the event files the killed launch left there (the profiling report's included) every
 event at that scalar's step or later: the steps the resumed launch trains again. Each file is
 rewritten beside itself and moved over it, so a kill then leaves the old file or the new one.
 A ``SessionLog.START`` event would ask TensorBoard to do the same when it reads, but its
 Python reader and ``EventAccumulator`` ignore it for the tensors scalars are stored as; files
-that hold one curve suit every reader. Other loggers, ``organize_logs: False`` and fresh runs
-are the config's logger as it is.
+that hold one curve suit every reader. Other loggers and ``organize_logs: False`` (one folder
+for every launch) are the config's logger as it is.
 
 TensorBoard's writer keeps events in memory for up to two minutes, so a run killed before it
 flushed lost the curve it had drawn, past every checkpoint. :func:`flush_metric_logger` runs with
 each step checkpoint: what a resumed run does not train again is on disk.
+
+Note [dashboard order]
+TensorBoard opens on its TIME SERIES tab, which draws a card per tag, groups the cards by the
+tag's part before its first ``/`` (a tag without one is a group of its own: ``loss``, ``lr``),
+orders the tags with its natural sort (digits and ``/`` before every other character, then
+character codes: upper-case letters before ``_`` before lower-case ones) and expands only the
+first two groups. The recipes' scalars (``grad_norm``, ``loss``, ``lr``, ``throughput/...``)
+made eleven groups, ``loss`` and ``lr`` collapsed behind ``exactga_report`` and ``grad_norm``.
+So the logger also writes the five figures a reader looks for first, each a copy of a logged
+scalar at the same step, into the group ``Overview`` (upper case: it sorts first):
+``Overview/loss``, ``Overview/lr``, ``Overview/padding_%_so_far`` (``100 *
+padding_fraction_so_far``, the end-of-run line's figure), ``Overview/saved_latency_ms`` (the
+samples' median so far) and ``Overview/tokens_per_second_so_far`` (processed, padding
+included; the TEXT summary's figure). The figures are the run's so far rather than the
+interval's, which on a shared machine jump from step to step: TensorBoard fits a chart's y
+axis to the 5 % to 95 % quantiles of its smoothed line ("Ignore outliers in chart scaling",
+on by default), padded by 5 % of that range, and cuts off the rest, which cut the interval's
+padding and throughput in the demo at many steps. A figure so far can still leave its first
+one or two points below or above the chart, when they are that far from the rest. The logged
+scalars keep their names, so scripts and the SCALARS tab read what they read before; the
+report's chart lines, which exist for the CUSTOM SCALARS tab, are in the group
+``~report_lines``, which sorts last (see [report charts] in exactga.profiling.report).
 """
 
 from __future__ import annotations
 
-import glob
+import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -32,25 +72,45 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 from torchtune.training.metric_logging import TensorBoardLogger
 
+from exactga.run.checkpointing import MANIFEST_FILE, STEP_CHECKPOINT_SUBDIR
 from exactga.runtime.distributed import is_rank_zero, log_rank_zero
 
 _TENSORBOARD_COMPONENTS = {
     "torchtune.training.metric_logging.TensorBoardLogger",
     "torchtune.training.TensorBoardLogger",
 }
+RUN_RECORD = "exactga_run.json"  # beside a run's event files; see [one TensorBoard run per launch]
+_STEP_FOLDER = re.compile(r"^step_(\d+)$")  # exactga.run.checkpointing's step folders
+
+# Logged scalar -> (its copy in the Overview group, the factor it is copied with); see
+# [dashboard order].
+OVERVIEW_COPIES = {
+    "loss": ("Overview/loss", 1.0),
+    "lr": ("Overview/lr", 1.0),
+    "throughput/tokens_per_second_so_far": ("Overview/tokens_per_second_so_far", 1.0),
+    "normalization/saved_ms": ("Overview/saved_latency_ms", 1.0),
+    "throughput/padding_fraction_so_far": ("Overview/padding_%_so_far", 100.0),
+}
 
 
-def open_metric_logger(cfg_metric_logger: DictConfig, resumed: bool) -> Any:
-    """The config's metric logger; a TensorBoard one of a ``resumed`` run appends to the run
-    folder it resumes (see [resumed TensorBoard run])."""
-    run_folder = _run_folder_to_append_to(cfg_metric_logger) if resumed else None
-    if run_folder is None:
+def open_metric_logger(
+    cfg_metric_logger: DictConfig, resumed: bool, output_dir: str | None = None
+) -> Any:
+    """The config's metric logger; a TensorBoard one is a :class:`RunLogger` writing a run of
+    its own, or for a ``resumed`` run the run it resumes, of the launch training into
+    ``output_dir`` (see [one TensorBoard run per launch], [resumed TensorBoard run])."""
+    if cfg_metric_logger.get("_component_") not in _TENSORBOARD_COMPONENTS or not (
+        cfg_metric_logger.get("organize_logs", True)
+    ):
         return config.instantiate(cfg_metric_logger)
     kwargs = OmegaConf.to_container(cfg_metric_logger, resolve=True)
     assert isinstance(kwargs, dict)
-    for key in ("_component_", "log_dir", "organize_logs"):
+    log_dir = Path(kwargs.pop("log_dir"))
+    for key in ("_component_", "organize_logs"):
         kwargs.pop(key, None)
-    return AppendingTensorBoardLogger(run_folder, **kwargs)
+    own_run = resumed_run_folder(log_dir, output_dir) if resumed else None
+    run_folder = own_run if own_run is not None else new_run_folder(log_dir)
+    return RunLogger(run_folder, output_dir, appending=own_run is not None, **kwargs)
 
 
 def open_run_logger(cfg: DictConfig, resumed: bool) -> Any | None:
@@ -58,7 +118,9 @@ def open_run_logger(cfg: DictConfig, resumed: bool) -> Any | None:
     the other ranks, which write no metrics. See [resumed TensorBoard run] for ``resumed``."""
     if not is_rank_zero():
         return None
-    metric_logger = open_metric_logger(cfg.metric_logger, resumed=resumed)
+    metric_logger = open_metric_logger(
+        cfg.metric_logger, resumed=resumed, output_dir=cfg.get("output_dir")
+    )
     metric_logger.log_config(cfg)
     return metric_logger
 
@@ -67,11 +129,18 @@ def report_outputs(
     profiler_summary: str, checkpoint_dir: str, metric_logger: Any | None, what: str
 ) -> None:
     """The run's closing lines, on rank 0: the profiler's summary, where ``what`` (its
-    checkpoints) were written and where its TensorBoard logs are."""
+    checkpoints) were written and the command that shows its TensorBoard run."""
     log_rank_zero(profiler_summary)
     log_rank_zero(f"{what} are in {checkpoint_dir}")
     log_dir = getattr(metric_logger, "log_dir", None)
-    if log_dir is not None:
+    if log_dir is None:
+        return
+    if isinstance(metric_logger, RunLogger):  # its folder is one run among the log_dir's
+        runs = Path(log_dir).parent
+        log_rank_zero(
+            f"TensorBoard: run {Path(log_dir).name} in {runs} (tensorboard --logdir {runs})"
+        )
+    else:
         log_rank_zero(f"TensorBoard logs are in {log_dir} (tensorboard --logdir <that>)")
 
 
@@ -83,42 +152,88 @@ def close_metric_logger(metric_logger: Any | None) -> None:
 
 def flush_metric_logger(metric_logger: Any | None) -> None:
     """Write what the logger holds to disk (TensorBoard's writer), so a step checkpoint's
-    steps are never lost with a killed process; see [resumed TensorBoard run]."""
+    steps are never lost with a killed process, and record the step checkpoint just written
+    in the run's folder; see [resumed TensorBoard run]. Runs after each step checkpoint."""
     writer = getattr(metric_logger, "_writer", None)  # torchtune's TensorBoardLogger's
     if writer is not None and hasattr(writer, "flush"):
         writer.flush()
+    if isinstance(metric_logger, RunLogger):
+        metric_logger.record_newest_step_checkpoint()
 
 
-def _run_folder_to_append_to(cfg_metric_logger: DictConfig) -> str | None:
-    """The newest ``run_<rank>_*`` folder of the config's ``log_dir``, or None."""
-    if cfg_metric_logger.get("_component_") not in _TENSORBOARD_COMPONENTS:
+def new_run_folder(log_dir: Path) -> Path:
+    """A new ``<log_dir>/run_<date>_<time>`` folder; see [one TensorBoard run per launch]."""
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 1000):
+        folder = log_dir / (f"run_{stamp}" if attempt == 1 else f"run_{stamp}_{attempt}")
+        try:
+            folder.mkdir()  # atomic: two launches in one second get two folders
+        except FileExistsError:
+            continue
+        return folder
+    raise RuntimeError(f"no free run folder name for {stamp} in {log_dir}")
+
+
+def resumed_run_folder(log_dir: Path, output_dir: str | None) -> Path | None:
+    """The run folder of ``log_dir`` that a launch resuming in ``output_dir`` goes on in, or
+    ``None``: see [resumed TensorBoard run]."""
+    if output_dir is None or not log_dir.is_dir():
         return None
-    if not cfg_metric_logger.get("organize_logs", True):
-        return None  # one folder for every launch already
-    rank = int(os.environ.get("RANK", "0"))
-    pattern = os.path.join(glob.escape(str(cfg_metric_logger.log_dir)), f"run_{rank}_*")
-    folders = [path for path in glob.glob(pattern) if os.path.isdir(path)]
-    if not folders:
-        return None
-    return max(folders, key=_started_at)
+    records = {}
+    for record_file in log_dir.glob(f"*/{RUN_RECORD}"):
+        try:
+            records[record_file.parent] = json.loads(record_file.read_text())
+        except (OSError, ValueError):
+            continue  # a damaged record names no run
+    for checkpoint_id in step_checkpoint_ids(output_dir):  # newest first
+        for folder, record in records.items():
+            if checkpoint_id in record.get("step_checkpoints", []):
+                return folder
+    same_output = [
+        folder
+        for folder, record in records.items()
+        if record.get("output_dir") == os.path.abspath(output_dir)
+    ]
+    return max(same_output, key=lambda folder: records[folder].get("started", 0.0), default=None)
 
 
-def _started_at(folder: str) -> float:
-    """The launch time torchtune put in the folder's name (``run_0_1795585991.76``)."""
-    try:
-        return float(os.path.basename(folder).split("_", 2)[2])
-    except (IndexError, ValueError):
-        return os.path.getmtime(folder)
+def step_checkpoint_ids(output_dir: str) -> list[int]:
+    """The identities (manifest CRC32s) of the step checkpoints in ``output_dir``, newest
+    first; checkpoints whose manifest does not read are left out."""
+    root = Path(output_dir) / STEP_CHECKPOINT_SUBDIR
+    steps = [
+        (int(match.group(1)), path)
+        for path in (root.iterdir() if root.is_dir() else [])
+        if (match := _STEP_FOLDER.match(path.name))
+    ]
+    ids = []
+    for _, path in sorted(steps, reverse=True):
+        try:
+            ids.append(int(json.loads((path / MANIFEST_FILE).read_text())["manifest_crc32"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return ids
 
 
-class AppendingTensorBoardLogger(TensorBoardLogger):
-    """torchtune's ``TensorBoardLogger`` writing into an existing run folder, the killed
-    launch's steps from its first scalar on dropped; see [resumed TensorBoard run]."""
+class RunLogger(TensorBoardLogger):
+    """torchtune's ``TensorBoardLogger`` writing one launch's run (see [one TensorBoard run per
+    launch]) with the Overview copies (see [dashboard order]); ``appending`` into a resumed
+    run's folder, from its first scalar on without the killed launch's steps (see [resumed
+    TensorBoard run])."""
 
-    def __init__(self, run_folder: str, **kwargs: Any) -> None:
+    def __init__(
+        self, run_folder: Path, output_dir: str | None, appending: bool, **kwargs: Any
+    ) -> None:
         self._opened_at = time.time()  # files older than this are the killed launch's
-        super().__init__(log_dir=run_folder, organize_logs=False, **kwargs)
-        self._drop_pending = True
+        super().__init__(log_dir=str(run_folder), organize_logs=False, **kwargs)
+        self._drop_pending = appending
+        self._record_path = run_folder / RUN_RECORD
+        self._record = self._read_record() if appending else {}
+        self._record.setdefault("output_dir", output_dir and os.path.abspath(output_dir))
+        self._record.setdefault("started", self._opened_at)
+        self._record.setdefault("step_checkpoints", [])
+        self._write_record()
 
     def log(self, name: str, data: Any, step: int) -> None:
         self._drop_killed_steps(step)
@@ -126,16 +241,44 @@ class AppendingTensorBoardLogger(TensorBoardLogger):
 
     def log_dict(self, payload: Any, step: int) -> None:
         self._drop_killed_steps(step)
-        super().log_dict(payload, step)
+        overview = {
+            tag: factor * float(payload[name])
+            for name, (tag, factor) in OVERVIEW_COPIES.items()
+            if name in payload
+        }
+        super().log_dict({**payload, **overview}, step)
+
+    def record_newest_step_checkpoint(self) -> None:
+        """Add the newest step checkpoint of the run's output folder to its record."""
+        output_dir = self._record["output_dir"]
+        ids = step_checkpoint_ids(output_dir) if output_dir else []
+        if self._writer is None or not ids or ids[0] in self._record["step_checkpoints"]:
+            return
+        self._record["step_checkpoints"].append(ids[0])
+        self._write_record()
+
+    def _read_record(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self._record_path.read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def _write_record(self) -> None:
+        if self._writer is None:  # ranks other than 0 write nothing
+            return
+        partial = self._record_path.with_name(f".{RUN_RECORD}.partial")
+        partial.write_text(json.dumps(self._record, indent=1))
+        os.replace(partial, self._record_path)  # a kill leaves the old record or the new one
 
     def _drop_killed_steps(self, first_step: int) -> None:
         if not self._drop_pending:
             return
         self._drop_pending = False
-        if self._writer is None:  # ranks other than 0 write nothing
+        if self._writer is None:
             return
-        for path in sorted(Path(self.log_dir).rglob("events.out.tfevents.*")):
-            if path.stat().st_mtime < self._opened_at:
+        # The logger's files (events.out.tfevents.*) and the report's (exactga_report.tfevents.*).
+        for path in sorted(Path(self.log_dir).rglob("*.tfevents.*")):
+            if not path.name.startswith(".") and path.stat().st_mtime < self._opened_at:
                 drop_steps_from(path, first_step)
 
 
