@@ -278,10 +278,11 @@ def naive_experts(
 ) -> torch.Tensor:
     """Every expert on every token, kept where routed: the definition, no gathering."""
     output = torch.zeros_like(x)
+    w1, w2, w3 = experts.w1.per_expert(), experts.w2.per_expert(), experts.w3.per_expert()
     for index in range(experts.num_experts):
-        hidden = F.silu(experts.w1.expert(x, index)) * experts.w3.expert(x, index)
+        hidden = F.silu(w1[index](x)) * w3[index](x)
         routed_weight = (weights * (indices == index)).sum(dim=-1, keepdim=True)
-        output = output + routed_weight * experts.w2.expert(hidden, index)
+        output = output + routed_weight * w2[index](hidden)
     return output
 
 

@@ -14,6 +14,8 @@ expert on its own tokens only, and puts the outputs back in token order (see [ex
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import torch
@@ -48,9 +50,10 @@ class StackedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_dim, in_dim))
         _uniform_like_linear_(self.weight, in_dim)
 
-    def expert(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """Expert ``index`` applied to its tokens ``x`` (``[n, in_dim]``)."""
-        return F.linear(x, self.weight[index])
+    def per_expert(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """One function per expert, applying it to its tokens (``[n, in_dim]``). See
+        [per-expert views]."""
+        return [lambda x, w=weight: F.linear(x, w) for weight in self.weight.unbind(0)]
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Every expert on its rows of ``x``, the rows sorted by expert; ``offsets`` (int32) is
@@ -105,13 +108,22 @@ class LoRAStackedLinear(nn.Module, AdapterModule):
         """The trainable parameters, as torchtune's ``get_adapter_params`` asks."""
         return ["lora_a.weight", "lora_b.weight"]
 
-    def expert(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """Expert ``index`` with its adapter, on its tokens ``x`` (``[n, in_dim]``)."""
-        base = F.linear(x, self.weight[index])
+    def per_expert(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """One function per expert with its adapter, applying it to its tokens (``[n,
+        in_dim]``). See [per-expert views]."""
+        weights = self.weight.unbind(0)
         if self.disabled:
-            return base
-        low_rank = F.linear(self.dropout(x), self.lora_a.weight[index])
-        return base + self.scaling * F.linear(low_rank, self.lora_b.weight[index])
+            return [lambda x, w=weight: F.linear(x, w) for weight in weights]
+        factors = zip(
+            weights, self.lora_a.weight.unbind(0), self.lora_b.weight.unbind(0), strict=True
+        )
+        return [partial(self._adapted, weight=w, a=a, b=b) for w, a, b in factors]
+
+    def _adapted(
+        self, x: torch.Tensor, *, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:
+        low_rank = F.linear(self.dropout(x), a)
+        return F.linear(x, weight) + self.scaling * F.linear(low_rank, b)
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """:meth:`StackedLinear.grouped` with the adapters: two more grouped matmuls."""
@@ -205,13 +217,13 @@ class GroupedExperts(nn.Module):
     def _loop(self, routed: torch.Tensor, num_per_expert: torch.Tensor) -> torch.Tensor:
         """One matmul per expert that has tokens, each on its own contiguous rows."""
         outputs = []
+        w1, w2, w3 = self.w1.per_expert(), self.w2.per_expert(), self.w3.per_expert()
         # .tolist() syncs with the device once per layer: the group sizes decide the shapes.
         for index, rows in enumerate(routed.split(num_per_expert.tolist())):
             if rows.shape[0] == 0:  # an expert without tokens: nothing to compute
                 outputs.append(rows)
                 continue
-            hidden = F.silu(self.w1.expert(rows, index)) * self.w3.expert(rows, index)
-            outputs.append(self.w2.expert(hidden, index))
+            outputs.append(w2[index](F.silu(w1[index](rows)) * w3[index](rows)))
         return torch.cat(outputs)
 
     def _grouped(self, routed: torch.Tensor, num_per_expert: torch.Tensor) -> torch.Tensor:
@@ -229,3 +241,11 @@ class GroupedExperts(nn.Module):
 # CUDA, whose order (and so, in bf16, whose result) varies from run to run; exactga's parity
 # checks compare runs bit for bit where the maths allows, so the combine must be deterministic.
 # The inverse permutation's gather has unique indices, so its backward (a scatter) is too.
+
+
+# Note [per-expert views]
+# The loop path takes each expert's weights as views from one unbind(0) of the stacked
+# parameter, not as weight[e] per expert. The backward of weight[e] (a select) writes expert e's
+# gradient into a fresh zero tensor of the whole stack's size, so E experts cost E full-size
+# allocations and additions per projection: with 128 experts that is most of a layer's backward
+# time. unbind's backward stacks the E gradients into one tensor, once.
