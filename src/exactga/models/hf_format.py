@@ -85,6 +85,7 @@ def peft_adapter(adapter: StateDict, weight_to_hf: Callable[[str], str]) -> Stat
 FORMATS = {
     "QWEN3": "exactga.models.qwen3._convert_weights:QWEN3_FORMAT",
     "GEMMA3": "exactga.models.gemma3._convert_weights:GEMMA3_FORMAT",
+    "QWEN3_MOE": "exactga.models.qwen3_moe._convert_weights:QWEN3_MOE_FORMAT",
 }
 
 
