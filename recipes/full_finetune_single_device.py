@@ -29,6 +29,7 @@ from exactga.launch.cli import run_recipe
 from exactga.setup.model import build_loss
 from exactga.setup.run_start import RunStart, Runtime, validated_config
 from exactga.sft.loss import causal_lm_loss
+from exactga.sft.router_balance import RouterBalance
 
 log = utils.get_logger("INFO")
 
@@ -90,19 +91,35 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             cfg.optimizer, self._model, in_backward=cfg.optimizer_in_bwd
         )
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
-        normalizer = LossNormalizer(self._loss_fn, mode=cfg.loss_normalization)
+        # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
+        self._router = RouterBalance.from_config(cfg, self._model, self._runtime)
+        normalizer = LossNormalizer(
+            self._loss_fn, mode=cfg.loss_normalization, units=self._router.units(self._loss_fn)
+        )
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         dataloader = start.dataloader(
             dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
         )
         # Checkpoints, scheduler, profiler, logs: the bookkeeping of every step, set up last.
-        self._run = start.training_run(self._model, self._optimizer, dataloader, normalizer)
+        self._run = start.training_run(
+            self._model,
+            self._optimizer,
+            dataloader,
+            normalizer,
+            window_metrics=self._router.window_metrics,  # expert load, on logged steps
+            track=self._router.track,
+        )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
         return causal_lm_loss(
-            self._model, self._loss_fn, batch, self._activations_ctx, self._runtime.precision
+            self._model,
+            self._loss_fn,
+            batch,
+            self._activations_ctx,
+            self._runtime.precision,
+            router=self._router,
         )
 
     def train(self) -> None:

@@ -34,6 +34,7 @@ from exactga.setup.lora import LoraSettings
 from exactga.setup.model import build_loss
 from exactga.setup.run_start import RunStart, Runtime, validated_config
 from exactga.sft.loss import causal_lm_loss
+from exactga.sft.router_balance import RouterBalance
 
 log = utils.get_logger("INFO")
 
@@ -99,7 +100,11 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
-        normalizer = LossNormalizer(self._loss_fn, mode=cfg.loss_normalization)
+        # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
+        self._router = RouterBalance.from_config(cfg, self._model, self._runtime)
+        normalizer = LossNormalizer(
+            self._loss_fn, mode=cfg.loss_normalization, units=self._router.units(self._loss_fn)
+        )
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         dataloader = start.dataloader(
@@ -107,13 +112,24 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         # Checkpoints (adapters, and merged weights), scheduler, profiler, logs: set up last.
         self._run = start.training_run(
-            self._model, self._optimizer, dataloader, normalizer, lora=self._lora
+            self._model,
+            self._optimizer,
+            dataloader,
+            normalizer,
+            lora=self._lora,
+            window_metrics=self._router.window_metrics,  # expert load, on logged steps
+            track=self._router.track,
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and mean loss of one micro-batch already on the device."""
         return causal_lm_loss(
-            self._model, self._loss_fn, batch, self._activations_ctx, self._runtime.precision
+            self._model,
+            self._loss_fn,
+            batch,
+            self._activations_ctx,
+            self._runtime.precision,
+            router=self._router,
         )
 
     def train(self) -> None:

@@ -93,6 +93,52 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "write_tokenizer": write_qwen3_folder,
         "model_type": "QWEN3",
     },
+    "qwen3_moe": {
+        "hf_class": "Qwen3MoeForCausalLM",
+        "hf_config_class": "Qwen3MoeConfig",
+        "hf_config": {
+            "vocab_size": QWEN3_VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 512,
+            "rope_theta": 1_000_000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+        },
+        "builder": "exactga.models.qwen3_moe.qwen3_moe",
+        "model": {
+            "vocab_size": QWEN3_VOCAB,
+            "embed_dim": 64,
+            "moe_intermediate_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 16,
+            "max_seq_len": 512,
+            "rope_base": 1_000_000.0,
+            "norm_eps": 1e-6,
+        },
+        # PEFT cannot hold adapters on transformers' fused experts (docs/moe.md): attention's.
+        "lora": {"apply_lora_to_mlp": False},
+        "tokenizer": lambda folder: {
+            "_component_": "exactga.models.qwen3.qwen3_tokenizer",
+            "path": str(folder / "vocab.json"),
+            "merges_file": str(folder / "merges.txt"),
+            "max_seq_len": 256,
+        },
+        "write_tokenizer": write_qwen3_folder,
+        "model_type": "QWEN3_MOE",
+    },
     "gemma3": {
         "hf_class": "Gemma3ForCausalLM",
         "hf_config_class": "Gemma3TextConfig",
@@ -167,6 +213,19 @@ OUTPUTS = [("full", 1, 8, 1), ("full_distributed", 2, 4, 1), ("lora", 1, 8, 1)]
 OUTPUTS += [("lora_distributed", 2, 2, 2)]
 
 
+# The router balance term of Qwen3 MoE (docs/moe.md, [router balance as a loss term]): runs of
+# full fine-tuning with the term on, name -> (split, router_balance). global_batch balances each
+# micro-batch over every rank, so 2 ranks x 4 samples take the step 1 rank x 8 samples takes;
+# micro_batch balances each rank's 4 alone, and 2 x 4 on one device balances 2 at a time.
+ROUTER_COEF = 0.05  # large enough that the term's gradient shows above fp32 rounding
+ROUTER_RUNS = {
+    "global-1rank-8x1": (("full_distributed", 1, 8, 1), "global_batch"),
+    "global-2rank-4x1": (("full_distributed", 2, 4, 1), "global_batch"),
+    "micro-2rank-4x1": (("full_distributed", 2, 4, 1), "micro_batch"),
+    "global-1rank-2x4": (("full_distributed", 1, 2, 4), "global_batch"),
+}
+
+
 def _split_id(split: tuple[str, int, int, int]) -> str:
     kind, ranks, bs, ga = split
     return f"{kind}-{ranks}rank-{bs}x{ga}"
@@ -187,7 +246,12 @@ def _model_section(family: str, adapters: bool) -> dict[str, Any]:
     builder = spec["builder"]
     if adapters:
         module, name = builder.rsplit(".", 1)
-        return {"_component_": f"{module}.lora_{name}", **spec["model"], **LORA}
+        return {
+            "_component_": f"{module}.lora_{name}",
+            **spec["model"],
+            **LORA,
+            **spec.get("lora", {}),
+        }
     return {"_component_": builder, **spec["model"]}
 
 
@@ -236,15 +300,21 @@ def _args(cfg: Path, split: tuple[str, int, int, int], out: Path) -> list[str]:
 
 
 def _launch_all(root: Path) -> None:
-    one, two = [], []
+    one, two, configs_of = [], [], {}
     for family in FAMILIES:
         base = _write_hf_base(family, root / family / "hf_base")
         tokenizer = FAMILIES[family]["write_tokenizer"](_mkdir(root / family / "tokenizer"))
         configs = {kind: _config(family, kind, base, tokenizer, root / family) for kind in KINDS}
+        configs_of[family] = configs
         for splits, runs in ((ONE_PROCESS, one), (TWO_RANKS, two)):
             for split in splits:
                 out = root / family / _split_id(split)
                 runs.append(run_of(_args(configs[split[0]], split, out), out)[1])
+    for name, (split, objective) in ROUTER_RUNS.items():
+        out = root / "router" / name
+        router = [f"router_aux_loss_coef={ROUTER_COEF}", f"router_balance={objective}"]
+        args = _args(configs_of["qwen3_moe"][split[0]], split, out) + router
+        (two if split[1] > 1 else one).append(run_of(args, out)[1])
     launch_runs(one, nproc=0)
     launch_runs(two, nproc=2)
 
@@ -352,3 +422,56 @@ def test_outputs_load_in_transformers_and_peft_as_the_fine_tuned_model(runs, fam
     assert effect >= MIN_EFFECT
     for way, gap in gaps.items():
         assert gap <= LOAD_BOUND, (way, gap)
+
+
+def _router_run(runs, name: str) -> Path:
+    out = runs.root / "router" / name
+    assert (out / "returncode").read_text() == "0", (out / "output.txt").read_text()[-4000:]
+    return out
+
+
+def _weights_gap(runs, got: str, reference: str) -> float:
+    """Relative L2 of two router runs' trained weights, over the reference's update."""
+    ref = _trained(_router_run(runs, reference), adapters=False)
+    new = _trained(_router_run(runs, got), adapters=False)
+    initial = load_file(runs.root / "qwen3_moe" / "hf_base" / "model.safetensors")
+    keys = sorted(ref)
+    diff = torch.cat([(new[k] - ref[k]).flatten().double() for k in keys]).norm()
+    update = torch.cat([(ref[k] - initial[k]).flatten().double() for k in keys]).norm()
+    return (diff / update).item()
+
+
+@pytest.mark.xdist_group("model_family_runs")
+def test_global_batch_balance_takes_the_same_step_on_two_ranks_as_on_one(runs):
+    gap = _weights_gap(runs, "global-2rank-4x1", "global-1rank-8x1")
+    print(f"router global_batch: 2 ranks x 4 vs 1 rank x 8: relative L2 {gap:.3e}")
+    assert gap <= PARITY_TOLERANCE
+
+
+@pytest.mark.xdist_group("model_family_runs")
+def test_the_balance_term_moves_the_step_and_its_objectives_differ_where_documented(runs):
+    """The term is on (without it 1 rank's 8x1 is the LM-only run of the family tests), and the
+    objectives that balance other tokens take measurably other steps."""
+    lm_only = runs("qwen3_moe", ("full_distributed", 1, 8, 1))
+    ref = _trained(_router_run(runs, "global-1rank-8x1"), adapters=False)
+    plain = _trained(lm_only, adapters=False)
+    moved = max((ref[k] - plain[k]).abs().max().item() for k in ref if "router" in k)
+    assert moved > 0, "the balance term changed no router weight"
+    for other in ("micro-2rank-4x1", "global-1rank-2x4"):
+        gap = _weights_gap(runs, other, "global-1rank-8x1")
+        print(f"router {other} vs global-1rank-8x1: relative L2 {gap:.3e}")
+        assert gap > 10 * PARITY_TOLERANCE, other
+
+
+@pytest.mark.xdist_group("model_family_runs")
+def test_expert_load_metrics_are_logged(runs):
+    from recipe_utils import read_scalars
+
+    scalars = read_scalars(_router_run(runs, "global-2rank-4x1") / "logs")
+    for layer in range(2):
+        ratios = scalars[f"router/load_ratio/layer_{layer}"]
+        assert len(ratios) == STEPS and all(1.0 <= r <= 8 / 2 for r in ratios)
+        entropies = scalars[f"router/entropy/layer_{layer}"]
+        assert all(0.0 < e <= torch.log(torch.tensor(8.0)).item() + 1e-6 for e in entropies)
+    balance = scalars["router/balance_loss"]
+    assert len(balance) == STEPS and all(b > 0 for b in balance)

@@ -106,6 +106,15 @@ class LossAggregation(Option):
     TOKEN_MEAN, SEQUENCE_MEAN, CONSTANT = token_mean, sequence_mean, constant
 
 
+class RouterBalanceObjective(Option):
+    """``router_balance``: which tokens a mixture-of-experts router's load-balancing term
+    balances over; see [router balance as a loss term] in exactga.sft.router_balance."""
+
+    micro_batch = "micro_batch"
+    global_batch = "global_batch"
+    MICRO_BATCH, GLOBAL_BATCH = micro_batch, global_batch
+
+
 # Precisions the recipes train in (``dtype``, torchtune's names); fp16 needs loss scaling, which
 # they lack. Strings, not an enum: torchtune's ``training.get_dtype`` reads them.
 PRECISIONS = ("bf16", "fp32", "fp64")

@@ -20,10 +20,11 @@ To add a knob to a recipe you copied, subclass its schema in the recipe file::
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig
@@ -36,6 +37,7 @@ from exactga.config.options import (
     NonFinitePolicy,
     NormMode,
     RankBalancing,
+    RouterBalanceObjective,
 )
 from exactga.config.profiler import ProfilerSection, ProfilerSettings
 
@@ -128,6 +130,12 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
 
     # exactga (see docs/math.md).
     loss_normalization: NormMode = NormMode.EXACT
+    # exactga: a mixture-of-experts model's router load-balancing term, weighted by this
+    # coefficient (Hugging Face's router_aux_loss_coef); 0 adds none. See docs/moe.md.
+    router_aux_loss_coef: float = 0.0
+    # What the term balances over: each micro-batch on its rank (Hugging Face's), or each
+    # micro-batch on every data-parallel rank (global_batch).
+    router_balance: RouterBalanceObjective = RouterBalanceObjective.GLOBAL_BATCH
     drop_partial_window: bool = False
     # How a window's samples are split into micro-batches; exact, so only speed and memory
     # change (see [regrouping is exact] in exactga.data.micro_batching and docs/math.md).
@@ -163,6 +171,23 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
             _warn_once("config key 'log_peak_memory_stats' is ignored on CPU.")
         check_micro_batching(cfg)
         check_master_weights(cfg)
+        cls.check_router_balance(cfg)
+
+    # The recipes that add a mixture-of-experts router's balance term to their loss.
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = True
+
+    @classmethod
+    def check_router_balance(cls, cfg: DictConfig) -> None:
+        """``router_aux_loss_coef``: finite, at least 0, and 0 where the recipe has no such term
+        (distillation, DPO, GRPO)."""
+        coef = cfg.router_aux_loss_coef
+        if not math.isfinite(coef) or coef < 0:
+            raise ValueError(f"config key 'router_aux_loss_coef' must be 0 or more, got {coef}.")
+        if coef > 0 and not cls.ROUTER_BALANCE_RECIPES:
+            raise ValueError(
+                "config key 'router_aux_loss_coef': this recipe adds no router balance term "
+                "(the fine-tuning recipes do; docs/moe.md); set it to 0."
+            )
 
 
 def check_master_weights(cfg: DictConfig) -> None:

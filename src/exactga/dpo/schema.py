@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING, DictConfig
 
@@ -94,6 +94,8 @@ class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, DpoLossKeys):
     """``lora_dpo_single_device``: the LoRA keys; the reference is the policy without its
     adapters. ``loss`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (one loss per pair)."""
 
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+
     collate_fn: str = PAIR_COLLATE
     # exactga: each pair's reference log-probs computed once, before training, and looked up
     # (see [precomputed reference] in exactga.dpo.reference_logprobs and docs/dpo.md).
@@ -108,6 +110,8 @@ class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, DpoLossKeys):
 @dataclass
 class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig, DpoLossKeys):
     """``lora_dpo_distributed``: the distributed LoRA keys; the reference as on one device."""
+
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 
     collate_fn: str = PAIR_COLLATE
     # exactga: each pair's reference log-probs computed once, before training, and looked up
@@ -124,6 +128,8 @@ class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig, DpoLossKeys):
 class FullDpoDistributedConfig(FullFinetuneDistributedConfig, DpoLossKeys):
     """``full_dpo_distributed``: the full distributed keys plus ``ref_checkpointer``, the
     reference's weights (a frozen copy of ``model``, sharded like it)."""
+
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 
     collate_fn: str = PAIR_COLLATE
     ref_checkpointer: Any = MISSING

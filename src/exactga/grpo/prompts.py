@@ -33,10 +33,9 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune import config
 
+from exactga.data.files import read_data_files
 from exactga.data.loader import build_prompt_loader
 from exactga.grpo.rollouts import check_prompt
-
-from exactga.data.files import read_data_files
 
 QUESTION = "question"
 ANSWER = "answer"

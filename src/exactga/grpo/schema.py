@@ -13,7 +13,7 @@ only bottom modules (``tests/test_architecture.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING, DictConfig, ListConfig
 
@@ -69,6 +69,8 @@ class GrpoDistributedConfig(FullFinetuneDistributedConfig, RolloutKeys):
     """``grpo_full_finetune_distributed``. ``batch_size`` is prompts per rank per step; each
     step's ``batch_size x grpo_samples`` completions on a rank are cut into
     ``gradient_accumulation_steps`` micro-batches."""
+
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 
     num_steps: int = MISSING  # rollout steps of the run at most (each is ppo_epochs steps)
     save_every_n_epochs: int | None = None  # stock's key; epoch checkpoints are written always

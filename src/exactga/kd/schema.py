@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING, DictConfig
 
@@ -29,6 +29,8 @@ class DistillationKeys:
 class KnowledgeDistillationSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, DistillationKeys):
     """``knowledge_distillation_single_device``: the LoRA student's keys plus the teacher's."""
 
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
@@ -38,6 +40,8 @@ class KnowledgeDistillationSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, Di
 @dataclass
 class KnowledgeDistillationDistributedConfig(LoraFinetuneDistributedConfig, DistillationKeys):
     """``knowledge_distillation_distributed``: the distributed LoRA keys plus the teacher's."""
+
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:

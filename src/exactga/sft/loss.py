@@ -12,6 +12,7 @@ from exactga.accumulation.forward import can_fuse_output, projecting_into_loss, 
 from exactga.accumulation.linear_cross_entropy import fusable_loss
 from exactga.accumulation.loss_units import LOSS_POSITIONS, shift_labels
 from exactga.runtime.precision import Precision
+from exactga.sft.router_balance import RouterBalance
 
 
 def causal_lm_loss(
@@ -20,6 +21,7 @@ def causal_lm_loss(
     batch: dict[str, torch.Tensor],
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
     precision: Precision | None = None,
+    router: RouterBalance | None = None,
 ) -> torch.Tensor:
     """Forward and mean loss of one micro-batch already on the device.
 
@@ -29,8 +31,14 @@ def causal_lm_loss(
     ``exactga.runtime.precision``), the loss outside it. Logits are computed only at the positions
     the loss scores when the batch carries their index; see [logits only at loss positions].
     With a ``LinearCrossEntropyLoss`` on a decoder whose projection it can fuse, the logits are
-    never made: the forward returns the loss; see [projection fused with the loss].
+    never made: the forward returns the loss; see [projection fused with the loss]. With a
+    ``router`` that is on, the token loss and the router's balance term, as the two term means
+    its units declare; see [router balance as a loss term] in exactga.sft.router_balance.
     """
+    if router is not None and router.on:
+        with router.recording(model, batch["labels"]):
+            token_loss = causal_lm_loss(model, loss_fn, batch, activations_ctx, precision)
+        return router.with_term(token_loss)
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
