@@ -92,7 +92,7 @@ def _bc_fake_quantize_config(fq_config: Any) -> Any:
     if isinstance(fq_config, FakeQuantizeConfig):
         return fq_config
     bc_config = copy.copy(fq_config)
-    bc_config.__class__ = FakeQuantizeConfig  # see Note [QAT LoRA under torchao 0.15]
+    bc_config.__class__ = FakeQuantizeConfig  # see [QAT LoRA under torchao 0.15]
     return bc_config
 
 
@@ -111,7 +111,7 @@ def fake_quantizers(model: nn.Module) -> list[nn.Module]:
 # ``enabled`` on every fake quantizer directly is what stock's call does for 8da4w, works for
 # 4w, and reaches ``QATLoRALinear``'s quantizers too.
 def set_fake_quant(model: nn.Module, enabled: bool) -> None:
-    """Turn every fake quantizer of ``model`` on or off; see Note [switching fake quantisation]."""
+    """Turn every fake quantizer of ``model`` on or off; see [switching fake quantisation]."""
     for fake_quantizer in fake_quantizers(model):
         fake_quantizer.enabled = enabled
 
