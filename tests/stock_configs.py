@@ -52,6 +52,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 STOCK_CONFIGS = Path(torchtune.__file__).resolve().parents[1] / "recipes" / "configs"
 RECIPES = ("full_finetune_distributed", "lora_finetune_distributed")
 FULL, LORA = RECIPES
+# Quantisation-aware training (tests/test_recipe_qat.py, docs/qat.md): its 6 stock configs,
+# on models wide enough (``QAT_WIDTH``) that their ``quantizer.groupsize: 256`` divides every
+# linear's input width, as on the released models (a width it does not divide would leave a
+# full model's linears unquantised and fail a LoRA one's).
+QAT_RECIPES = ("qat_distributed", "qat_lora_finetune_distributed")
 # exactga's own distributed configs, (recipe, config): configs/<family>/<name>.yaml for models
 # of Llama 3.1, 3.2 and Qwen2.5 (tests/test_distributed_model_configs.py keeps the list equal
 # to the files).
@@ -83,6 +88,7 @@ MAX_STEPS_PER_EPOCH = 2
 # The tiny sizes. NF4 quantises in blocks of 64 values with scalers in blocks of 256, so a
 # QLoRA model's quantised weights need multiples of 16384 elements: width 256 there.
 WIDTH, QLORA_WIDTH = 64, 256
+QAT_WIDTH = 256
 NUM_HEADS = 4
 TINY_SIZES = {"vocab_size": 2048, "num_layers": 2, "max_seq_len": 2 * TOKENIZER_MAX_SEQ_LEN}
 
@@ -105,9 +111,9 @@ def stock_config_names(recipe: str) -> list[str]:
     return [c.name for c in entry.configs if "vision" not in c.name]
 
 
-def all_stock_configs() -> list[tuple[str, str]]:
-    """Every ``(recipe, config name)`` pair of both distributed recipes."""
-    return [(recipe, name) for recipe in RECIPES for name in stock_config_names(recipe)]
+def all_stock_configs(recipes: tuple[str, ...] = RECIPES) -> list[tuple[str, str]]:
+    """Every ``(recipe, config name)`` pair of ``recipes`` (both SFT distributed recipes)."""
+    return [(recipe, name) for recipe in recipes for name in stock_config_names(recipe)]
 
 
 def config_path(name: str) -> Path:
@@ -164,11 +170,15 @@ def _public_path(component: Callable) -> str:
     return path
 
 
-def tiny_model(stock_model: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+def tiny_model(
+    stock_model: DictConfig, width: int | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The tiny ``model`` section for ``stock_model`` and its plain base model (the same as the
-    model for full fine-tuning; without the LoRA keys for a LoRA builder)."""
+    model for full fine-tuning; without the LoRA keys for a LoRA builder); ``width`` by
+    default ``WIDTH`` (``QLORA_WIDTH`` for QLoRA)."""
     path, arguments = stock_component_call(stock_model)
-    width = QLORA_WIDTH if arguments.get("quantize_base") else WIDTH
+    if width is None:
+        width = QLORA_WIDTH if arguments.get("quantize_base") else WIDTH
     head_dim = width // NUM_HEADS
     stock_heads, stock_kv_heads = arguments["num_heads"], arguments["num_kv_heads"]
     sizes: dict[str, Any] = {
@@ -210,10 +220,10 @@ def _tiny_gemma3_layers(arguments: dict[str, Any]) -> dict[str, Any]:
 
 def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig:
     """Stock config ``name`` with tiny model, tokenizer, data and checkpointer, on CPU."""
-    assert recipe in RECIPES + SINGLE_DEVICE_RECIPES + KD_RECIPES + (GRPO,), recipe
+    assert recipe in RECIPES + SINGLE_DEVICE_RECIPES + KD_RECIPES + QAT_RECIPES + (GRPO,), recipe
     cfg = stock_config(name)
-    model, base_model = tiny_model(cfg.model)
-    is_lora = recipe.startswith(("lora", "knowledge_distillation"))
+    model, base_model = tiny_model(cfg.model, QAT_WIDTH if recipe in QAT_RECIPES else None)
+    is_lora = recipe.startswith(("lora", "knowledge_distillation", "qat_lora"))
     if recipe in KD_RECIPES:
         _adapt_teacher(cfg)
     assert is_lora == any(k in model for k in LORA_KEYS), (name, recipe)

@@ -71,13 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "stock_config_sweep")
     parser.add_argument("--jobs", type=int, default=2, help="launches at a time (2 ranks each)")
     parser.add_argument("--only", default="", help="run configs whose name contains this")
-    parser.add_argument("--recipe", choices=stock_configs.RECIPES, help="one recipe's configs")
+    parser.add_argument(
+        "--recipe",
+        choices=stock_configs.RECIPES + stock_configs.QAT_RECIPES,
+        help="one recipe's configs",
+    )
     parser.add_argument(
         "--ours", action="store_true", help="exactga's own configs in configs/, not the stock ones"
     )
     args = parser.parse_args(argv)
 
-    configs = stock_configs.OUR_CONFIGS if args.ours else stock_configs.all_stock_configs()
+    recipes = stock_configs.RECIPES + stock_configs.QAT_RECIPES
+    configs = stock_configs.OUR_CONFIGS if args.ours else stock_configs.all_stock_configs(recipes)
     todo = [(r, n) for r, n in configs if args.only in n and args.recipe in (None, r)]
     print(f"{len(todo)} configs, {args.jobs} launches at a time, outputs in {args.out}")
     t0 = time.perf_counter()

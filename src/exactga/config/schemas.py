@@ -368,3 +368,65 @@ class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
         _warn_cpu_offload_ignored(cfg)
         if cfg.fsdp is not None:
             _warn_once("config key 'fsdp' is ignored, as by stock torchtune; use fsdp_cpu_offload.")
+
+
+def check_qat(cfg: DictConfig) -> None:
+    """What torchtune 0.6.1's QAT recipes refuse at start-up, and what they cannot know.
+
+    Raises:
+        ValueError: naming the key (``compile``, ``quantizer``).
+    """
+    if cfg.compile:
+        raise ValueError("config key 'compile': QAT does not support compilation; set False.")
+    if not isinstance(cfg.quantizer, DictConfig) or "_component_" not in cfg.quantizer:
+        raise ValueError(
+            "config key 'quantizer' is needed: a section with _component_, e.g. "
+            "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer."
+        )
+
+
+@dataclass
+class QatDistributedConfig(FullFinetuneSingleDeviceConfig):
+    """``qat_distributed``: full fine-tuning with torchao's fake quantisation (docs/qat.md).
+    The sharding keys of ``full_finetune_distributed`` but no tensor parallelism, which stock's
+    QAT recipe does not have."""
+
+    quantizer: Any = MISSING  # a torchao QAT quantizer section (exactga.setup.qat)
+    fake_quant_after_n_steps: Optional[int] = None  # null: fake quantisation from the start
+
+    fsdp_cpu_offload: bool = False
+    fsdp_reshard_after_forward: bool = True
+    custom_sharded_layers: Optional[list[str]] = None
+    ac_mode: Optional[str] = None
+    ac_option: Any = None
+    # exactga: stock's QAT recipe gathers and saves synchronously, which is what torchtune's
+    # checkpoint client does with this off (the same files); on, as full_finetune_distributed.
+    enable_async_checkpointing: bool = False
+    # exactga: see FullFinetuneDistributedConfig.
+    gradient_sync: GradientSync = GradientSync.EVERY_MICRO_BATCH
+    rank_balancing: RankBalancing = RankBalancing.BY_TOKENS
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        check_qat(cfg)
+        if cfg.fake_quant_after_n_steps is not None and cfg.fake_quant_after_n_steps < 0:
+            raise ValueError("config key 'fake_quant_after_n_steps' must be 0 or more, or null.")
+        _warn_cpu_offload_ignored(cfg)
+
+
+@dataclass
+class QatLoraFinetuneDistributedConfig(LoraFinetuneDistributedConfig):
+    """``qat_lora_finetune_distributed``: LoRA over a fake-quantised frozen base (docs/qat.md).
+    No ``fake_quant_after_n_steps``: stock's QAT LoRA recipe has none."""
+
+    quantizer: Any = MISSING  # a torchao QAT quantizer section (exactga.setup.qat)
+
+    @classmethod
+    def check_flags(cls, cfg: DictConfig) -> None:
+        super().check_flags(cfg)
+        check_qat(cfg)
+        if cfg.model.get("use_dora", False):
+            raise ValueError(
+                "config keys 'model.use_dora' and 'quantizer': QAT does not work with DoRA."
+            )

@@ -148,6 +148,8 @@ RECIPES = (
         supports_distributed=True,
     ),
     RecipeEntry("full_dpo_distributed", ("tiny/full_dpo_distributed",), True),
+    RecipeEntry("qat_distributed", ("tiny/qat_distributed",), True),
+    RecipeEntry("qat_lora_finetune_distributed", ("tiny/qat_lora_distributed",), True),
     RecipeEntry(
         "grpo_full_finetune_distributed",
         ("tiny/grpo_distributed", "qwen3/0.6B_grpo", "gemma3/1B_grpo"),

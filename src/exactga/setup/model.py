@@ -32,6 +32,7 @@ from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
 from exactga.setup.lora import LoraSettings, load_lora_weights
 from exactga.setup.model_state import load_model_state
+from exactga.setup.qat import prepare_for_qat
 
 
 @dataclass(frozen=True)
@@ -131,15 +132,21 @@ def build_model(
     settings: ModelSettings,
     parallelism: Parallelism | None = None,
     notes: tuple[object, ...] = (),
+    quantizer: Any = None,
 ) -> BuiltModel:
     """Build ``cfg_model`` with ``weights`` as a recipe trains it: on ``device`` alone, or with
     ``parallelism`` built on the meta device and sharded. ``notes`` (the attention kernels,
-    the thread count: what else decides the run's numbers) are logged after the model."""
+    the thread count: what else decides the run's numbers) are logged after the model.
+    ``quantizer`` (a torchao QAT quantizer, ``exactga.setup.qat``) fake-quantises the linears
+    where stock's QAT recipes do: a LoRA model's right after it is built, before the adapters
+    are made trainable; a full model's after activation checkpointing, before sharding."""
     start = time.perf_counter()
     lora = isinstance(weights, AdapterWeights)
     on = torch.device("meta") if parallelism is not None else device
     with training.set_default_dtype(precision.compute_dtype), on:
         model = config.instantiate(cfg_model)
+        if quantizer is not None and lora:  # QATLoRALinear's new adapters: trainable below
+            prepare_for_qat(model, quantizer, lora=True)
     adapter_params = get_adapter_params(model) if lora else None
     if adapter_params is not None:
         set_trainable_params(model, adapter_params)
@@ -149,6 +156,8 @@ def build_model(
     if parallelism is not None and parallelism.tp_mesh is not None:
         model = _tensor_parallel(model, parallelism)
     _checkpoint_activations(model, settings)
+    if quantizer is not None and not lora:  # swaps nn.Linear modules: before FSDP wraps them
+        model = prepare_for_qat(model, quantizer, lora=False)
     if parallelism is not None:
         _shard(model, precision, settings, parallelism.dp_mesh, lora=lora)
         init_rope(model, precision.compute_dtype, device)

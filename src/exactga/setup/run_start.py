@@ -47,6 +47,7 @@ from exactga.setup.checkpoints import RunCheckpoints
 from exactga.setup.frozen import build_frozen_model, freeze_model
 from exactga.setup.lora import LoraSettings
 from exactga.setup.model import AdapterWeights, FullWeights, ModelSettings, Parallelism, build_model
+from exactga.setup.qat import quantizer_from_config
 
 log = utils.get_logger("INFO")
 
@@ -275,10 +276,15 @@ class RunStart:
 
     # -- models ----------------------------------------------------------------------------
     def build_model(
-        self, cfg_model: DictConfig, weights: FullWeights | AdapterWeights
+        self,
+        cfg_model: DictConfig,
+        weights: FullWeights | AdapterWeights,
+        *,
+        quantizer: DictConfig | None = None,
     ) -> nn.Module:
         """The trained model, built, cast, compiled, sharded and loaded in the one order (see
-        ``exactga.setup.model.build_model``); its forwards run in ``activations_ctx``."""
+        ``exactga.setup.model.build_model``); its forwards run in ``activations_ctx``. A
+        ``quantizer`` section (QAT) fake-quantises its linears, built in ``dtype`` as stock."""
         built = build_model(
             cfg_model,
             weights,
@@ -287,6 +293,9 @@ class RunStart:
             settings=self.runtime.model_settings,
             parallelism=self.runtime.parallelism,
             notes=self.runtime.notes,
+            quantizer=None
+            if quantizer is None
+            else quantizer_from_config(quantizer, self.runtime.dtype),
         )
         self.activations_ctx = built.activations_ctx
         return built.model
