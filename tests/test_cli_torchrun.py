@@ -64,17 +64,20 @@ def test_the_wrap_exits_1_quietly_on_user_errors_and_reraises_the_rest(monkeypat
     cli.quiet_user_errors_under_torchrun(module)
     cli.quiet_user_errors_under_torchrun(module)  # installed once
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+    for name in (cli.LAUNCH_COMMAND_ENV, "OMP_NUM_THREADS"):  # the wrap sets them: restore after
+        monkeypatch.delenv(name, raising=False)
+    args = SimpleNamespace(nproc_per_node="1", shutdown_timeout=None)
     marked = failure("/nonexistent", 1)
     marked.message = USER
     outcome["error"] = ChildFailedError("recipe", {0: marked})
     with pytest.raises(SystemExit) as exit_info:
-        Run()._run_distributed(None, False)
+        Run()._run_distributed(args, False)
     assert exit_info.value.code == 1
     crashed = failure("/nonexistent", 1)  # no error file: torch's generic message
     outcome["error"] = ChildFailedError("recipe", {0: crashed})
     with pytest.raises(ChildFailedError):
-        Run()._run_distributed(None, False)
+        Run()._run_distributed(args, False)
     monkeypatch.setenv(cli.TRACEBACK_ENV, "1")  # asked for: the launcher's report stays
     outcome["error"] = ChildFailedError("recipe", {0: marked})
     with pytest.raises(ChildFailedError):
-        Run()._run_distributed(None, False)
+        Run()._run_distributed(args, False)
