@@ -107,9 +107,13 @@ def _stop_at_once(signum: signal.Signals) -> None:
         what = f"{signum.name} again: stopped at once, without finishing the step"
     else:
         what = f"{signum.name}: stopped at once, outside training (nothing more is saved)"
+    for stream in (sys.stdout, sys.stderr):  # what the run printed before the line
+        with contextlib.suppress(RuntimeError, OSError, ValueError):  # a write it interrupted
+            stream.flush()
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"\nexactga: {what}.", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+        # os.write, not print: the signal may have come inside a write to the same stream,
+        # and a buffered stream refuses to be written to again from there.
+        os.write(sys.stderr.fileno(), f"\nexactga: {what}.\n".encode())
     os._exit(exit_status(signum))
 
 
