@@ -66,7 +66,7 @@ def test_the_wrap_exits_1_quietly_on_user_errors_and_reraises_the_rest(monkeypat
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
     for name in (cli.LAUNCH_COMMAND_ENV, "OMP_NUM_THREADS"):  # the wrap sets them: restore after
         monkeypatch.delenv(name, raising=False)
-    args = SimpleNamespace(nproc_per_node="1", shutdown_timeout=None)
+    args = SimpleNamespace(nproc_per_node="1", shutdown_timeout=30)  # torch stays unpatched
     marked = failure("/nonexistent", 1)
     marked.message = USER
     outcome["error"] = ChildFailedError("recipe", {0: marked})
@@ -175,3 +175,24 @@ def test_a_second_signal_or_one_outside_training_stops_at_once_in_one_line(train
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert err.strip() == line
+
+
+def test_the_agent_waits_longer_for_its_ranks_only_after_a_stop_signal_of_its_own():
+    import signal
+
+    class Agent:  # the shape of torch's LocalElasticAgent
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+            waited.append(timeout)
+
+    def raise_in_agent(signum, frame):
+        raise RuntimeError(f"signal {signum}")  # torch's raises SignalException
+
+    waited: list[int] = []
+    processes = SimpleNamespace(_terminate_process_handler=raise_in_agent)
+    cli.grace_after_a_stop_signal(processes, Agent)
+    cli.grace_after_a_stop_signal(processes, Agent)  # installed once
+    Agent()._shutdown(timeout=30)  # a rank failed: torch's timeout
+    with pytest.raises(RuntimeError, match="signal 15"):
+        processes._terminate_process_handler(signal.SIGTERM, None)
+    Agent()._shutdown(signal.SIGTERM, timeout=30)
+    assert waited == [30, cli.SHUTDOWN_TIMEOUT_S]

@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -112,8 +113,11 @@ def _raised_by(tb: TracebackType | None, recipe_file: Path) -> bool:
 # to its shutdown timeout, kills what is left with SIGKILL, and raises ``SignalException``,
 # printed with a traceback. The wrap of its launch therefore:
 # - gives the ranks 300 s, not torch's 30, to finish their step and write the stop checkpoint
-#   (unless ``--shutdown_timeout`` or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says otherwise); a
-#   scheduler's own grace period still bounds it, and a second signal ends the ranks at once;
+#   when the launcher itself got the signal (unless ``--shutdown_timeout`` or
+#   ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says otherwise); a scheduler's own grace period still
+#   bounds it, and a second signal ends the ranks at once. When a rank fails instead, the
+#   others are stopped with torch's timeout as before: a survivor blocked in a collective with
+#   its dead peer (NCCL waits) runs no Python and is killed after it, not 300 s;
 # - exits with the ranks' status, 128 + the signal, without a traceback, on
 #   ``SignalException``, and on a failure whose every rank exited so (a signal sent to the
 #   ranks alone, as Slurm's scancel does);
@@ -169,13 +173,15 @@ def quiet_user_errors_under_torchrun(run_module: Any) -> None:
 
 def _prepare_ranks(args: Any) -> None:
     """The environment and launcher settings of [torchrun and a stop]."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api as processes
     from torch.distributed.run import determine_local_world_size
 
     os.environ[LAUNCH_COMMAND_ENV] = json.dumps(sys.argv)
     if getattr(args, "shutdown_timeout", None) is None and not os.environ.get(
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
     ):
-        args.shutdown_timeout = SHUTDOWN_TIMEOUT_S
+        grace_after_a_stop_signal(processes, LocalElasticAgent)
     try:
         num_ranks = determine_local_world_size(args.nproc_per_node)
     except ValueError:  # torchrun reports it itself
@@ -184,6 +190,31 @@ def _prepare_ranks(args: Any) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
     for name in _AGENT_LOGGERS:
         logging.getLogger(name).addFilter(_forwarding_a_stop)
+
+
+def grace_after_a_stop_signal(processes: Any, agent_class: Any) -> None:
+    """Make torchrun's agent wait :data:`SHUTDOWN_TIMEOUT_S` for its ranks once it got SIGINT
+    or SIGTERM itself (see [torchrun and a stop]): ``processes`` is torch's
+    ``torch.distributed.elastic.multiprocessing.api``, whose signal handler the agent installs
+    when it starts the ranks, and ``agent_class`` its ``LocalElasticAgent``."""
+    if getattr(agent_class._shutdown, "_exactga_grace", False):
+        return
+    raise_in_agent = processes._terminate_process_handler
+    shutdown = agent_class._shutdown
+    received: list[int] = []
+
+    def recording_handler(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise_in_agent(signum, frame)
+
+    def shutdown_with_grace(self: Any, death_sig: Any = signal.SIGTERM, timeout: int = 30) -> None:
+        if any(signum in STOP_SIGNALS for signum in received):
+            timeout = max(timeout, SHUTDOWN_TIMEOUT_S)
+        shutdown(self, death_sig, timeout)
+
+    shutdown_with_grace._exactga_grace = True  # type: ignore[attr-defined]
+    processes._terminate_process_handler = recording_handler
+    agent_class._shutdown = shutdown_with_grace
 
 
 # torch's loggers that tell of passing a stop signal on to the ranks.

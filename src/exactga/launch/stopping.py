@@ -5,19 +5,19 @@ Note [stop at a step boundary]
 Ctrl-C (SIGINT) and a scheduler's preemption (SIGTERM, then SIGKILL after a grace period) should
 not cost the steps trained since the last checkpoint, nor print a ``KeyboardInterrupt``
 traceback. So :func:`stopping_on_signals` (entered by ``run_recipe``) replaces both signals'
-handlers with one that only records the request while training runs (``StepBook`` marks
-that with :meth:`StopRequest.training`): the step in progress finishes, and at the next step
-boundary every rank writes a step checkpoint and the run ends with one line saying where it
-stopped, what was saved and the command that goes on (``exactga.run.steps``; under torchrun
-the ranks first agree on the step, see [every rank stops at one step] there). The exit status
-is the shell's for a process ended by that signal, 128 + its number (130 for SIGINT, 143 for
-SIGTERM): the run did not finish, and a job chain that starts an evaluation "after success"
-must not start it; a requeued job goes on with ``resume_from_checkpoint=auto``
-(docs/reliability.md, "Stopping").
+handlers with one that only records the request while training runs (the step bookkeeping
+sets ``StopRequest.training`` from its first epoch to the end of its last): the step in
+progress finishes, and at the next step boundary every rank writes a step checkpoint and the
+run ends with one line saying where it stopped, what was saved and the command that goes on
+(``exactga.run.steps``; under torchrun the ranks first agree on the step, see [every rank
+stops at one step] there). The exit status is the shell's for a process ended by that signal,
+128 + its number (130 for SIGINT, 143 for SIGTERM): the run did not finish, and a job chain
+that starts an evaluation "after success" must not start it; a requeued job goes on with
+``resume_from_checkpoint=auto`` (docs/reliability.md, "Stopping").
 
-A second signal, or a signal before training starts or after it ends (loading, the epoch-end
-saves of the last epoch, the closing report), stops at once: one line, no traceback, the same
-status, nothing more written. The atomic step checkpoints (see [atomic step checkpoints] in
+A second signal, or a signal before training starts or after it ends (loading the model and
+data, the closing report), stops at once: one line, no traceback, the same status, nothing more
+written. The atomic step checkpoints (see [atomic step checkpoints] in
 exactga.run.checkpointing) make that safe at any moment.
 
 Kept free of torch: the ``tune`` launcher imports this package to wrap torchrun.
