@@ -199,7 +199,8 @@ ALLOWED_IMPORTS = {
     "runtime": {"config"},
     "data": {"config", "runtime"},
     "accumulation": {"config", "runtime", "data"},
-    "run": {"config", "runtime", "data", "accumulation"},
+    # launch sits at the bottom beside config: run reads the stop request it records.
+    "run": {"config", "launch", "runtime", "data", "accumulation"},
     # Model families sit below setup: setup builds them, converts their weights, seeds them.
     "models": {"config", "runtime"},
     # Setup assembles a recipe's run (exactga.setup.run_start): the loader and the profiler too.

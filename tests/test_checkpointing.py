@@ -527,3 +527,29 @@ def test_missing_weights_are_named() -> None:
     missing = {k: v for k, v in model.state_dict().items() if k != "norm.scale"}
     with pytest.raises(ValueError, match="norm.scale"):
         load_model_state(model, missing, "/ckpt/model.safetensors")
+
+
+def test_a_launch_that_starts_over_beside_a_checkpoint_of_its_run_says_how_to_go_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """One line, naming the checkpoint and the key; none for another run's checkpoint."""
+    from exactga.run import resume
+
+    lines: list[str] = []
+    monkeypatch.setattr(resume.log, "info", lines.append)
+    cfg = run_config(resume_from_checkpoint=False)
+    fingerprint = run_fingerprint(cfg, world_size=1)
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    checkpointer.save(
+        5,
+        model_state=tiny_model().state_dict(),
+        optimizer_state=None,
+        trainer_state={"global_step": 5, "fingerprint": fingerprint},
+        rank_state={"rng": capture_rng_state(CPU)},
+    )
+    assert find_resume_point(cfg, checkpointer, fingerprint).source is ResumeFrom.START
+    assert len(lines) == 1 and str(tmp_path / "step_000005") in lines[0]
+    assert "this launch starts over" in lines[0] and "resume_from_checkpoint=True" in lines[0]
+    other = run_config(resume_from_checkpoint=False, gradient_accumulation_steps=8)
+    find_resume_point(other, checkpointer, run_fingerprint(other, world_size=1))
+    assert len(lines) == 1  # another run's checkpoint: no hint

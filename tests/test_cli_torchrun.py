@@ -64,17 +64,135 @@ def test_the_wrap_exits_1_quietly_on_user_errors_and_reraises_the_rest(monkeypat
     cli.quiet_user_errors_under_torchrun(module)
     cli.quiet_user_errors_under_torchrun(module)  # installed once
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+    for name in (cli.LAUNCH_COMMAND_ENV, "OMP_NUM_THREADS"):  # the wrap sets them: restore after
+        monkeypatch.delenv(name, raising=False)
+    args = SimpleNamespace(nproc_per_node="1", shutdown_timeout=30)  # torch stays unpatched
     marked = failure("/nonexistent", 1)
     marked.message = USER
     outcome["error"] = ChildFailedError("recipe", {0: marked})
     with pytest.raises(SystemExit) as exit_info:
-        Run()._run_distributed(None, False)
+        Run()._run_distributed(args, False)
     assert exit_info.value.code == 1
     crashed = failure("/nonexistent", 1)  # no error file: torch's generic message
     outcome["error"] = ChildFailedError("recipe", {0: crashed})
     with pytest.raises(ChildFailedError):
-        Run()._run_distributed(None, False)
+        Run()._run_distributed(args, False)
     monkeypatch.setenv(cli.TRACEBACK_ENV, "1")  # asked for: the launcher's report stays
     outcome["error"] = ChildFailedError("recipe", {0: marked})
     with pytest.raises(ChildFailedError):
-        Run()._run_distributed(None, False)
+        Run()._run_distributed(args, False)
+
+
+# --- stopping on a signal: see [torchrun and a stop] in exactga.launch.cli -------------------
+
+
+def test_a_launch_whose_ranks_all_stopped_on_a_signal_exits_with_their_status():
+    stopped = _failed_launch(_failure(143, ""), _failure(143, ""))
+    assert cli._stopped_by_signal(stopped) == 143
+    assert cli._stopped_by_signal(_failed_launch(_failure(130, ""))) == 130
+    assert cli._stopped_by_signal(_failed_launch(_failure(143, ""), _failure(1, CRASH))) is None
+    assert cli._stopped_by_signal(_failed_launch(_failure(-9, "Signal 9 (SIGKILL)"))) is None
+
+
+def test_the_agents_lines_about_passing_a_stop_on_are_left_out():
+    import logging
+
+    def record(msg: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord("torch", logging.WARNING, "api.py", 1, msg, args, None)
+
+    quiet = cli._forwarding_a_stop
+    assert not quiet(record("Received %s death signal, shutting down workers", 15))
+    assert not quiet(record("Sending process %s closing signal %s", 123, "SIGINT"))
+    assert quiet(record("Sending process %s closing signal %s", 123, "SIGHUP"))
+    assert quiet(
+        record("Unable to shutdown process %s via %s, forcefully exiting via %s", 1, 15, 9)
+    )
+
+
+def test_the_command_that_goes_on_is_the_launch_with_the_resume_key():
+    from exactga.launch.stopping import LAUNCH_COMMAND_ENV, resume_command
+
+    typed = ["python3", "/nowhere/bin/tune", "run", "r.py", "--config", "c.yaml", "a=b c"]
+    assert resume_command(typed, {}) == (
+        "/nowhere/bin/tune run r.py --config c.yaml 'a=b c' resume_from_checkpoint=True"
+    )
+    again = [*typed[:-1], "resume_from_checkpoint=False"]
+    assert resume_command(again, {}).endswith("c.yaml resume_from_checkpoint=True")
+    launcher = ["tune", "run", "--nproc_per_node", "2", "r.py", "resume_from_checkpoint=auto"]
+    ranks = ["python3", "-u", "-m", "recipes.r"]  # a rank's own command line under torchrun
+    environ = {LAUNCH_COMMAND_ENV: json.dumps(launcher)}
+    assert resume_command(ranks, environ) == (
+        "tune run --nproc_per_node 2 r.py resume_from_checkpoint=True"
+    )
+
+
+SIGNALLED_RUN = """
+import os, signal, sys, time
+from exactga.launch.cli import run_recipe
+from exactga.launch.stopping import stop_request
+
+def recipe_main():
+    stop_request().training = {training}
+    print("ready", flush=True)
+    while stop_request().signal is None:  # training: the first signal is only recorded
+        time.sleep(0.01)
+    print("recorded", flush=True)
+    time.sleep(60)
+    sys.exit(5)  # the second signal never came
+
+sys.exit(run_recipe(recipe_main))
+"""
+
+
+@pytest.mark.parametrize(
+    ("training", "signals", "line"),
+    [
+        (True, 2, "exactga: SIGINT again: stopped at once, without finishing the step."),
+        (False, 1, "exactga: SIGINT: stopped at once, outside training (nothing more is saved)."),
+    ],
+)
+def test_a_second_signal_or_one_outside_training_stops_at_once_in_one_line(training, signals, line):
+    """A plain Python process (no torch): the first signal during training is only recorded
+    (the step book acts on it at the step's end), the next one ends the process at once."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(cli.__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED_RUN.format(training=training)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(src), "PATH": ""},
+    )
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    if signals == 2:  # after the first was handled: a signal sent before that would merge with it
+        assert proc.stdout.readline() == "recorded\n"
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert err.strip() == line
+
+
+def test_the_agent_waits_longer_for_its_ranks_only_after_a_stop_signal_of_its_own():
+    import signal
+
+    class Agent:  # the shape of torch's LocalElasticAgent
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+            waited.append(timeout)
+
+    def raise_in_agent(signum, frame):
+        raise RuntimeError(f"signal {signum}")  # torch's raises SignalException
+
+    waited: list[int] = []
+    processes = SimpleNamespace(_terminate_process_handler=raise_in_agent)
+    cli.grace_after_a_stop_signal(processes, Agent)
+    cli.grace_after_a_stop_signal(processes, Agent)  # installed once
+    Agent()._shutdown(timeout=30)  # a rank failed: torch's timeout
+    with pytest.raises(RuntimeError, match="signal 15"):
+        processes._terminate_process_handler(signal.SIGTERM, None)
+    Agent()._shutdown(signal.SIGTERM, timeout=30)
+    assert waited == [30, cli.SHUTDOWN_TIMEOUT_S]

@@ -124,3 +124,25 @@ def test_shipped_distributed_config_is_known_to_its_recipe() -> None:
     validate_config(OmegaConf.load(path), FullFinetuneDistributedConfig, DISTRIBUTED)
     first_lines = path.read_text().splitlines()[:25]
     assert any(f"recipes/{DISTRIBUTED}.py" in line for line in first_lines)
+
+
+def test_resume_from_checkpoint_takes_stocks_two_values_and_auto(tmp_path: Path) -> None:
+    """``auto`` goes on where there is a checkpoint and starts where there is none; recipes then
+    see stock's True or False. Any other value names the key and its choices."""
+    from exactga.run.checkpointing import step_checkpointer_for
+    from exactga.run.resume import validate_run_config
+
+    def resolved(value: object) -> object:
+        cfg = tiny_cfg(output_dir=str(tmp_path), resume_from_checkpoint=value)
+        return validate_run_config(
+            cfg, FullFinetuneSingleDeviceConfig, RECIPE
+        ).resume_from_checkpoint
+
+    assert resolved(False) is False
+    assert resolved("auto") is False  # nothing to go on from: start
+    step_checkpointer_for(str(tmp_path), keep_last_n=2).save(
+        3, model_state={}, optimizer_state=None, trainer_state={}, rank_state={}
+    )
+    assert resolved("auto") is True and resolved(True) is True
+    with pytest.raises(ValueError, match="'resume_from_checkpoint'='sometimes': choose one of"):
+        resolved("sometimes")

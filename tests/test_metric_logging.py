@@ -167,3 +167,40 @@ def test_flushing_puts_the_logged_steps_on_disk_before_the_writer_closes(tmp_pat
     assert logged_steps(tmp_path) == {1: 1.0}  # read while the writer is still open
     logger.close()
     flush_metric_logger(None)  # ranks without a logger
+
+
+def test_the_config_summary_is_three_lines_and_the_whole_config_is_on_disk(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    from omegaconf import OmegaConf
+    from unit_utils import tiny_config
+
+    from exactga.run.metric_logging import log_config_summary
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = tiny_config("full_single_device", output_dir=str(tmp_path / "out"))
+    path = log_config_summary("full_finetune_single_device", cfg)
+    assert path == tmp_path / "out" / "resolved_config.yaml"
+    assert OmegaConf.load(path) == OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"full_finetune_single_device: model llama3_2, data alpaca_dataset (json: "
+        f"{cfg.dataset.data_files}), fp32 on cpu",
+        "training: 1 epoch, at most 40 steps per epoch; each step batch_size 4 x "
+        "gradient_accumulation_steps 2 x 2 ranks",
+        f"outputs: {tmp_path / 'out'} (the full resolved config: {path})",
+    ]
+    monkeypatch.setenv("RANK", "1")  # the other ranks print and write nothing
+    assert log_config_summary("full_finetune_single_device", cfg) is None
+    assert capsys.readouterr().err == ""
+
+
+def test_the_config_summary_names_what_grpo_has_instead() -> None:
+    from unit_utils import tiny_config
+
+    from exactga.run.metric_logging import config_summary
+
+    cfg = tiny_config("grpo_distributed")
+    lines = config_summary("grpo_full_finetune_distributed", cfg, "c.yaml")
+    assert "rollout steps" in lines[1] and len(lines) == 3

@@ -265,6 +265,7 @@ def test_bad_config_fails_naming_the_key(tmp_path, override, expected):
         assert text in out, out[-4000:]
     assert "Traceback" not in out and "EXACTGA_TRACEBACK=1 shows it" in out, out[-4000:]
     assert "Running FullFinetuneRecipeSingleDevice with resolved config" not in out
+    assert "(the full resolved config: " not in out  # exactga's summary of it
     assert not (tmp_path / "out" / TRAINED).exists()
 
 

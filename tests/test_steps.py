@@ -205,3 +205,110 @@ def test_a_recipes_own_metrics_are_read_and_logged_on_logged_steps_only() -> Non
     assert sorted(recorder.logged) == [2]
     assert recorder.logged[2]["my/metric"] == 3.5
     assert own.reads == 1  # step 1 was not logged: its value was never read
+
+
+# --- stopping on a signal: see [every rank stops at one step] ---------------------------------
+
+
+@pytest.fixture
+def stop_request():
+    """The process's stop request, cleared before and after (a signal handler sets it)."""
+    from exactga.launch.stopping import stop_request
+
+    request = stop_request()
+    request.clear()
+    yield request
+    request.clear()
+
+
+def test_a_signal_during_a_step_stops_after_it_with_a_checkpoint_and_one_line(
+    stop_request, monkeypatch
+) -> None:
+    import signal
+
+    from exactga.launch.stopping import RunStopped
+    from exactga.run import steps as steps_module
+
+    lines: list[str] = []
+    monkeypatch.setattr(steps_module, "log_rank_zero", lines.append)
+    recorder = Recorder()
+    book, _ = _book(recorder, settings=StepBookSettings(1, None, NonFinitePolicy.STOP))
+    windows = book.windows(0)
+    book.end_step(next(windows), StepOutcome(skipped=False))
+    assert stop_request.training  # a signal now waits for the step's end
+    stop_request.signal = signal.SIGTERM  # as the handler records it, mid-step
+    with pytest.raises(RunStopped) as stopped:
+        next(windows)  # the recipe asks for the next window
+    assert stopped.value.code == 143
+    assert recorder.calls[-1] == ("step checkpoint",)  # with save_every_n_steps off
+    assert book.progress.global_step == 1
+    (line,) = lines
+    assert line.startswith("exactga: stopped by SIGTERM after step 1 of 2 (epoch 1 of 1)")
+    assert "step checkpoint in step." in line and line.endswith("resume_from_checkpoint=True")
+    assert not stop_request.training  # a second signal stops at once
+
+
+def test_a_stop_at_an_epochs_last_step_saves_after_the_epoch_closes(stop_request) -> None:
+    import signal
+
+    from exactga.launch.stopping import RunStopped
+
+    recorder = Recorder()
+    book, _ = _book(recorder)  # a step checkpoint after every step
+    book.progress.total_epochs = 2
+    windows = book.windows(0)
+    book.end_step(next(windows), StepOutcome(skipped=False))
+    book.end_step(next(windows), StepOutcome(skipped=False))
+    stop_request.signal = signal.SIGINT
+    assert next(windows, None) is None  # the epoch's last step: no stop inside the loop
+    with pytest.raises(RunStopped) as stopped:
+        book.end_epoch(0)
+    assert stopped.value.code == 130
+    assert recorder.calls[-2:] == [("epoch checkpoint", 0), ("step checkpoint",)]  # not twice
+
+
+def test_a_stop_asked_for_at_the_runs_end_lets_it_finish(stop_request) -> None:
+    import signal
+
+    book, _ = _book(Recorder())
+    windows = book.windows(0)
+    book.end_step(next(windows), StepOutcome(skipped=False))
+    book.end_step(next(windows), StepOutcome(skipped=False))
+    stop_request.signal = signal.SIGTERM
+    assert next(windows, None) is None
+    book.end_epoch(0)  # complete: nothing to go on from, so no stop
+    assert not stop_request.training
+
+
+def test_grouped_windows_stop_only_after_their_last(stop_request) -> None:
+    """GRPO's ``ppo_epochs`` windows over one batch of rollouts, through ``training``."""
+    import signal
+
+    from exactga.launch.stopping import RunStopped
+
+    recorder = Recorder()
+    book, loader = _book(recorder)
+    book.progress.total_epochs = 2
+    book.progress.steps_per_epoch = 4
+    book.open_epoch(0)
+    group = book.training(list(book.normalizer.windows(loader, 2)))
+    book.end_step(next(group), StepOutcome(skipped=False))
+    stop_request.signal = signal.SIGINT
+    book.end_step(next(group), StepOutcome(skipped=False))  # the group goes on
+    with pytest.raises(RunStopped):
+        next(group)
+    assert book.progress.global_step == 2
+
+
+def test_print_report_as_the_docs_show_it_works_on_every_step(capsys) -> None:
+    """docs/launching.md's loop snippet, run as written with a step that is not logged."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "launching.md").read_text()
+    snippet = re.search(r"```python\n(report = steps\.end_step.*?)```", docs, re.S)
+    assert snippet is not None, "docs/launching.md's loop snippet moved: update this test"
+    book, _ = _book(Recorder())  # logs every 2nd step
+    for window in book.windows(0):
+        for micro_batch in window.micro_batches_to_run():  # the losses its micro-batches had
+            window.scale(torch.tensor(2.0), micro_batch)
+        exec(snippet.group(1), {"steps": book, "window": window, "outcome": StepOutcome(False)})
+    book.end_epoch(0)
+    assert capsys.readouterr().out.splitlines() == ["step 1", "step 2: loss 2.0000"]

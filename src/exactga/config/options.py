@@ -122,10 +122,11 @@ PRECISIONS = ("bf16", "fp32", "fp64")
 OptionT = TypeVar("OptionT", bound=Option)
 
 
-def bad_value(key: str, value: object, choices: tuple[str, ...] | list[str]) -> ValueError:
+def bad_value(key: str, value: object, choices: tuple[object, ...] | list[object]) -> ValueError:
     """The one message for a config value outside its choices: the key, the value, the
-    choices."""
-    return ValueError(f"config key '{key}'={value!r}: choose one of {', '.join(choices)}.")
+    choices (as a config spells them: ``True``, ``auto``)."""
+    listed = ", ".join(map(str, choices))
+    return ValueError(f"config key '{key}'={value!r}: choose one of {listed}.")
 
 
 def as_option(option: type[OptionT], value: object, key: str) -> OptionT:

@@ -47,6 +47,10 @@ _PROFILER = ProfilerSettings()
 LORA_MODEL_KEYS = ("lora_rank", "lora_alpha", "lora_attn_modules", "apply_lora_to_mlp")
 
 
+# ``resume_from_checkpoint``'s values: stock's two, and "auto".
+RESUME_CHOICES = (False, True, "auto")
+
+
 def choice(values: tuple[str, ...], default: str) -> Any:
     """A string field whose value must be one of ``values`` (checked by ``validate_config``);
     a knob whose values are an enum of exactga.config.options is typed with the enum instead."""
@@ -108,7 +112,10 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
     # [cuDNN attention and variable shapes] in exactga.runtime.kernels.
     cudnn_attention: bool = False
     compile: bool = False
-    resume_from_checkpoint: bool = False
+    # True: go on from the newest checkpoint (none is an error); False: start; exactga's "auto":
+    # go on if there is a checkpoint to go on from, else start (preemptible jobs). Validation
+    # hands on True or False (exactga.run.resume.validate_run_config).
+    resume_from_checkpoint: Any = field(default=False, metadata={"choices": RESUME_CHOICES})
 
     # Data and batching.
     batch_size: int = MISSING

@@ -248,7 +248,7 @@ def check_input_files(cfg: DictConfig) -> None:
                 _check_file(f"{key}.data_files", path)
     if cfg.get("checkpointer") is not None:
         _check_checkpointer_files(
-            cfg.checkpointer, resuming=bool(cfg.get("resume_from_checkpoint"))
+            cfg.checkpointer, resuming=cfg.get("resume_from_checkpoint") is True
         )
 
 

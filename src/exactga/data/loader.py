@@ -34,6 +34,7 @@ of datasets (a ``ConcatDataset``) a row is counted within its own dataset, ``dat
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -187,7 +188,7 @@ def build_dataloader(
         rank=rank,
         shuffle=shuffle,
     )
-    dataloader = StatefulDataLoader(
+    dataloader = _stateful_loader(
         dataset=dataset,
         batch_size=window_size,
         sampler=sampler,
@@ -255,7 +256,7 @@ def build_prompt_loader(
     sampler = StatefulDistributedSampler(
         dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=0
     )
-    loader = StatefulDataLoader(
+    loader = _stateful_loader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -266,6 +267,16 @@ def build_prompt_loader(
     if state_dict is not None:
         loader.load_state_dict(state_dict)
     return loader
+
+
+def _stateful_loader(*args: Any, **kwargs: Any) -> StatefulDataLoader:
+    """torchdata's ``StatefulDataLoader`` without its warning ``'set_vital' is deprecated``:
+    its constructor calls torch's deprecated ``torch.set_vital`` (torchdata 0.11 with torch
+    2.9 and later), a note to torchdata's authors that a user can do nothing about, printed once
+    per rank on every run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(*args, **kwargs)
 
 
 class WindowLoader:

@@ -15,19 +15,31 @@ message, marked, to the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE`
 ``tune run``'s torchrun path is wrapped (:func:`quiet_user_errors_under_torchrun`, installed by
 the start-up hook ``_exactga_recipes_hook``) to exit with status 1 and no traceback when every
 failed rank reported a user error or was stopped by the launcher after one did.
+
+The same wrap makes a stop on SIGINT or SIGTERM (see [stop at a step boundary] in
+exactga.launch.stopping) end the launch as quietly: see [torchrun and a stop].
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from exactga.launch.stopping import (
+    LAUNCH_COMMAND_ENV,
+    STOP_SIGNALS,
+    exit_status,
+    stopping_on_signals,
+)
 
 TRACEBACK_ENV = "EXACTGA_TRACEBACK"
 # How a rank's error file marks a user error for the launcher (see [user errors]).
@@ -46,7 +58,8 @@ def run_recipe(recipe_main: Callable[[], Any]) -> int:
         _print_user_error(problem)
         return 1
     try:
-        recipe_main()
+        with stopping_on_signals():  # see [stop at a step boundary]
+            recipe_main()
     except ValueError as err:
         recipe_file = Path(recipe_main.__code__.co_filename).resolve()
         if os.environ.get(TRACEBACK_ENV) or not _raised_by(err.__traceback__, recipe_file):
@@ -235,9 +248,37 @@ def _raised_by(tb: TracebackType | None, recipe_file: Path) -> bool:
     return path == recipe_file or _PACKAGE_DIR in path.parents
 
 
+# Note [torchrun and a stop]
+# Under ``tune run --nproc_per_node N`` the launcher process is torchrun's agent. It handles
+# SIGINT and SIGTERM itself: it sends the same signal to each rank (every rank runs in a session
+# of its own, so a terminal's Ctrl-C reaches the ranks only this way, once), waits for them up
+# to its shutdown timeout, kills what is left with SIGKILL, and raises ``SignalException``,
+# printed with a traceback. The wrap of its launch therefore:
+# - gives the ranks 300 s, not torch's 30, to finish their step and write the stop checkpoint
+#   when the launcher itself got the signal (unless ``--shutdown_timeout`` or
+#   ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says otherwise); a scheduler's own grace period still
+#   bounds it, and a second signal ends the ranks at once. When a rank fails instead, the
+#   others are stopped with torch's timeout as before: a survivor blocked in a collective with
+#   its dead peer (NCCL waits) runs no Python and is killed after it, not 300 s;
+# - exits with the ranks' status, 128 + the signal, without a traceback, on
+#   ``SignalException``, and on a failure whose every rank exited so (a signal sent to the
+#   ranks alone, as Slurm's scancel does);
+# - leaves out the agent's lines about passing the signal on; its line about a rank that
+#   outlived the timeout ("forcefully exiting via SIGKILL") stays;
+# - hands the ranks its own command line (``EXACTGA_LAUNCH_COMMAND``), since theirs is
+#   torchrun's ``python -m recipes.<name>``, for the command that goes on;
+# - sets ``OMP_NUM_THREADS=1`` where torchrun would (several ranks, the variable unset): the
+#   value torchrun sets, so no rank computes differently, without torchrun's seven-line warning
+#   about it. A rank's count is still the config's ``cpu_threads`` where set ([cpu threads] in
+#   exactga.run.threads).
+
+SHUTDOWN_TIMEOUT_S = 300  # see [torchrun and a stop]
+
+
 def quiet_user_errors_under_torchrun(run_module: Any) -> None:
     """Wrap ``torchtune._cli.run.Run._run_distributed`` so that a launch whose ranks ended on a
-    user error exits with status 1 without the launcher's traceback (see [user errors]); any
+    user error exits with status 1 without the launcher's traceback (see [user errors]), and a
+    launch stopped by SIGINT or SIGTERM with the ranks' status (see [torchrun and a stop]); any
     other failure is reported as before, through torch's ``record``."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -249,18 +290,99 @@ def quiet_user_errors_under_torchrun(run_module: Any) -> None:
 
     @functools.wraps(launch)
     def run_distributed(self: Any, args: Any, is_builtin: bool) -> Any:
+        from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+        _prepare_ranks(args)
         try:
             return launch(self, args, is_builtin)
+        except SignalException as err:
+            raise SystemExit(exit_status(err.sigval)) from None
         except ChildFailedError as err:
-            if not os.environ.get(TRACEBACK_ENV) and _ended_on_user_error(err):
+            if os.environ.get(TRACEBACK_ENV):
+                raise
+            if _ended_on_user_error(err):
                 raise SystemExit(1) from None
+            stopped = _stopped_by_signal(err)
+            if stopped is not None:
+                raise SystemExit(stopped) from None
             raise
 
     quiet = record(run_distributed)
     quiet._exactga_quiet = True
     run_class._run_distributed = quiet
+
+
+def _prepare_ranks(args: Any) -> None:
+    """The environment and launcher settings of [torchrun and a stop]."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api as processes
+    from torch.distributed.run import determine_local_world_size
+
+    os.environ[LAUNCH_COMMAND_ENV] = json.dumps(sys.argv)
+    if getattr(args, "shutdown_timeout", None) is None and not os.environ.get(
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+    ):
+        grace_after_a_stop_signal(processes, LocalElasticAgent)
+    try:
+        num_ranks = determine_local_world_size(args.nproc_per_node)
+    except ValueError:  # torchrun reports it itself
+        num_ranks = 1
+    if num_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    for name in _AGENT_LOGGERS:
+        logging.getLogger(name).addFilter(_forwarding_a_stop)
+
+
+def grace_after_a_stop_signal(processes: Any, agent_class: Any) -> None:
+    """Make torchrun's agent wait :data:`SHUTDOWN_TIMEOUT_S` for its ranks once it got SIGINT
+    or SIGTERM itself (see [torchrun and a stop]): ``processes`` is torch's
+    ``torch.distributed.elastic.multiprocessing.api``, whose signal handler the agent installs
+    when it starts the ranks, and ``agent_class`` its ``LocalElasticAgent``."""
+    if getattr(agent_class._shutdown, "_exactga_grace", False):
+        return
+    raise_in_agent = processes._terminate_process_handler
+    shutdown = agent_class._shutdown
+    received: list[int] = []
+
+    def recording_handler(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise_in_agent(signum, frame)
+
+    def shutdown_with_grace(self: Any, death_sig: Any = signal.SIGTERM, timeout: int = 30) -> None:
+        if any(signum in STOP_SIGNALS for signum in received):
+            timeout = max(timeout, SHUTDOWN_TIMEOUT_S)
+        shutdown(self, death_sig, timeout)
+
+    shutdown_with_grace._exactga_grace = True  # type: ignore[attr-defined]
+    processes._terminate_process_handler = recording_handler
+    agent_class._shutdown = shutdown_with_grace
+
+
+# torch's loggers that tell of passing a stop signal on to the ranks.
+_AGENT_LOGGERS = (
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.multiprocessing.api",
+)
+
+
+def _forwarding_a_stop(record: logging.LogRecord) -> bool:
+    """False for the agent's lines about passing SIGINT or SIGTERM on (a logging filter):
+    ``Received 15 death signal, ...`` and ``Sending process 123 closing signal SIGTERM``."""
+    template = str(record.msg)
+    if "death signal" not in template and "closing signal" not in template:
+        return True
+    sent = record.args[-1] if isinstance(record.args, tuple) and record.args else None
+    stops = {str(form) for signum in STOP_SIGNALS for form in (signum.name, int(signum), signum)}
+    return getattr(sent, "name", str(sent)) not in stops and str(sent) not in stops
+
+
+def _stopped_by_signal(err: Any) -> int | None:
+    """The status every failed rank of the launch exited with, when it is a stop's (130 or 143;
+    see [stop at a step boundary] in exactga.launch.stopping), else None."""
+    codes = {failure.exitcode for failure in err.failures.values()}
+    stops = {exit_status(signum) for signum in STOP_SIGNALS}
+    return codes.pop() if len(codes) == 1 and codes <= stops else None
 
 
 def _ended_on_user_error(err: Any) -> bool:

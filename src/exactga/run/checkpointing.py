@@ -177,6 +177,17 @@ class StepCheckpointer:
             rank_state=_torch_load(path / _rank_file(self.rank)),
         )
 
+    def latest_trainer_state(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint's folder and recorded trainer state (its manifest alone, not
+        checked against the files: for a hint, not a resume), or None if there is none."""
+        for step in reversed(self.list_steps()):
+            path = self.root / _step_dir_name(step)
+            try:
+                return path, _read_manifest(path)["trainer_state"]
+            except CorruptCheckpointError:
+                continue
+        return None
+
     def list_steps(self) -> list[int]:
         """Steps of the complete-looking checkpoint folders, oldest first."""
         if not self.root.is_dir():

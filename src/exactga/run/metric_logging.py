@@ -64,6 +64,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,68 @@ def open_run_logger(cfg: DictConfig, resumed: bool) -> Any | None:
     )
     metric_logger.log_config(cfg)
     return metric_logger
+
+
+RESOLVED_CONFIG_FILE = "resolved_config.yaml"
+
+
+def log_config_summary(recipe_name: str, cfg: DictConfig) -> Path | None:
+    """Three lines on what the run trains, on what, how and where, on global rank 0, and the
+    full resolved config written to ``<output_dir>/resolved_config.yaml`` (its path returned):
+    in place of torchtune's ``config.log_config``, which prints the whole config (about 100
+    lines) before every run. Call it after validation; before the process group exists, rank
+    is torchrun's ``RANK``."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    path = Path(cfg.output_dir) / RESOLVED_CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True, sort_keys=True))
+    for line in config_summary(recipe_name, cfg, path):
+        print(line, file=sys.stderr, flush=True)
+    return path
+
+
+def config_summary(recipe_name: str, cfg: DictConfig, config_path: Path) -> list[str]:
+    """The lines of :func:`log_config_summary`. A key a recipe's schema does not have (GRPO's
+    ``num_steps``, another's ``max_steps_per_epoch``) is left out of the line, not defaulted."""
+    present = OmegaConf.select  # None where the recipe has no such key
+    dataset = cfg.dataset
+    datasets = list(dataset) if OmegaConf.is_list(dataset) else [dataset]
+    data = ", ".join(_component_name(section) for section in datasets)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    step = (
+        f"batch_size {cfg.batch_size} x gradient_accumulation_steps "
+        f"{present(cfg, 'gradient_accumulation_steps')} x {ranks} rank{'s' if ranks > 1 else ''}"
+    )
+    length = [f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''}"]
+    if present(cfg, "max_steps_per_epoch") is not None:
+        length.append(f"at most {cfg.max_steps_per_epoch} steps per epoch")
+    if present(cfg, "num_steps") is not None:
+        length.append(f"at most {cfg.num_steps} rollout steps")
+    return [
+        f"{recipe_name}: model {_component_name(cfg.model)}, data {data}, "
+        f"{present(cfg, 'dtype')} on {present(cfg, 'device')}",
+        f"training: {', '.join(length)}; each step {step}",
+        f"outputs: {cfg.output_dir} (the full resolved config: {config_path})",
+    ]
+
+
+def _component_name(section: DictConfig) -> str:
+    """``alpaca_dataset (json: data.json)`` for ``torchtune.datasets.alpaca_dataset`` reading
+    a local file; the builder's last name otherwise."""
+    name = str(section.get("_component_", "?")).rsplit(".", 1)[-1]
+    files = section.get("data_files")
+    if files is None:
+        source = section.get("source")
+        return name if source is None else f"{name} ({source})"
+    listed = files if isinstance(files, str) else ", ".join(map(str, _as_list(files)))
+    return f"{name} ({section.get('source')}: {listed})"
+
+
+def _as_list(value: Any) -> list[Any]:
+    if OmegaConf.is_dict(value):
+        return [item for nested in value.values() for item in _as_list(nested)]
+    return list(value) if OmegaConf.is_list(value) else [value]
 
 
 def report_outputs(

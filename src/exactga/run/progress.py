@@ -102,12 +102,16 @@ class TrainingProgress:
         ``save_every_n_steps`` as a predicate (``None`` or 0: never), except on the epoch's
         last step, which is saved after :meth:`close_epoch`; see [epoch close].
         """
-        epoch_end_step = (epoch + 1) * self.steps_per_epoch
         return (
             bool(every_n_steps)
             and self.global_step % every_n_steps == 0
-            and self.global_step < epoch_end_step
+            and not self.ends_epoch(epoch)
         )
+
+    def ends_epoch(self, epoch: int) -> bool:
+        """Whether the step just taken is ``epoch``'s last (saved only once the epoch is closed;
+        see [epoch close])."""
+        return self.global_step >= (epoch + 1) * self.steps_per_epoch
 
     def close_epoch(self) -> None:
         """Mark the current epoch finished; call before the epoch-end saves. See [epoch close]."""

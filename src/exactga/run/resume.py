@@ -198,6 +198,8 @@ def find_resume_point(
             (see [what a resume may change]), or step checkpoints exist and none is usable.
     """
     if not cfg.resume_from_checkpoint:
+        if checkpointer.rank == 0:
+            _hint_at_a_checkpoint_of_this_run(checkpointer, fingerprint)
         return ResumePoint(ResumeFrom.START)
     found = checkpointer.load_latest()
     if found is None:
@@ -214,18 +216,47 @@ def find_resume_point(
     return ResumePoint(ResumeFrom.STEP_CHECKPOINT, found)
 
 
+def _hint_at_a_checkpoint_of_this_run(
+    checkpointer: StepCheckpointer, fingerprint: Mapping[str, Any]
+) -> None:
+    """One line when a launch that starts over finds a step checkpoint of the same run (same
+    fingerprint) in its folder: likely a stopped run launched again without its resume key."""
+    latest = checkpointer.latest_trainer_state()
+    if latest is None or latest[1].get("fingerprint") != dict(fingerprint):
+        return
+    path, state = latest
+    log.info(
+        f"exactga: {path} is a step checkpoint of this run (step {state.get('global_step')}); "
+        "this launch starts over. To go on from it, add resume_from_checkpoint=True (or "
+        "resume_from_checkpoint=auto: go on where there is a checkpoint, else start)."
+    )
+
+
 def validate_run_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictConfig:
     """A recipe's start-up check of its config, before anything is printed or built:
     ``validate_config`` with the local files checked, and with ``resume_from_checkpoint``
-    something there to resume from.
+    something there to resume from. ``resume_from_checkpoint: auto`` comes back as True where
+    there is a checkpoint to go on from (as True would find it), else as False.
 
     Raises:
         ValueError: naming the key at fault (see ``exactga.config.validation.validate_config``).
     """
     cfg = validate_config(cfg, schema, recipe_name, check_files=True)
-    if cfg.get("resume_from_checkpoint"):
+    if cfg.get("resume_from_checkpoint") == "auto":
+        cfg.resume_from_checkpoint = has_something_to_resume(cfg)
+    elif cfg.get("resume_from_checkpoint"):
         check_something_to_resume(cfg)
     return cfg
+
+
+def has_something_to_resume(cfg: DictConfig) -> bool:
+    """Whether ``resume_from_checkpoint=True`` would find a step or epoch checkpoint to go on
+    from (only looks, as :func:`check_something_to_resume`)."""
+    try:
+        check_something_to_resume(cfg)
+    except ValueError:
+        return False
+    return True
 
 
 def check_something_to_resume(cfg: DictConfig) -> None:

@@ -2,17 +2,18 @@
 
 The recipes keep the step in sight, so a user reading or editing a copy sees it::
 
-    with self._profiler:
-        for curr_epoch in progress.epochs():
+    with self._run as steps:  # exactga.setup.run_start.TrainingRun: profiler, bar, report
+        for curr_epoch in steps.epochs():
             for window in steps.windows(curr_epoch):
                 for batch in window:                    # this rank's micro-batches
                     loss = self._loss_step(batch)       # forward and mean loss
                     window.backward(loss)               # exact share of the window, backward
                 outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
-                report = steps.end_step(window, outcome)  # .loss: on logged steps
+                steps.end_step(window, outcome)         # its StepReport: print() is bar-safe
             steps.end_epoch(curr_epoch)
 
-and :class:`StepBook` does the rest; see [step bookkeeping] and [bar-safe output].
+and :class:`StepBook` does the rest; see [step bookkeeping], [bar-safe output] and [every
+rank stops at one step]. ``print(report)`` shows any step (its loss where it was logged).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import signal
 import sys
 import time
 import warnings
@@ -38,9 +40,10 @@ from exactga.accumulation.normalization import Window
 from exactga.accumulation.optimizers import steps_in_backward
 from exactga.accumulation.step import StepContext, StepOutcome, TrainingWindow
 from exactga.config.options import NonFinitePolicy
+from exactga.launch.stopping import RunStopped, resume_command, stop_request
 from exactga.run.metric_logging import flush_metric_logger
 from exactga.run.progress import TrainingProgress
-from exactga.runtime.distributed import is_rank_zero, memory_stats
+from exactga.runtime.distributed import host_group, is_rank_zero, log_rank_zero, memory_stats
 
 # Note [step bookkeeping]
 # After ``window.step`` every recipe does the same things in the same order, and each is a
@@ -52,9 +55,34 @@ from exactga.runtime.distributed import is_rank_zero, memory_stats
 # 4. on a logged step: the loss, the learning rate, the loss tokens per second per rank since
 #    the last logged step (every rank's tokens over the world size), the profiler's and the
 #    recipe's own metrics; every rank takes part (the loss is one all-reduce), rank 0 writes;
-# 5. a step checkpoint when one is due.
+# 5. a step checkpoint when one is due;
+# 6. once the recipe asks for the next window, a stop that SIGINT or SIGTERM asked for (see [every
+#    rank stops at one step]).
 # At an epoch's end the epoch closes before both saves (see [epoch close] in exactga.run.progress),
-# then the epoch checkpoint, then, when step checkpoints are on, one of the closed epoch.
+# then the epoch checkpoint, then, when step checkpoints are on or a stop waits, one of the
+# closed epoch.
+
+# Note [every rank stops at one step]
+# A signal asks for a stop (see [stop at a step boundary] in exactga.launch.stopping); the run
+# stops between two steps, after the recipe's ``end_step`` and before the next window, with a
+# step checkpoint, also when ``save_every_n_steps`` is off (none twice: a checkpoint just
+# written at that step is the stop's). torchrun passes a signal on to every rank, but each sees
+# it at its own moment, maybe in another step, and a rank that stopped alone would leave the
+# others waiting in their next collective. So at each boundary the ranks all-reduce (MAX) the
+# number of the signal each has seen, 0 for none, and stop together when it is not 0: at the end
+# of the step during which the first of them saw it. That is one all-reduce of one integer per
+# step on a group of the host (the default group under gloo, a gloo group beside NCCL), so no
+# device synchronises for it; the ranks wait there for the slowest host, which the step's own
+# collectives already made them do. One process reduces nothing. benchmarks/stop_flag_cost.py
+# times it on 2 gloo ranks: 0.7 to 2.1 ms a call on our 2 shared cores at load average 10 (the
+# two processes waiting for a core), beside the ~1 s steps of the tiny 2-rank run there.
+# Windows that come in indivisible groups (GRPO's ``ppo_epochs`` passes over one batch of
+# rollouts, handed to ``training``) stop after a group's last window only: between rollout
+# steps, where their step checkpoints fall too. The epoch's last step is saved once the epoch is
+# closed (see [epoch close] in exactga.run.progress), so a stop there is made by ``end_epoch``,
+# after the epoch checkpoint; a stop asked for during the run's last epoch end is none, since
+# the run is complete. Outside the loop (before the first epoch, after the last) a signal stops
+# at once.
 
 # Note [bar-safe output]
 # While an epoch's progress bar is drawn, a line printed to stdout, or logged, would land on the
@@ -104,6 +132,36 @@ class StepReport:
     skipped: bool
     loss: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """A line for any step: ``step 12: loss 6.1234`` (and a family's console metrics, see
+        :data:`CONSOLE_METRICS`) where it was logged, ``step 13`` or ``step 13: skipped``
+        otherwise, so ``print(report)`` in the loop is right under any ``log_every_n_steps``."""
+        shown = console_metrics(self.metrics)
+        if not shown:
+            return f"step {self.step}: skipped" if self.skipped else f"step {self.step}"
+        return f"step {self.step}: " + ", ".join(f"{name} {value}" for name, value in shown.items())
+
+
+# What the progress bar and ``print(report)`` show of a logged step, by metric name: the loss,
+# and what tells each loss family's progress (a DPO or GRPO loss alone does not: GRPO's may
+# rise while its reward climbs). The other metrics go to the metric logger only.
+CONSOLE_METRICS = {
+    "loss": "loss",
+    "class_loss": "class_loss",  # KD: the student's own loss and the distillation loss
+    "kd_loss": "kd_loss",
+    "rewards/accuracies": "reward_acc",  # DPO
+    "rewards/margins": "reward_margin",
+    "rewards/mean": "reward",  # GRPO
+    "rewards/success_rate": "success",
+}
+
+
+def console_metrics(metrics: dict[str, float]) -> dict[str, str]:
+    """The :data:`CONSOLE_METRICS` among ``metrics``, by their short names, formatted."""
+    return {
+        short: f"{metrics[name]:.4f}" for name, short in CONSOLE_METRICS.items() if name in metrics
+    }
 
 
 class StepBook:
@@ -173,6 +231,10 @@ class StepBook:
         self._bar_safe_output = contextlib.ExitStack()
         self._num_tokens_since_log = 0
         self._last_log_time: float | None = None
+        self._last_save: tuple[int, int, Path] | None = None  # (step, epochs run, folder)
+        self._stop_at_epoch_end: signal.Signals | None = None
+        self._stop_group: Any = None  # made at the first stop check (a collective)
+        self._stop_group_made = False
 
     def epochs(self) -> range:
         """The epochs still to train (all of them, or what a resume left)."""
@@ -184,13 +246,17 @@ class StepBook:
         self.open_epoch(epoch)
         windows = self.normalizer.windows(self.dataloader, self.progress.windows_left_in(epoch))
         timed = self.profiler.timed(self.track(windows) if self.track else windows)
-        yield from self.training(timed)
+        for window in timed:
+            yield TrainingWindow(window, self.context, self.progress.global_step + 1)
+            self._stop_if_asked()  # every step ends at a boundary
 
     def training(self, windows: Iterable[Window]) -> Iterator[TrainingWindow]:
         """``windows`` ready to run, numbered from the next optimizer step: for a recipe whose
-        windows do not come from its loader (GRPO's come from rollouts)."""
+        windows do not come from its loader (GRPO's come from rollouts). A stop waits for the
+        last of them; see [every rank stops at one step]."""
         for window in windows:
             yield TrainingWindow(window, self.context, self.progress.global_step + 1)
+        self._stop_if_asked()
 
     def open_epoch(self, epoch: int) -> None:
         """Start ``epoch``: the loader's shuffle, the progress bar, the first logged interval.
@@ -199,6 +265,7 @@ class StepBook:
         if self._last_log_time is None:  # the first logged interval starts with training
             self._last_log_time = self.clock()
         self._epoch = epoch
+        stop_request().training = True  # a signal now waits for the step's end
         self.dataloader.sampler.set_epoch(epoch)
         self.profiler.open_epoch()
         self._pbar = tqdm(
@@ -232,10 +299,10 @@ class StepBook:
             )
         self._num_tokens_since_log += self._tokens_of(window)
         self.profiler.step(window.work())
-        self._pbar.update(1)
         logged: dict[str, float] = {}
         if progress.global_step % self.log_every_n_steps == 0:
             logged = self._log(window, outcome, metrics or {})
+        self._pbar.update(1)  # after the log's figures, so the bar is drawn once a step
         if progress.should_save_step_checkpoint(self.save_every_n_steps, self._epoch):
             self.save_step_checkpoint()
             flush_metric_logger(self.metric_logger)  # [resumed TensorBoard run]
@@ -248,7 +315,51 @@ class StepBook:
 
     def save_step_checkpoint(self) -> Path:
         """A step checkpoint of the run as it stands (every rank calls this); its folder."""
-        return self.checkpoints.save_step(self.context.model, self.optimizer, self.dataloader)
+        path = self.checkpoints.save_step(self.context.model, self.optimizer, self.dataloader)
+        self._last_save = (self.progress.global_step, self.progress.epochs_run, path)
+        return path
+
+    def _stop_if_asked(self) -> None:
+        """Stop here if a signal asked for it on any rank; see [every rank stops at one step]."""
+        signum = self._agreed_stop_signal()
+        if signum is None:
+            return
+        if self.progress.ends_epoch(self._epoch):  # saved once the epoch closes: end_epoch
+            self._stop_at_epoch_end = signum
+            return
+        self._stop(signum)
+
+    def _agreed_stop_signal(self) -> signal.Signals | None:
+        """The signal some rank has seen (the highest number), or None; every rank calls it."""
+        seen = stop_request().signal
+        if not self._stop_group_made:
+            self._stop_group, self._stop_group_made = host_group(), True
+        if self._stop_group is None:  # one process
+            return seen
+        flag = torch.tensor([int(seen or 0)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group)
+        agreed = int(flag.item())
+        return signal.Signals(agreed) if agreed else None
+
+    def _stop(self, signum: signal.Signals) -> None:
+        """Save (unless this step just was), say so in one line, end the run; every rank."""
+        progress = self.progress
+        here = (progress.global_step, progress.epochs_run)
+        saved = self._last_save
+        path = saved[2] if saved is not None and saved[:2] == here else self.save_step_checkpoint()
+        flush_metric_logger(self.metric_logger)
+        self._close_bar()
+        log_rank_zero(
+            f"exactga: stopped by {signum.name} after step {progress.global_step} of "
+            f"{progress.num_training_steps} (epoch {self._epoch + 1} of "
+            f"{progress.total_epochs}); step checkpoint in {path}. To go on: {resume_command()}"
+        )
+        stop_request().training = False
+        raise RunStopped(signum)
+
+    def _close_bar(self) -> None:
+        self._pbar.close()
+        self._bar_safe_output.close()
 
     def _tokens_of(self, window: Window) -> int:
         """The tokens a step counts for ``tokens_per_second_per_gpu``: the loss tokens of every
@@ -277,20 +388,26 @@ class StepBook:
         metrics.update({name: float(value) for name, value in own.items()})  # host reads here
         if self.metric_logger is not None:
             self.metric_logger.log_dict(metrics, step=self.progress.global_step)
-        if "loss" in metrics:
-            self._pbar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        shown = console_metrics(metrics)
+        if shown:  # drawn by the bar's update that follows
+            self._pbar.set_postfix(shown, refresh=False)
         self._num_tokens_since_log, self._last_log_time = 0, self.clock()
         return metrics
 
     def end_epoch(self, epoch: int) -> None:
-        """Close ``epoch`` and write its checkpoints, in the one order; see [step bookkeeping]."""
-        self._pbar.close()
-        self._bar_safe_output.close()
+        """Close ``epoch`` and write its checkpoints, in the one order; see [step bookkeeping].
+        A stop asked for at the epoch's last step stops here, unless the run is complete."""
+        self._close_bar()
         self.progress.close_epoch()  # before both saves: see [epoch close] in exactga.run.progress
         self.checkpoints.save_epoch(self.context.model, self.optimizer, epoch)
         if self.save_every_n_steps:
             self.save_step_checkpoint()
             flush_metric_logger(self.metric_logger)
+        signum, self._stop_at_epoch_end = self._stop_at_epoch_end, None
+        if self.progress.epochs_run >= self.progress.total_epochs:
+            stop_request().training = False  # complete: a signal from now on stops at once
+        elif signum is not None:
+            self._stop(signum)
 
 
 @contextlib.contextmanager

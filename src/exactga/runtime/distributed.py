@@ -99,6 +99,17 @@ def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mesh["dp"].get_group()
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """A group of every rank for small host tensors, or None for one process: the default
+    group when its backend takes CPU tensors (gloo), else a gloo group made here, so a host
+    flag's all-reduce never waits for a device. Every rank calls it, at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if "gloo" in str(dist.get_backend()):  # "gloo", or "cuda:nccl,cpu:gloo"
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
 def is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
