@@ -398,6 +398,8 @@ class QatDistributedConfig(FullFinetuneSingleDeviceConfig):
     The sharding keys of ``full_finetune_distributed`` but no tensor parallelism, which stock's
     QAT recipe does not have."""
 
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+
     quantizer: Any = MISSING  # a torchao QAT quantizer section (exactga.setup.qat)
     fake_quant_after_n_steps: Optional[int] = None  # null: fake quantisation from the start
 
@@ -426,6 +428,8 @@ class QatDistributedConfig(FullFinetuneSingleDeviceConfig):
 class QatLoraFinetuneDistributedConfig(LoraFinetuneDistributedConfig):
     """``qat_lora_finetune_distributed``: LoRA over a fake-quantised frozen base (docs/qat.md).
     No ``fake_quant_after_n_steps``: stock's QAT LoRA recipe has none."""
+
+    ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 
     quantizer: Any = MISSING  # a torchao QAT quantizer section (exactga.setup.qat)
 

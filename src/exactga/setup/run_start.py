@@ -35,7 +35,12 @@ from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.data.loader import dataloader_from_config
 from exactga.profiling import profiler_from_config
-from exactga.run.metric_logging import close_metric_logger, open_run_logger, report_outputs
+from exactga.run.metric_logging import (
+    close_metric_logger,
+    log_config_summary,
+    open_run_logger,
+    report_outputs,
+)
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import start_run, validate_run_config
 from exactga.run.steps import StepBook, StepBookSettings
@@ -54,14 +59,14 @@ log = utils.get_logger("INFO")
 
 def validated_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictConfig:
     """The recipe's config checked strictly against ``schema`` before anything is built (see
-    ``exactga.run.resume.validate_run_config``), then logged on rank 0.
+    ``exactga.run.resume.validate_run_config``), then summed up in three lines on rank 0, the
+    whole resolved config written to the output folder.
 
     Raises:
         ValueError: naming the key or file at fault.
     """
     cfg = validate_run_config(cfg, schema, recipe_name)
-    if distributed.is_rank_zero():
-        config.log_config(recipe_name=recipe_name, cfg=cfg)
+    log_config_summary(recipe_name, cfg)  # the whole config: <output_dir>/resolved_config.yaml
     return cfg
 
 
