@@ -502,20 +502,31 @@ def test_other_ranks_time_their_phases_but_trace_and_report_nothing(tmp_path, cl
     assert read_reports(tmp_path) == {}
 
 
+def _profiler_calls(path: Path) -> list[ast.Call]:
+    return [
+        node
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) in {"setup_profiler", "profiler_from_config"}
+    ]
+
+
 @pytest.mark.parametrize(
     "recipe", sorted((REPO_ROOT / "recipes").glob("*.py")), ids=lambda path: path.stem
 )
 def test_recipes_hand_the_profiler_a_few_values_not_their_config(recipe: Path) -> None:
-    """A recipe builds one profiler hook: through ``profiler_from_config``, which alone reads
-    what the hook takes from a validated config (the rank's part included), or through
-    ``setup_profiler`` with named values; never ``setup_profiler`` handed a config, or a copy
-    edited for its rank, which would decide again what the hook reads."""
-    calls = [
-        node
-        for node in ast.walk(ast.parse(recipe.read_text()))
-        if isinstance(node, ast.Call)
-        and getattr(node.func, "id", None) in {"setup_profiler", "profiler_from_config"}
-    ]
+    """One profiler hook a run: a training recipe's comes from its run start (setup's last
+    call, ``RunStart.training_run``, through ``profiler_from_config``, which alone reads what the
+    hook takes from a validated config); the parity report builds its own, through
+    ``setup_profiler`` with named values, never a config or a copy edited for its rank, which
+    would decide again what the hook reads."""
+    calls = _profiler_calls(recipe)
+    if recipe.stem != "ga_parity":
+        assert not calls, f"{recipe.name} builds a profiler hook of its own"
+        assert "start.training_run(" in recipe.read_text()
+        run_start = REPO_ROOT / "src" / "exactga" / "setup" / "run_start.py"
+        assert [call.func.id for call in _profiler_calls(run_start)] == ["profiler_from_config"]
+        return
     assert len(calls) == 1, f"{recipe.name} builds {len(calls)} profiler hooks"
     (call,) = calls
     if call.func.id == "profiler_from_config":
