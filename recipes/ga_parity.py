@@ -96,7 +96,7 @@ from exactga.parity.preference import (
     collate_fn_for,
     preference_loss_step,
 )
-from exactga.parity.report import DataShape, Distillation, write_report
+from exactga.parity.report import DataShape, Distillation, RouterTerm, write_report
 from exactga.parity.runs import (
     FrozenModels,
     RunTally,
@@ -108,6 +108,7 @@ from exactga.parity.runs import (
 )
 from exactga.parity.schema import GaParityConfig
 from exactga.parity.scoring import (
+    ROUTER_TERM_OFF,
     ParityRun,
     PrecisionView,
     RunSummary,
@@ -125,6 +126,7 @@ from exactga.runtime.precision import MasterWeights, Precision
 from exactga.setup.frozen import freeze_model
 from exactga.setup.lora import LoraSettings, load_lora_weights
 from exactga.sft.loss import causal_lm_loss
+from exactga.sft.router_balance import RouterBalance
 
 log = utils.get_logger("INFO")
 
@@ -165,6 +167,11 @@ class GaParityRecipe:
           of ``model`` with ``ref_checkpointer``'s weights, built once in ``dtype`` (sharded
           like the policy for ``BxGxN`` runs). ``naive`` is stock DPO's weighting and also runs
           ``token_budget``; no ``post_scale`` (see exactga.parity.preference).
+        - A mixture-of-experts model with ``router_aux_loss_coef > 0``: every run adds the
+          router's balance term as the fine-tuning recipes do; the full batch and the
+          exact/fixed splits also train without it, and the report shows the term's own gap
+          beside the token loss's (see [router term in the parity report] in
+          exactga.parity.report).
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -183,6 +190,10 @@ class GaParityRecipe:
         self._is_lora = "lora" in str(cfg.model._component_)
         self._is_kd = cfg.teacher_model is not None
         self._kd_ratio = cfg.kd_ratio
+        # A mixture-of-experts model's router balance term, as the fine-tuning recipes add it;
+        # see [router term in the parity report] in exactga.parity.report.
+        self._router_coef = float(cfg.router_aux_loss_coef)
+        self._router_balance = cfg.router_balance
         self._is_preference = GaParityConfig.is_preference(cfg)  # DPO: the units are pairs
         self._collate_fn = collate_fn_for(cfg.collate_fn, self._is_preference)
         self._master_weights = GaParityConfig.master_weights_for(cfg, is_lora=self._is_lora)
@@ -351,7 +362,14 @@ class GaParityRecipe:
             self._baseline_micro_batchings,
         )
         num_references = 1 if self._fp32_precision is None else 2
-        self._num_runs = num_references + len(plan)
+        # With the router term: the full batch and exact/fixed splits without it too.
+        term_off_plan = (
+            []
+            if self._router_coef == 0
+            else plan_runs([NormMode.EXACT], [MicroBatching.FIXED], self._splits, reference_split)
+        )
+        num_term_off = len(term_off_plan) + 1 if term_off_plan else 0
+        self._num_runs = num_references + len(plan) + num_term_off
         distributed.log_rank_zero(
             f"{self._num_runs} runs of {self._num_steps} steps; the full-batch reference "
             f"{reference_split} first, {self._precision.describe()}"
@@ -381,7 +399,35 @@ class GaParityRecipe:
             )
             if run.weights:  # a sharded run's weights are gathered on rank 0 only
                 local[index] = summarize(run, self._reference, initial, self._fp32_reference)
+        if term_off_plan:
+            first = num_references + len(plan) + 1
+            local |= self._train_without_router_term(term_off_plan, reference_split, initial, first)
         self._summaries = [summary for _, summary in sorted(gather_summaries(local).items())]
+
+    def _train_without_router_term(
+        self,
+        plan: list[tuple[NormMode, MicroBatching, Split]],
+        reference_split: Split,
+        initial: dict[str, torch.Tensor],
+        first: int,
+    ) -> dict[int, RunSummary]:
+        """The full batch and ``plan``'s runs with the token loss alone, each scored against
+        that full batch: the weights gap of the split without the router term, beside the one
+        with it. Keyed after the main plan's runs; ``first`` numbers the full batch."""
+        reference = self._train(
+            reference_split, NormMode.EXACT, MicroBatching.FIXED, self._precision, first, False
+        )
+        sharded = [i for i, (_, _, split) in enumerate(plan) if split.num_ranks > 1]
+        single = [i for i, (_, _, split) in enumerate(plan) if split.num_ranks == 1]
+        local = {}
+        for index in sharded + single[self._rank :: self._world_size]:
+            mode, micro_batching, split = plan[index]
+            run = self._train(
+                split, mode, micro_batching, self._precision, first + index + 1, False
+            )
+            if run.weights:
+                local[self._num_runs + index] = summarize(run, reference, initial)
+        return local
 
     def _train(
         self,
@@ -390,16 +436,22 @@ class GaParityRecipe:
         micro_batching: MicroBatching,
         precision: Precision,
         run: int,
+        router_term: bool = True,
     ) -> ParityRun:
         """Train one split under one mode, micro-batching and precision from the shared initial
         state, as the training recipes would (their Precision calls). ``run`` numbers it in
-        the progress lines; the full-batch reference is run 1."""
+        the progress lines; the full-batch reference is run 1. ``router_term``: add the router's
+        balance term where the config sets one (False: the token loss alone)."""
         reseed(self._seed)  # dropout and any other randomness start equal
         sharded = split.num_ranks > 1
         what = (
             f"run {run} of {self._num_runs}: {split} with loss_normalization={mode.value}, "
             f"micro_batching={micro_batching.value}"
         )
+        coef = self._router_coef if router_term else 0.0
+        variant = ROUTER_TERM_OFF if coef != self._router_coef else ""
+        if variant:
+            what += f" ({variant})"
         if run == 1:
             what += " (full-batch reference)"
         elif precision is self._fp32_precision:
@@ -421,11 +473,18 @@ class GaParityRecipe:
             lr_scheduler = config.instantiate(
                 self._cfg.lr_scheduler, optimizer, num_training_steps=self._num_steps
             )
+        dp_group = distributed.dp_group(self._mesh) if sharded else None
+        # The fine-tuning recipes' router term (off for a dense model, KD and DPO).
+        router = RouterBalance(model, coef, self._router_balance, dp_group, self._device)
         normalizer = LossNormalizer(
             self._loss_fn,
             mode=mode,
-            dp_group=distributed.dp_group(self._mesh) if sharded else None,
-            units=PreferencePairs(self._ignore_index) if self._is_preference else None,
+            dp_group=dp_group,
+            units=(
+                PreferencePairs(self._ignore_index)
+                if self._is_preference
+                else router.units(self._loss_fn)
+            ),
         )
         micro_batch_context = None
         if sharded:  # the distributed recipes' default policy
@@ -442,7 +501,10 @@ class GaParityRecipe:
             log_timings=False,
         )
         windows = normalizer.windows(self._dataloader(split, micro_batching), self._num_steps)
-        loss_step = partial(causal_lm_loss, model, self._loss_fn, precision=precision)
+        loss_step = partial(
+            causal_lm_loss, model, self._loss_fn, precision=precision, router=router
+        )
+        windows = router.track(windows)  # its statistics start empty every window
         if self._is_preference:  # the DPO recipes' loss step, against their reference
             loss_step = preference_loss_step(
                 model, self._loss_fn, precision, self._reference_model(sharded)
@@ -495,7 +557,7 @@ class GaParityRecipe:
             tally.reduce(distributed.dp_group(self._mesh), self._device)
         keep = not sharded or self._is_rank_zero  # a sharded run's weights: on rank 0
         weights = trained_weights(model, adapters_only=self._is_lora, keep=keep)
-        return tally.run(mode.value, micro_batching.value, str(split), weights)
+        return tally.run(mode.value, micro_batching.value, str(split), weights, variant)
 
     def _reference_model(self, sharded: bool) -> nn.Module | None:
         """Full DPO's frozen reference in ``dtype``, built on first use once on one device and
@@ -525,6 +587,11 @@ class GaParityRecipe:
             data=None if self._is_preference else self._data_shape,
             distillation=self._distillation(),
             preference=Preference.of(self._loss_fn, self._is_lora) if self._is_preference else None,
+            router=(
+                RouterTerm(self._router_coef, str(self._router_balance.value))
+                if self._router_coef > 0
+                else None
+            ),
         )
         log.info(f"Parity report: {report} (figure: {self._report_dir / 'parity.png'})")
         return report

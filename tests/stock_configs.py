@@ -28,8 +28,9 @@ Everything else (dtype, optimizer with ``fused``, compile, activation checkpoint
 logger, batch size, accumulation) stays as shipped; in our configs also exactga's keys and their
 TensorBoard logger.
 
-exactga's Qwen3 and Gemma 3 configs (tests/test_family_config_sweep.py) are adapted the same way,
-on the single-device SFT recipes (``SINGLE_DEVICE_RECIPES``) and GRPO too.
+exactga's Qwen3, Qwen3 MoE and Gemma 3 configs (tests/test_family_config_sweep.py) are adapted the
+same way, on the single-device SFT recipes (``SINGLE_DEVICE_RECIPES``) and GRPO too; a mixture
+of experts' tiny layers have 4 experts of width 32, 2 per token.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ WIDTH, QLORA_WIDTH = 64, 256
 QAT_WIDTH = 256
 NUM_HEADS = 4
 TINY_SIZES = {"vocab_size": 2048, "num_layers": 2, "max_seq_len": 2 * TOKENIZER_MAX_SEQ_LEN}
+# A mixture of experts' tiny layers: each token through 2 of 4 experts (the released 8 of 128
+# would leave most experts without a token in a tiny batch).
+TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2}
 
 # Arguments of a LoRA component builder that its plain counterpart does not take.
 LORA_KEYS = (
@@ -198,6 +202,8 @@ def tiny_model(
         sizes["sliding_window_size"] = TOKENIZER_MAX_SEQ_LEN // 2
     if "sliding_window" in arguments:  # gemma3
         sizes.update(_tiny_gemma3_layers(arguments))
+    if "num_experts" in arguments:  # qwen3_moe: a few narrow experts, still top-k of several
+        sizes.update(TINY_EXPERTS, moe_intermediate_dim=width // 2)
     model = {"_component_": path, **arguments, **sizes}
 
     base_path = path.replace(".lora_", ".")

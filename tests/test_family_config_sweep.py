@@ -1,21 +1,26 @@
-"""Every Qwen3 and Gemma 3 config (configs/qwen3/, configs/gemma3/) runs on tiny shapes through
-``tune run`` (issue #41: "Every new config passes the stock-config sweep on tiny shapes").
+"""Every Qwen3, Qwen3 MoE and Gemma 3 config (configs/qwen3/, configs/qwen3_moe/, configs/gemma3/)
+runs on tiny shapes through ``tune run`` (issue #41: "Every new config passes the stock-config
+sweep on tiny shapes").
 
 Each config is adapted as tests/stock_configs.py adapts torchtune's stock configs: a tiny model
 of the same family built with the family's own component builder (``exactga.models.qwen3.qwen3``
-/ ``lora_qwen3``, ``exactga.models.gemma3.gemma3`` / ``lora_gemma3``) and every argument the
-config's sized builder passes it except the sizes (Gemma 3: a window shorter than the sequences,
-one local and one global layer), the tiny tokenizer, local data, a seeded initial checkpoint in
-the family's HF layout (``initialized_hf_checkpointer`` with the config's ``model_type``),
-``device: cpu``, 2 steps; every other key as shipped (dtype, master weights, optimizer, loss,
-activation checkpointing, micro-batching, logger, ...). By recipe:
+/ ``lora_qwen3``, ``exactga.models.qwen3_moe.qwen3_moe`` / ``lora_qwen3_moe``,
+``exactga.models.gemma3.gemma3`` / ``lora_gemma3``) and every argument the config's sized builder
+passes it except the sizes (Gemma 3: a window shorter than the sequences, one local and one
+global layer; Qwen3 MoE: 4 experts, 2 per token), the tiny tokenizer, local data, a seeded
+initial checkpoint in the family's HF layout (``initialized_hf_checkpointer`` with the config's
+``model_type``), ``device: cpu``, 2 steps; every other key as shipped (dtype, master weights,
+optimizer, loss, activation checkpointing, micro-batching, logger, ...). By recipe:
 
 - full and LoRA/QLoRA fine-tuning (one device and distributed), KD (both recipes):
   ``stock_configs.adapted_config``; KD's teacher twice the student's width;
 - GRPO: the same, keeping its shipped prompts (the bundled arithmetic questions), and its
   ``ref_checkpointer`` reads the same initial weights;
-- LoRA DPO: ``adapted_dpo_config`` of tests/test_dpo_stock_configs.py (the bundled preference
-  pairs, 512 tokens).
+- LoRA DPO (one device and distributed): ``adapted_dpo_config`` of
+  tests/test_dpo_stock_configs.py (the bundled preference pairs, 512 tokens).
+
+Qwen3 MoE's fine-tuning configs keep their ``router_aux_loss_coef``: their runs add the router's
+balance term (docs/moe.md).
 
 Which recipe runs a config is the registry's (``exactga.launch.registry``, which tests/
 test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py): the
@@ -40,11 +45,11 @@ from exactga.models.gemma3._component_builders import FULL as GLOBAL_LAYER
 from exactga.models.gemma3._component_builders import SLIDING as LOCAL_LAYER
 from exactga.models.gemma3._component_builders import gemma3_layer_types
 
-FAMILIES = ("qwen3", "gemma3")
-DPO = "lora_dpo_single_device"
+FAMILIES = ("qwen3", "qwen3_moe", "gemma3")
+DPO_RECIPES = ("lora_dpo_single_device", "lora_dpo_distributed")
 GRPO = stock_configs.GRPO
 DISTRIBUTED_RECIPES = {entry.name for entry in registry.RECIPES if entry.supports_distributed}
-# (recipe, config): every config of the two families, under the recipe the registry runs it on.
+# (recipe, config): every config of the families, under the recipe the registry runs it on.
 SWEEP = [
     (entry.name, f"configs/{name}")
     for entry in registry.RECIPES
@@ -65,7 +70,7 @@ def _params(runs: list[tuple[str, str]]) -> list:
 
 def adapted(recipe: str, name: str, output_dir: Path) -> DictConfig:
     """Config ``name`` adapted to tiny shapes for ``recipe``, as the module docstring says."""
-    if recipe == DPO:
+    if recipe in DPO_RECIPES:
         return adapted_dpo_config(name, recipe, output_dir)
     return stock_configs.adapted_config(name, recipe, output_dir)
 
@@ -135,6 +140,9 @@ SIZE_ARGUMENTS = {
     "query_pre_attn_scalar",  # Gemma 3: its head_dim, as released at 1B and 4B
     "sliding_window",  # Gemma 3: shorter than the sequences
     "sliding_window_pattern",  # Gemma 3: a local and a global layer among the tiny ones
+    "num_experts",  # Qwen3 MoE: a few narrow experts
+    "num_experts_per_tok",
+    "moe_intermediate_dim",
 }
 
 
@@ -146,6 +154,12 @@ def _family_builder(stock_model: DictConfig) -> str:
     return f"{module}.lora_{family}" if "lora_" in sized else f"{module}.{family}"
 
 
+def _plain(value: object) -> object:
+    """A sequence as a list: a builder's tuple (Qwen3 MoE's ``mlp_only_layers``) is a list in
+    YAML."""
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
 def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> None:
     """``model`` is the family's component builder with the sized builder's arguments but the
     sizes, and builds; Gemma 3's has a local and a global layer, its window shorter than the
@@ -155,7 +169,7 @@ def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> 
     tiny = OmegaConf.to_container(model, resolve=True)
     assert tiny.keys() - {"_component_"} == arguments.keys(), what
     for key in arguments.keys() - SIZE_ARGUMENTS:
-        assert tiny[key] == arguments[key], f"{what}: {key}"
+        assert _plain(tiny[key]) == _plain(arguments[key]), f"{what}: {key}"
     assert tiny["num_layers"] == stock_configs.TINY_SIZES["num_layers"], what
     if "sliding_window" in tiny:
         kinds = gemma3_layer_types(tiny["num_layers"], tiny["sliding_window_pattern"])
@@ -209,6 +223,10 @@ def _check_run(root: Path, recipe: str, name: str) -> None:
     if recipe.startswith("knowledge_distillation"):  # both parts of the loss, logged
         assert {"class_loss", "kd_loss"} <= read_scalars(out / "logs").keys()
     cfg = OmegaConf.load(out / "config.yaml")
+    if cfg.get("router_aux_loss_coef", 0) > 0:  # Qwen3 MoE: the router's balance term, trained
+        balance = read_scalars(out / "logs")["router/balance_loss"]
+        assert len(balance) == stock_configs.MAX_STEPS_PER_EPOCH, balance
+        assert stock_configs.all_finite(balance) and min(balance) > 0, balance
     missing = [f for f in stock_configs.expected_artefacts(cfg) if not (out / f).is_file()]
     assert not missing, f"no {missing} in {out}"
 

@@ -1,8 +1,10 @@
-"""Checks on the Qwen3 and Gemma 3 configs in configs/qwen3/ and configs/gemma3/, fast and offline.
+"""Checks on the Qwen3, Qwen3 MoE and Gemma 3 configs in configs/qwen3/, configs/qwen3_moe/ and
+configs/gemma3/, fast and offline.
 
-exactga builds these families itself (exactga.models.qwen3, exactga.models.gemma3; torchtune 0.6.1
-has neither), so there is no stock config of the same name to compare with: each config is checked
-against its recipe's schema, the released checkpoints and exactga's keys. As in
+exactga builds these families itself (exactga.models.qwen3, exactga.models.qwen3_moe,
+exactga.models.gemma3; torchtune 0.6.1 has none of them), so there is no stock config of the same
+name to compare with: each config is checked against its recipe's schema, the released
+checkpoints and exactga's keys. As in
 tests/test_model_configs.py, models are built on the meta device (nothing allocated or downloaded),
 tokenizers are only resolved to their builder (their files are absent), and no recipe is run.
 """
@@ -31,7 +33,7 @@ from exactga.config.schemas import (
 )
 from exactga.config.validation import validate_config
 from exactga.data.loader import model_vocab_size
-from exactga.dpo.schema import LoraDpoSingleDeviceConfig
+from exactga.dpo.schema import LoraDpoDistributedConfig, LoraDpoSingleDeviceConfig
 from exactga.grpo.rewards import build_rewards
 from exactga.grpo.schema import GrpoDistributedConfig
 from exactga.kd.distillation import check_kd_losses, check_vocabularies
@@ -49,6 +51,7 @@ SCHEMAS: dict[str, type] = {
     "lora_finetune_single_device": LoraFinetuneSingleDeviceConfig,
     "lora_finetune_distributed": LoraFinetuneDistributedConfig,
     "lora_dpo_single_device": LoraDpoSingleDeviceConfig,
+    "lora_dpo_distributed": LoraDpoDistributedConfig,
     GRPO: GrpoDistributedConfig,
     "knowledge_distillation_single_device": KnowledgeDistillationSingleDeviceConfig,
     "knowledge_distillation_distributed": KnowledgeDistillationDistributedConfig,
@@ -57,12 +60,21 @@ LORA_RECIPES = {
     "lora_finetune_single_device",
     "lora_finetune_distributed",
     "lora_dpo_single_device",
+    "lora_dpo_distributed",
     "knowledge_distillation_single_device",
     "knowledge_distillation_distributed",
 }
 KD_RECIPES = {"knowledge_distillation_single_device", "knowledge_distillation_distributed"}
 # Recipes whose loss is the SFT cross-entropy (DPO and GRPO take their own).
-CE_RECIPES = SCHEMAS.keys() - {"lora_dpo_single_device", GRPO}
+CE_RECIPES = SCHEMAS.keys() - {"lora_dpo_single_device", "lora_dpo_distributed", GRPO}
+# The recipes that add a mixture-of-experts router's balance term (distillation, DPO and GRPO
+# add none: their schemas reject router_aux_loss_coef > 0).
+ROUTER_RECIPES = {
+    "full_finetune_single_device",
+    "full_finetune_distributed",
+    "lora_finetune_single_device",
+    "lora_finetune_distributed",
+}
 FUSED_LOSS = "exactga.accumulation.linear_cross_entropy.LinearCrossEntropyLoss"
 CHUNKED_LOSS = "torchtune.modules.loss.CEWithChunkedOutputLoss"
 
@@ -91,6 +103,9 @@ RELEASES = {
     # Text decoder: 262,208 x 2,560, tied, + 34 layers x 94.4M: 3,880,263,168 (the release's
     # 4.3e9 adds a 0.42e9 vision encoder, which is not built).
     "google/gemma-3-4b-it": Release((3.8e9, 4.0e9), _shards(2)),
+    # 2 x 151,936 x 2,048 (untied) + 48 layers x 623.1M (128 experts of 3 x 2,048 x 768 each):
+    # 30,532,122,624, the release's 30.5e9; 3.3e9 active per token.
+    "Qwen/Qwen3-30B-A3B": Release((30.4e9, 30.6e9), _shards(16)),
 }
 
 
@@ -106,6 +121,7 @@ class Case:
 
 
 QWEN3_0_6B, QWEN3_8B = "Qwen/Qwen3-0.6B", "Qwen/Qwen3-8B"
+QWEN3_30B_A3B = "Qwen/Qwen3-30B-A3B"
 GEMMA3_1B, GEMMA3_4B = "google/gemma-3-1b-it", "google/gemma-3-4b-it"
 CASES = {
     "qwen3/0.6B_full_single_device": Case("full_finetune_single_device", 1, QWEN3_0_6B),
@@ -121,6 +137,10 @@ CASES = {
     "qwen3/8B_to_0.6B_KD_lora_distributed": Case(
         "knowledge_distillation_distributed", 2, QWEN3_0_6B, QWEN3_8B
     ),
+    "qwen3_moe/30B_A3B_full": Case("full_finetune_distributed", 2, QWEN3_30B_A3B),
+    "qwen3_moe/30B_A3B_lora": Case("lora_finetune_distributed", 2, QWEN3_30B_A3B),
+    "qwen3_moe/30B_A3B_lora_single_device": Case("lora_finetune_single_device", 1, QWEN3_30B_A3B),
+    "qwen3_moe/30B_A3B_lora_dpo": Case("lora_dpo_distributed", 8, QWEN3_30B_A3B),
     "gemma3/1B_full_single_device": Case("full_finetune_single_device", 1, GEMMA3_1B),
     "gemma3/4B_full": Case("full_finetune_distributed", 2, GEMMA3_4B),
     "gemma3/1B_lora_single_device": Case("lora_finetune_single_device", 1, GEMMA3_1B),
@@ -154,6 +174,12 @@ FAMILIES = {
         "exactga.models.qwen3.qwen3_tokenizer",
         {"path": "vocab.json", "merges_file": "merges.txt"},
     ),
+    # The MoE models share Qwen3's tokenizer.
+    "qwen3_moe": Family(
+        "QWEN3_MOE",
+        "exactga.models.qwen3.qwen3_tokenizer",
+        {"path": "vocab.json", "merges_file": "merges.txt"},
+    ),
     "gemma3": Family(
         "GEMMA3", "exactga.models.gemma3.gemma3_tokenizer", {"path": "tokenizer.model"}
     ),
@@ -168,19 +194,27 @@ def _family(name: str) -> Family:
     return FAMILIES[name.split("/")[0]]
 
 
+# A size in a config's name: ``0.6B``, ``8B``, or a mixture of experts' total and active
+# parameters, ``30B_A3B``.
+SIZE = r"[\d.]+B(?:_A[\d.]+B)?"
+
+
 def _stem_parts(name: str) -> tuple[str, str]:
     """The sizes and the kind of a config's name: ``("8B_to_0.6B", "KD_lora_distributed")``
-    for ``qwen3/8B_to_0.6B_KD_lora_distributed``."""
-    match = re.fullmatch(r"([\d.]+B(?:_to_[\d.]+B)?)_(.+)", name.split("/")[1])
+    for ``qwen3/8B_to_0.6B_KD_lora_distributed``, ``("30B_A3B", "lora")`` for
+    ``qwen3_moe/30B_A3B_lora``."""
+    match = re.fullmatch(rf"({SIZE}(?:_to_{SIZE})?)_(.+)", name.split("/")[1])
     assert match is not None, name
     return match.group(1), match.group(2)
 
 
 def _size(release: str) -> str:
-    """``"0.6B"`` for ``Qwen/Qwen3-0.6B``, ``"4B"`` for ``google/gemma-3-4b-it``."""
-    match = re.search(r"-([\d.]+)[bB](?:-it)?$", release)
+    """``"0.6B"`` for ``Qwen/Qwen3-0.6B``, ``"4B"`` for ``google/gemma-3-4b-it``, ``"30B_A3B"``
+    for ``Qwen/Qwen3-30B-A3B``: as the config names and sized builders spell it."""
+    match = re.search(r"-([\d.]+)[bB](?:-A([\d.]+)B)?(?:-it)?$", release)
     assert match is not None, release
-    return f"{match.group(1)}B"
+    total, active = match.groups()
+    return f"{total}B" + (f"_A{active}B" if active else "")
 
 
 def _folder(release: str) -> str:
@@ -319,6 +353,23 @@ def test_validates_against_its_recipe(name: str) -> None:
     cfg = validate_config(load_config(name), SCHEMAS[recipe], recipe)
     assert cfg.loss_normalization == "exact"
     assert cfg.drop_partial_window is False
+
+
+# The released config.json's router_aux_loss_coef: the weight transformers gives the balance
+# loss of these models when it adds it.
+RELEASE_ROUTER_AUX_LOSS_COEF = {QWEN3_30B_A3B: 0.001}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_router_balance_term_as_released_where_the_recipe_adds_one(name: str) -> None:
+    """A mixture-of-experts config trains with its release's coefficient, balanced over the
+    global batch (the default), where its recipe adds the term; elsewhere (dense models, DPO)
+    the coefficient is 0."""
+    case = CASES[name]
+    cfg = validate_config(load_config(name), SCHEMAS[case.recipe], case.recipe)
+    released = RELEASE_ROUTER_AUX_LOSS_COEF.get(case.model, 0.0)
+    assert cfg.router_aux_loss_coef == (released if case.recipe in ROUTER_RECIPES else 0.0)
+    assert str(cfg.router_balance.value) == "global_batch"
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -25,7 +25,9 @@ All in-process, fp32, tiny random models (2 layers, 8 experts, top-2, width 64, 
 
 from __future__ import annotations
 
+import copy
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointError
 from torchtune import training
 from torchtune.models.convert_weights import tune_to_peft_adapter_config
+from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.peft import (
     get_adapter_params,
     get_adapter_state_dict,
@@ -54,6 +59,7 @@ from exactga.models.moe import (
     moe_blocks,
     recording_router_stats,
     router_entropy_mean,
+    router_recording_context_fn,
     router_z_loss,
     sum_router_stats,
 )
@@ -438,6 +444,47 @@ def test_recording_is_off_outside_the_context_and_losses_train_the_router() -> N
     ) + router_z_loss(stats.logsumexp_sq_sum, stats.num_tokens)
     loss.backward()
     assert blocks[0].router.gate.weight.grad.abs().sum() > 0
+
+
+def _checkpointed(model: nn.Module, **wrapper_kwargs: Any) -> nn.Module:
+    """``model`` with each layer's activations checkpointed, as the recipes' setup does."""
+    wrapper = partial(checkpoint_wrapper, **wrapper_kwargs)
+    training.set_activation_checkpointing(
+        model, auto_wrap_policy={TransformerSelfAttentionLayer}, checkpoint_wrapper_fn=wrapper
+    )
+    return model
+
+
+def _gradients_of_loss_and_balance(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients of a token loss plus the balance term over the rows' real tokens."""
+    ids, mask = tokens(batch=3), right_padding_mask([11, 6, 3], 11)
+    with recording_router_stats(model, token_mask=mask) as blocks:
+        logits = model(ids)
+    stats = sum_router_stats([block.last_router_stats for block in blocks])
+    balance = load_balancing_loss(
+        stats.expert_counts, stats.prob_sums, stats.num_tokens, NUM_EXPERTS, TOP_K
+    )
+    (logits[mask].logsumexp(dim=-1).mean() + balance).backward()  # after recording stopped
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_activation_checkpointing_recomputes_the_recorded_router_statistics() -> None:
+    """See [router recording under activation checkpointing]: the recomputation, which runs
+    in the backward after recording stopped, records with the forward's token mask, so the
+    gradients are those without checkpointing; a plain checkpoint wrapper cannot recompute."""
+    torch.manual_seed(0)
+    plain = qwen3_moe(**TINY)
+    randomize_(plain)
+    replaying, bare = copy.deepcopy(plain), copy.deepcopy(plain)
+    expected = _gradients_of_loss_and_balance(plain)
+    _checkpointed(replaying, context_fn=router_recording_context_fn(replaying))
+    got = _gradients_of_loss_and_balance(replaying)
+    assert {name.replace("._checkpoint_wrapped_module", "") for name in got} == expected.keys()
+    for name, grad in got.items():
+        reference = expected[name.replace("._checkpoint_wrapped_module", "")]
+        assert relative_error(grad, reference) < BOUND, name
+    with pytest.raises(CheckpointError):
+        _gradients_of_loss_and_balance(_checkpointed(bare))
 
 
 def test_loss_formulas_at_the_extremes() -> None:

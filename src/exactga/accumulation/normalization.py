@@ -364,6 +364,22 @@ class Window:
         dist.all_reduce(summed, group=self.dp_group)
         return float(summed) / self.num_global_units
 
+    def global_term_means(self) -> tuple[float, ...]:
+        """Each term's mean over the window on every data-parallel rank, the first unit's
+        first; their sum is :meth:`global_mean_loss` (a term with no unit: 0). Empty for a
+        single-mean loss. One all-reduce when sharded, so call it on every rank."""
+        if not self.term_names:
+            return ()
+        sums, units = self._term_sums()
+        if self.dp_group is not None and self.dp_size > 1:
+            summed = sums.to(self._pending.device)
+            dist.all_reduce(summed, group=self.dp_group)
+            sums, units = summed.cpu(), list(self.num_global_term_units)
+        return tuple(
+            float(total) / num if num else 0.0
+            for total, num in zip(sums.tolist(), units, strict=True)
+        )
+
     def _term_sums(self) -> tuple[torch.Tensor, list[int]]:
         """This rank's sum of each term over its units, ``sum_m u_mk L_mk`` (fp64, host), and
         its units of each kind: what the window loss divides per term."""

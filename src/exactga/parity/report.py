@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 from exactga.parity.scoring import (
     MODE_LABELS,
     PRECISION_FLOOR_FACTOR,
+    ROUTER_TERM_OFF,
     ParityRun,
     PrecisionView,
     RunSummary,
@@ -54,11 +56,13 @@ def markdown_table(
     for s in sorted_runs(summaries):
         flag = "" if s.relative_l2 <= floor else " (above floor)"
         to_fp32 = ""
-        if precision.below_fp32:
+        if precision.below_fp32 and s.relative_l2_to_fp32 is not None:
             to_fp32 = f"| {s.relative_l2_to_fp32:.3e} "
+        elif precision.below_fp32:  # a run without the router term: no fp32 twin
+            to_fp32 = "| "
         lines.append(
-            f"| {s.mode} | {s.micro_batching} | {s.split} | {s.relative_l2:.3e}{flag} "
-            f"{to_fp32}| {s.max_loss_gap:.3e} |"
+            f"| {s.mode}{f' ({s.variant})' if s.variant else ''} | {s.micro_batching} "
+            f"| {s.split} | {s.relative_l2:.3e}{flag} {to_fp32}| {s.max_loss_gap:.3e} |"
         )
     return "\n".join(lines)
 
@@ -357,6 +361,81 @@ def stock_kd_gap_section(data: DataShape) -> str:
     )
 
 
+# Note [router term in the parity report]
+# With router_aux_loss_coef > 0 every run adds the router's balance term, as the fine-tuning
+# recipes do, and the normaliser weighs it per micro-batch (Note [router balance as a loss term]
+# in exactga.sft.router_balance). That term depends on the split by definition: micro_batch
+# balances each micro-batch on its rank, global_batch each micro-batch over the ranks, so a
+# split of smaller micro-batches optimises another objective, and its weights leave the full
+# batch's by more than the floor however exact the token loss is. So the report also trains
+# the full batch and the exact/fixed splits with the token loss alone (ROUTER_TERM_OFF), and
+# shows, split by split: the window's mean balance term beside the full batch's, each term's
+# largest per-step gap (the token loss's and the router term's), and the weights gap with the
+# term beside the one without it. The verdict is on the runs without it: the token loss's
+# exactness, which the router term cannot show.
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterTerm:
+    """A mixture-of-experts config's router balance term, which every run added."""
+
+    coef: float  # router_aux_loss_coef
+    objective: str  # router_balance: micro_batch | global_batch
+
+    def describe(self) -> str:
+        return (
+            f"**Router balance term:** every run adds the router's load-balancing loss x "
+            f"{self.coef:g} (`router_aux_loss_coef`), balanced per micro-batch "
+            f"(`router_balance: {self.objective}`), as the fine-tuning recipes do. It depends on "
+            "the split by definition, so exact splits with it land above the floor; the full "
+            "batch and the exact/fixed splits were also trained without it, and the verdict is "
+            "on those (see the router section below)."
+        )
+
+    def as_json(self) -> dict[str, float | str]:
+        return {"router_aux_loss_coef": self.coef, "router_balance": self.objective}
+
+
+def _mean_router_term(term_losses: tuple[tuple[float, ...], ...] | list) -> float:
+    """The runs' mean balance term over its steps (the second term; skipped windows left out)."""
+    values = [terms[1] for terms in term_losses if not math.isnan(terms[1])]
+    return sum(values) / len(values) if values else math.nan
+
+
+def router_section(router: RouterTerm, reference: ParityRun, summaries: list[RunSummary]) -> str:
+    """Split by split, the router term's gap beside the token loss's, and the weights gap with
+    the term beside the one without it; see [router term in the parity report]."""
+    without = {s.split: s for s in summaries if s.variant == ROUTER_TERM_OFF}
+    full = _mean_router_term(reference.term_losses)
+    lines = [
+        f"| mode | micro_batching | split ({split_legend(summaries)}) | mean router term "
+        "| its max gap | token loss's max gap | relative L2 with the term | without it |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| full batch | fixed | {reference.split} | {full:.4e} | | | (reference) | (reference) |",
+    ]
+    for s in sorted_runs([s for s in summaries if s.variant != ROUTER_TERM_OFF]):
+        lm_gap, term_gap = s.max_term_gaps if len(s.max_term_gaps) == 2 else (math.nan,) * 2
+        twin = without.get(s.split) if (s.mode, s.micro_batching) == ("exact", "fixed") else None
+        alone = f"{twin.relative_l2:.3e}" if twin is not None else ""
+        lines.append(
+            f"| {s.mode} | {s.micro_batching} | {s.split} | {_mean_router_term(s.term_losses):.4e} "
+            f"| {term_gap:.3e} | {lm_gap:.3e} | {s.relative_l2:.3e} | {alone} |"
+        )
+    return "\n\n".join(
+        [
+            "## Router term",
+            "The window's mean balance term (x `router_aux_loss_coef`, as it enters the loss), "
+            "averaged over the steps, for each run and the full batch; the largest per-step "
+            "gap to the full batch of the router term and of the token loss (the two terms of "
+            "the logged window loss); and the weights' distance to the full batch with the term "
+            "and, for the exact/fixed splits, trained without it (to a full batch without it). "
+            "The router term's gap is the split's by definition; without it an exact split "
+            "lands at the floor.",
+            "\n".join(lines),
+        ]
+    )
+
+
 def write_report(
     out_dir: Path,
     *,
@@ -370,6 +449,7 @@ def write_report(
     distillation: Distillation | None = None,
     preference: Preference | None = None,
     policy: PolicyObjective | None = None,
+    router: RouterTerm | None = None,
 ) -> Path:
     """Write ``report.md``, ``parity.png``, ``summary.json`` and ``tensorboard/`` into ``out_dir``.
 
@@ -378,7 +458,8 @@ def write_report(
     ``data`` what the full batch's samples say about stock torchtune's gap; ``distillation``
     the KD mix every run trained, for a KD config; ``preference`` what a DPO config trained,
     ``policy`` what a GRPO config trained under one loss_aggregation (either's section on its
-    baseline's gap then replaces ``data``'s).
+    baseline's gap then replaces ``data``'s); ``router`` a mixture-of-experts config's router
+    term, which every run added (see [router term in the parity report]).
     Returns the report's path.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -398,6 +479,7 @@ def write_report(
     baselines = "The baselines run fixed micro-batches only (regrouping changes what they "
     baselines += "optimise)."
     objective = [distillation.describe()] if distillation is not None else []
+    objective += [router.describe()] if router is not None else []
     for view in (preference, policy):
         if view is not None:
             objective, baselines = [view.describe()], view.baselines()
@@ -413,6 +495,7 @@ def write_report(
             *([precision_section(precision, what)] if precision.below_fp32 else []),
             markdown_table(summaries, reference, precision, what),
             f"**Verdict:** {verdict(summaries, precision)}",
+            *([router_section(router, reference, summaries)] if router is not None else []),
             *gaps,
             *([comparison] if comparison else []),
             figure,
@@ -440,6 +523,9 @@ def write_report(
         "preference": preference.as_json() if preference is not None else None,
         # A GRPO config's aggregation, samples and rewards; None otherwise.
         "policy": policy.as_json() if policy is not None else None,
+        # A mixture-of-experts config's router term (coefficient, objective); None without.
+        "router": router.as_json() if router is not None else None,
+        "reference_term_losses": reference.term_losses,
         # What units_per_micro_batch counts: loss_tokens, pairs, completion_tokens, completions.
         "units": reference.units_name,
         "runs": [

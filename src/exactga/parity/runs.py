@@ -52,13 +52,28 @@ class RunTally:
     fewest_units: int | None = None  # in one micro-batch
     most_units: int = 0
     units_name: str = "loss_tokens"
+    # A loss of several terms (the router's balance term, RPO's NLL): each window's term means,
+    # the token loss's first, which sum to its loss; empty for a single-mean loss.
+    term_losses: list[tuple[float, ...]] = field(default_factory=list)
+    term_names: tuple[str, ...] = ()
 
     def add(self, window: Window) -> None:
-        """After the window's step: its exact loss over every rank of the run (one
-        all-reduce when sharded, so every rank calls it) and what this rank ran, padding and
-        ``token_budget``'s fillers included."""
+        """After the window's step: its exact loss over every rank of the run, and each term's
+        (one all-reduce when sharded, so every rank calls it), and what this rank ran, padding
+        and ``token_budget``'s fillers included."""
         self.units.append(window.num_global_units)
-        self.losses.append(float("nan") if window.should_skip_step() else window.global_mean_loss())
+        skipped = window.should_skip_step()  # the same on every rank: no collective then
+        if window.term_names:
+            self.term_names = window.term_names
+            terms = (
+                window.global_term_means()
+                if not skipped
+                else (float("nan"),) * (1 + len(window.term_names))
+            )
+            self.term_losses.append(terms)
+            self.losses.append(sum(terms))
+        else:
+            self.losses.append(float("nan") if skipped else window.global_mean_loss())
         self.num_micro_batches += sum(1 for _ in window.micro_batches_to_run())
         work = window.work()
         self.num_positions += work.num_positions
@@ -85,7 +100,12 @@ class RunTally:
         self.fewest_units = None if fewest == _NO_MICRO_BATCH else fewest
 
     def run(
-        self, mode: str, micro_batching: str, split: str, weights: dict[str, torch.Tensor]
+        self,
+        mode: str,
+        micro_batching: str,
+        split: str,
+        weights: dict[str, torch.Tensor],
+        variant: str = "",
     ) -> ParityRun:
         return ParityRun(
             mode=mode,
@@ -99,6 +119,9 @@ class RunTally:
             num_sample_positions=int(self.num_sample_positions),
             units_per_micro_batch=(self.fewest_units or 0, self.most_units),
             units_name=self.units_name,
+            term_losses=self.term_losses,
+            term_names=self.term_names,
+            variant=variant,
         )
 
 

@@ -7,12 +7,18 @@ exactga.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from exactga.config.options import MasterWeights, MicroBatching, NormMode
+from exactga.config.options import (
+    MasterWeights,
+    MicroBatching,
+    NormMode,
+    RouterBalanceObjective,
+)
 from exactga.config.schemas import (
     FullFinetuneDistributedConfig,
     FullFinetuneSingleDeviceConfig,
@@ -76,6 +82,10 @@ class GaParityConfig(TrainingRunConfig):
     kd_loss: Any = None
     kd_ratio: float = 0.5
     ref_checkpointer: Any = None  # full DPO's reference weights; LoRA DPO's is the base
+    # A mixture-of-experts model's router balance term, as the fine-tuning recipes read it;
+    # every run adds it, and the report shows its own gap (docs/ga_parity.md, "Router term").
+    router_aux_loss_coef: float = 0.0
+    router_balance: RouterBalanceObjective = RouterBalanceObjective.GLOBAL_BATCH
 
     # Keys of these (and so of the single-device) recipes are accepted, named in a warning.
     accepts_unread_keys_of: ClassVar[tuple[type, ...]] = (
@@ -92,6 +102,20 @@ class GaParityConfig(TrainingRunConfig):
             raise ValueError("config key 'dataset.packed' is not supported by the parity report.")
         cls._check_micro_batching(cfg)  # and the modes (modes_for)
         cls._check_distillation(cfg)
+        cls._check_router_term(cfg)
+
+    @classmethod
+    def _check_router_term(cls, cfg: DictConfig) -> None:
+        """``router_aux_loss_coef``: at least 0, and 0 for KD and DPO, whose recipes add no
+        router term (the model's lack of MoE layers is named when it is built)."""
+        coef = cfg.router_aux_loss_coef
+        if not math.isfinite(coef) or coef < 0:
+            raise ValueError(f"config key 'router_aux_loss_coef' must be 0 or more, got {coef}.")
+        if coef > 0 and (cfg.teacher_model is not None or cls.is_preference(cfg)):
+            raise ValueError(
+                "config key 'router_aux_loss_coef': the KD and DPO recipes add no router "
+                "balance term (the fine-tuning recipes do; docs/moe.md); set it to 0."
+            )
 
     @staticmethod
     def _check_distillation(cfg: DictConfig) -> None:

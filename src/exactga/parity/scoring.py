@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,9 @@ SPLITS_KEY = "parity.splits"
 # Below fp32, the verdict's floor over the full batch's distance to fp32; see
 # [parity floor below fp32].
 PRECISION_FLOOR_FACTOR = 2.0
+# The variant of the runs trained without the router's balance term beside those with it;
+# see [router term in the parity report] in exactga.parity.report.
+ROUTER_TERM_OFF = "no router term"
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,13 @@ class ParityRun:
     num_sample_positions: int
     units_per_micro_batch: tuple[int, int] = (0, 0)
     units_name: str = "loss_tokens"  # as the window names them: loss_tokens, pairs
+    # A loss of several terms: each step's term means (the token loss's first), their units'
+    # names after the first (router_micro_batches, chosen_tokens); empty for one mean.
+    term_losses: list[tuple[float, ...]] = field(default_factory=list)
+    term_names: tuple[str, ...] = ()
+    # What sets the run apart beyond mode, micro-batching and split: ROUTER_TERM_OFF for the
+    # runs trained without the router's balance term beside those with it; "" otherwise.
+    variant: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,11 +218,17 @@ class RunSummary:
     num_sample_positions: int
     relative_l2_to_fp32: float | None = None  # below fp32: to the fp32 full batch
     units_per_micro_batch: tuple[int, int] = (0, 0)  # the fewest and most (ParityRun's)
+    term_names: tuple[str, ...] = ()  # ParityRun's
+    term_losses: tuple[tuple[float, ...], ...] = ()  # ParityRun's, per step
+    max_term_gaps: tuple[float, ...] = ()  # each term's max_loss_gap, the token loss's first
+    variant: str = ""  # ParityRun's
 
     @property
     def label(self) -> str:
-        """``mode/micro_batching``, e.g. ``exact/by_length``: a run is this and its split."""
-        return f"{self.mode}/{self.micro_batching}"
+        """``mode/micro_batching``, e.g. ``exact/by_length``, and the variant, if any: a run
+        is this and its split."""
+        label = f"{self.mode}/{self.micro_batching}"
+        return f"{label} ({self.variant})" if self.variant else label
 
     @property
     def micro_batches_per_step(self) -> float:
@@ -336,6 +352,23 @@ def summarize(
             else None
         ),
         units_per_micro_batch=run.units_per_micro_batch,
+        term_names=run.term_names,
+        term_losses=tuple(run.term_losses),
+        max_term_gaps=term_gaps(run, reference),
+        variant=run.variant,
+    )
+
+
+def term_gaps(run: ParityRun, reference: ParityRun) -> tuple[float, ...]:
+    """Each term's :func:`max_loss_gap` to the reference's same term, the token loss's first;
+    empty unless both trained the same terms."""
+    if not run.term_losses or run.term_names != reference.term_names:
+        return ()
+    by_term = list(zip(*run.term_losses, strict=True))
+    reference_by_term = list(zip(*reference.term_losses, strict=True))
+    return tuple(
+        max_loss_gap(list(ours), list(theirs))
+        for ours, theirs in zip(by_term, reference_by_term, strict=True)
     )
 
 
@@ -350,6 +383,11 @@ def verdict(summaries: list[RunSummary], precision: PrecisionView) -> str:
     """One line: is every exact-mode run, under every micro-batching, within the floor of
     ``precision`` (see [parity floor below fp32]), and how far are the others."""
     exact = [s for s in summaries if s.mode == "exact"]
+    if any(s.variant == ROUTER_TERM_OFF for s in exact):
+        # The router's balance term depends on the split by definition; the verdict is on the
+        # token loss, trained alone (see [router term in the parity report]).
+        exact = [s for s in exact if s.variant == ROUTER_TERM_OFF]
+        summaries = [s for s in summaries if s.mode != "exact" or s in exact]
     if not exact:
         return "No exact-mode run was requested, so no verdict on exactness."
     worst = max(exact, key=lambda s: s.relative_l2)
@@ -357,6 +395,8 @@ def verdict(summaries: list[RunSummary], precision: PrecisionView) -> str:
         m for m in MICRO_BATCHING_ORDER if any(s.micro_batching == m for s in exact)
     )
     scope = f"every exact-mode run ({micro_batchings} micro-batches)"
+    if any(s.variant == ROUTER_TERM_OFF for s in exact):
+        scope = f"every exact-mode run without the router's balance term ({micro_batchings})"
     others = [s for s in summaries if s.mode != "exact"]
     contrast = ""
     if others:
@@ -393,5 +433,9 @@ def sorted_runs(summaries: list[RunSummary]) -> list[RunSummary]:
     """By mode, then micro-batching; stable, so the splits stay as listed."""
     return sorted(
         summaries,
-        key=lambda s: (MODE_ORDER.index(s.mode), MICRO_BATCHING_ORDER.index(s.micro_batching)),
+        key=lambda s: (
+            MODE_ORDER.index(s.mode),
+            MICRO_BATCHING_ORDER.index(s.micro_batching),
+            s.variant,
+        ),
     )

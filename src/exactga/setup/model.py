@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtune import config, modules, training
@@ -27,6 +28,7 @@ from torchtune.modules import TiedLinear
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training.activations import apply_selective_activation_checkpointing
 
+from exactga.models.moe import moe_blocks, router_recording_context_fn
 from exactga.run.resume import ResumePoint, checkpointer_source
 from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
@@ -202,8 +204,20 @@ def _checkpoint_activations(model: nn.Module, settings: ModelSettings) -> None:
         apply_selective_activation_checkpointing(model, settings.ac_mode, settings.ac_option)
     if settings.activation_checkpointing and settings.ac_mode is None:
         training.set_activation_checkpointing(
-            model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            model,
+            auto_wrap_policy={modules.TransformerSelfAttentionLayer},
+            **_moe_checkpointing(model),
         )
+
+
+def _moe_checkpointing(model: nn.Module) -> dict[str, Any]:
+    """For a model with mixture-of-experts layers, the checkpoint wrapper whose recomputation
+    records router statistics as the forward did (see [router recording under activation
+    checkpointing] in exactga.models.moe.block); nothing for other models."""
+    if not moe_blocks(model):
+        return {}
+    context_fn = router_recording_context_fn(model)
+    return {"checkpoint_wrapper_fn": partial(checkpoint_wrapper, context_fn=context_fn)}
 
 
 def _shard(

@@ -2,7 +2,12 @@
 it records, the stacked experts (grouped matmul or a per-expert loop), the block that takes a
 transformer layer's MLP place, and the router loss terms as pure functions (docs/moe.md)."""
 
-from exactga.models.moe.block import MoEBlock, moe_blocks, recording_router_stats
+from exactga.models.moe.block import (
+    MoEBlock,
+    moe_blocks,
+    recording_router_stats,
+    router_recording_context_fn,
+)
 from exactga.models.moe.experts import (
     EXPERT_PATHS,
     ExpertPath,
@@ -41,6 +46,7 @@ __all__ = [
     "moe_blocks",
     "recording_router_stats",
     "router_entropy_mean",
+    "router_recording_context_fn",
     "router_stats",
     "router_z_loss",
     "sum_router_stats",

@@ -21,7 +21,8 @@ MLP, and a context leaves their signatures (and every recipe's forward call) as 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -124,3 +125,61 @@ def recording_router_stats(
         for block in blocks:
             block.record_router_stats, block.keep_router_logits = False, False
             block.token_mask = None
+
+
+# Note [router recording under activation checkpointing]
+# Activation checkpointing runs a layer's forward again inside the backward, after
+# recording_router_stats has exited. A block that recorded in the forward but not in the
+# recomputation saves fewer tensors (torch raises CheckpointError), and one that recorded with
+# another token mask would give the balance term the gradient of other tokens. So the
+# checkpoint's context_fn snapshots every block's recording settings when the layer's forward
+# runs and the recomputation runs under that snapshot; afterwards each block gets back its
+# settings and its last_router_stats (which the recomputation would otherwise overwrite).
+
+_RecordingState = tuple[bool, bool, "torch.Tensor | None", "RouterStats | None"]
+
+
+def _recording_state(block: MoEBlock) -> _RecordingState:
+    return (
+        block.record_router_stats,
+        block.keep_router_logits,
+        block.token_mask,
+        block.last_router_stats,
+    )
+
+
+def _set_recording_state(block: MoEBlock, state: _RecordingState) -> None:
+    (
+        block.record_router_stats,
+        block.keep_router_logits,
+        block.token_mask,
+        block.last_router_stats,
+    ) = state
+
+
+@contextmanager
+def _replaying(blocks: list[MoEBlock], snapshot: list[_RecordingState]) -> Iterator[None]:
+    """The recomputation under the forward's recording settings; see the Note above."""
+    current = [_recording_state(block) for block in blocks]
+    for block, state in zip(blocks, snapshot, strict=True):
+        _set_recording_state(block, state)
+    try:
+        yield
+    finally:
+        for block, state in zip(blocks, current, strict=True):
+            _set_recording_state(block, state)
+
+
+def router_recording_context_fn(
+    model: nn.Module,
+) -> Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]:
+    """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) on ``model``'s layers: the
+    recomputation records as the forward did; see [router recording under activation
+    checkpointing]."""
+    blocks = moe_blocks(model)
+
+    def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        snapshot = [_recording_state(block) for block in blocks]
+        return contextlib.nullcontext(), _replaying(blocks, snapshot)
+
+    return context_fn
