@@ -615,3 +615,49 @@ def test_sized_builders_have_transformers_parameter_count(name, builder, expecte
         hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config))
     count = sum(p.numel() for p in ours.parameters())
     assert count == sum(p.numel() for p in hf.parameters()) == expected
+
+
+def test_expert_adapters_get_first_values_from_the_seed_alone() -> None:
+    """A distributed LoRA run builds on the meta device, where the builder's own init does not
+    run: ``initialize_adapters`` must draw the stacked experts' adapters too, from the seed
+    alone (see [adapter init] in exactga.setup.lora), A as torchtune draws a LoRALinear's and
+    B zero, so the model starts as its base."""
+    from exactga.models.qwen3_moe import lora_qwen3_moe
+    from exactga.setup.lora import initialize_adapters
+
+    def drawn(seed: int) -> dict[str, torch.Tensor]:
+        model = lora_qwen3_moe(
+            lora_attn_modules=["q_proj"],
+            apply_lora_to_mlp=True,
+            lora_rank=4,
+            lora_alpha=8,
+            vocab_size=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            embed_dim=16,
+            moe_intermediate_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_seq_len=32,
+            head_dim=8,
+        )
+        out: dict[str, torch.Tensor] = {}
+        initialize_adapters(
+            model, dtype=torch.float32, seed=seed, load=lambda _, sd: out.update(sd)
+        )
+        return {k: v for k, v in out.items() if ".experts." in k}
+
+    first, again, other = drawn(3), drawn(3), drawn(4)
+    assert sorted(first) == sorted(
+        f"layers.0.mlp.experts.{w}.{part}.weight"
+        for w in ("w1", "w2", "w3")
+        for part in ("lora_a", "lora_b")
+    )
+    for key, value in first.items():
+        assert torch.equal(value, again[key])
+        if "lora_b" in key:
+            assert not value.any()
+        else:
+            assert value[0].abs().sum() > 0 and not torch.equal(value[0], value[1])  # per expert
+            assert not torch.equal(value, other[key])

@@ -54,6 +54,7 @@ from torchtune.modules.peft import (
 from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 
 from exactga.config.schemas import check_lora_model
+from exactga.models.moe.experts import LoRAStackedLinear
 from exactga.run.checkpointing import move_peft_adapter_to_own_folder
 from exactga.setup.model_state import load_model_state, state_dict_name, state_dict_shapes
 
@@ -163,18 +164,32 @@ def initialize_adapters(
 
 def _draw_adapters(model: nn.Module, dtype: torch.dtype, out: dict[str, torch.Tensor]) -> None:
     for module_name, module in model.named_modules():
+        name = state_dict_name(module_name)
+        if isinstance(module, LoRAStackedLinear):  # a mixture-of-experts layer's experts
+            for part, init in (("lora_a", _lora_a_init_params), ("lora_b", _lora_b_init_params)):
+                _, out_dim, in_dim = getattr(module, part).weight.shape
+                drawn = [_drawn(init, out_dim, in_dim, dtype) for _ in range(module.num_experts)]
+                out[f"{name}.{part}.weight"] = torch.stack(drawn)  # expert by expert, in order
+            continue
         if not isinstance(module, (LoRALinear, DoRALinear)):
             continue
-        name = state_dict_name(module_name)
         for part, init in (("lora_a", _lora_a_init_params), ("lora_b", _lora_b_init_params)):
-            shape = getattr(module, part).weight.shape
-            draw_dtype = torch.promote_types(dtype, torch.float32)  # see [adapter init]
-            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=draw_dtype)
-            linear = linear.to_empty(device="cpu")
-            init(linear)
-            out[f"{name}.{part}.weight"] = linear.weight.detach().to(dtype)
+            out_dim, in_dim = getattr(module, part).weight.shape
+            out[f"{name}.{part}.weight"] = _drawn(init, out_dim, in_dim, dtype)
         if isinstance(module, DoRALinear):
             out[f"{name}.magnitude"] = torch.ones(module.out_dim, dtype=dtype)
+
+
+def _drawn(
+    init: Callable[[nn.Linear], None], out_dim: int, in_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """One adapter factor as torchtune's ``LoRALinear`` draws it, on the CPU in fp32 at least
+    (see [adapter init]), then in ``dtype``."""
+    draw_dtype = torch.promote_types(dtype, torch.float32)
+    linear = nn.Linear(in_dim, out_dim, bias=False, device="meta", dtype=draw_dtype)
+    linear = linear.to_empty(device="cpu")
+    init(linear)
+    return linear.weight.detach().to(dtype)
 
 
 def _check_keys_exist(drawn: Mapping[str, torch.Tensor], model_keys: Any) -> None:
