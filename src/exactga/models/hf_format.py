@@ -11,6 +11,7 @@ disagree on a key.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,3 +97,22 @@ def hf_format(model_type: str) -> HFFormat | None:
         return None
     module, attribute = where.split(":")
     return getattr(importlib.import_module(module), attribute)
+
+
+def builder_arguments(
+    builder: Callable[..., Any], given: Mapping[str, Any], family: str
+) -> dict[str, Any]:
+    """``given`` (a builder's keyword arguments, some left out) with ``builder``'s own defaults
+    for what it leaves out, so a ``config.json`` derived from them describes the model the
+    builder builds. A LoRA builder's extra arguments pass through (the base is the same model).
+
+    Raises:
+        ValueError: an argument ``builder`` requires is missing, naming the family and it.
+    """
+    parameters = inspect.signature(builder).parameters.values()
+    required = [p.name for p in parameters if p.default is inspect.Parameter.empty]
+    missing = [name for name in required if given.get(name) is None]
+    if missing:
+        raise ValueError(f"the {family} config.json needs the builder arguments {missing}")
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    return {**defaults, **given}

@@ -19,8 +19,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from exactga.models.hf_format import HFFormat, StateDict, peft_adapter
-from exactga.models.qwen3._component_builders import resolved_head_dim
+from exactga.models.hf_format import HFFormat, StateDict, builder_arguments, peft_adapter
+from exactga.models.qwen3._component_builders import qwen3, resolved_head_dim
 
 # Weights outside the layers: HF name -> torchtune name.
 _GLOBAL_FROM_HF = {
@@ -142,26 +142,7 @@ def hf_config(builder_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: a required argument of :func:`qwen3` is missing.
     """
-    required = (
-        "vocab_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "embed_dim",
-        "intermediate_dim",
-        "max_seq_len",
-    )
-    missing = [name for name in required if builder_kwargs.get(name) is None]
-    if missing:
-        raise ValueError(f"the Qwen3 config.json needs the builder arguments {missing}")
-    kwargs = {
-        "head_dim": None,
-        "attn_dropout": 0.0,
-        "norm_eps": 1e-6,
-        "rope_base": 1_000_000.0,
-        "tie_word_embeddings": False,
-        **builder_kwargs,
-    }
+    kwargs = builder_arguments(qwen3, builder_kwargs, "Qwen3")
     num_heads = kwargs["num_heads"]
     return {
         "architectures": ["Qwen3ForCausalLM"],

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from exactga.models.hf_format import HFFormat, StateDict
+from exactga.models.hf_format import HFFormat, StateDict, builder_arguments
 from exactga.models.qwen3._component_builders import resolved_head_dim
 from exactga.models.qwen3._convert_weights import QWEN3_FORMAT
+from exactga.models.qwen3_moe._component_builders import qwen3_moe
 
 # HF per-expert projection -> torchtune's stacked projection, and back.
 _EXPERT_FROM_HF = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -170,32 +171,7 @@ def hf_config(builder_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: a required argument of :func:`qwen3_moe` is missing.
     """
-    required = (
-        "vocab_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "embed_dim",
-        "moe_intermediate_dim",
-        "num_experts",
-        "num_experts_per_tok",
-        "max_seq_len",
-    )
-    missing = [name for name in required if builder_kwargs.get(name) is None]
-    if missing:
-        raise ValueError(f"the Qwen3 MoE config.json needs the builder arguments {missing}")
-    kwargs = {
-        "head_dim": None,
-        "norm_topk_prob": True,
-        "intermediate_dim": None,
-        "mlp_only_layers": (),
-        "decoder_sparse_step": 1,
-        "attn_dropout": 0.0,
-        "norm_eps": 1e-6,
-        "rope_base": 1_000_000.0,
-        "tie_word_embeddings": False,
-        **builder_kwargs,
-    }
+    kwargs = builder_arguments(qwen3_moe, builder_kwargs, "Qwen3 MoE")
     num_heads = kwargs["num_heads"]
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
