@@ -14,7 +14,8 @@ the families' configs use (the output projection fused with the loss, docs/large
   ``AutoModelForCausalLM.from_pretrained(epoch_0)`` and, for LoRA, ``PeftModel.from_pretrained(
   base, epoch_0/adapter)`` against our builder with the run's weights.
 
-Launches: two (tests/many_runs.py): the one-device and one-rank runs, then the 2-rank runs.
+Launches: two (tests/many_runs.py): the one-device and one-rank runs, and the 2-rank runs, shared
+with tests/test_family_config_sweep.py's runs (tests/family_runs.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 
 import pytest
 import torch
-from many_runs import launch_runs, run_of
+from family_runs import GROUP, family_runs
+from many_runs import Run, run_of
 from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT
 from safetensors.torch import load_file
@@ -235,7 +237,9 @@ def _args(cfg: Path, split: tuple[str, int, int, int], out: Path) -> list[str]:
     ]
 
 
-def _launch_all(root: Path) -> None:
+def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
+    """The one-device and one-rank runs and the 2-rank runs, for tests/family_runs.py to
+    launch (the base models, tokenizers and configs they read are written here)."""
     one, two = [], []
     for family in FAMILIES:
         base = _write_hf_base(family, root / family / "hf_base")
@@ -245,8 +249,7 @@ def _launch_all(root: Path) -> None:
             for split in splits:
                 out = root / family / _split_id(split)
                 runs.append(run_of(_args(configs[split[0]], split, out), out)[1])
-    launch_runs(one, nproc=0)
-    launch_runs(two, nproc=2)
+    return one, two
 
 
 def _mkdir(folder: Path) -> Path:
@@ -257,7 +260,7 @@ def _mkdir(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(run_once):
     """``(family, split) -> output folder``, every run checked to have succeeded."""
-    root = run_once("model_family_runs", _launch_all)
+    root = family_runs(run_once, "families")
 
     def get(family: str, split: tuple[str, int, int, int]) -> Path:
         out = root / family / _split_id(split)
@@ -282,7 +285,7 @@ def _initial(family: str, root: Path, adapters: bool, like: dict) -> dict[str, t
     return load_file(root / family / "hf_base" / "model.safetensors")
 
 
-@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("split", list(PARITY), ids=_split_id)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_split_lands_where_the_full_batch_does(runs, family, split):
@@ -327,7 +330,7 @@ def _our_logits(family: str, root: Path, out: Path, adapters: bool, tokens) -> t
     return model.eval()(tokens)
 
 
-@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("split", OUTPUTS, ids=_split_id)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_outputs_load_in_transformers_and_peft_as_the_fine_tuned_model(runs, family, split):
