@@ -77,15 +77,79 @@ LORA_SPLITS: dict[str, dict[str, object]] = {
 }
 
 
-def lora_dpo_run(run_once, split: str) -> Path:
-    """The two-epoch single-device LoRA DPO run of ``split`` (a key of :data:`LORA_SPLITS`),
-    launched once per session whichever test module asks first."""
-    return run_once(
-        f"dpo_lora_{split}",
-        lambda out: train(
-            dpo_args(LORA_SINGLE, out, epochs=2, **LORA_OPTIMIZER, **LORA_SPLITS[split]), out
-        ),
+# Full DPO across ranks (tests/test_recipe_dpo_distributed.py): (ranks, split). One rank is the
+# distributed recipe without torchrun (it trains as one rank: a process group of one).
+FULL_PAIRS = 24  # three whole windows of 8: every split steps on the same pairs
+BUDGET = {"micro_batching": "token_budget", "micro_batch_tokens": 1024}
+FULL_SPLITS: dict[str, tuple[int, dict[str, object]]] = {
+    "1rank_8x1": (1, {"batch_size": 8, "gradient_accumulation_steps": 1}),
+    "2ranks_4x1_budget": (2, {"batch_size": 4, "gradient_accumulation_steps": 1, **BUDGET}),
+    "2ranks_1x4": (2, {"batch_size": 1, "gradient_accumulation_steps": 4}),
+    # The reference's log-probs computed by both ranks before training, the model then freed.
+    "2ranks_1x4_precomputed": (
+        2,
+        {"batch_size": 1, "gradient_accumulation_steps": 4, "precompute_reference_logprobs": True},
+    ),
+}
+# LoRA DPO on 2 ranks, 2x2 under the token budget, against the single-device 1x8 run.
+LORA_TWO_RANKS = "2ranks_2x2_budget"
+
+
+def _dpo_recipe_runs(root: Path) -> None:
+    """Every run of the DPO recipe modules (tests/test_recipe_dpo_lora.py and
+    tests/test_recipe_dpo_distributed.py): the single-device LoRA splits and full DPO on one
+    rank in one launch, the 2-rank runs in another, side by side (tests/many_runs.py: each
+    still the recipe as ``tune run`` starts it). A run's folder is its output directory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from many_runs import launch_runs, run_of
+
+    named = {
+        f"lora_{split}": dpo_args(
+            LORA_SINGLE, root / f"lora_{split}", epochs=2, **LORA_OPTIMIZER, **settings
+        )
+        for split, settings in LORA_SPLITS.items()
+    }
+    for split, (nproc, settings) in FULL_SPLITS.items():
+        named[f"full_{split}"] = dpo_args(
+            FULL_DISTRIBUTED,
+            root / f"full_{split}",
+            0 if nproc == 1 else nproc,
+            dataset__split=f"train[:{FULL_PAIRS}]",
+            **FULL_OPTIMIZER,
+            **settings,
+        )
+    lora_two_ranks = dict(epochs=2, batch_size=2, gradient_accumulation_steps=2, **LORA_OPTIMIZER)
+    named[f"lora_{LORA_TWO_RANKS}"] = dpo_args(
+        LORA_DISTRIBUTED, root / f"lora_{LORA_TWO_RANKS}", 2, **lora_two_ranks, **BUDGET
     )
+    by_ranks: dict[int, list] = {0: [], 2: []}
+    for name, args in named.items():
+        nproc, run = run_of(args, root / name)
+        by_ranks[nproc].append(run)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [
+            pool.submit(launch_runs, runs, nproc, timeout_per_run=600)
+            for nproc, runs in sorted(by_ranks.items(), reverse=True)
+        ]
+        for future in futures:
+            future.result()
+
+
+def dpo_recipe_run(run_once, name: str) -> Path:
+    """The folder (output directory, with the run's ``output.txt``) of the DPO recipe run
+    ``name``: ``lora_<split>`` (a key of :data:`LORA_SPLITS`, or ``LORA_TWO_RANKS``) or
+    ``full_<split>`` (a key of :data:`FULL_SPLITS`), made with every other once per session,
+    after checking it succeeded."""
+    out = run_once("dpo_recipe_runs", _dpo_recipe_runs) / name
+    output = (out / "output.txt").read_text()
+    assert (out / "returncode").read_text() == "0", f"{name}:\n{output[-6000:]}"
+    return out
+
+
+def lora_dpo_run(run_once, split: str) -> Path:
+    """The two-epoch single-device LoRA DPO run of ``split`` (a key of :data:`LORA_SPLITS`)."""
+    return dpo_recipe_run(run_once, f"lora_{split}")
 
 
 def dpo_args(

@@ -7,12 +7,25 @@ Nothing here imports a recipe.
 
 from __future__ import annotations
 
+import json
+import random
+import time
+import traceback
 from pathlib import Path
 
 import torch
 from many_runs import launch_runs, run_of
 from omegaconf import OmegaConf
-from recipe_utils import REPO_ROOT, SMALL_MODEL, output_of, run_tune
+from recipe_utils import (
+    EMPTY_WINDOW_RUN,
+    REPO_ROOT,
+    SMALL_MODEL,
+    latest_step_checkpoint,
+    launch_and_kill,
+    output_of,
+    rows_with_an_empty_window,
+    run_tune,
+)
 from torchtune import config
 
 KD_RECIPE = "recipes/knowledge_distillation_single_device.py"
@@ -118,7 +131,63 @@ def one_rank_run(run_once, case: str, split: tuple[int, int]) -> Path:
 ONE_DEVICE_SPLITS = [(8, 1), (1, 8), (2, 4)]
 
 
+# The distributed recipe as one process without torchrun, 8x1 fp32 with an untied teacher
+# (tests/test_recipe_kd_distributed.py, issue #22): a one-process run, so it is one more run of
+# the one-device runs' launch rather than a launch of its own.
+NO_TORCHRUN_RUN = "one_rank_no_torchrun_untied"
+UNTIED_TEACHER = ["teacher_model.tie_word_embeddings=False"]
+
+
+def no_torchrun_run(run_once) -> Path:
+    """The folder of ``NO_TORCHRUN_RUN``, made with the one-device runs."""
+    out = run_once("kd_one_device_runs", _one_device_runs) / NO_TORCHRUN_RUN
+    output = (out / "output.txt").read_text()
+    assert (out / "returncode").read_text() == "0", output[-4000:]
+    return out
+
+
+# The single-device module's kill -9 resume test (its uninterrupted run: RESUME_CASE's 8x1) and
+# its run with a window without loss tokens: a launch of their own for the kill, the resume and
+# the empty window among the one-device runs (``one_device_folder``).
+RESUME_CASE = "fp32_train_on_input"  # AdamW moments, a warm-up and cosine schedule to resume
+KILLED = "killed"
+EMPTY_WINDOW = "empty_window"
+
+
+def one_device_folder(run_once, name: str) -> Path:
+    """The folder of the one-device launch's ``KILLED`` or ``EMPTY_WINDOW`` (unchecked: the
+    test reads what it needs)."""
+    return run_once("kd_one_device_runs", _one_device_runs) / name
+
+
+def _kill(folder: Path) -> list:
+    """RESUME_CASE's 8x1 run launched and killed with SIGKILL once a random step's checkpoint
+    exists (plus a random delay, so mid-step or mid-save); the draw, the checkpoint it left
+    and the run resuming it (a list of one), or ``kill_failed`` and no run."""
+    seed = time.time_ns() % 1_000_000
+    rng = random.Random(seed)
+    kill_after, delay = rng.randint(1, PARITY_STEPS - 4), rng.uniform(0.0, 0.2)
+    (folder / "draw").write_text(f"seed {seed}: kill after step {kill_after} + {delay:.2f} s")
+    out = folder / "run"
+    args = parity_args(out, RESUME_CASE, 8, 1)
+    try:
+        launch_and_kill(
+            args,
+            folder / "killed.txt",
+            ready=lambda: latest_step_checkpoint(out) >= kill_after,
+            delay_s=delay,
+        )
+    except BaseException:  # noqa: BLE001 - the resume test reports it
+        (folder / "kill_failed").write_text(traceback.format_exc()[-8000:])
+        return []
+    (folder / "checkpoint").write_text(str(latest_step_checkpoint(out)))
+    resume = [*args, "resume_from_checkpoint=True", f"metric_logger.log_dir={folder / 'logs'}"]
+    return [run_of(resume, folder / "launch")[1]]
+
+
 def _one_device_runs(root: Path) -> None:
+    (root / KILLED).mkdir()
+    resume = _kill(root / KILLED)
     runs = []
     for case in CASES:
         for batch_size, ga in ONE_DEVICE_SPLITS:
@@ -126,7 +195,18 @@ def _one_device_runs(root: Path) -> None:
             nproc, run = run_of(parity_args(out, case, batch_size, ga), out)
             assert nproc == 0
             runs.append(run)
-    launch_runs(runs, nproc=0)
+    out = root / NO_TORCHRUN_RUN
+    args = parity_args(out, "fp32_train_on_input", 8, 1, recipe=KD_DISTRIBUTED_RECIPE)
+    nproc, run = run_of([*args, "save_every_n_steps=null", *UNTIED_TEACHER], out)
+    assert nproc == 0
+    runs.append(run)
+    folder = root / EMPTY_WINDOW
+    folder.mkdir()
+    data = folder / "data.json"
+    data.write_text(json.dumps(rows_with_an_empty_window()))
+    args = kd_args(folder / "out", dataset__data_files=data, **EMPTY_WINDOW_RUN)
+    runs.append(run_of(args, folder)[1])
+    launch_runs([*runs, *resume], nproc=0)  # the resume last: a failure ends the launch
 
 
 def initial_adapters(case: str) -> dict[str, torch.Tensor]:

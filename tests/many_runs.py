@@ -79,15 +79,24 @@ def launch_runs(
     timeout_per_run: float = 300,
     extra_env: dict[str, str] | None = None,
     go_on_after_failure: bool = False,
+    nnodes: int = 1,
 ) -> list[str]:
     """Run every run of ``runs`` on ``nproc`` ranks (0: no torchrun), as few launches as
     possible; each run's folder gets ``output.txt`` and ``returncode``. With
-    ``go_on_after_failure`` (``nproc=0`` only), a failing run does not end its launch. Returns
-    each launch's own output (outside its runs)."""
+    ``go_on_after_failure`` (``nproc=0`` only), a failing run does not end its launch. With
+    ``nnodes`` 2 or more, a launch is that many ``tune run --nnodes N --nproc_per_node nproc``
+    agents on this machine meeting through torchrun's c10d rendezvous on loopback (the
+    multi-node launch path), ``nnodes * nproc`` ranks in all. Returns each launch's own output
+    (outside its runs; the agents' one after another)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from recipe_utils import output_of, run_tune  # host side only; the ranks never need it
 
     if go_on_after_failure and nproc:
         raise ValueError("go_on_after_failure needs nproc=0: under torchrun a peer would wait")
+    if nnodes > 1 and not nproc:
+        raise ValueError("nnodes needs nproc: each node's agent is torchrun's")
+    ranks = max(nproc, 1) * nnodes
     pending = list(runs)
     for run in pending:
         run.folder.mkdir(parents=True, exist_ok=True)
@@ -104,20 +113,27 @@ def launch_runs(
             )
         )
         launcher = ["--nproc_per_node", str(nproc)] if nproc else []
-        try:
-            proc = run_tune(
-                [*launcher, DRIVER, "--config", str(plan)],
-                extra_env=extra_env,
-                timeout=timeout_per_run * len(pending),
-            )
-            launch_output, launch_status = output_of(proc), proc.returncode
-        except subprocess.TimeoutExpired as err:
-            launch_output, launch_status = f"launch timed out: {err}", -9
+        if nnodes > 1:
+            launcher = ["--nnodes", str(nnodes), *launcher, *_rendezvous(plan)]
+
+        def agent(_: int, args=(*launcher, DRIVER, "--config", str(plan))) -> tuple[str, int]:
+            try:
+                proc = run_tune(
+                    list(args), extra_env=extra_env, timeout=timeout_per_run * len(pending)
+                )
+                return output_of(proc), proc.returncode
+            except subprocess.TimeoutExpired as err:
+                return f"launch timed out: {err}", -9
+
+        with ThreadPoolExecutor(max_workers=nnodes) as pool:
+            agents = list(pool.map(agent, range(nnodes)))
+        launch_output = "\n".join(output for output, _ in agents)
+        launch_status = next((status for _, status in agents if status), 0)
         launch_outputs.append(launch_output)
         while pending:
             run = pending.pop(0)
-            statuses = [_read_status(run.folder, rank) for rank in range(max(nproc, 1))]
-            output = "\n".join(_read_log(run.folder, rank) for rank in range(max(nproc, 1)))
+            statuses = [_read_status(run.folder, rank) for rank in range(ranks)]
+            output = "\n".join(_read_log(run.folder, rank) for rank in range(ranks))
             if all(status == 0 for status in statuses):
                 _finish(run.folder, output, 0)
                 continue
@@ -131,6 +147,17 @@ def launch_runs(
             break
         launch += 1
     return launch_outputs
+
+
+def _rendezvous(plan: Path) -> list[str]:
+    """torchrun's c10d rendezvous on a free loopback port, for the agents of one launch."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [
+        *("--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}"),
+        *("--rdzv_id", f"many_runs_{plan.parent.name}_{plan.stem}"),
+    ]
 
 
 def _finish(folder: Path, output: str, status: int) -> None:

@@ -24,7 +24,8 @@ balance term (docs/moe.md).
 
 Which recipe runs a config is the registry's (``exactga.launch.registry``, which tests/
 test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py): the
-single-device runs one after another in one process, the distributed ones on 2 gloo ranks.
+single-device runs one after another in one process, the distributed ones on 2 gloo ranks, shared
+with tests/test_recipe_model_families.py's runs (tests/family_runs.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from pathlib import Path
 import pytest
 import stock_configs
 import torch
-from many_runs import Run, launch_runs
+from family_runs import GROUP, family_runs
+from many_runs import Run
 from omegaconf import DictConfig, OmegaConf
 from recipe_utils import REPO_ROOT, read_scalars
 from test_dpo_stock_configs import PAIRS, adapted_dpo_config
@@ -88,24 +90,25 @@ def _run(root: Path, recipe: str, name: str) -> Run:
     return Run(f"recipes/{recipe}.py", ["--config", str(config_path)], out)
 
 
+def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
+    """The single-device configs' runs (one process, no torchrun) and the distributed ones
+    (2 gloo ranks), for tests/family_runs.py to launch."""
+    return (
+        [_run(root, recipe, name) for recipe, name in SINGLE_DEVICE],
+        [_run(root, recipe, name) for recipe, name in DISTRIBUTED],
+    )
+
+
 @pytest.fixture(scope="module")
 def single_device_runs(run_once) -> Path:
-    """Every single-device config's run, one after another in one process (no torchrun)."""
-
-    def launch(root: Path) -> None:
-        launch_runs([_run(root, recipe, name) for recipe, name in SINGLE_DEVICE], nproc=0)
-
-    return run_once("family_config_single_device_runs", launch)
+    """Every single-device config's run's folder's parent."""
+    return family_runs(run_once, "sweep")
 
 
 @pytest.fixture(scope="module")
 def distributed_runs(run_once) -> Path:
-    """Every distributed config's run, one after another on the same 2 gloo ranks."""
-
-    def launch(root: Path) -> None:
-        launch_runs([_run(root, recipe, name) for recipe, name in DISTRIBUTED], nproc=2)
-
-    return run_once("family_config_distributed_runs", launch)
+    """Every distributed config's run's folder's parent."""
+    return family_runs(run_once, "sweep")
 
 
 # --- fast: the list and the adaptation, in-process --------------------------------------------
@@ -232,14 +235,14 @@ def _check_run(root: Path, recipe: str, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("family_configs")
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("recipe, name", _params(SINGLE_DEVICE))
 def test_single_device_config_runs(single_device_runs: Path, recipe: str, name: str) -> None:
     _check_run(single_device_runs, recipe, name)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("family_configs")
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("recipe, name", _params(DISTRIBUTED))
 def test_distributed_config_runs(distributed_runs: Path, recipe: str, name: str) -> None:
     _check_run(distributed_runs, recipe, name)

@@ -5,18 +5,22 @@ splits over both ranks, ``2x2x2`` and ``1x4x2``, under every normalisation mode,
 ``by_length`` and ``token_budget`` micro-batches (each rank regroups its own window;
 ``token_budget`` may plan unequal counts, evened out with zero-weight fillers). Exact stays at the
 fp32 floor across ranks under every micro-batching (docs/ga_parity.md), naive lands about 0.1 to
-0.2 away. A second, short launch trains a split over both ranks in bf16 over fp32 master weights
-(FSDP2's bf16 policy, as the distributed recipes shard), beside the fp32 full batch.
+0.2 away. A second, short run trains a split over both ranks in bf16 over fp32 master weights
+(FSDP2's bf16 policy, as the distributed recipes shard), beside the fp32 full batch. Both runs
+share one launch (tests/many_runs.py: each still the recipe as ``tune run`` starts it).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from recipe_utils import SMALL_MODEL, output_of, read_scalars, run_tune
+from many_runs import launch_runs, run_of
+from recipe_utils import SMALL_MODEL, read_scalars
 
-pytestmark = pytest.mark.slow
+# The tests read one module fixture's launch: one xdist group.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ga_parity_distributed")]
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 CONFIG = "configs/tiny/ga_parity_full.yaml"
@@ -46,22 +50,47 @@ FP32_STOCK_MIN = 1.5e-3
 BF16_EXACT_MIN, BF16_EXACT_BOUND = 1e-3, 2e-2
 
 
-def test_splits_across_two_ranks_match_the_full_batch(tmp_path):
-    args = [
-        "--nproc_per_node",
-        "2",
-        PARITY_RECIPE,
-        "--config",
-        CONFIG,
-        f"output_dir={tmp_path}",
+def _args(out: Path, *overrides: str) -> list[str]:
+    return [
+        *("--nproc_per_node", "2", PARITY_RECIPE, "--config", CONFIG, f"output_dir={out}"),
         *(f"{key}={value}" for key, value in SMALL_MODEL.items()),
         f"parity.num_steps={NUM_STEPS}",
-        f"parity.splits=[{','.join(SPLITS)}]",
+        *overrides,
     ]
-    proc = run_tune(args, timeout=600)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
 
-    report_dir = tmp_path / "parity"
+
+BF16 = [
+    "dtype=bf16",
+    "master_weights=fp32",
+    "parity.splits=[1x2x2]",
+    "parity.modes=[exact]",
+    "parity.micro_batching=[fixed]",
+]
+
+
+@pytest.fixture(scope="module")
+def launched(run_once):
+    """``launched(name)``: the output folder of run ``fp32`` or ``bf16``, checked to have
+    succeeded; both made once per session, one after another in one 2-rank launch."""
+
+    def make(root: Path) -> None:
+        runs = {
+            "fp32": _args(root / "fp32", f"parity.splits=[{','.join(SPLITS)}]"),
+            "bf16": _args(root / "bf16", *BF16),
+        }
+        launch_runs([run_of(args, root / name)[1] for name, args in runs.items()], nproc=2)
+
+    def get(name: str) -> Path:
+        out = run_once("ga_parity_distributed_runs", make) / name
+        output = (out / "output.txt").read_text()
+        assert (out / "returncode").read_text() == "0", output[-4000:]
+        return out
+
+    return get
+
+
+def test_splits_across_two_ranks_match_the_full_batch(launched):
+    report_dir = launched("fp32") / "parity"
     summary = json.loads((report_dir / "summary.json").read_text())
     runs = {(r["mode"], r["micro_batching"], r["split"]): r for r in summary["runs"]}
     assert set(runs) == RUNS
@@ -107,26 +136,8 @@ def test_splits_across_two_ranks_match_the_full_batch(tmp_path):
         assert len(read_scalars(folder)["loss"]) == NUM_STEPS
 
 
-def test_a_bf16_split_across_two_ranks_sits_within_the_precisions_floor(tmp_path):
-    args = [
-        "--nproc_per_node",
-        "2",
-        PARITY_RECIPE,
-        "--config",
-        CONFIG,
-        f"output_dir={tmp_path}",
-        *(f"{key}={value}" for key, value in SMALL_MODEL.items()),
-        "dtype=bf16",
-        "master_weights=fp32",
-        f"parity.num_steps={NUM_STEPS}",
-        "parity.splits=[1x2x2]",
-        "parity.modes=[exact]",
-        "parity.micro_batching=[fixed]",
-    ]
-    proc = run_tune(args, timeout=600)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-
-    summary = json.loads((tmp_path / "parity" / "summary.json").read_text())
+def test_a_bf16_split_across_two_ranks_sits_within_the_precisions_floor(launched):
+    summary = json.loads((launched("bf16") / "parity" / "summary.json").read_text())
     (run,) = summary["runs"]
     precision_cost = summary["reference_relative_l2_to_fp32"]
     print(

@@ -36,10 +36,9 @@ def _assert_trained_by_us(proc, output_dir: Path) -> None:
 
 
 def test_tune_run_from_repo_root_runs_our_recipe(tmp_path):
-    proc = run_tune(tiny_args(tmp_path / "typo", max_step_per_epoch=1))
-    assert proc.returncode != 0
-    assert "unknown config key 'max_step_per_epoch'" in output_of(proc), output_of(proc)[-4000:]
-
+    """Our metrics show our recipe ran. (That it refuses a misspelt key, which stock torchtune
+    would not, is tests/test_recipe_full_single_device.py's test_bad_config_fails_naming_the_key
+    and tests/test_bad_input_launch.py's.)"""
     proc = run_tune(tiny_args(tmp_path / "out", max_steps_per_epoch=1))
     _assert_trained_by_us(proc, tmp_path / "out")
 

@@ -18,21 +18,23 @@ seed, same sampler order); only ``micro_batching`` and the split differ:
   losses. tests/test_resume.py kills at random steps under the default mode.
 
 Each set of runs is made once per session (``run_once``): the one-device runs one after another
-in one launch each (tests/many_runs.py), the 2-rank ones two launches at a time; the AdamW runs
-are also the resume tests' uninterrupted runs. Run with ``-rP`` to see the measured distances.
+in one launch (tests/many_runs.py), the 2-rank ones in another; the AdamW runs are also the
+resume tests' uninterrupted runs, and the resumes run last in the same launches, after the kills
+(a launch each, two at a time). Run with ``-rP`` to see the measured distances.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import subprocess
+import os
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from many_runs import launch_runs, run_of
+from many_runs import Run, launch_runs, run_of
 from recipe_utils import (
     INITIAL,
     REPO_ROOT,
@@ -42,14 +44,13 @@ from recipe_utils import (
     load_adapters,
     load_weights,
     lora_tiny_args,
-    output_of,
     read_scalars,
     relative_l2,
-    run_tune,
     tiny_args,
 )
 
-pytestmark = pytest.mark.slow
+# The tests read the module's shared launches (one group: the fixtures are made once).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("micro_batching_recipes")]
 
 DISTRIBUTED = "recipes/full_finetune_distributed.py"
 DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
@@ -172,76 +173,70 @@ def _two_rank_args(out: Path, mode: str, optimizer: str = "adamw") -> list[str]:
     return head + tiny_args(out)[3:] + _cli(_settings(TWO_RANKS[mode], optimizer))
 
 
-def _check(proc: subprocess.CompletedProcess, name: str) -> None:
-    assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
+# --- the runs: every set made once per session, the resume tests' kills first -------------
+
+RESUME_CASES = [*((1, mode) for mode in MODES), (2, "token_budget"), (2, "packed")]
 
 
-def _launch_side_by_side(launches: dict[str, tuple[list[str], dict[str, str]]]) -> None:
-    """``name: (args, extra_env)``, two at a time; each is mostly single-threaded."""
+def _resume_name(num_ranks: int, mode: str) -> str:
+    return f"resumed_{num_ranks}rank_{mode}"
+
+
+def _launch_and_kill(args: list[str], out: Path, after_step: int) -> None:
+    """Launch, and SIGKILL every process of it once step ``after_step``'s checkpoint exists
+    (the checkpointer renames a complete folder into place, so that one is complete).
+
+    ``kill_launch`` takes the ranks too, and returns once every one is gone.
+    """
+    checkpoint = out / "step_checkpoints" / f"step_{after_step:06d}"
+    launch_and_kill(args, out.parent / f"{out.name}_killed.txt", ready=checkpoint.is_dir)
+    assert not (out / "epoch_0").exists(), "the run was killed too late to test a resume"
+
+
+def _killed_and_resumed(root: Path, num_ranks: int) -> list[Run]:
+    """The resume cases on ``num_ranks`` ranks: each AdamW run launched and killed after step 1
+    (a launch each, two at a time), and the runs that resume them, for the launch that makes
+    the uninterrupted runs. A failed kill is kept in ``<case>/kill_failed`` for its test."""
+    cases = [mode for ranks, mode in RESUME_CASES if ranks == num_ranks]
+    args = _full_args if num_ranks == 1 else _two_rank_args
+
+    def kill(mode: str) -> Run | None:
+        folder = root / _resume_name(num_ranks, mode)
+        folder.mkdir()
+        out = folder / "run"
+        try:
+            _launch_and_kill(args(out, mode), out, after_step=1)
+        except BaseException:  # noqa: BLE001 - the case's test reports it
+            (folder / "kill_failed").write_text(traceback.format_exc()[-8000:])
+            return None
+        resume = ["resume_from_checkpoint=True", f"metric_logger.log_dir={folder / 'logs'}"]
+        return run_of(args(out, mode) + resume, folder / "launch")[1]
+
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(run_tune, args, extra_env=env, timeout=600)
-            for name, (args, env) in launches.items()
-        }
-        for name, future in futures.items():
-            _check(future.result(), name)
+        return [run for run in pool.map(kill, cases) if run is not None]
 
 
-def _launch_in_one_process(named_args: dict[str, list[str]], root: Path) -> None:
-    """``name: tune run args`` (no launcher option), one after another in one launch
-    (tests/many_runs.py: each still the recipe as ``tune run`` starts it), output in
-    ``root/name``; every run must succeed."""
-    runs = [run_of(args, root / name)[1] for name, args in named_args.items()]
-    launch_runs(runs, nproc=0)
-    for name in named_args:
+def _check_launched(root: Path, names: list[str]) -> None:
+    for name in names:
         status = (root / name / "returncode").read_text()
         assert status == "0", f"{name}:\n{(root / name / 'output.txt').read_text()[-4000:]}"
 
 
 @pytest.fixture(scope="module")
-def full_runs(run_once) -> Path:
-    """Full fine-tuning on one device, ``<optimizer>_<mode>``, once per session."""
-
-    def make(root: Path) -> None:
-        _launch_in_one_process(
-            {
-                f"{opt}_{mode}": _full_args(root / f"{opt}_{mode}", mode, opt)
-                for opt in OPTIMIZERS
-                for mode in MODES
-            },
-            root,
-        )
-
-    return run_once("micro_batching_full", make)
-
-
-@pytest.fixture(scope="module")
-def two_rank_runs(run_once) -> Path:
-    """The distributed recipe on 2 ranks in each mode of TWO_RANKS, collectives counted
-    (``<mode>_collectives/rank<r>.json``, see tests/collective_counter)."""
-
-    def make(root: Path) -> None:
-        launches = {}
-        for mode in TWO_RANKS:
-            counts = root / f"{mode}_collectives"
-            counts.mkdir()
-            env = {"PYTHONPATH": str(COUNTER), "EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)}
-            launches[mode] = (_two_rank_args(root / mode, mode), env)
-        for mode, optimizer in TWO_RANK_SGD:
-            name = _two_rank_name(mode, optimizer)
-            launches[name] = (_two_rank_args(root / name, mode, optimizer), {})
-        _launch_side_by_side(launches)
-
-    return run_once("micro_batching_two_ranks", make)
-
-
-@pytest.fixture(scope="module")
-def lora_runs(run_once) -> Path:
-    """LoRA on one device with SGD: ``<precision>_<mode>``, and ``<precision>_init``, the
+def one_device_runs(run_once) -> Path:
+    """Every one-device run, once per session, one after another in one launch
+    (tests/many_runs.py: each still the recipe as ``tune run`` starts it), the resumes of the
+    one-device resume cases last (checked by their tests): full fine-tuning
+    ``<optimizer>_<mode>``; LoRA with SGD ``<precision>_<mode>``, and ``<precision>_init``, the
     seeded adapter initialisation (one step at learning rate 0 leaves it untouched)."""
 
     def make(root: Path) -> None:
-        launches = {}
+        resumes = _killed_and_resumed(root, 1)
+        named = {
+            f"{opt}_{mode}": _full_args(root / f"{opt}_{mode}", mode, opt)
+            for opt in OPTIMIZERS
+            for mode in MODES
+        }
         for precision, (overrides, _, modes) in LORA_PRECISIONS.items():
             runs = {mode: _settings(MODES[mode], "sgd") for mode in modes}
             runs["init"] = {
@@ -252,16 +247,55 @@ def lora_runs(run_once) -> Path:
             }
             for name, settings in runs.items():
                 out = root / f"{precision}_{name}"
-                launches[out.name] = lora_tiny_args(out) + _cli({**settings, **overrides})
-        _launch_in_one_process(launches, root)
+                named[out.name] = lora_tiny_args(out) + _cli({**settings, **overrides})
+        runs = [run_of(args, root / name)[1] for name, args in named.items()]
+        launch_runs([*runs, *resumes], nproc=0, go_on_after_failure=True)
+        _check_launched(root, list(named))
 
-    return run_once("micro_batching_lora", make)
+    return run_once("micro_batching_one_device", make)
 
 
-# --- full fine-tuning, one device ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def full_runs(one_device_runs) -> Path:
+    """Full fine-tuning on one device, ``<optimizer>_<mode>``."""
+    return one_device_runs
 
 
-@pytest.mark.xdist_group("micro_batching_recipes")
+@pytest.fixture(scope="module")
+def lora_runs(one_device_runs) -> Path:
+    """LoRA on one device with SGD: ``<precision>_<mode>`` and ``<precision>_init``."""
+    return one_device_runs
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(run_once) -> Path:
+    """The distributed recipe on 2 ranks in each mode of TWO_RANKS, collectives counted
+    (``<mode>_collectives/rank<r>.json``, see tests/collective_counter), and TWO_RANK_SGD's
+    runs, once per session in one launch (tests/many_runs.py), the resumes of the 2-rank
+    resume cases last (checked by their tests)."""
+
+    def make(root: Path) -> None:
+        resumes = _killed_and_resumed(root, 2)
+        runs = []
+        for mode in TWO_RANKS:
+            counts = root / f"{mode}_collectives"
+            counts.mkdir()
+            run = run_of(_two_rank_args(root / mode, mode), root / mode)[1]
+            runs.append(run._replace(env={"EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)}))
+        for mode, optimizer in TWO_RANK_SGD:
+            name = _two_rank_name(mode, optimizer)
+            runs.append(run_of(_two_rank_args(root / name, mode, optimizer), root / name)[1])
+        # The counter needs its variable at start-up; each counted run then names its folder.
+        python_path = os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")]))
+        other = root / "other_collectives"
+        other.mkdir()
+        counter = {"PYTHONPATH": python_path, "EXACTGA_COUNT_COLLECTIVES_DIR": str(other)}
+        launch_runs([*runs, *resumes], nproc=2, extra_env=counter)
+        _check_launched(root, [run.folder.name for run in runs])
+
+    return run_once("micro_batching_two_ranks", make)
+
+
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_modes_end_at_the_same_weights(full_runs, optimizer):
     """by_length 8x8, token_budget 64x1 and packed 8x8 train to the weights of fixed 64x1
@@ -280,7 +314,6 @@ def test_modes_end_at_the_same_weights(full_runs, optimizer):
         assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
 
 
-@pytest.mark.xdist_group("micro_batching_recipes")
 def test_regrouping_lowers_the_logged_padding(full_runs):
     """The modes really split differently: ``throughput/padding_fraction`` is lower under
     by_length, token_budget and packed than under fixed at every step, and each run logs it,
@@ -311,7 +344,6 @@ def test_regrouping_lowers_the_logged_padding(full_runs):
 # --- LoRA, one device ----------------------------------------------------------------------
 
 
-@pytest.mark.xdist_group("micro_batching_recipes")
 @pytest.mark.parametrize("precision", list(LORA_PRECISIONS))
 def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
     """The modes train to the adapters of fixed 64x1: fp32 within 2e-6 (by_length 8x8 and
@@ -336,7 +368,6 @@ def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
 # --- two ranks ---------------------------------------------------------------------------
 
 
-@pytest.mark.xdist_group("micro_batching_recipes")
 @pytest.mark.parametrize(("mode", "optimizer"), TWO_RANK_RUNS)
 def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode, optimizer):
     """2 ranks x (4x8 by_length, 32x1 token_budget, 4x8 packed; and packed with SGD) train to
@@ -391,7 +422,6 @@ def _planned_micro_batches(rank: int) -> list[int]:
     return [len(window.micro_batches) for window in itertools.islice(loader, STEPS)]
 
 
-@pytest.mark.xdist_group("micro_batching_recipes")
 def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
     """Under token_budget the ranks plan different micro-batch counts; every rank then runs as
     many as the busiest (the counter sees one reduce-scatter per FSDP unit per micro-batch
@@ -414,40 +444,29 @@ def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
 # --- resume --------------------------------------------------------------------------------
 
 
-def _launch_and_kill(args: list[str], out: Path, after_step: int) -> None:
-    """Launch, and SIGKILL every process of it once step ``after_step``'s checkpoint exists
-    (the checkpointer renames a complete folder into place, so that one is complete).
-
-    ``kill_launch`` takes the ranks too, and returns once every one is gone.
-    """
-    checkpoint = out / "step_checkpoints" / f"step_{after_step:06d}"
-    launch_and_kill(args, out.parent / f"{out.name}_killed.txt", ready=checkpoint.is_dir)
-    assert not (out / "epoch_0").exists(), "the run was killed too late to test a resume"
-
-
-RESUME_CASES = [*((1, mode) for mode in MODES), (2, "token_budget"), (2, "packed")]
-
-
 @pytest.mark.parametrize(
     ("num_ranks", "mode"), RESUME_CASES, ids=[f"{n}rank-{m}" for n, m in RESUME_CASES]
 )
-def test_killed_run_resumes_bit_identical(tmp_path, request, num_ranks, mode):
+def test_killed_run_resumes_bit_identical(request, num_ranks, mode):
     """Killed after step 1 of 3, resumed from that mid-epoch step checkpoint: the next windows
     are regrouped as in the uninterrupted AdamW run (on 2 ranks with token_budget, fillers
     included), so the weights are equal bit for bit and the resumed steps log the same losses."""
     if num_ranks == 1:  # only the launches this case needs
-        uninterrupted, args = request.getfixturevalue("full_runs") / f"adamw_{mode}", _full_args
+        root = request.getfixturevalue("full_runs")
+        uninterrupted = root / f"adamw_{mode}"
     else:
-        uninterrupted, args = request.getfixturevalue("two_rank_runs") / mode, _two_rank_args
-    out = tmp_path / "run"
-    _launch_and_kill(args(out, mode), out, after_step=1)
-    resumed_logs = tmp_path / "resumed_logs"
-    resume = ["resume_from_checkpoint=True", f"metric_logger.log_dir={resumed_logs}"]
-    proc = run_tune(args(out, mode) + resume, timeout=600)
-    _check(proc, f"resumed {num_ranks} rank {mode}")
-    assert "Resuming from step checkpoint" in output_of(proc)
+        root = request.getfixturevalue("two_rank_runs")
+        uninterrupted = root / mode
+    folder = root / _resume_name(num_ranks, mode)
+    if (folder / "kill_failed").exists():
+        pytest.fail(f"the kill failed:\n{(folder / 'kill_failed').read_text()}")
+    output = (folder / "launch" / "output.txt").read_text()
+    status = (folder / "launch" / "returncode").read_text()
+    assert status == "0", f"resumed {num_ranks} rank {mode}:\n{output[-4000:]}"
+    assert "Resuming from step checkpoint" in output
+    out = folder / "run"
 
-    losses = read_scalars(resumed_logs)["loss"]
+    losses = read_scalars(folder / "logs")["loss"]
     expected = read_scalars(uninterrupted / "logs")["loss"]
     assert 1 <= len(losses) < STEPS, losses  # went on mid-epoch, from step 1 or 2
     print(f"{num_ranks} rank {mode}: resumed after step {STEPS - len(losses)}; losses {losses}")

@@ -4,71 +4,40 @@ Full DPO (policy and reference sharded): 1 rank 8x1 against 2 ranks 4x1 (micro-b
 a token budget, so the ranks run different numbers and the short one runs zero-weight fillers)
 and 2 ranks 1x4 (also with the reference's log-probs precomputed), within 1e-5 (the issue's
 bound) on 24 pairs, 3 steps. LoRA DPO: 2 ranks 2x2 under a token budget against the
-single-device 1x8 run over 2 epochs with partial windows.
+single-device 1x8 run over 2 epochs with partial windows. One rank is the recipe without torchrun
+(a process group of one). The runs: tests/dpo_utils.py, two launches for both DPO modules.
 """
 
 from __future__ import annotations
 
 import pytest
 from dpo_utils import (
-    FULL_DISTRIBUTED,
-    FULL_OPTIMIZER,
-    LORA_DISTRIBUTED,
-    LORA_OPTIMIZER,
-    dpo_args,
+    FULL_SPLITS,
+    LORA_TWO_RANKS,
+    dpo_recipe_run,
     initial_adapters,
     lora_dpo_run,
-    train,
     trained_adapters,
     trained_weights,
 )
 from recipe_utils import INITIAL, load_weights, read_scalars, relative_l2
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dpo_distributed")]
+# One group with tests/test_recipe_dpo_lora.py: the two modules' runs are made together
+# (tests/dpo_utils.py).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dpo_recipes")]
 
 FULL_FLOOR = 1e-5  # the issue's bound for full DPO across ranks
 LORA_FLOOR = 2e-6
-FULL_PAIRS = 24  # three whole windows of 8: every split steps on the same pairs
-BUDGET = {"micro_batching": "token_budget", "micro_batch_tokens": 1024}
-FULL_SPLITS = {
-    "1rank_8x1": (1, {"batch_size": 8, "gradient_accumulation_steps": 1}),
-    "2ranks_4x1_budget": (2, {"batch_size": 4, "gradient_accumulation_steps": 1, **BUDGET}),
-    "2ranks_1x4": (2, {"batch_size": 1, "gradient_accumulation_steps": 4}),
-    # The reference's log-probs computed by both ranks before training, the model then freed.
-    "2ranks_1x4_precomputed": (
-        2,
-        {"batch_size": 1, "gradient_accumulation_steps": 4, "precompute_reference_logprobs": True},
-    ),
-}
-
-
-def full_args(out, split: str) -> list[str]:
-    nproc, overrides = FULL_SPLITS[split]
-    return dpo_args(
-        FULL_DISTRIBUTED,
-        out,
-        nproc,
-        dataset__split=f"train[:{FULL_PAIRS}]",
-        **FULL_OPTIMIZER,
-        **overrides,
-    )
 
 
 @pytest.fixture(scope="module")
 def full_runs(run_once) -> dict:
-    return {
-        split: run_once(f"dpo_full_{split}", lambda out, s=split: train(full_args(out, s), out))
-        for split in FULL_SPLITS
-    }
+    return {split: dpo_recipe_run(run_once, f"full_{split}") for split in FULL_SPLITS}
 
 
 @pytest.fixture(scope="module")
 def lora_runs(run_once) -> dict:
-    args = dict(epochs=2, batch_size=2, gradient_accumulation_steps=2, **LORA_OPTIMIZER)
-    distributed = run_once(
-        "dpo_lora_2ranks_2x2_budget",
-        lambda out: train(dpo_args(LORA_DISTRIBUTED, out, 2, **args, **BUDGET), out),
-    )
+    distributed = dpo_recipe_run(run_once, f"lora_{LORA_TWO_RANKS}")
     return {"2ranks_2x2_budget": distributed, "1x8": lora_dpo_run(run_once, "1x8")}
 
 

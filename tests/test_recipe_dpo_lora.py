@@ -18,7 +18,9 @@ import pytest
 from dpo_utils import LORA_SPLITS, initial_adapters, lora_dpo_run, trained_adapters
 from recipe_utils import read_scalars, relative_l2
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dpo_lora")]
+# One group with tests/test_recipe_dpo_distributed.py: the two modules' runs are made together
+# (tests/dpo_utils.py).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dpo_recipes")]
 
 FLOOR = 2e-6  # fp32: the issue's bound for every split
 
@@ -95,6 +97,6 @@ def test_the_reference_is_the_model_without_its_adapters(runs) -> None:
 def test_regrouping_pairs_by_length_pads_less(runs) -> None:
     """Sorting a window's pairs by their longer side saves positions over stock's order (less
     than on SFT data: a chosen row padded to its rejected one is padding no grouping removes)."""
-    log = (runs["2x4"] / "launch.log").read_text()
+    log = (runs["2x4"] / "output.txt").read_text()
     saved = float(log.split("% saved)")[0].rsplit("(", 1)[1])
     assert saved > 0, f"by_length saved {saved}% of fixed micro-batches' positions"

@@ -2,8 +2,11 @@
 
 Tier (b) of docs/contributing.md point 9, gloo ranks, offline. All runs of the module are made
 once, in a module fixture, by one launch per number of ranks (tests/many_runs.py: each run still
-goes through the recipe as ``tune run`` starts it, one after another in the launch's processes) and
-the two-node launch; each test then reads what they wrote. The one-rank reference
+goes through the recipe as ``tune run`` starts it, one after another in the launch's processes);
+each test then reads what they wrote. The 2-rank launch is the multi-node one of the docs: two
+``tune run --nnodes 2 --nproc_per_node 1`` agents on this machine, meeting through torchrun's
+c10d rendezvous on loopback (``tune run --nproc_per_node 2`` launches this recipe in
+tests/test_recipe_full_distributed_extra.py and tests/test_resume.py). The one-rank reference
 is the single-device recipe (same sampler order, same initial checkpoint), so these runs also
 check the two recipes against each other.
 
@@ -17,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,10 +30,8 @@ from recipe_utils import (
     REPO_ROOT,
     SMALL_MODEL,
     load_weights,
-    output_of,
     read_scalars,
     relative_l2,
-    run_tune,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("full_distributed")]
@@ -106,23 +106,6 @@ def _run(name: str, nproc: int, settings: dict[str, object], root: Path) -> Run:
     return Run(args[0], args[1:], out, env={"EXACTGA_COUNT_COLLECTIVES_DIR": str(counts)})
 
 
-def _launch_two_nodes(name: str, settings: dict[str, object], root: Path) -> Path:
-    """Two ``tune run --nnodes 2 --nproc_per_node 1`` agents on this machine, meeting through
-    torchrun's c10d rendezvous on loopback: the multi-node launch path of the docs."""
-    out = root / name
-    with socket.socket() as sock:  # a free port for the rendezvous store
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    rendezvous = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d"]
-    rendezvous += ["--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", name]
-    args = [*rendezvous, *_args(DISTRIBUTED, DISTRIBUTED_CONFIG, out, settings)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        procs = list(pool.map(lambda _: run_tune(args, timeout=600), range(2)))
-    for proc in procs:
-        assert proc.returncode == 0, f"{name}:\n{output_of(proc)[-4000:]}"
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(run_once) -> dict[str, Path]:
     """The launches' output folders, made once per test session for every xdist worker."""
@@ -183,7 +166,7 @@ def _launch_all(root: Path) -> None:
     }
     # One launch per number of ranks, side by side, each running its runs one after another
     # (tests/many_runs.py): the one-device runs and the distributed recipe without torchrun in
-    # one, the 2-rank runs in the other.
+    # one, the 2-rank runs in the other, on two nodes of one rank each.
     by_ranks: dict[int, list[Run]] = {0: [], 2: []}
     for name, (nproc, settings) in launches.items():
         by_ranks[2 if nproc == 2 else 0].append(_run(name, nproc, settings, root))
@@ -192,16 +175,14 @@ def _launch_all(root: Path) -> None:
     counter = {"PYTHONPATH": python_path, "EXACTGA_COUNT_COLLECTIVES_DIR": str(root)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [
-            pool.submit(launch_runs, runs, nproc, extra_env=counter)
-            for nproc, runs in by_ranks.items()
+            pool.submit(launch_runs, by_ranks[0], 0, extra_env=counter),
+            pool.submit(launch_runs, by_ranks[2], 1, extra_env=counter, nnodes=2),
         ]
         for future in futures:
             future.result()
     for name in launches:
         output = (root / name / "output.txt").read_text()
         assert (root / name / "returncode").read_text() == "0", f"{name}:\n{output[-4000:]}"
-    two_nodes = {**PARITY, "batch_size": 4, "gradient_accumulation_steps": 1}
-    _launch_two_nodes("2nodes_4x1", two_nodes, root)
 
 
 def _distance(run: Path, reference: Path) -> float:
@@ -212,10 +193,10 @@ def _distance(run: Path, reference: Path) -> float:
     )
 
 
-@pytest.mark.parametrize("name", ["2ranks_4x1", "2ranks_1x4", "2ranks_2x2", "2nodes_4x1"])
+@pytest.mark.parametrize("name", ["2ranks_4x1", "2ranks_1x4", "2ranks_2x2"])
 def test_rank_and_accumulation_splits_match_one_rank(runs, name):
-    """2 ranks x (4x1, 1x4, 2x2), and 4x1 on two nodes over loopback rendezvous, train to the
-    weights of 1 rank 8x1 (relative L2 <= 1e-5)."""
+    """2 ranks x (4x1, 1x4, 2x2), on two nodes over loopback rendezvous, train to the weights
+    of 1 rank 8x1 (relative L2 <= 1e-5)."""
     reference = runs["1rank_8x1"]
     scalars, ref_scalars = read_scalars(runs[name] / "logs"), read_scalars(reference / "logs")
     assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]  # the same 8 sequences per step

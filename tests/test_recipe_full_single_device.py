@@ -26,15 +26,14 @@ from recipe_utils import (
     TINY_CONFIG,
     TRAINED,
     load_weights,
-    output_of,
     read_scalars,
     relative_l2,
     rows_with_an_empty_window,
-    run_tune,
     tiny_args,
 )
 
-pytestmark = pytest.mark.slow
+# Every run of the module is made by one fixture (``runs``), so its tests are one xdist group.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("full_single_device")]
 
 STOCK_CONFIG = (
     Path(torchtune.__file__).resolve().parent.parent
@@ -88,9 +87,61 @@ def _case_id(optimizer: str, train_on_input: bool) -> str:
     return f"{optimizer}-{'train_on_input' if train_on_input else 'masked_input'}"
 
 
-def _parity_runs(root: Path) -> None:
-    """Every split of every parity case and the negative control's two runs, one after another
-    in one launch (tests/many_runs.py: each still the recipe as ``tune run`` starts it)."""
+# The stock llama3_2/1B model at the small sizes, for test_stock_torchtune_config_runs_unchanged.
+STOCK_MODEL = {
+    "_component_": "torchtune.models.llama3_2.llama3_2",
+    "vocab_size": 2048,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 64,
+    "intermediate_dim": 128,
+    "max_seq_len": 512,
+}
+# test_bad_config_fails_naming_the_key's cases: id -> (override, words of the message).
+BAD_CONFIGS = {
+    "misspelt_key": (
+        "gradient_acumulation_steps=2",
+        [
+            "unknown config key 'gradient_acumulation_steps'",
+            "Did you mean 'gradient_accumulation_steps'?",
+        ],
+    ),
+    "bad_mode": ("loss_normalization=bogus", ["config key 'loss_normalization'='bogus'", "exact"]),
+}
+
+
+def _stock_config_args(root: Path) -> list[str]:
+    """torchtune 0.6.1's own llama3_2/1B config file, only overridden from the command line,
+    with a small initial checkpoint written here."""
+    from exactga.setup.random_init_checkpointer import write_initial_checkpoint
+
+    checkpoint_dir = root / "base"
+    write_initial_checkpoint(OmegaConf.create(STOCK_MODEL), checkpoint_dir, "model.safetensors", 0)
+    overrides = {
+        **{f"model.{key}": value for key, value in STOCK_MODEL.items()},
+        "tokenizer._component_": "torchtune.models.llama2.llama2_tokenizer",
+        "tokenizer.path": REPO_ROOT / "configs/tiny/tokenizer.model",
+        "tokenizer.max_seq_len": 256,
+        "dataset.source": "json",
+        "dataset.data_files": REPO_ROOT / "configs/tiny/data.json",
+        "dataset.split": "train",
+        "checkpointer.checkpoint_dir": checkpoint_dir,
+        "optimizer._component_": "torch.optim.AdamW",
+        "device": "cpu",
+        "dtype": "fp32",
+        "output_dir": root / "out",
+        "max_steps_per_epoch": 2,
+    }
+    return [RECIPE, "--config", str(STOCK_CONFIG), *(f"{k}={v}" for k, v in overrides.items())]
+
+
+def _launch_all(root: Path) -> None:
+    """Every run of the module, one after another in one launch (tests/many_runs.py: each still
+    the recipe as ``tune run`` starts it; only the start-up is shared), going on after a failing
+    run (the bad configs must fail) so each keeps its own status and output: every split of
+    every parity case, the negative control's two runs, then the single runs of the tests
+    below, each in ``root / <name>`` (its output directory ``root / <name> / out``)."""
     runs = []
     for optimizer, train_on_input in PARITY_CASES:
         for bs, ga in SPLITS:
@@ -101,27 +152,66 @@ def _parity_runs(root: Path) -> None:
     for bs, ga in NAIVE_SPLITS:
         out = root / "naive" / f"{bs}x{ga}"
         runs.append(run_of(_train_args(out, bs, ga, NAIVE_EXTRA), out)[1])
-    launch_runs(runs, nproc=0)
+
+    data = root / "empty_window.json"
+    data.write_text(json.dumps(rows_with_an_empty_window()))
+    single = {
+        "empty_window": tiny_args(
+            root / "empty_window" / "out", dataset__data_files=data, **EMPTY_WINDOW_RUN
+        ),
+        # The tiny default itself (full size), two steps.
+        "default": [
+            RECIPE,
+            "--config",
+            TINY_CONFIG,
+            f"output_dir={root / 'default' / 'out'}",
+            "max_steps_per_epoch=2",
+        ],
+        "stock_config": _stock_config_args(root / "stock_config"),
+        **{
+            f"bad_config_{case}": [*tiny_args(root / f"bad_config_{case}" / "out"), override]
+            for case, (override, _) in BAD_CONFIGS.items()
+        },
+        "traceback_switch": [
+            *tiny_args(root / "traceback_switch" / "out"),
+            "tokenizer.path=missing/tokenizer.model",
+        ],
+    }
+    for name, args in single.items():
+        nproc, run = run_of(args, root / name)
+        assert nproc == 0
+        env = {"EXACTGA_TRACEBACK": "1"} if name == "traceback_switch" else None
+        runs.append(run._replace(env=env))
+    launch_runs(runs, nproc=0, go_on_after_failure=True)
 
 
 @pytest.fixture(scope="module")
-def parity_runs(run_once):
-    """``case id -> {(bs, ga): folder}``, every run checked to have succeeded."""
-    root = run_once("full_parity_runs", _parity_runs)
+def runs(run_once):
+    """``runs(name, ok=True)``: the folder of the run ``name`` (a parity run's is
+    ``<case id>/<bs>x<ga>``) and its output, with its status checked: 0, or with ``ok=False``
+    not 0."""
+    root = run_once("full_single_device_runs", _launch_all)
 
-    def get(case_id: str, splits=SPLITS) -> dict[tuple[int, int], Path]:
-        runs = {}
-        for bs, ga in splits:
-            out = root / case_id / f"{bs}x{ga}"
-            output = (out / "output.txt").read_text()
-            assert (out / "returncode").read_text() == "0", output[-4000:]
-            runs[(bs, ga)] = out
-        return runs
+    def get(name: str, ok: bool = True) -> tuple[Path, str]:
+        folder = root / name
+        output = (folder / "output.txt").read_text()
+        status = (folder / "returncode").read_text()
+        assert (status == "0") == ok, f"{name}: status {status}\n{output[-4000:]}"
+        return folder, output
 
     return get
 
 
-@pytest.mark.xdist_group("full_parity_runs")
+@pytest.fixture(scope="module")
+def parity_runs(runs):
+    """``case id -> {(bs, ga): folder}``, every run checked to have succeeded."""
+
+    def get(case_id: str, splits=SPLITS) -> dict[tuple[int, int], Path]:
+        return {(bs, ga): runs(f"{case_id}/{bs}x{ga}")[0] for bs, ga in splits}
+
+    return get
+
+
 @pytest.mark.parametrize("train_on_input", [True, False], ids=["train_on_input", "masked_input"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_accumulation_splits_match_full_batch(parity_runs, optimizer, train_on_input):
@@ -149,7 +239,6 @@ def test_accumulation_splits_match_full_batch(parity_runs, optimizer, train_on_i
         assert rel <= PARITY_TOLERANCE, f"{bs}x{ga} differs from 8x1 by {rel:.3e}"
 
 
-@pytest.mark.xdist_group("full_parity_runs")
 def test_naive_normalization_breaks_parity(parity_runs):
     """Negative control: the check above has teeth. The mean of micro-batch means (naive)
     weighs short sequences up, so 1x8 moves away from 8x1 by far more than the tolerance."""
@@ -164,31 +253,21 @@ def test_naive_normalization_breaks_parity(parity_runs):
     assert rel > 1e-4
 
 
-def test_windows_without_loss_tokens_are_skipped(tmp_path):
+def test_windows_without_loss_tokens_are_skipped(runs):
     """Prompts longer than max_seq_len leave every label masked; such a window skips its step."""
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps(rows_with_an_empty_window()))
-
-    args = tiny_args(tmp_path / "out", dataset__data_files=data, **EMPTY_WINDOW_RUN)
-    proc = run_tune(args)
-    out = output_of(proc)
-    assert proc.returncode == 0, out[-4000:]
+    folder, out = runs("empty_window")
     assert "no loss token in this accumulation window" in out
-    scalars = read_scalars(tmp_path / "out/logs")
+    scalars = read_scalars(folder / "out/logs")
     assert scalars["skipped_steps"][-1] >= 1
     assert scalars["loss_tokens"][0] == 0
     assert all(n > 0 for n in scalars["loss_tokens"][1:])
-    for name, tensor in load_weights(tmp_path / "out" / TRAINED).items():
+    for name, tensor in load_weights(folder / "out" / TRAINED).items():
         assert torch.isfinite(tensor).all(), f"{name} is not finite"
 
 
-def test_default_run_writes_checkpoint_and_metrics(tmp_path):
+def test_default_run_writes_checkpoint_and_metrics(runs):
     """The tiny default itself (full size), two steps: artefacts and metric names."""
-    out_dir = tmp_path / "out"
-    proc = run_tune(
-        [RECIPE, "--config", TINY_CONFIG, f"output_dir={out_dir}", "max_steps_per_epoch=2"]
-    )
-    assert proc.returncode == 0, output_of(proc)[-4000:]
+    out_dir = runs("default")[0] / "out"
     assert (out_dir / TRAINED).is_file()
     assert (out_dir / "epoch_0/config.json").is_file()
 
@@ -201,77 +280,28 @@ def test_default_run_writes_checkpoint_and_metrics(tmp_path):
     assert scalars["skipped_steps"] == [0, 0]
 
 
-def test_stock_torchtune_config_runs_unchanged(tmp_path):
+def test_stock_torchtune_config_runs_unchanged(runs):
     """torchtune 0.6.1's own llama3_2/1B config file, only overridden from the command line."""
-    from exactga.setup.random_init_checkpointer import write_initial_checkpoint
-
-    model = {
-        "_component_": "torchtune.models.llama3_2.llama3_2",
-        "vocab_size": 2048,
-        "num_layers": 2,
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "embed_dim": 64,
-        "intermediate_dim": 128,
-        "max_seq_len": 512,
-    }
-    checkpoint_dir = tmp_path / "base"
-    write_initial_checkpoint(OmegaConf.create(model), checkpoint_dir, "model.safetensors", 0)
-    out_dir = tmp_path / "out"
-    overrides = {
-        **{f"model.{key}": value for key, value in model.items()},
-        "tokenizer._component_": "torchtune.models.llama2.llama2_tokenizer",
-        "tokenizer.path": REPO_ROOT / "configs/tiny/tokenizer.model",
-        "tokenizer.max_seq_len": 256,
-        "dataset.source": "json",
-        "dataset.data_files": REPO_ROOT / "configs/tiny/data.json",
-        "dataset.split": "train",
-        "checkpointer.checkpoint_dir": checkpoint_dir,
-        "optimizer._component_": "torch.optim.AdamW",
-        "device": "cpu",
-        "dtype": "fp32",
-        "output_dir": out_dir,
-        "max_steps_per_epoch": 2,
-    }
-    args = [RECIPE, "--config", str(STOCK_CONFIG), *(f"{k}={v}" for k, v in overrides.items())]
-    proc = run_tune(args)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
+    out_dir = runs("stock_config")[0] / "out"
     assert (out_dir / TRAINED).is_file()
     # The file itself was not touched and still steps the optimizer inside backward.
     assert OmegaConf.load(STOCK_CONFIG).optimizer_in_bwd is True
 
 
-@pytest.mark.parametrize(
-    ("override", "expected"),
-    [
-        (
-            "gradient_acumulation_steps=2",
-            [
-                "unknown config key 'gradient_acumulation_steps'",
-                "Did you mean 'gradient_accumulation_steps'?",
-            ],
-        ),
-        ("loss_normalization=bogus", ["config key 'loss_normalization'='bogus'", "exact"]),
-    ],
-    ids=["misspelt_key", "bad_mode"],
-)
-def test_bad_config_fails_naming_the_key(tmp_path, override, expected):
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_fails_naming_the_key(runs, case):
     """One message, no traceback (see [user errors] in exactga.launch.cli), before the resolved
     config is printed."""
-    proc = run_tune(tiny_args(tmp_path / "out") + [override])
-    out = output_of(proc)
-    assert proc.returncode == 1, out[-4000:]
-    for text in expected:
+    folder, out = runs(f"bad_config_{case}", ok=False)
+    assert (folder / "returncode").read_text() == "1", out[-4000:]
+    for text in BAD_CONFIGS[case][1]:
         assert text in out, out[-4000:]
     assert "Traceback" not in out and "EXACTGA_TRACEBACK=1 shows it" in out, out[-4000:]
     assert "Running FullFinetuneRecipeSingleDevice with resolved config" not in out
     assert "(the full resolved config: " not in out  # exactga's summary of it
-    assert not (tmp_path / "out" / TRAINED).exists()
+    assert not (folder / "out" / TRAINED).exists()
 
 
-def test_the_traceback_switch_shows_a_user_error_traceback(tmp_path):
-    args = tiny_args(tmp_path / "out") + ["tokenizer.path=missing/tokenizer.model"]
-    proc = run_tune(args, extra_env={"EXACTGA_TRACEBACK": "1"})
-    out = output_of(proc)
-    assert proc.returncode != 0
+def test_the_traceback_switch_shows_a_user_error_traceback(runs):
+    _, out = runs("traceback_switch", ok=False)
     assert "Traceback" in out and "config key 'tokenizer.path': no file at" in out, out[-4000:]

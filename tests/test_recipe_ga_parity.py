@@ -5,10 +5,12 @@ batch. Splits across ranks: tests/test_ga_parity_distributed.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from many_runs import launch_runs, run_of
 from omegaconf import OmegaConf
-from recipe_utils import SMALL_MODEL, output_of, read_scalars, run_tune
+from recipe_utils import SMALL_MODEL, read_scalars
 
 from exactga.accumulation.normalization import NormMode
 from exactga.config.validation import validate_config
@@ -55,22 +57,59 @@ FP32_NAIVE_MIN = 5e-2
 FP32_STOCK_MIN = 2e-3
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", list(CONFIGS))
-def test_report_separates_the_modes_and_draws_them(tmp_path, kind):
-    args = [
-        PARITY_RECIPE,
-        "--config",
-        CONFIGS[kind],
-        f"output_dir={tmp_path}",
+# bf16 over fp32 master weights: one run of 4 steps shared by the bf16 tests below, the two
+# full batches (bf16 and fp32) and four runs.
+BF16_SPLITS = ("1x4", "2x2")
+BF16_MODES = ("naive", "exact")
+
+
+def _args(kind: str, out: Path, *overrides: str) -> list[str]:
+    return [
+        *(PARITY_RECIPE, "--config", CONFIGS[kind], f"output_dir={out}"),
         *(f"{key}={value}" for key, value in SMALL_MODEL.items()),
         "parity.num_steps=4",
-        f"parity.splits=[{','.join(SPLITS)}]",
+        *overrides,
     ]
-    proc = run_tune(args)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
 
-    report_dir = tmp_path / "parity"
+
+@pytest.fixture(scope="module")
+def reports(run_once):
+    """``reports(name) -> (output folder, output)``: the report runs ``full`` and ``lora`` (fp32,
+    every mode) and ``bf16``, made once per session one after another in one launch
+    (tests/many_runs.py: each still the recipe as ``tune run`` starts it); checked to have
+    succeeded."""
+
+    def make(root: Path) -> None:
+        runs = {
+            kind: _args(kind, root / kind, f"parity.splits=[{','.join(SPLITS)}]")
+            for kind in CONFIGS
+        }
+        runs["bf16"] = _args(
+            "full",
+            root / "bf16",
+            "dtype=bf16",
+            "master_weights=fp32",
+            f"parity.splits=[{','.join(BF16_SPLITS)}]",
+            f"parity.modes=[{','.join(BF16_MODES)}]",
+            "parity.micro_batching=[fixed]",
+        )
+        launch_runs([run_of(args, root / name)[1] for name, args in runs.items()], nproc=0)
+
+    def get(name: str) -> tuple[Path, str]:
+        out = run_once("ga_parity_reports", make) / name
+        output = (out / "output.txt").read_text()
+        assert (out / "returncode").read_text() == "0", output[-4000:]
+        return out, output
+
+    return get
+
+
+@pytest.mark.xdist_group("ga_parity_reports")
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_report_separates_the_modes_and_draws_them(reports, kind):
+    out, output = reports(kind)
+    report_dir = out / "parity"
     summary = json.loads((report_dir / "summary.json").read_text())
     runs = {(r["mode"], r["micro_batching"], r["split"]): r for r in summary["runs"]}
     assert set(runs) == RUNS
@@ -122,7 +161,6 @@ def test_report_separates_the_modes_and_draws_them(tmp_path, kind):
     assert "(`train_on_input: True`): the full batch's 32 rows hold" in gap
     assert "so stock's gap shows in the `post_scale` rows above" in gap
     # Progress on rank 0: a line and a step bar per run, numbered.
-    output = output_of(proc)
     num_runs = 1 + len(RUNS)
     for run in range(1, num_runs + 1):
         assert f"run {run} of {num_runs}: " in output, output[-4000:]
@@ -135,10 +173,6 @@ def test_report_separates_the_modes_and_draws_them(tmp_path, kind):
         assert len(scalars["loss"]) == 4
 
 
-# bf16 over fp32 master weights: one launch of 4 steps shared by the tests below (run_once), the
-# two full batches (bf16 and fp32) and four runs.
-BF16_SPLITS = ("1x4", "2x2")
-BF16_MODES = ("naive", "exact")
 # Fixed bounds, measured as above on this launch (relative L2; the report's own floor, 2x the
 # bf16 full batch's distance to the fp32 one, is only checked for consistency):
 # - the bf16 full batch to the fp32 full batch, what bf16 costs: 2.13e-2; a factor 3 either side.
@@ -151,32 +185,14 @@ BF16_NAIVE_MIN = 1e-1
 
 
 @pytest.fixture(scope="module")
-def bf16_report(run_once):
-    """``report.md`` and ``summary.json`` of the bf16 launch, as (text, dict)."""
-
-    def make(out):
-        args = [
-            PARITY_RECIPE,
-            "--config",
-            CONFIGS["full"],
-            f"output_dir={out}",
-            *(f"{key}={value}" for key, value in SMALL_MODEL.items()),
-            "dtype=bf16",
-            "master_weights=fp32",
-            "parity.num_steps=4",
-            f"parity.splits=[{','.join(BF16_SPLITS)}]",
-            f"parity.modes=[{','.join(BF16_MODES)}]",
-            "parity.micro_batching=[fixed]",
-        ]
-        proc = run_tune(args)
-        assert proc.returncode == 0, output_of(proc)[-4000:]
-
-    report_dir = run_once("ga_parity_bf16", make) / "parity"
+def bf16_report(reports):
+    """``report.md`` and ``summary.json`` of the bf16 run, as (text, dict)."""
+    report_dir = reports("bf16")[0] / "parity"
     summary = json.loads((report_dir / "summary.json").read_text())
     return (report_dir / "report.md").read_text(), summary
 
 
-@pytest.mark.xdist_group("ga_parity_bf16")
+@pytest.mark.xdist_group("ga_parity_reports")
 @pytest.mark.slow
 def test_bf16_report_shows_what_the_split_and_the_precision_cost(bf16_report):
     report, summary = bf16_report
@@ -204,7 +220,7 @@ def test_bf16_report_shows_what_the_split_and_the_precision_cost(bf16_report):
         assert f"| {run['relative_l2_to_fp32']:.3e} |" in table
 
 
-@pytest.mark.xdist_group("ga_parity_bf16")
+@pytest.mark.xdist_group("ga_parity_reports")
 @pytest.mark.slow
 def test_bf16_exact_splits_sit_within_the_precisions_floor_and_naive_above(bf16_report):
     report, summary = bf16_report

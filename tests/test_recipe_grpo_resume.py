@@ -6,6 +6,9 @@ the uninterrupted run's exactly (the completions of a step depend only on the se
 and the prompt, so the resumed run generates what the uninterrupted one did), and it logs only
 the steps after its checkpoint, with the same losses. ``EXACTGA_KILL_SEED`` replays a kill
 point. Then the issue's bad inputs, each one message naming what is at fault, no traceback.
+
+Launches: the killed one; the uninterrupted run and the resume in one 2-rank launch; the bad
+inputs in one (tests/many_runs.py).
 """
 
 from __future__ import annotations
@@ -13,24 +16,23 @@ from __future__ import annotations
 import os
 import random
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from grpo_utils import RECIPE, grpo_args, trained_weights
-from recipe_utils import (
-    latest_step_checkpoint,
-    launch_and_kill,
-    logged_steps,
-    output_of,
-    run_tune,
-)
+from many_runs import launch_runs, run_of
+from recipe_utils import latest_step_checkpoint, launch_and_kill, logged_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grpo_resume")]
 
 ROLLOUT_STEPS = 4  # killed after 1 or 2, resumed for the rest
 PPO_EPOCHS = 2
-TESTS = {"PYTHONPATH": str(Path(__file__).parent)}  # grpo_rewards, for the dense reward
+# grpo_rewards, for the dense reward, before what the launching environment already has.
+PYTHONPATH = os.environ.get("PYTHONPATH")
+TESTS = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), PYTHONPATH]))}
 RESUMABLE = {
     "batch_size": 2,
     "gradient_accumulation_steps": 2,
@@ -47,53 +49,6 @@ def _args(out: Path, **overrides: object) -> list[str]:
     return ["--nproc_per_node", "2", RECIPE, *grpo_args(out, **RESUMABLE, **overrides)]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(run_once) -> Path:
-    def make(out: Path) -> None:
-        proc = run_tune(_args(out), extra_env=TESTS, timeout=600)
-        assert proc.returncode == 0, output_of(proc)[-4000:]
-
-    return run_once("grpo_resume_uninterrupted", make)
-
-
-def test_killed_grpo_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted) -> None:
-    seed = int(os.environ.get("EXACTGA_KILL_SEED", time.time_ns() % 1_000_000))
-    print(f"EXACTGA_KILL_SEED={seed}")
-    rng = random.Random(seed)
-    out = tmp_path / "run"
-    kill_after = PPO_EPOCHS * rng.randint(1, ROLLOUT_STEPS - 2)  # checkpoints are optimizer steps
-    os.environ.update(TESTS)  # launch_and_kill launches with this process's environment
-    try:
-        launch_and_kill(
-            _args(out),
-            tmp_path / "killed.txt",
-            ready=lambda: latest_step_checkpoint(out) >= kill_after,
-            timeout_s=300,
-            delay_s=rng.uniform(0.0, 0.2),
-        )
-    finally:
-        os.environ.pop("PYTHONPATH", None)
-    checkpoint = latest_step_checkpoint(out)
-    assert checkpoint % PPO_EPOCHS == 0, "a step checkpoint inside a batch's PPO epochs"
-    log_dir = tmp_path / "resumed_logs"
-    proc = run_tune(
-        _args(out, resume_from_checkpoint=True, metric_logger__log_dir=log_dir),
-        extra_env=TESTS,
-        timeout=600,
-    )
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert "Resuming from step checkpoint" in output_of(proc)
-
-    resumed, reference = trained_weights(out), trained_weights(uninterrupted)
-    for name, weight in reference.items():
-        assert torch.equal(resumed[name], weight), f"{name} (killed after step {checkpoint})"
-    full, after = logged_steps(uninterrupted / "logs"), logged_steps(log_dir)
-    assert list(full) == list(range(1, ROLLOUT_STEPS * PPO_EPOCHS + 1))
-    assert list(after) == list(range(checkpoint + 1, ROLLOUT_STEPS * PPO_EPOCHS + 1))
-    for step, loss in after.items():
-        assert loss == full[step], step
-
-
 BAD_INPUTS = {
     # key=value overrides -> words the one message must hold
     "grpo_samples_1": ({"grpo_samples": 1}, ["grpo_samples", "at least 2"]),
@@ -108,13 +63,96 @@ BAD_INPUTS = {
 }
 
 
+def _kill_seed() -> int:
+    return int(os.environ.get("EXACTGA_KILL_SEED", time.time_ns() % 1_000_000))
+
+
+@pytest.fixture(scope="module")
+def runs(run_once) -> Path:
+    """The module's runs, once per session: the killed launch (a launch of its own, killed with
+    SIGKILL at a random rollout step), then the uninterrupted run and the killed run's resume
+    one after another in one 2-rank launch, and the bad inputs in one one-process launch going
+    on after each failing run, side by side (tests/many_runs.py: each still the recipe as ``tune
+    run`` starts it, keeping its own status and output)."""
+
+    def make(root: Path) -> None:
+        seed = _kill_seed()
+        rng = random.Random(seed)
+        out = root / "killed" / "run"
+        out.parent.mkdir()
+        kill_after = PPO_EPOCHS * rng.randint(1, ROLLOUT_STEPS - 2)  # optimizer steps
+        os.environ.update(TESTS)  # launch_and_kill launches with this process's environment
+        try:
+            launch_and_kill(
+                _args(out),
+                root / "killed" / "killed.txt",
+                ready=lambda: latest_step_checkpoint(out) >= kill_after,
+                timeout_s=300,
+                delay_s=rng.uniform(0.0, 0.2),
+            )
+            (root / "killed" / "draw").write_text(f"EXACTGA_KILL_SEED={seed}")
+        except BaseException:  # noqa: BLE001 - the resume test reports it
+            (root / "killed" / "kill_failed").write_text(traceback.format_exc()[-8000:])
+        finally:
+            os.environ.pop("PYTHONPATH", None)
+            if PYTHONPATH is not None:
+                os.environ["PYTHONPATH"] = PYTHONPATH
+        two_ranks = [run_of(_args(root / "uninterrupted"), root / "uninterrupted")[1]]
+        if not (root / "killed" / "kill_failed").exists():
+            (root / "killed" / "checkpoint").write_text(str(latest_step_checkpoint(out)))
+            resume = _args(
+                out, resume_from_checkpoint=True, metric_logger__log_dir=root / "resumed_logs"
+            )
+            two_ranks.append(run_of(resume, root / "killed" / "launch")[1])
+        bad = []
+        for case, (overrides, _) in BAD_INPUTS.items():
+            args = [RECIPE, *grpo_args(root / case / "run", num_steps=1, batch_size=2, **overrides)]
+            bad.append(run_of(args, root / case / "launch")[1])
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [
+                pool.submit(launch_runs, two_ranks, nproc=2, extra_env=TESTS, timeout_per_run=600),
+                pool.submit(launch_runs, bad, nproc=0, extra_env=TESTS, go_on_after_failure=True),
+            ]
+            for future in futures:
+                future.result()
+
+    return run_once("grpo_resume_runs", make)
+
+
+def _launched(folder: Path) -> tuple[int, str]:
+    """A run's status and output (tests/many_runs.py)."""
+    return int((folder / "returncode").read_text()), (folder / "output.txt").read_text()
+
+
+def test_killed_grpo_run_resumes_to_the_uninterrupted_weights(runs) -> None:
+    killed = runs / "killed"
+    if (killed / "kill_failed").exists():
+        pytest.fail(f"the kill failed:\n{(killed / 'kill_failed').read_text()}")
+    print((killed / "draw").read_text())
+    uninterrupted = runs / "uninterrupted"
+    status, output = _launched(uninterrupted)
+    assert status == 0, output[-4000:]
+    checkpoint = int((killed / "checkpoint").read_text())
+    assert checkpoint % PPO_EPOCHS == 0, "a step checkpoint inside a batch's PPO epochs"
+    status, output = _launched(killed / "launch")
+    assert status == 0, output[-4000:]
+    assert "Resuming from step checkpoint" in output
+
+    resumed, reference = trained_weights(killed / "run"), trained_weights(uninterrupted)
+    for name, weight in reference.items():
+        assert torch.equal(resumed[name], weight), f"{name} (killed after step {checkpoint})"
+    full, after = logged_steps(uninterrupted / "logs"), logged_steps(runs / "resumed_logs")
+    assert list(full) == list(range(1, ROLLOUT_STEPS * PPO_EPOCHS + 1))
+    assert list(after) == list(range(checkpoint + 1, ROLLOUT_STEPS * PPO_EPOCHS + 1))
+    for step, loss in after.items():
+        assert loss == full[step], step
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_fails_with_one_message(tmp_path, case: str) -> None:
-    overrides, words = BAD_INPUTS[case]
-    args = [RECIPE, *grpo_args(tmp_path / "run", num_steps=1, batch_size=2, **overrides)]
-    proc = run_tune(args, extra_env=TESTS, timeout=300)
-    output = output_of(proc)
-    assert proc.returncode != 0
+def test_bad_input_fails_with_one_message(runs, case: str) -> None:
+    _, words = BAD_INPUTS[case]
+    status, output = _launched(runs / case / "launch")
+    assert status != 0
     assert "Traceback" not in output, output[-3000:]
     message = [line for line in output.splitlines() if line.startswith("exactga:")]
     assert len(message) == 1, output[-3000:]

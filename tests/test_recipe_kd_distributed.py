@@ -5,9 +5,10 @@ sharded, must distil into the adapters one rank does with the same global batch 
 runs of tests/test_recipe_kd_single_device.py, shared through ``run_once``), and a window with no
 loss token on any rank must skip its step while micro-batches empty on one rank still run with
 weight 0. One rank of the distributed recipe (through torchrun and without it, with a tied and an
-untied teacher) must land where two ranks do: issue #22 crashed there. Launches: three, one per
-number of ranks (2, 1 through torchrun, 1 without), each making its runs one after another
-(tests/many_runs.py); plus the shared one-device runs' launch when this module runs alone.
+untied teacher) must land where two ranks do: issue #22 crashed there. Launches: two, one per
+number of ranks (2, 1 through torchrun), each making its runs one after another
+(tests/many_runs.py), and the shared one-device runs' launch (tests/kd_utils.py), which also
+runs the recipe as one rank without torchrun.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from kd_utils import (
     KD_DISTRIBUTED_CONFIG,
     KD_DISTRIBUTED_RECIPE,
     MERGED,
+    NO_TORCHRUN_RUN,
     PARITY_STEPS,
     PEFT_ADAPTERS,
+    UNTIED_TEACHER,
     initial_adapters,
     kd_args,
+    no_torchrun_run,
     one_rank_run,
     parity_args,
 )
@@ -47,13 +51,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("kd_recipes")]
 TWO_RANKS = {"recipe": KD_DISTRIBUTED_RECIPE, "config": KD_DISTRIBUTED_CONFIG, "nproc": 2}
 # (case, batch size, ga) on two ranks: the same 8 sequences per step as 8x1 on one.
 RANK_SPLITS = [("fp64_masked", 4, 1), ("fp32_train_on_input", 1, 4)]
-UNTIED_TEACHER = ["teacher_model.tie_word_embeddings=False"]
 # One rank of the distributed recipe, 8x1, against two ranks 1x4 (the same global batch), fp32:
-# (launched through torchrun, teacher overrides). The bound is the fp32 parity bound, 2e-6.
-ONE_RANK_RUNS = {
-    "one_rank_torchrun": (True, []),
-    "one_rank_no_torchrun_untied": (False, UNTIED_TEACHER),
-}
+# launched through torchrun, here; without it, with an untied teacher, NO_TORCHRUN_RUN of
+# tests/kd_utils.py. The bound is the fp32 parity bound, 2e-6.
 
 
 def _two_rank_args(out: Path, case: str, batch_size: int, ga: int) -> list[str]:
@@ -61,10 +61,9 @@ def _two_rank_args(out: Path, case: str, batch_size: int, ga: int) -> list[str]:
     return [*parity_args(out, case, batch_size, ga, **TWO_RANKS), "save_every_n_steps=null"]
 
 
-def _one_rank_args(out: Path, torchrun: bool, teacher: list[str]) -> list[str]:
+def _one_rank_args(out: Path) -> list[str]:
     args = parity_args(out, "fp32_train_on_input", 8, 1, recipe=KD_DISTRIBUTED_RECIPE)
-    head = ["--nproc_per_node", "1"] if torchrun else []
-    return [*head, *args, "save_every_n_steps=null", *teacher]
+    return ["--nproc_per_node", "1", *args, "save_every_n_steps=null"]
 
 
 def _two_rank_untied_args(out: Path) -> list[str]:
@@ -89,8 +88,7 @@ def _launch_all(root: Path) -> None:
         for case, bs, ga in RANK_SPLITS
     }
     launches["empty_window"] = _empty_window_args(root / "empty_window")
-    for name, (torchrun, teacher) in ONE_RANK_RUNS.items():
-        launches[name] = _one_rank_args(root / name, torchrun, teacher)
+    launches["one_rank_torchrun"] = _one_rank_args(root / "one_rank_torchrun")
     launches["untied_1x4x2"] = _two_rank_untied_args(root / "untied_1x4x2")
     by_ranks: dict[int, list[Run]] = {}
     for name, args in launches.items():
@@ -114,6 +112,7 @@ def runs(run_once) -> dict[str, Path]:
         root = made.result()
         found = {path.name: path for path in root.iterdir() if path.is_dir()}
         found.update({f"{case}_8x1": future.result() for case, future in refs.items()})
+        found[NO_TORCHRUN_RUN] = no_torchrun_run(run_once)
     return found
 
 

@@ -4,17 +4,16 @@ Tier (b) of docs/contributing.md point 9: the tiny KD config (a teacher twice as
 student), on the shipped data, in a subprocess, offline. The recipe is never imported; everything
 is read back from what a run writes. Run with ``-rP`` to see the measured distances docs/ quotes.
 
-Launches: one for the six parity runs (two cases x 8x1, 1x8, 2x4, one after another: see
-tests/many_runs.py; the 8x1 runs are shared with tests/test_recipe_kd_distributed.py), a killed
-and a resumed run, and one run with an empty window: four.
+Launches: a killed run, and one for the rest (tests/kd_utils.py): the six parity runs (two cases
+x 8x1, 1x8, 2x4, one after another: see tests/many_runs.py; the 8x1 runs are shared with
+tests/test_recipe_kd_distributed.py), the run with an empty window and the killed run's resume:
+two.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
-import time
 from pathlib import Path
 
 import pytest
@@ -24,36 +23,32 @@ from kd_utils import (
     ADAPTERS,
     BASE,
     CASES,
+    EMPTY_WINDOW,
+    KILLED,
     MERGED,
     ONE_DEVICE_SPLITS,
     PARITY_STEPS,
     PEFT_ADAPTERS,
+    RESUME_CASE,
     initial_adapters,
-    kd_args,
+    one_device_folder,
     one_rank_run,
-    parity_args,
 )
 from profiling_utils import read_reports
 from recipe_utils import (
-    EMPTY_WINDOW_RUN,
-    latest_step_checkpoint,
-    launch_and_kill,
     load_adapters,
     load_weights,
     logged_steps,
-    output_of,
     read_scalars,
     relative_l2,
-    rows_with_an_empty_window,
-    run_tune,
 )
 
 from exactga.profiling import REPORT_CATEGORY
 
-pytestmark = pytest.mark.slow
+# The tests read the KD modules' shared launches (tests/kd_utils.py): one group.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("kd_recipes")]
 
 SPLITS = ONE_DEVICE_SPLITS
-RESUME_CASE = "fp32_train_on_input"  # AdamW moments, a warm-up and cosine schedule to resume
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +58,6 @@ def parity_runs(run_once) -> dict[tuple[str, tuple[int, int]], Path]:
     return {key: one_rank_run(run_once, *key) for key in keys}
 
 
-@pytest.mark.xdist_group("kd_recipes")
 @pytest.mark.parametrize("case", list(CASES))
 def test_accumulation_splits_match_full_batch(parity_runs, case):
     """8x1, 1x8 and 2x4 distil into the same student adapters (fp64 <= 1e-7, fp32 <= 2e-6)."""
@@ -85,7 +79,6 @@ def test_accumulation_splits_match_full_batch(parity_runs, case):
                 assert math.isclose(ours, ref, rel_tol=1e-5), (name, ours, ref)
 
 
-@pytest.mark.xdist_group("kd_recipes")
 def test_metrics_are_stocks_and_ours_and_loss_mixes_both(parity_runs):
     """Stock's names (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
     ``tokens_per_second_per_gpu``) and ours on every step; ``loss`` is the kd_ratio mix."""
@@ -101,7 +94,6 @@ def test_metrics_are_stocks_and_ours_and_loss_mixes_both(parity_runs):
         assert ce > 0 and kd > 0 and ce != kd
 
 
-@pytest.mark.xdist_group("kd_recipes")
 def test_profiling_report_is_written_to_tensorboard(parity_runs):
     """The SFT recipes' TensorBoard report: the custom-scalars layout and the text summary."""
     ((_, report),) = read_reports(parity_runs[(RESUME_CASE, (8, 1))] / "logs").items()
@@ -110,7 +102,6 @@ def test_profiling_report_is_written_to_tensorboard(parity_runs):
     assert "**Saved latency**" in report["markdown"] and "| forward |" in report["markdown"]
 
 
-@pytest.mark.xdist_group("kd_recipes")
 def test_artefacts_match_stock_layout(parity_runs):
     """Student adapters (torchtune's and PEFT's format), adapter config and merged student
     weights; the merged weights differ from the student's base only where LoRA applies, and
@@ -134,55 +125,41 @@ def test_artefacts_match_stock_layout(parity_runs):
     assert adapter_config["base_model_name_or_path"] == str((out / "base_model").resolve())
 
 
-@pytest.mark.xdist_group("kd_recipes")
-def test_killed_run_resumes_bit_identically(tmp_path, run_once):
+def test_killed_run_resumes_bit_identically(run_once):
     """SIGKILL once a random step's checkpoint exists (plus a random delay, so mid-step or
     mid-save); the resumed run ends with exactly the uninterrupted run's adapters, and trains
     only the steps after its checkpoint: a run retrained from step 0 would end on the same
     adapters too (same seed, same data), and only the steps it logs tell it apart."""
     reference = one_rank_run(run_once, RESUME_CASE, (8, 1))  # the uninterrupted run
-    seed = time.time_ns() % 1_000_000
-    rng = random.Random(seed)
-    kill_after, delay = rng.randint(1, PARITY_STEPS - 4), rng.uniform(0.0, 0.2)
-    print(f"seed {seed}: kill after step {kill_after} + {delay:.2f} s")
-    out = tmp_path / "run"
-    args = parity_args(out, RESUME_CASE, 8, 1)
-    launch_and_kill(
-        args,
-        tmp_path / "killed.txt",
-        ready=lambda: latest_step_checkpoint(out) >= kill_after,
-        delay_s=delay,
-    )
-    checkpoint = latest_step_checkpoint(out)  # what the resumed run must go on from
-    resumed_logs = tmp_path / "resumed_logs"
-    proc = run_tune(
-        [*args, "resume_from_checkpoint=True", f"metric_logger.log_dir={resumed_logs}"],
-        timeout=600,
-    )
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert "Resuming from step checkpoint" in output_of(proc)
-    resumed = load_adapters(out / ADAPTERS)
+    folder = one_device_folder(run_once, KILLED)
+    print((folder / "draw").read_text())
+    if (folder / "kill_failed").exists():
+        pytest.fail(f"the kill failed:\n{(folder / 'kill_failed').read_text()}")
+    checkpoint = int((folder / "checkpoint").read_text())  # what the resumed run went on from
+    output = (folder / "launch" / "output.txt").read_text()
+    assert (folder / "launch" / "returncode").read_text() == "0", output[-4000:]
+    assert "Resuming from step checkpoint" in output
+    resumed = load_adapters(folder / "run" / ADAPTERS)
     uninterrupted = load_adapters(reference / ADAPTERS)
     assert resumed.keys() == uninterrupted.keys()
     for key, tensor in uninterrupted.items():
         assert torch.equal(resumed[key], tensor), key
     # The steps after the checkpoint and no other, each with the uninterrupted run's loss.
-    losses, expected = logged_steps(resumed_logs), logged_steps(reference / "logs")
+    losses, expected = logged_steps(folder / "logs"), logged_steps(reference / "logs")
     print(f"resumed after step {checkpoint}: logged steps {list(losses)}")
     assert list(losses) == list(range(checkpoint + 1, PARITY_STEPS + 1))
     for step, loss in losses.items():
         assert loss == pytest.approx(expected[step], rel=1e-6), step
 
 
-def test_window_without_loss_tokens_skips_its_step(tmp_path):
+def test_window_without_loss_tokens_skips_its_step(run_once):
     """Prompts longer than max_seq_len leave every label masked: that window skips its step
     (the teacher is never asked), the others train, and the adapters stay finite."""
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps(rows_with_an_empty_window()))
-    out = tmp_path / "out"
-    proc = run_tune(kd_args(out, dataset__data_files=data, **EMPTY_WINDOW_RUN))
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert "no loss token in this accumulation window" in output_of(proc)
+    folder = one_device_folder(run_once, EMPTY_WINDOW)
+    output = (folder / "output.txt").read_text()
+    assert (folder / "returncode").read_text() == "0", output[-4000:]
+    assert "no loss token in this accumulation window" in output
+    out = folder / "out"
     scalars = read_scalars(out / "logs")
     assert scalars["skipped_steps"] == [1.0, 1.0, 1.0]
     assert scalars["loss_tokens"][0] == 0

@@ -24,13 +24,12 @@ from recipe_utils import (
     load_adapters,
     load_weights,
     lora_tiny_args,
-    output_of,
     read_scalars,
     rows_with_an_empty_window,
-    run_tune,
 )
 
-pytestmark = pytest.mark.slow
+# Every run of the module is made by one fixture (``runs``), so its tests are one xdist group.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lora_single_device")]
 
 ADAPTERS = "epoch_0/adapter_model.pt"  # torchtune's names; the PEFT copy is .safetensors
 PEFT_ADAPTERS = "epoch_0/adapter/adapter_model.safetensors"
@@ -90,13 +89,6 @@ def _train_args(
     return args + extra
 
 
-def _train(output_dir: Path, batch_size: int, ga: int, extra: list[str], **overrides) -> Path:
-    """Train PARITY_STEPS steps with this split; returns ``output_dir`` after checking success."""
-    proc = run_tune(_train_args(output_dir, batch_size, ga, extra, **overrides))
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    return output_dir
-
-
 def _case_id(precision: str, optimizer: str, train_on_input: bool) -> str:
     return f"{precision}-{optimizer}-{'train_on_input' if train_on_input else 'masked_input'}"
 
@@ -108,10 +100,42 @@ def _case_extra(precision: str, optimizer: str) -> list[str]:
     return extra
 
 
-def _parity_runs(root: Path) -> None:
-    """Every split of every parity case, one after another in one launch (tests/many_runs.py:
-    each still the recipe as ``tune run`` starts it; only the start-up is shared)."""
-    runs = []
+# The runs the module reads that succeed, besides the parity runs: name -> tune run arguments
+# (made in ``_launch_all``, which knows the folder).
+SEEDS = {"same_seed": [], "other_seed": ["seed=4321"]}
+NAIVE = [
+    *OPTIMIZERS["sgd"],
+    "loss_normalization=naive",
+    "micro_batching=fixed",
+    "dataset.train_on_input=True",
+]
+# torchtune's llama3_2 builder has no LoRA arguments: the recipe must name the config key.
+NON_LORA_MODEL = "model._component_=torchtune.models.llama3_2.llama3_2"
+NOT_LORA_KEYS = [
+    "~model.lora_attn_modules",
+    "~model.apply_lora_to_mlp",
+    "~model.apply_lora_to_output",
+    "~model.lora_rank",
+    "~model.lora_alpha",
+    "~model.lora_dropout",
+]
+QLORA_SIZES = {"num_layers": 1, "embed_dim": 256, "intermediate_dim": 768}
+QLORA_SIZES |= {"num_heads": 4, "num_kv_heads": 2}
+
+
+def _init_args(out: Path, extra: list[str]) -> list[str]:
+    """The seeded adapter initialisation: one step at learning rate 0 leaves it untouched."""
+    return _train_args(out, 8, 1, OPTIMIZERS["sgd"] + ["optimizer.lr=0", *extra])
+
+
+def _launch_all(root: Path) -> None:
+    """Every run of the module, in two launches side by side (tests/many_runs.py: each run
+    still the recipe as ``tune run`` starts it; only the start-up is shared): the parity runs
+    with the initial adapters of each precision in one, the other runs in the other, going on
+    after a failing one (the non-LoRA model must fail) so each keeps its own status and output.
+    The seed test compares runs of the two launches, so it still sees two processes draw the
+    same adapters."""
+    parity = []
     for precision, optimizer, train_on_input in PARITY_CASES:
         for bs, ga in SPLITS:
             out = root / _case_id(precision, optimizer, train_on_input) / f"{bs}x{ga}"
@@ -122,49 +146,75 @@ def _parity_runs(root: Path) -> None:
                 _case_extra(precision, optimizer),
                 dataset__train_on_input=train_on_input,
             )
-            nproc, run = run_of(args, out)
-            assert nproc == 0
-            runs.append(run)
-    launch_runs(runs, nproc=0)
+            parity.append(run_of(args, out))
+    for precision, (extra, _) in PRECISIONS.items():
+        parity.append(
+            run_of(_init_args(root / f"init_{precision}", extra), root / f"init_{precision}")
+        )
+
+    data = root / "empty_window.json"
+    data.write_text(json.dumps(rows_with_an_empty_window()))
+    others = {name: _init_args(root / name, extra) for name, extra in SEEDS.items()}
+    others |= {
+        f"naive_{bs}x{ga}": _train_args(root / f"naive_{bs}x{ga}", bs, ga, NAIVE)
+        for bs, ga in ((8, 1), (1, 8))
+    }
+    others["empty_window"] = lora_tiny_args(
+        root / "empty_window",
+        dataset__data_files=data,
+        save_adapter_weights_only=True,
+        **EMPTY_WINDOW_RUN,
+    )
+    others["artefacts"] = lora_tiny_args(root / "artefacts", max_steps_per_epoch=2)
+    others["qlora"] = lora_tiny_args(
+        root / "qlora",
+        config=QLORA_TINY_CONFIG,
+        max_steps_per_epoch=2,
+        **{f"model__{key}": value for key, value in QLORA_SIZES.items()},
+    )
+    others["dora"] = lora_tiny_args(root / "dora", **DORA_RUN)
+    others["non_lora_model"] = [
+        *lora_tiny_args(root / "non_lora_model"),
+        NON_LORA_MODEL,
+        *NOT_LORA_KEYS,
+    ]
+    rest = [run_of(args, root / name) for name, args in others.items()]
+
+    assert all(nproc == 0 for nproc, _ in parity + rest)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [
+            pool.submit(launch_runs, [run for _, run in parity], nproc=0),
+            pool.submit(launch_runs, [run for _, run in rest], nproc=0, go_on_after_failure=True),
+        ]
+        for future in futures:
+            future.result()
 
 
 @pytest.fixture(scope="module")
-def parity_runs(run_once):
-    """``case id -> {(bs, ga): folder}``, every run checked to have succeeded."""
-    root = run_once("lora_parity_runs", _parity_runs)
+def runs(run_once):
+    """``runs(name, ok=True)``: the folder of the run ``name`` (a parity run's is
+    ``<case id>/<bs>x<ga>``), with its status checked: 0, or with ``ok=False`` not 0."""
+    root = run_once("lora_single_device_runs", _launch_all)
 
-    def get(case_id: str) -> dict[tuple[int, int], Path]:
-        runs = {}
-        for bs, ga in SPLITS:
-            out = root / case_id / f"{bs}x{ga}"
-            output = (out / "output.txt").read_text()
-            assert (out / "returncode").read_text() == "0", output[-4000:]
-            runs[(bs, ga)] = out
-        return runs
+    def get(name: str, ok: bool = True) -> Path:
+        out = root / name
+        output = (out / "output.txt").read_text()
+        status = (out / "returncode").read_text()
+        assert (status == "0") == ok, f"{name}: status {status}\n{output[-4000:]}"
+        return out
 
     return get
 
 
-def _initial_adapters(out: Path, extra: list[str]) -> dict[str, torch.Tensor]:
-    """The seeded adapter initialisation: one step at learning rate 0 leaves it untouched."""
-    _train(out, 8, 1, OPTIMIZERS["sgd"] + ["optimizer.lr=0", *extra])
-    return load_adapters(out / ADAPTERS)
+def parity_runs_of(runs, case_id: str) -> dict[tuple[int, int], Path]:
+    """``(bs, ga) -> folder`` of a parity case, every run checked to have succeeded."""
+    return {(bs, ga): runs(f"{case_id}/{bs}x{ga}") for bs, ga in SPLITS}
 
 
 @pytest.fixture(scope="module")
-def initial_adapters_at(run_once):
-    """``precision -> initial adapters``, each trained once per session (the test workers of
-    ``pytest -n`` share them)."""
-    cache: dict[str, dict[str, torch.Tensor]] = {}
-
-    def get(precision: str) -> dict[str, torch.Tensor]:
-        if precision not in cache:
-            extra = PRECISIONS[precision][0]
-            out = run_once(f"lora_init_{precision}", lambda out: _initial_adapters(out, extra))
-            cache[precision] = load_adapters(out / ADAPTERS)
-        return cache[precision]
-
-    return get
+def initial_adapters_at(runs):
+    """``precision -> initial adapters``."""
+    return lambda precision: load_adapters(runs(f"init_{precision}") / ADAPTERS)
 
 
 @pytest.fixture(scope="module")
@@ -172,17 +222,10 @@ def initial_adapters(initial_adapters_at) -> dict[str, torch.Tensor]:
     return initial_adapters_at("fp32")
 
 
-@pytest.mark.xdist_group("lora_initial_adapters")
-def test_adapter_init_is_seeded_and_b_starts_at_zero(tmp_path, initial_adapters):
+def test_adapter_init_is_seeded_and_b_starts_at_zero(runs, initial_adapters):
     """The config's ``seed`` draws the adapters: a second launch with it draws them again bit
     for bit, another seed draws other A matrices. B starts at zero whatever the seed."""
-    launches = {"same_seed": [], "other_seed": ["seed=4321"]}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(_initial_adapters, tmp_path / name, extra)
-            for name, extra in launches.items()
-        }
-        drawn = {name: future.result() for name, future in futures.items()}
+    drawn = {name: load_adapters(runs(name) / ADAPTERS) for name in SEEDS}
     assert drawn["same_seed"].keys() == initial_adapters.keys()
     for key, tensor in initial_adapters.items():
         assert torch.equal(drawn["same_seed"][key], tensor), key
@@ -196,22 +239,21 @@ def test_adapter_init_is_seeded_and_b_starts_at_zero(tmp_path, initial_adapters)
     assert all(not torch.equal(other[k], v) for k, v in initial_adapters.items() if "lora_a" in k)
 
 
-@pytest.mark.xdist_group("lora_initial_adapters")
 @pytest.mark.parametrize(
     ("precision", "optimizer", "train_on_input"),
     PARITY_CASES,
     ids=[_case_id(*case) for case in PARITY_CASES],
 )
 def test_accumulation_splits_match_full_batch(
-    parity_runs, initial_adapters_at, precision, optimizer, train_on_input
+    runs, initial_adapters_at, precision, optimizer, train_on_input
 ):
     """8x1, 1x8 and 2x4 train to the same adapters (fp64: relative L2 <= 1e-7)."""
     from recipe_utils import relative_l2
 
     tolerance = PRECISIONS[precision][1]
     initial_adapters = initial_adapters_at(precision)
-    runs = parity_runs(_case_id(precision, optimizer, train_on_input))
-    reference = runs[SPLITS[0]]
+    splits = parity_runs_of(runs, _case_id(precision, optimizer, train_on_input))
+    reference = splits[SPLITS[0]]
     a_ref = load_adapters(reference / ADAPTERS)
     ref_scalars = read_scalars(reference / "logs")
     assert len(ref_scalars["loss"]) == PARITY_STEPS
@@ -219,7 +261,7 @@ def test_accumulation_splits_match_full_batch(
     print(f"{optimizer} train_on_input={train_on_input}: ||a - a_init|| / ||a_init|| = {moved:.3f}")
     assert moved > MIN_MOVED[optimizer]
 
-    for (bs, ga), run_dir in runs.items():
+    for (bs, ga), run_dir in splits.items():
         if run_dir == reference:
             continue
         scalars = read_scalars(run_dir / "logs")
@@ -232,19 +274,11 @@ def test_accumulation_splits_match_full_batch(
         assert rel <= tolerance, f"{bs}x{ga} differs from 8x1 by {rel:.3e}"
 
 
-@pytest.mark.xdist_group("lora_initial_adapters")
-def test_naive_normalization_breaks_parity(tmp_path, initial_adapters):
+def test_naive_normalization_breaks_parity(runs, initial_adapters):
     """Negative control: the mean of micro-batch means moves 1x8 far from 8x1."""
     from recipe_utils import relative_l2
 
-    extra = [
-        *OPTIMIZERS["sgd"],
-        "loss_normalization=naive",
-        "micro_batching=fixed",
-        "dataset.train_on_input=True",
-    ]
-    full = _train(tmp_path / "8x1", 8, 1, extra)
-    accumulated = _train(tmp_path / "1x8", 1, 8, extra)
+    full, accumulated = runs("naive_8x1"), runs("naive_1x8")
     rel = relative_l2(
         load_adapters(accumulated / ADAPTERS), load_adapters(full / ADAPTERS), initial_adapters
     )
@@ -252,36 +286,24 @@ def test_naive_normalization_breaks_parity(tmp_path, initial_adapters):
     assert rel > 1e-4
 
 
-def test_windows_without_loss_tokens_leave_adapters_finite(tmp_path):
+def test_windows_without_loss_tokens_leave_adapters_finite(runs):
     """Prompts longer than max_seq_len leave every label masked; such a window skips its step."""
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps(rows_with_an_empty_window()))
-    args = lora_tiny_args(
-        tmp_path / "out",
-        dataset__data_files=data,
-        save_adapter_weights_only=True,
-        **EMPTY_WINDOW_RUN,
-    )
-    proc = run_tune(args)
-    out = output_of(proc)
-    assert proc.returncode == 0, out[-4000:]
-    assert "no loss token in this accumulation window" in out
-    scalars = read_scalars(tmp_path / "out/logs")
+    run = runs("empty_window")
+    assert "no loss token in this accumulation window" in (run / "output.txt").read_text()
+    scalars = read_scalars(run / "logs")
     assert scalars["skipped_steps"][-1] >= 1
     assert scalars["loss_tokens"][0] == 0
-    for name, tensor in load_adapters(tmp_path / "out" / ADAPTERS).items():
+    for name, tensor in load_adapters(run / ADAPTERS).items():
         assert torch.isfinite(tensor).all(), f"{name} is not finite"
     # save_adapter_weights_only: adapters and their config, no merged weights.
-    assert (tmp_path / "out" / PEFT_ADAPTERS).is_file()
-    assert not (tmp_path / "out" / MERGED).exists()
+    assert (run / PEFT_ADAPTERS).is_file()
+    assert not (run / MERGED).exists()
 
 
-def test_artefacts_match_stock_layout(tmp_path):
+def test_artefacts_match_stock_layout(runs):
     """Adapters in torchtune's and PEFT's format, adapter config, merged weights; B starts at 0
     so after training the merged weights differ from the base only where LoRA applies."""
-    out = tmp_path / "out"
-    proc = run_tune(lora_tiny_args(out, max_steps_per_epoch=2))
-    assert proc.returncode == 0, output_of(proc)[-4000:]
+    out = runs("artefacts")
     adapters = load_adapters(out / ADAPTERS)
     peft = load_weights(out / PEFT_ADAPTERS)
     assert len(peft) == len(adapters)
@@ -318,7 +340,7 @@ def test_artefacts_match_stock_layout(tmp_path):
 QLORA_MIN_LORA_B = 1e-4
 
 
-def test_qlora_trains_on_an_nf4_base_on_cpu(tmp_path):
+def test_qlora_trains_on_an_nf4_base_on_cpu(runs):
     """The tiny QLoRA config (``quantize_base: True``) trains on CPU with its frozen base in NF4
     (torchao), and the adapters move. Kept at the config's sizes: NF4 needs weights in multiples
     of 16384 elements.
@@ -333,17 +355,8 @@ def test_qlora_trains_on_an_nf4_base_on_cpu(tmp_path):
     from torchao.dtypes.nf4tensor import to_nf4
     from torchtune.models.convert_weights import hf_to_tune
 
-    sizes = {"num_layers": 1, "embed_dim": 256, "intermediate_dim": 768}
-    sizes |= {"num_heads": 4, "num_kv_heads": 2}
-    out = tmp_path / "out"
-    args = lora_tiny_args(
-        out,
-        config=QLORA_TINY_CONFIG,
-        max_steps_per_epoch=2,
-        **{f"model__{key}": value for key, value in sizes.items()},
-    )
-    proc = run_tune(args)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
+    sizes = QLORA_SIZES
+    out = runs("qlora")
     layout = {"num_heads": 4, "num_kv_heads": 2, "dim": 256}
     base = hf_to_tune(load_weights(out / BASE), **layout)
     merged = hf_to_tune(load_weights(out / MERGED), **layout)  # dequantised base, bf16
@@ -380,12 +393,8 @@ DORA_ROUND_TRIP = 1e-6
 
 
 @pytest.fixture(scope="module")
-def dora_run(run_once) -> Path:
-    def make(out: Path) -> None:
-        proc = run_tune(lora_tiny_args(out, **DORA_RUN))
-        assert proc.returncode == 0, output_of(proc)[-4000:]
-
-    return run_once("lora_dora", make)
+def dora_run(runs) -> Path:
+    return runs("dora")
 
 
 def _in_torchtune_layout(path: Path) -> dict[str, torch.Tensor]:
@@ -400,7 +409,6 @@ def _in_torchtune_layout(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
-@pytest.mark.xdist_group("lora_dora")
 def test_dora_trains_magnitudes_that_rebuild_the_merged_weights(dora_run):
     """``model.use_dora=True``: every adapted linear saves a magnitude, which starts as the row
     norms of the loaded base weight (B starts at zero; checked on stock's DoRA config in
@@ -427,7 +435,6 @@ def test_dora_trains_magnitudes_that_rebuild_the_merged_weights(dora_run):
         assert rebuilt <= DORA_ROUND_TRIP, (module, rebuilt)
 
 
-@pytest.mark.xdist_group("lora_dora")
 def test_dora_peft_adapter_rebuilds_the_merged_weights(dora_run):
     """``PeftModel.from_pretrained(base, epoch_0/adapter)``, merged, gives the merged weights
     the run wrote, as it does for LoRA (tests/test_hf_round_trip.py): the config says
@@ -489,17 +496,6 @@ def test_peft_dora_magnitudes_get_the_rotary_row_order_of_hf_weights():
             assert fixed[key] is tensor, key
 
 
-@pytest.mark.parametrize("bad", ["model._component_=torchtune.models.llama3_2.llama3_2"])
-def test_non_lora_model_fails_naming_the_key(tmp_path, bad):
-    args = lora_tiny_args(tmp_path / "out") + [
-        bad,
-        "~model.lora_attn_modules",
-        "~model.apply_lora_to_mlp",
-        "~model.apply_lora_to_output",
-        "~model.lora_rank",
-        "~model.lora_alpha",
-        "~model.lora_dropout",
-    ]
-    proc = run_tune(args)
-    assert proc.returncode != 0
-    assert "config key 'model'" in output_of(proc) and "model.lora_rank" in output_of(proc)
+def test_non_lora_model_fails_naming_the_key(runs):
+    output = (runs("non_lora_model", ok=False) / "output.txt").read_text()
+    assert "config key 'model'" in output and "model.lora_rank" in output

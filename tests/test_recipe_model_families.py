@@ -14,7 +14,8 @@ the families' configs use (the output projection fused with the loss, docs/large
   ``AutoModelForCausalLM.from_pretrained(epoch_0)`` and, for LoRA, ``PeftModel.from_pretrained(
   base, epoch_0/adapter)`` against our builder with the run's weights.
 
-Launches: two (tests/many_runs.py): the one-device and one-rank runs, then the 2-rank runs.
+Launches: two (tests/many_runs.py): the one-device and one-rank runs, and the 2-rank runs, shared
+with tests/test_family_config_sweep.py's runs (tests/family_runs.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 
 import pytest
 import torch
-from many_runs import launch_runs, run_of
+from family_runs import GROUP, family_runs
+from many_runs import Run, run_of
 from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT
 from safetensors.torch import load_file
@@ -299,7 +301,9 @@ def _args(cfg: Path, split: tuple[str, int, int, int], out: Path) -> list[str]:
     ]
 
 
-def _launch_all(root: Path) -> None:
+def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
+    """The one-device and one-rank runs and the 2-rank runs, for tests/family_runs.py to
+    launch (the base models, tokenizers and configs they read are written here)."""
     one, two, configs_of = [], [], {}
     for family in FAMILIES:
         base = _write_hf_base(family, root / family / "hf_base")
@@ -315,8 +319,7 @@ def _launch_all(root: Path) -> None:
         router = [f"router_aux_loss_coef={ROUTER_COEF}", f"router_balance={objective}"]
         args = _args(configs_of["qwen3_moe"][split[0]], split, out) + router
         (two if split[1] > 1 else one).append(run_of(args, out)[1])
-    launch_runs(one, nproc=0)
-    launch_runs(two, nproc=2)
+    return one, two
 
 
 def _mkdir(folder: Path) -> Path:
@@ -327,7 +330,7 @@ def _mkdir(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(run_once):
     """``(family, split) -> output folder``, every run checked to have succeeded."""
-    root = run_once("model_family_runs", _launch_all)
+    root = family_runs(run_once, "families")
 
     def get(family: str, split: tuple[str, int, int, int]) -> Path:
         out = root / family / _split_id(split)
@@ -352,7 +355,7 @@ def _initial(family: str, root: Path, adapters: bool, like: dict) -> dict[str, t
     return load_file(root / family / "hf_base" / "model.safetensors")
 
 
-@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("split", list(PARITY), ids=_split_id)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_split_lands_where_the_full_batch_does(runs, family, split):
@@ -397,7 +400,7 @@ def _our_logits(family: str, root: Path, out: Path, adapters: bool, tokens) -> t
     return model.eval()(tokens)
 
 
-@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("split", OUTPUTS, ids=_split_id)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_outputs_load_in_transformers_and_peft_as_the_fine_tuned_model(runs, family, split):
@@ -441,14 +444,14 @@ def _weights_gap(runs, got: str, reference: str) -> float:
     return (diff / update).item()
 
 
-@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.xdist_group(GROUP)
 def test_global_batch_balance_takes_the_same_step_on_two_ranks_as_on_one(runs):
     gap = _weights_gap(runs, "global-2rank-4x1", "global-1rank-8x1")
     print(f"router global_batch: 2 ranks x 4 vs 1 rank x 8: relative L2 {gap:.3e}")
     assert gap <= PARITY_TOLERANCE
 
 
-@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.xdist_group(GROUP)
 def test_the_balance_term_moves_the_step_and_its_objectives_differ_where_documented(runs):
     """The term is on (without it 1 rank's 8x1 is the LM-only run of the family tests), and the
     objectives that balance other tokens take measurably other steps."""
@@ -463,7 +466,7 @@ def test_the_balance_term_moves_the_step_and_its_objectives_differ_where_documen
         assert gap > 10 * PARITY_TOLERANCE, other
 
 
-@pytest.mark.xdist_group("model_family_runs")
+@pytest.mark.xdist_group(GROUP)
 def test_expert_load_metrics_are_logged(runs):
     from recipe_utils import read_scalars
 

@@ -8,8 +8,12 @@ or mid-save. The resumed run must end with the same weights (relative L2 <= 1e-6
 they are bit-identical) and, logging into a folder of its own, log exactly the steps after the
 checkpoint it went on from, with the uninterrupted run's losses: a run that printed "Resuming"
 and then retrained from step 0 would end on the same weights too (same seed, same data), and
-only its logged steps tell it apart. The draw is printed (``-rP``); ``EXACTGA_KILL_SEED``
-replays one.
+only its logged steps tell it apart. The draws are printed (``-rP``); ``EXACTGA_KILL_SEED``
+replays them.
+
+Launches: the kills, one each (what they show needs a process killed with SIGKILL); every other
+run shares a launch per rank count (tests/many_runs.py): the uninterrupted runs with the runs that
+must fail on a finished run, and the resumed runs.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from __future__ import annotations
 import os
 import random
 import re
-import subprocess
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,12 +39,11 @@ from recipe_utils import (
     launch_and_kill,
     load_weights,
     logged_steps,
-    output_of,
     relative_l2,
-    run_tune,
 )
 
-pytestmark = pytest.mark.slow
+# Every test reads the module's shared launches (the fixtures ``uninterrupted`` and ``resumed``).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume_uninterrupted")]
 
 TOLERANCE = 1e-6
 STEPS_PER_EPOCH = 6
@@ -90,8 +94,9 @@ def _kill_seed() -> int:
     return int(os.environ.get("EXACTGA_KILL_SEED", time.time_ns() % 1_000_000))
 
 
-def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int = 1) -> None:
-    """Launch, and SIGKILL it (every rank) once a random step's checkpoint exists."""
+def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int = 1) -> str:
+    """Launch, and SIGKILL it (every rank) once a random step's checkpoint exists; returns
+    the draw, for the test to print."""
     kill_after = rng.randint(first_step, STEPS_PER_EPOCH * EPOCHS - 4)
     delay = rng.uniform(0.0, 0.2)
     launch_and_kill(
@@ -101,22 +106,81 @@ def _run_and_kill(scenario: str, out: Path, rng: random.Random, first_step: int 
         timeout_s=KILL_TIMEOUT_S,
         delay_s=delay,
     )
-    print(f"{scenario}: killed after step {kill_after} + {delay:.2f} s")
+    return f"{scenario}: killed after step {kill_after} + {delay:.2f} s"
+
+
+# A run whose last step checkpoint is cut in half before it resumes: the "full" scenario's.
+TRUNCATED = "truncated"
+# The absurd learning rate of the non-finite loss test.
+BLOW_UP = {
+    "optimizer._component_": "torch.optim.SGD",
+    "optimizer.lr": 1e30,
+    "~optimizer.weight_decay": None,
+    "lr_scheduler.num_warmup_steps": 0,
+    "save_every_n_steps": 100,
+    "epochs": 1,
+}
+
+
+def _blow_up_args(out: Path, nonfinite_loss: str, *extra: str) -> list[str]:
+    args = _args("full", out, **{k: v for k, v in BLOW_UP.items() if v is not None})
+    return [
+        *args,
+        *(k for k, v in BLOW_UP.items() if v is None),
+        f"nonfinite_loss={nonfinite_loss}",
+        *extra,
+    ]
+
+
+def _failing_runs(root: Path) -> dict[str, list[str]]:
+    """The module's runs that read a finished run (made first in the same launch) or follow
+    one another: the refusals and the non-finite loss's stop then resume. Each runs in the
+    folder ``root / name``, output directories as named."""
+    finished = root / "full"  # the uninterrupted run, made before these in the launch
+    to_refuse = root / "refusal_base" / "run"  # a finished run the refusal may not touch
+    other = root / "other_model"
+    return {
+        "refusal_base": _args("full", to_refuse),
+        "changed_batch_split": _args(
+            "full",
+            to_refuse,
+            resume_from_checkpoint=True,
+            batch_size=2,
+            gradient_accumulation_steps=4,
+        ),
+        # The tiny config's own sizes (embed_dim 256) pointed at the small model's weights (64).
+        "other_model": [
+            RECIPE,
+            "--config",
+            TINY_CONFIG,
+            f"output_dir={other / 'out'}",
+            f"checkpointer.checkpoint_dir={finished / 'base_model'}",
+            "max_steps_per_epoch=1",
+        ],
+        "nonfinite_stop": _blow_up_args(root / "nonfinite", "stop"),
+        "nonfinite_skip": _blow_up_args(root / "nonfinite", "skip", "resume_from_checkpoint=True"),
+    }
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(run_once):
     """Each scenario's run without interruption, made on first use, once per session (under
     ``pytest -n`` the module's tests run on several workers; they share these runs): every
-    scenario's, one launch per rank count (tests/many_runs.py)."""
+    scenario's, one launch per rank count (tests/many_runs.py). The one-process launch goes on
+    with the runs of ``_failing_runs`` (each keeping its own status and output), which must
+    come after the finished run they read."""
 
     def make(root: Path) -> None:
         by_ranks: dict[int, list] = {}
         for scenario in SCENARIOS:
             nproc, run = run_of(_args(scenario, root / scenario), root / scenario)
             by_ranks.setdefault(nproc, []).append(run)
+        for name, args in _failing_runs(root).items():
+            nproc, run = run_of(args, root / name / "launch")
+            assert nproc == 0
+            by_ranks[0].append(run)
         for nproc, runs in by_ranks.items():
-            launch_runs(runs, nproc=nproc)
+            launch_runs(runs, nproc=nproc, go_on_after_failure=nproc == 0)
         for scenario in SCENARIOS:
             output = (root / scenario / "output.txt").read_text()
             assert (root / scenario / "returncode").read_text() == "0", output[-4000:]
@@ -127,20 +191,85 @@ def uninterrupted(run_once):
     return get
 
 
+def _launched(root: Path, name: str) -> tuple[int, str]:
+    """The status and output of the run ``name`` of ``_failing_runs``."""
+    folder = root / name / "launch"
+    return int((folder / "returncode").read_text()), (folder / "output.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def resumed(run_once, uninterrupted):
+    """Every scenario's run killed at a random step (and ``TRUNCATED``'s, after its second
+    checkpoint, with its latest checkpoint then cut in half), each a launch of its own killed
+    with SIGKILL, two at a time; then resumed, the one-process runs one after another in one
+    launch (tests/many_runs.py, each keeping its own status and output), the 2-rank run in a
+    launch of its own. Each resumed run logs into a folder of its own, except the TensorBoard
+    scenario's (the run's own, which it must go on in).
+
+    ``resumed(name)``: the run's folder (``run``: the killed and resumed output directory;
+    ``draw``: the kill's draw; ``checkpoint``: the step it resumed from; ``launch``: the resumed
+    launch's ``output.txt`` and ``returncode``), or the failure of its kill."""
+    seed = _kill_seed()
+
+    def kill(root: Path, name: str) -> None:
+        folder = root / name
+        folder.mkdir()
+        scenario = "full" if name == TRUNCATED else name
+        rng = random.Random(f"{seed}/{name}")
+        try:
+            draw = _run_and_kill(scenario, folder / "run", rng, 2 if name == TRUNCATED else 1)
+        except BaseException:  # noqa: BLE001 - the scenario's own test reports it
+            (folder / "kill_failed").write_text(traceback.format_exc()[-8000:])
+            return
+        (folder / "draw").write_text(f"EXACTGA_KILL_SEED={seed}: {draw}")
+        step = latest_step_checkpoint(folder / "run")
+        (folder / "checkpoint").write_text(str(step))
+        if name == TRUNCATED:
+            latest = folder / "run" / "step_checkpoints" / f"step_{step:06d}" / "model.safetensors"
+            latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
+            (folder / "truncated").write_text(str(latest))
+
+    def make(root: Path) -> None:
+        uninterrupted("full")  # made first: the kills would compete with it for the cores
+        names = [*SCENARIOS, TRUNCATED]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(lambda name: kill(root, name), names))
+        by_ranks: dict[int, list] = {}
+        for name in names:
+            if (root / name / "kill_failed").exists():
+                continue
+            scenario = "full" if name == TRUNCATED else name
+            overrides: dict[str, object] = {"resume_from_checkpoint": True}
+            appends = SCENARIOS[scenario][1].get("metric_logger._component_") == TENSORBOARD
+            if name == TRUNCATED or not appends:  # the truncated run's logs: a folder of their own
+                overrides["metric_logger.log_dir"] = root / name / "resumed_logs"
+            args = _args(scenario, root / name / "run", **overrides)
+            nproc, run = run_of(args, root / name / "launch")
+            by_ranks.setdefault(nproc, []).append(run)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [
+                pool.submit(launch_runs, runs, nproc=nproc, go_on_after_failure=nproc == 0)
+                for nproc, runs in by_ranks.items()
+            ]
+            for future in futures:
+                future.result()
+
+    def get(name: str) -> Path:
+        folder = run_once("resume_killed", make) / name
+        if (folder / "kill_failed").exists():
+            pytest.fail(f"{name}: the kill failed:\n{(folder / 'kill_failed').read_text()}")
+        print((folder / "draw").read_text())
+        output = (folder / "launch" / "output.txt").read_text()
+        assert (folder / "launch" / "returncode").read_text() == "0", output[-4000:]
+        assert "Resuming from step checkpoint" in output
+        return folder
+
+    return get
+
+
 def _distance(run: Path, reference: Path) -> float:
     initial = load_weights(reference / INITIAL)
     return relative_l2(load_weights(run / FINAL), load_weights(reference / FINAL), initial)
-
-
-def _resume(scenario: str, out: Path, log_dir: Path | None) -> None:
-    """Resume the killed run in ``out``, logging into ``log_dir`` (a folder of its own), or
-    with ``None`` into the run's own."""
-    overrides: dict[str, object] = {"resume_from_checkpoint": True}
-    if log_dir is not None:
-        overrides["metric_logger.log_dir"] = log_dir
-    proc = run_tune(_args(scenario, out, **overrides), timeout=600)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert "Resuming from step checkpoint" in output_of(proc)
 
 
 def _resumed_launch_events(log_dir: Path, reference: Path) -> Path:
@@ -171,106 +300,73 @@ def _check_trained_only_the_rest(log_dir: Path, reference: Path, after_step: int
         assert loss == pytest.approx(uninterrupted[step], rel=1e-6), step
 
 
-@pytest.mark.xdist_group("resume_uninterrupted")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, scenario):
-    seed = _kill_seed()
-    print(f"EXACTGA_KILL_SEED={seed}")
-    out = tmp_path / "run"
-    _run_and_kill(scenario, out, random.Random(seed))
-    checkpoint = latest_step_checkpoint(out)  # what the resumed run must go on from
-
+def test_killed_run_resumes_to_the_uninterrupted_weights(resumed, uninterrupted, scenario):
+    folder = resumed(scenario)
+    out = folder / "run"
+    checkpoint = int((folder / "checkpoint").read_text())  # what the resumed run went on from
     appends = SCENARIOS[scenario][1].get("metric_logger._component_") == TENSORBOARD
-    log_dir = None if appends else tmp_path / "resumed_logs"
-    _resume(scenario, out, log_dir)
     rel = _distance(out, uninterrupted(scenario))
     print(f"{scenario}: resumed vs uninterrupted relative L2 {rel:.3e}")
     assert rel <= TOLERANCE
     if appends:
         log_dir = _resumed_launch_events(out / "logs", uninterrupted(scenario))
+    else:
+        log_dir = folder / "resumed_logs"
     _check_trained_only_the_rest(log_dir, uninterrupted(scenario), checkpoint)
 
 
-@pytest.mark.xdist_group("resume_uninterrupted")
-def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
-    out = tmp_path / "run"
-    _run_and_kill("full", out, random.Random(_kill_seed()), first_step=2)  # two checkpoints
-    step = latest_step_checkpoint(out)
-    latest = out / "step_checkpoints" / f"step_{step:06d}" / "model.safetensors"
-    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
-
-    log_dir = tmp_path / "resumed_logs"
-    overrides = {"resume_from_checkpoint": True, "metric_logger.log_dir": log_dir}
-    proc = run_tune(_args("full", out, **overrides), timeout=600)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert f"{latest}" in output_of(proc) and "truncated" in output_of(proc)
-    assert "falling back to the previous step checkpoint" in output_of(proc)
-    assert _distance(out, uninterrupted("full")) <= TOLERANCE
-    _check_trained_only_the_rest(log_dir, uninterrupted("full"), after_step=step - 1)
-
-
-@pytest.mark.xdist_group("resume_uninterrupted")
-def test_resume_refuses_a_changed_batch_split(uninterrupted, tmp_path):
-    done = uninterrupted("full")
-    out = tmp_path / "copy"
-    subprocess.run(["cp", "-r", str(done), str(out)], check=True)
-    proc = run_tune(
-        _args("full", out, resume_from_checkpoint=True, batch_size=2, gradient_accumulation_steps=4)
+def test_truncated_latest_checkpoint_falls_back_to_the_previous(resumed, uninterrupted):
+    folder = resumed(TRUNCATED)
+    step = int((folder / "checkpoint").read_text())
+    latest = (folder / "truncated").read_text()
+    output = (folder / "launch" / "output.txt").read_text()
+    assert latest in output and "truncated" in output
+    assert "falling back to the previous step checkpoint" in output
+    assert _distance(folder / "run", uninterrupted("full")) <= TOLERANCE
+    _check_trained_only_the_rest(
+        folder / "resumed_logs", uninterrupted("full"), after_step=step - 1
     )
-    assert proc.returncode != 0
-    message = output_of(proc)
+
+
+def test_resume_refuses_a_changed_batch_split(uninterrupted):
+    root = uninterrupted("full").parent
+    status, message = _launched(root, "refusal_base")
+    assert status == 0, message[-4000:]
+    status, message = _launched(root, "changed_batch_split")
+    assert status != 0
     assert "'batch_size': 4 in the checkpoint, 2 now" in message
     assert "'gradient_accumulation_steps': 2 in the checkpoint, 4 now" in message
     assert "resume_allow_changed_keys=[batch_size,gradient_accumulation_steps]" in message
 
 
-def test_nonfinite_loss_stops_with_a_checkpoint_then_skips(tmp_path):
+def test_nonfinite_loss_stops_with_a_checkpoint_then_skips(uninterrupted):
     """An absurd learning rate makes the loss or the gradient norm inf/NaN within two steps.
     ``stop`` names the step and saves the finite weights before it; resumed under ``skip``, the
     run skips the rest and ends with finite weights."""
-    out = tmp_path / "run"
-    blow_up = {
-        "optimizer._component_": "torch.optim.SGD",
-        "optimizer.lr": 1e30,
-        "~optimizer.weight_decay": None,
-        "lr_scheduler.num_warmup_steps": 0,
-        "save_every_n_steps": 100,
-        "epochs": 1,
-    }
-    args = _args("full", out, **{k: v for k, v in blow_up.items() if v is not None})
-    args += [k for k, v in blow_up.items() if v is None]
-    proc = run_tune([*args, "nonfinite_loss=stop"])
-    assert proc.returncode != 0
-    stopped = re.search(r"non-finite loss at step (\d+) \(nonfinite_loss: stop\)", output_of(proc))
-    assert stopped, output_of(proc)[-4000:]
+    root = uninterrupted("full").parent
+    out = root / "nonfinite"
+    status, output = _launched(root, "nonfinite_stop")
+    assert status != 0
+    stopped = re.search(r"non-finite loss at step (\d+) \(nonfinite_loss: stop\)", output)
+    assert stopped, output[-4000:]
     saved = out / "step_checkpoints" / f"step_{int(stopped.group(1)):06d}"
-    assert f"saved in {saved}" in output_of(proc)
+    assert f"saved in {saved}" in output
     weights = load_weights(saved / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
 
-    proc = run_tune([*args, "nonfinite_loss=skip", "resume_from_checkpoint=True"])
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert "the step is skipped (nonfinite_loss: skip)" in output_of(proc)
+    status, output = _launched(root, "nonfinite_skip")
+    assert status == 0, output[-4000:]
+    assert "the step is skipped (nonfinite_loss: skip)" in output
     final = load_weights(out / "epoch_0/model-00001-of-00001.safetensors")
     assert all(torch.isfinite(w).all() for w in final.values())
 
 
-@pytest.mark.xdist_group("resume_uninterrupted")
-def test_checkpoint_of_another_model_is_named(tmp_path, uninterrupted):
+def test_checkpoint_of_another_model_is_named(uninterrupted):
     """The tiny config's own sizes (embed_dim 256) pointed at the small model's weights (64)."""
     small = uninterrupted("full")
-    proc = run_tune(
-        [
-            RECIPE,
-            "--config",
-            TINY_CONFIG,
-            f"output_dir={tmp_path / 'other'}",
-            f"checkpointer.checkpoint_dir={small / 'base_model'}",
-            "max_steps_per_epoch=1",
-        ]
-    )
-    assert proc.returncode != 0
-    message = output_of(proc)
+    status, message = _launched(small.parent, "other_model")
+    assert status != 0
     assert (
         f"checkpointer.checkpoint_dir ({small / 'base_model'}) does not fit config key" in message
     )
