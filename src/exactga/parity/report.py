@@ -363,7 +363,7 @@ def stock_kd_gap_section(data: DataShape) -> str:
 
 # Note [router term in the parity report]
 # With router_aux_loss_coef > 0 every run adds the router's balance term, as the fine-tuning
-# recipes do, and the normaliser weighs it per micro-batch (Note [router balance as a loss term]
+# recipes do, and the normaliser weighs it per micro-batch (see [router balance as a loss term]
 # in exactga.sft.router_balance). That term depends on the split by definition: micro_batch
 # balances each micro-batch on its rank, global_batch each micro-batch over the ranks, so a
 # split of smaller micro-batches optimises another objective, and its weights leave the full

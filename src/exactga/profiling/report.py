@@ -192,14 +192,15 @@ def report_markdown(run: RunFigures | None) -> str:
     details = []
     if saved is None:
         rows.append("| **saved** | none | no gradient-scaling pass was timed in this run |")
-    elif saved.figure_ms is None:  # too few samples, or samples that disagree
-        rows.append("| **saved** | not given | see the warning above |")
     else:
-        rows.append(
-            f"| **saved** | **{saved.figure_ms:.2f} ms** a step | "
-            f"**{100 * saved.figure_ms / step_ms:.1f}%** of the step: stock's gradient-scaling "
-            "pass, which exact mode skips |"
-        )
+        if saved.figure_ms is None:  # too few samples, or samples that disagree
+            rows.append("| **saved** | not given | see the warning above |")
+        else:
+            rows.append(
+                f"| **saved** | **{saved.figure_ms:.2f} ms** a step | "
+                f"**{100 * saved.figure_ms / step_ms:.1f}%** of the step: stock's "
+                "gradient-scaling pass, which exact mode skips |"
+            )
         steps = ", ".join(str(s.step) for s in saved.samples)
         details.append(
             f"**Saved latency**: the {saved.describe()}; at steps {steps}; "
