@@ -217,14 +217,44 @@ def _qwen3_decoder(
             lora_modules=lora_modules,
         )
         mlp = _qwen3_mlp(embed_dim, intermediate_dim, adapters if apply_lora_to_mlp else None)
-        layers.append(
-            TransformerSelfAttentionLayer(
-                attn=attn,
-                mlp=mlp,
-                sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-                mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-            )
-        )
+        layers.append(_decoder_layer(attn, mlp, embed_dim, norm_eps))
+    return _decoder(
+        layers,
+        vocab_size=vocab_size,
+        embed_dim=embed_dim,
+        max_seq_len=max_seq_len,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        norm_eps=norm_eps,
+        tie_word_embeddings=tie_word_embeddings,
+        output_adapters=adapters if apply_lora_to_output else None,
+    )
+
+
+def _decoder_layer(attn: nn.Module, mlp: nn.Module, embed_dim: int, norm_eps: float) -> nn.Module:
+    """One layer: attention and MLP, each after its RMSNorm, as Qwen3's (and Qwen3 MoE's)."""
+    return TransformerSelfAttentionLayer(
+        attn=attn,
+        mlp=mlp,
+        sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
+        mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
+    )
+
+
+def _decoder(
+    layers: list[nn.Module],
+    *,
+    vocab_size: int,
+    embed_dim: int,
+    max_seq_len: int,
+    num_heads: int,
+    head_dim: int,
+    norm_eps: float,
+    tie_word_embeddings: bool,
+    output_adapters: _Adapters | None,
+) -> TransformerDecoder:
+    """The decoder around ``layers``: embedding, final norm and the LM head (tied, or its own
+    weight; with ``output_adapters``, adapted)."""
     tok_embeddings = nn.Embedding(vocab_size, embed_dim)
     return TransformerDecoder(
         tok_embeddings=tok_embeddings,
@@ -233,9 +263,7 @@ def _qwen3_decoder(
         num_heads=num_heads,
         head_dim=head_dim,
         norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=_output_projection(
-            tok_embeddings, tie_word_embeddings, adapters if apply_lora_to_output else None
-        ),
+        output=_output_projection(tok_embeddings, tie_word_embeddings, output_adapters),
     )
 
 

@@ -143,13 +143,22 @@ def hf_config(builder_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: a required argument of :func:`qwen3` is missing.
     """
     kwargs = builder_arguments(qwen3, builder_kwargs, "Qwen3")
-    num_heads = kwargs["num_heads"]
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
+        "intermediate_size": kwargs["intermediate_dim"],
+        **decoder_config_fields(kwargs),
+    }
+
+
+def decoder_config_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` fields of a Qwen3 decoder that do not depend on its MLPs (sizes,
+    attention, norms, RoPE), from the builder's arguments with its defaults filled in; the
+    dense and the mixture-of-experts families add their own."""
+    num_heads = kwargs["num_heads"]
+    return {
         "vocab_size": kwargs["vocab_size"],
         "hidden_size": kwargs["embed_dim"],
-        "intermediate_size": kwargs["intermediate_dim"],
         "num_hidden_layers": kwargs["num_layers"],
         "num_attention_heads": num_heads,
         "num_key_value_heads": kwargs["num_kv_heads"] or num_heads,

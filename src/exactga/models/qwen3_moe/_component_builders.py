@@ -16,7 +16,7 @@ from functools import partial
 
 from torch import nn
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
-from torchtune.modules import RMSNorm, TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune.modules import TransformerDecoder
 from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
@@ -33,7 +33,8 @@ from exactga.models.moe.experts import EXPERT_PATHS, ExpertPath
 from exactga.models.qwen3._component_builders import (
     ATTENTION_PROJECTIONS,
     _Adapters,
-    _output_projection,
+    _decoder,
+    _decoder_layer,
     _qwen3_mlp,
     _qwen3_self_attention,
     resolved_head_dim,
@@ -149,25 +150,17 @@ def _qwen3_moe_decoder(
             )
         else:
             mlp = _qwen3_mlp(embed_dim, intermediate_dim, mlp_adapters)
-        layers.append(
-            TransformerSelfAttentionLayer(
-                attn=attn,
-                mlp=mlp,
-                sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-                mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-            )
-        )
-    tok_embeddings = nn.Embedding(vocab_size, embed_dim)
-    return TransformerDecoder(
-        tok_embeddings=tok_embeddings,
-        layers=layers,
+        layers.append(_decoder_layer(attn, mlp, embed_dim, norm_eps))
+    return _decoder(
+        layers,
+        vocab_size=vocab_size,
+        embed_dim=embed_dim,
         max_seq_len=max_seq_len,
         num_heads=num_heads,
         head_dim=head_dim,
-        norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=_output_projection(
-            tok_embeddings, tie_word_embeddings, adapters if apply_lora_to_output else None
-        ),
+        norm_eps=norm_eps,
+        tie_word_embeddings=tie_word_embeddings,
+        output_adapters=adapters if apply_lora_to_output else None,
     )
 
 

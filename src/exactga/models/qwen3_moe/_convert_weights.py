@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from exactga.models.hf_format import HFFormat, StateDict, builder_arguments
-from exactga.models.qwen3._component_builders import resolved_head_dim
-from exactga.models.qwen3._convert_weights import QWEN3_FORMAT
+from exactga.models.qwen3._convert_weights import QWEN3_FORMAT, decoder_config_fields
 from exactga.models.qwen3_moe._component_builders import qwen3_moe
 
 # HF per-expert projection -> torchtune's stacked projection, and back.
@@ -172,12 +171,9 @@ def hf_config(builder_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: a required argument of :func:`qwen3_moe` is missing.
     """
     kwargs = builder_arguments(qwen3_moe, builder_kwargs, "Qwen3 MoE")
-    num_heads = kwargs["num_heads"]
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": kwargs["vocab_size"],
-        "hidden_size": kwargs["embed_dim"],
         # Unused when every layer is sparse; the released files hold 6144 (30B) / 12288 (235B).
         "intermediate_size": kwargs["intermediate_dim"] or 4 * kwargs["embed_dim"],
         "moe_intermediate_size": kwargs["moe_intermediate_dim"],
@@ -187,26 +183,9 @@ def hf_config(builder_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": bool(kwargs["norm_topk_prob"]),
         "decoder_sparse_step": kwargs["decoder_sparse_step"],
         "mlp_only_layers": list(kwargs["mlp_only_layers"]),
-        "num_hidden_layers": kwargs["num_layers"],
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": kwargs["num_kv_heads"] or num_heads,
-        "head_dim": resolved_head_dim(kwargs["embed_dim"], num_heads, kwargs["head_dim"]),
-        "hidden_act": "silu",
-        "max_position_embeddings": kwargs["max_seq_len"],
-        "rms_norm_eps": kwargs["norm_eps"],
-        "rope_theta": kwargs["rope_base"],  # the released files' spelling
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": kwargs["attn_dropout"],
-        "tie_word_embeddings": bool(kwargs["tie_word_embeddings"]),
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": kwargs["num_layers"],
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": "float32",
+        **decoder_config_fields(kwargs),
     }
 
 
