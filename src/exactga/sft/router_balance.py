@@ -70,8 +70,12 @@ class RouterMicroBatches(ShiftedTokens):
 
     term_names = ("router_micro_batches",)
 
+    def count(self, batch: Batch) -> int:
+        self._last_count = super().count(batch)  # read by count_terms, called right after
+        return self._last_count
+
     def count_terms(self, batch: Batch) -> tuple[int, ...]:
-        return (1 if self.count(batch) > 0 else 0,)
+        return (1 if self._last_count > 0 else 0,)  # no second pass over the labels
 
 
 class RouterBalance:
