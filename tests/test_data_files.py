@@ -234,3 +234,27 @@ def test_a_failure_the_file_does_not_explain_is_raised_as_it_came(tmp_path):
 
     with pytest.raises(KeyError, match="not the file's fault"):
         read_data_files(broken, {"source": "json", "data_files": str(path)})
+
+
+def test_a_good_file_loads_without_progress_bars_and_leaves_the_switch_as_it_was(tmp_path, capfd):
+    """datasets prints "Generating train split" as it first reads a file: nothing a user can
+    act on, once per rank under torchrun. Our loading turns its bars off, and back on after."""
+    from datasets import load_dataset as hf_load_dataset
+    from datasets.utils.tqdm import are_progress_bars_disabled
+
+    path = tmp_path / "good.json"
+    path.write_text(rows_as_json([ALPACA] * 3))
+    section = {"source": "json", "data_files": str(path), "split": "train"}
+
+    def build():
+        return hf_load_dataset(
+            "json", data_files=str(path), split="train", cache_dir=str(tmp_path / "c1")
+        )
+
+    assert not are_progress_bars_disabled()
+    assert len(read_data_files(build, section)) == 3
+    assert "Generating" not in capfd.readouterr().err
+    assert not are_progress_bars_disabled()
+    # Without it, the line is there: the check can fail.
+    hf_load_dataset("json", data_files=str(path), cache_dir=str(tmp_path / "c2"))  # a first read
+    assert "Generating train split" in capfd.readouterr().err

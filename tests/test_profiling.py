@@ -41,7 +41,7 @@ from exactga.profiling import (
 )
 from exactga.profiling import hook as profiler_hook
 from exactga.profiling import phase_clock as profiler_phase_clock
-from exactga.profiling.report import CHARTS, RunFigures, report_markdown
+from exactga.profiling.report import CHARTS, REPORT_RUN, RunFigures, band_run, report_markdown
 
 CPU = torch.device("cpu")
 # exactga's knobs, which are top-level config keys; the others are the ``profiler`` section's.
@@ -584,22 +584,26 @@ def train_under_tensorboard(tmp_path: Path, clock: FakeClock, monkeypatch) -> Pa
     return Path(logger.log_dir)
 
 
-def test_report_charts_give_each_line_its_own_colour(tmp_path, clock, monkeypatch) -> None:
-    """TensorBoard colours a line by its run, so each line of a chart is a run of its own, and
-    the runs of a chart sort next to each other: at most 7 lines, 7 colours. See
-    [report charts]."""
+def test_report_charts_give_each_line_its_own_colour_with_few_runs(
+    tmp_path, clock, monkeypatch
+) -> None:
+    """TensorBoard colours a line by its run, so each band of a stacked chart is a run of its
+    own, the stacks share them, and the runs sort next to each other: the logger's run, the
+    report's (the bottom bands and the single-line charts) and one run for each further band,
+    nothing else. See [report charts]."""
     log_dir = train_under_tensorboard(tmp_path, clock, monkeypatch)
     colours = tensorboard_run_colours(log_dir)
+    bands = [f"{REPORT_RUN}/band_{n}" for n in range(2, 6)]  # the phases: 4 and other
+    assert list(colours) == [".", REPORT_RUN, *bands]
     charts = tensorboard_charts(log_dir)
     assert len(charts) == len(CHARTS)
     for title, lines in charts.items():
         assert lines, title
         assert len({colours[line.run] for line in lines}) == len(lines), title
     (phases,) = [lines for title, lines in charts.items() if "phases stacked" in title]
-    assert [line.run.rsplit("/", 1)[-1] for line in phases] == [
-        *(f"{i}_{phase}" for i, phase in enumerate(PHASES, 1)),
-        "5_other",
-    ]
+    assert [line.run for line in phases] == [REPORT_RUN, *bands]
+    (positions,) = [lines for title, lines in charts.items() if "positions stacked" in title]
+    assert [line.run for line in positions] == [REPORT_RUN, *bands[:2]]
 
 
 def test_report_charts_keep_every_point_on_the_chart(tmp_path, clock, monkeypatch) -> None:
@@ -642,23 +646,21 @@ def test_report_charts_show_the_logged_figures_as_shares(tmp_path, clock, monkey
     assert line("", "~report_lines/saved_highest") == pytest.approx(
         [max(saved[: i + 1]) for i in range(len(saved))]
     )
-    tops = [
-        line(f"phases/{i}_{phase}", "~report_lines/phases_top") for i, phase in enumerate(PHASES, 1)
-    ]
+    tops = [line(band_run(i), "~report_lines/phases_top") for i in range(1, len(PHASES) + 1)]
     stacked = [logged[f"time/stacked_{i}_{phase}_ms"] for i, phase in enumerate(PHASES, 1)]
     for top, ms in zip(tops, stacked, strict=True):
         assert top == pytest.approx(
             [100 * a / b for a, b in zip(ms, step_ms, strict=True)], rel=1e-6
         )
-    assert line("phases/5_other", "~report_lines/phases_top") == [100.0] * 40
-    assert line("phases/5_other", "~report_lines/phases_bottom") == pytest.approx(tops[-1])
+    assert line(band_run(5), "~report_lines/phases_top") == [100.0] * 40  # other
+    assert line(band_run(5), "~report_lines/phases_bottom") == pytest.approx(tops[-1])
     assert line("", "~report_lines/throughput") == pytest.approx(
         logged["throughput/tokens_per_second"], rel=1e-6
     )
     assert line("", "~report_lines/mfu") == pytest.approx(
         [100 * mfu for mfu in logged["throughput/mfu"]], rel=1e-6
     )
-    padding = line("positions/3_padding", "~report_lines/positions_bottom")
+    padding = line(band_run(3), "~report_lines/positions_bottom")
     assert padding == pytest.approx([90.0] * 40)  # 900 of 1000 positions are the samples'
 
 

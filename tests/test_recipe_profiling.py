@@ -21,7 +21,7 @@ from recipe_utils import (
     read_scalars,
 )
 
-from exactga.profiling import PHASES, REPORT_CATEGORY
+from exactga.profiling import PHASES, REPORT_CATEGORY, REPORT_RUN
 from exactga.profiling.report import CHARTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("recipe_profiling")]
@@ -163,6 +163,13 @@ def test_every_recipe_writes_the_tensorboard_report(runs, name):
     for title, lines in charts.items():
         assert lines and all(line.values for line in lines), title
         assert len({colours[line.run] for line in lines}) == len(lines), title
+    # The run list: the launch's run, the report's, and a run for each further band of the
+    # phases (4 and other), shared by the stacks; see [report charts].
+    (phases,) = [lines for title, lines in charts.items() if "phases stacked" in title]
+    assert len(phases) == len(PHASES) + 1
+    run = folder.parent.name
+    bands = [f"{run}/{REPORT_RUN}/band_{n}" for n in range(2, len(phases) + 1)]
+    assert list(colours) == [run, f"{run}/{REPORT_RUN}", *bands]
     logged = read_scalars(logs)  # the logger's scalars keep their names
     assert {f"time/stacked_{i}_{phase}_ms" for i, phase in enumerate(PHASES, 1)} <= set(logged)
 

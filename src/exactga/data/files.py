@@ -6,7 +6,8 @@ dataset`` over a traceback, an empty JSON file as a bare ``StopIteration``, one 
 ``ValueError: Instruction "train" corresponds to no data!``, none naming the file; and it logs
 its own "Failed to load JSON from file" line first. :func:`read_data_files` builds a dataset so
 that each of these is one ``ValueError`` naming the config key, the file and the fault. See
-[data file faults].
+[data file faults]. It also builds it without ``datasets``' progress bars ("Generating train
+split"), which a local file passes in a blink, on every rank.
 
 Note [data file faults]
 A good file must cost nothing extra, and a large JSON file costs as much to parse twice as to
@@ -57,7 +58,7 @@ def read_data_files(build: Callable[[], Built], section: Any, key: str = "datase
         problem = _problem_before_loading(source, path)
         if problem is not None:
             raise ValueError(_message(key, path, problem))
-    with _quiet_logger(f"datasets.packaged_modules.{source}.{source}"):
+    with _quiet_logger(f"datasets.packaged_modules.{source}.{source}"), _no_progress_bars():
         try:
             return build()
         except Exception as err:  # datasets' own, wrapped or not; a bare StopIteration too
@@ -196,6 +197,29 @@ def _csv_problem(text: str) -> str | None:
 def _first_line(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without ``datasets``' progress bars ("Generating train split: 100 examples", and the
+    builders' "Map" or "Filter"): on a local file they pass in a blink and tell the user nothing
+    to act on, and under torchrun each rank prints them. Not when the user asked for them
+    (``HF_DATASETS_DISABLE_PROGRESS_BARS=0``); the switch is back as it was afterwards."""
+    from datasets import config as datasets_config
+    from datasets.utils.tqdm import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    if are_progress_bars_disabled() or datasets_config.HF_DATASETS_DISABLE_PROGRESS_BARS is False:
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
 
 
 @contextlib.contextmanager

@@ -30,15 +30,21 @@ REPORT_LINES = "~report_lines"
 
 # Note [report charts]
 # TensorBoard colours a line by its *run*, never by its tag: the CUSTOM SCALARS cards look a
-# series' colour up by the run in its name (``tag (run)``), and a run's colour is the palette's
-# (7 colours) at the run's index in the run list, which is sorted by start time (the first
-# event's wall time), then by name. So the tags of one run, drawn in one chart, share a colour.
-# Each line of a stacked report chart is therefore a run of its own,
-# ``<log_dir>/profiling_report/<chart>/<n>_<line>`` (as ``SummaryWriter.add_scalars`` does):
-# every report file starts with the same wall time, so these runs sort by name, a chart's lines
-# next to each other, and up to 7 lines a chart get 7 colours. A chart of one line is drawn
-# from the report's own run. The hook writes the lines at each logged step; they repeat what
-# the recipe logs in its own run, whose tags stay as they are.
+# series' colour up by the run in its name (``tag (run)``, the run parsed back out of the
+# parentheses), and a run's colour is the palette's (7 colours) at the run's index in the run
+# list, which is sorted by start time (the first event's wall time), then by name; TIME SERIES
+# colours by run too. So the tags of one run, drawn in one chart, share a colour, and a stacked
+# chart of n bands needs n runs. A margin chart also takes one series only: with several, its
+# card warns about "missing tags" for every run that lacks some of them (all runs but one).
+# The fewest runs that give each band its colour: band 1 of every stack is the report's own run
+# (``<log_dir>/profiling_report``, which also draws the single-line charts), band n > 1 is the
+# run ``profiling_report/band_<n>``, shared by the stacks (the phases' band 2, forward, and the
+# positions' band 2, the samples, are two tags of one run). Every report file starts with the
+# same wall time, so these runs sort by name, next to each other, and up to 7 bands get 7
+# colours: 4 helper runs beside the report's for the 5 bands of the phases, 5 with a recipe's
+# own phase (GRPO's generate). The charts' titles name the bands from the bottom, since the
+# runs' names cannot. The hook writes the lines at each logged step; they repeat what the
+# recipe logs in its own run, whose tags stay as they are.
 # Each chart is a *margin* chart (a line and a band around it, filled), built so that no line
 # runs off it under "Ignore outliers in chart scaling", which is on by default and which no
 # layout field can turn off: TensorBoard fits the y axis to the 5 % to 95 % quantiles of all the
@@ -57,8 +63,9 @@ REPORT_LINES = "~report_lines"
 # key: (title, stacked). The lines of chart ``key`` carry the tags ``chart_tags(key)``.
 CHARTS = {
     "phases": (
-        "Where does a step's time go? The phases stacked, % of the step time "
-        "(other: scheduler, logging, checkpoints, the sampled pass)",
+        "Where does a step's time go? The phases stacked, % of the step time, from the "
+        "bottom: data, forward, backward, optimizer, a recipe's own (GRPO: generate), other "
+        "(scheduler, logging, checkpoints, the sampled pass)",
         True,
     ),
     "saved": (
@@ -76,7 +83,8 @@ CHARTS = {
         False,
     ),
     "positions": (
-        "What was processed? % of the positions: loss tokens, the rest of the samples, padding",
+        "What was processed? The positions stacked, % of them, from the bottom: loss tokens "
+        "(not with DPO's pairs), the rest of the samples, padding",
         True,
     ),
 }
@@ -113,7 +121,7 @@ class ReportCharts:
 
     def lines(self, metrics: dict[str, float], phases: list[str]) -> dict[str, dict[str, float]]:
         """The lines for one logged interval, from the hook's ``metrics``: run (``""`` for the
-        report's own, else ``<chart>/<n>_<line>``) to its tags' values. ``phases`` in stacking
+        report's own, else ``band_<n>``) to its tags' values. ``phases`` in stacking
         order: the training phases, then a recipe's own."""
         lines: dict[str, dict[str, float]] = {}
         step_ms = metrics["time/step_ms"]
@@ -146,12 +154,19 @@ class ReportCharts:
         lines.setdefault("", {}).update(zip(tags, (value, lowest, highest), strict=True))
 
 
+def band_run(number: int) -> str:
+    """The run of band ``number`` (from 1 at the bottom) of every stacked report chart, relative
+    to the report's: its own for the first; see [report charts]."""
+    return "" if number == 1 else f"band_{number}"
+
+
 def _stack(lines: dict[str, dict[str, float]], key: str, tops: list[tuple[str, float]]) -> None:
-    """Stacked bands, one run each, from 0 up: ``tops`` are their upper edges in order."""
+    """Stacked bands, one run each, from 0 up: ``tops`` are their (name, upper edge) in order
+    (the names are the chart title's; the runs are numbered)."""
     top_tag, bottom_tag, _ = chart_tags(key)
     bottom = 0.0
-    for number, (name, top) in enumerate(tops, start=1):
-        lines[f"{key}/{number}_{name}"] = {top_tag: top, bottom_tag: bottom}
+    for number, (_, top) in enumerate(tops, start=1):
+        lines.setdefault(band_run(number), {}).update({top_tag: top, bottom_tag: bottom})
         bottom = top
 
 
@@ -276,14 +291,15 @@ def _path_row(name: str, paths: list[Path], viewer: str, none: str = "") -> str:
 # Note [profiling report file]
 # The report (the custom-scalars layout, the charts' lines and the markdown summary) is written
 # to event files of its own, ``<log_dir>/profiling_report/exactga_report.tfevents.<time>.<host>.
-# <pid>`` and one of that name in each chart line's run (see [report charts]), not into the
-# logger's. TensorBoard loads any file whose name holds ``tfevents`` and shows each folder as a
-# run of its own (layouts apply to every run). The common way of reading scalars back,
-# ``rglob("events.out.tfevents.*")`` and every tensor summary read as a number, which our tests,
-# tools and benchmarks use and users' scripts likely do too, would choke on a text or layout
-# summary in the logger's file, and would read the chart lines twice; this name keeps them out
-# of it. Sub-folders rather than a second file beside the logger's: TensorBoard's Python loader
-# reads a run's files in name order and stops reading earlier ones once it moves on, so a live
+# <pid>`` and one of that name in each band's run (``profiling_report/band_<n>``, see [report
+# charts]), not into the logger's. TensorBoard loads any file whose name holds ``tfevents`` and
+# shows each folder as a run of its own (layouts apply to every run). The common way of reading
+# scalars back, ``rglob("events.out.tfevents.*")`` and every tensor summary read as a number,
+# which our tests, tools and benchmarks use and users' scripts likely do too, would choke on a
+# text or layout summary in the logger's file, and would read the chart lines twice; this name
+# keeps them out of it. Sub-folders rather than a second file beside the logger's: TensorBoard's
+# Python loader reads a run's files in name order and stops reading earlier ones once it moves
+# on, so a live
 # dashboard would stop updating.
 
 
