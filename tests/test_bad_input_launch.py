@@ -18,8 +18,9 @@ torchtune. The single-process cases therefore share launches (tests/many_runs.py
 ``go_on_after_failure``: each case still the recipe as ``tune run`` starts it, its status and
 exactly its own output kept, and the launch goes on after it fails): the config and row cases in
 one module fixture, the cases reading a copy of the finished run in another (their setup needs
-it), the users' own dataset in a third (its own ``PYTHONPATH``). The 2-rank case (torchrun) and
-the missing ``--config`` file (tune's own command line) keep launches of their own.
+it), the users' own dataset in a third (its own ``PYTHONPATH``). The 2-rank cases (torchrun: a
+config key, an override, a data file) and the missing ``--config`` file (tune's own command
+line) keep launches of their own.
 """
 
 from __future__ import annotations
@@ -271,6 +272,20 @@ def test_under_torchrun_a_bad_override_is_one_message_without_the_launchers_trac
     args = [*with_recipe(FULL_DISTRIBUTED, tiny_args(out)), "optimizer.lr=[1,"]
     proc = run_tune(["--nproc_per_node", "2", *args])
     assert_fails_naming(proc, out, ["command-line override 'optimizer.lr=[1,'"])
+    assert proc.returncode == 1
+    assert "ChildFailedError" not in output_of(proc)
+
+
+def test_under_torchrun_a_bad_data_file_is_one_message_without_the_launchers_traceback(tmp_path):
+    """Every rank fails on the file as it builds its dataset, after the model: one message."""
+    (_, text, names), *_ = DATA_FILE_CASES  # not valid JSON: datasets' traceback before #43
+    data = tmp_path / "train.json"
+    data.write_text(text)
+    out = tmp_path / "out"
+    args = tiny_args(out, dataset__data_files=data, max_steps_per_epoch=2)
+    proc = run_tune(["--nproc_per_node", "2", *with_recipe(FULL_DISTRIBUTED, args)])
+    message = assert_fails_naming(proc, out, names, before_config=False)
+    assert str(data) in message
     assert proc.returncode == 1
     assert "ChildFailedError" not in output_of(proc)
 
