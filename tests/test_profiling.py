@@ -732,3 +732,13 @@ def test_report_text_without_samples_traces_or_peak() -> None:
     assert "| MFU | not measured |" in markdown
     assert "| padding |" not in markdown
     assert report_markdown(None) == "**exactga profiling report**: no optimizer step completed."
+
+
+def test_a_tiny_saved_share_keeps_two_digits_in_the_line_and_the_text() -> None:
+    """A tiny model on a busy CPU saves 0.02 % of its step, which one decimal shows as 0.0 %."""
+    run = figures(step_ms=5000.0)  # the samples' figure: 1 ms
+    assert "**1.00 ms** a step | **0.02%** of the step" in report_markdown(run)
+    line = saved_latency.summary_line(run.saved, run.step_ms, num_steps=40)
+    assert "saved 1.00 ms per optimizer step (0.02% of 5000.0 ms;" in line
+    assert saved_latency.percent_of(1.0, 50.0) == "2.0%"  # one decimal from 0.1 % up
+    assert saved_latency.percent_of(0.0, 50.0) == "0.0%"

@@ -17,7 +17,7 @@ from pathlib import Path
 from time import time as _wall_clock_s  # a date for events; durations use time.perf_counter
 from typing import IO, Any
 
-from exactga.profiling.saved_latency import SavedLatency
+from exactga.profiling.saved_latency import SavedLatency, percent_of
 
 # The report: its text's tag (TEXT tab) and its layout's category (CUSTOM SCALARS).
 REPORT_TAG = "exactga/profiling_report"
@@ -213,7 +213,7 @@ def report_markdown(run: RunFigures | None) -> str:
         else:
             rows.append(
                 f"| **saved** | **{saved.figure_ms:.2f} ms** a step | "
-                f"**{100 * saved.figure_ms / step_ms:.1f}%** of the step: stock's "
+                f"**{percent_of(saved.figure_ms, step_ms)}** of the step: stock's "
                 "gradient-scaling pass, which exact mode skips |"
             )
         steps = ", ".join(str(s.step) for s in saved.samples)

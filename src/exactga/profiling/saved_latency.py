@@ -190,6 +190,13 @@ def _steps(samples: tuple[SavedLatencySample, ...]) -> str:
     return ("step " if len(samples) == 1 else "steps ") + ", ".join(str(s.step) for s in samples)
 
 
+def percent_of(part: float, whole: float) -> str:
+    """``part`` as a percentage of ``whole``, one decimal, or two significant digits below 0.1 %
+    (a tiny model on a busy CPU saves 0.02 % of its step: "0.0%" would read as nothing)."""
+    percent = 100 * part / whole
+    return f"{percent:.2g}%" if 0 < abs(percent) < 0.1 else f"{percent:.1f}%"
+
+
 def summary_line(saved: SavedLatency | None, step_ms: float | None, num_steps: int) -> str:
     """The end-of-run line on the saved latency: the figure, or why there is none."""
     if saved is None or step_ms is None:
@@ -199,7 +206,7 @@ def summary_line(saved: SavedLatency | None, step_ms: float | None, num_steps: i
         return f"exactga: {saved.warning()}"
     return (
         f"exactga: skipping the gradient-scaling pass saved {figure:.2f} ms per optimizer "
-        f"step ({100 * figure / step_ms:.1f}% of {step_ms:.1f} ms; {saved.describe()}), "
+        f"step ({percent_of(figure, step_ms)} of {step_ms:.1f} ms; {saved.describe()}), "
         f"about {figure * num_steps / 1e3:.1f} s over {num_steps} steps."
     )
 
