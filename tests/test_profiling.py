@@ -41,7 +41,14 @@ from exactga.profiling import (
 )
 from exactga.profiling import hook as profiler_hook
 from exactga.profiling import phase_clock as profiler_phase_clock
-from exactga.profiling.report import CHARTS, REPORT_RUN, RunFigures, band_run, report_markdown
+from exactga.profiling.report import (
+    CHARTS,
+    REPORT_RUN,
+    ReportCharts,
+    RunFigures,
+    band_run,
+    report_markdown,
+)
 
 CPU = torch.device("cpu")
 # exactga's knobs, which are top-level config keys; the others are the ``profiler`` section's.
@@ -540,8 +547,10 @@ def test_recipes_hand_the_profiler_a_few_values_not_their_config(recipe: Path) -
 def train_under_tensorboard(tmp_path: Path, clock: FakeClock, monkeypatch) -> Path:
     """40 steps of the hook under torchtune's TensorBoardLogger, logged every step as the
     recipes do: step 1 a warm-up 16 times slower than the others, step 8 traced (200 ms of
-    writing the trace: "other"), the rest steady with a little noise; a pass sampled every 5
-    steps; a tenth of the positions padding. Returns the logger's folder."""
+    writing the trace: "other"), the rest steady with a little noise but for the last two, the
+    fastest and the slowest after the warm-up (new extremes where TensorBoard's scaling drops
+    points); a pass sampled every 5 steps; a tenth of the positions padding. Returns the
+    logger's folder."""
     from torchtune.training.metric_logging import TensorBoardLogger
 
     model = tiny_model()
@@ -556,7 +565,7 @@ def train_under_tensorboard(tmp_path: Path, clock: FakeClock, monkeypatch) -> Pa
     )
 
     def slowness(step: int) -> float:
-        return 16.0 if step == 1 else 1 + 0.1 * math.sin(step)
+        return {1: 16.0, 39: 0.5, 40: 3.0}.get(step, 1 + 0.1 * math.sin(step))
 
     def windows():
         for step in range(1, 41):
@@ -574,7 +583,7 @@ def train_under_tensorboard(tmp_path: Path, clock: FakeClock, monkeypatch) -> Pa
             profiler.step(
                 WindowWork(
                     num_positions=1000,
-                    num_loss_tokens=round(400 * slowness(step)) if step > 1 else 400,
+                    num_loss_tokens=round(400 * (1 + 0.1 * math.sin(step))) if step > 1 else 400,
                     num_sample_positions=900,
                     num_fixed_positions=1200,
                 )
@@ -643,9 +652,9 @@ def test_report_charts_show_the_logged_figures_as_shares(tmp_path, clock, monkey
         rel=1e-6,
     )
     assert saved == pytest.approx([100 * f for f in logged["normalization/saved_fraction"]])
-    assert line("", "~report_lines/saved_highest") == pytest.approx(
-        [max(saved[: i + 1]) for i in range(len(saved))]
-    )
+    # The run ended: the band is its lowest to highest at every step (so far, while it ran).
+    assert line("", "~report_lines/saved_highest") == pytest.approx([max(saved)] * len(saved))
+    assert line("", "~report_lines/saved_lowest") == pytest.approx([min(saved)] * len(saved))
     tops = [line(band_run(i), "~report_lines/phases_top") for i in range(1, len(PHASES) + 1)]
     stacked = [logged[f"time/stacked_{i}_{phase}_ms"] for i, phase in enumerate(PHASES, 1)]
     for top, ms in zip(tops, stacked, strict=True):
@@ -742,3 +751,15 @@ def test_a_tiny_saved_share_keeps_two_digits_in_the_line_and_the_text() -> None:
     assert "saved 1.00 ms per optimizer step (0.02% of 5000.0 ms;" in line
     assert saved_latency.percent_of(1.0, 50.0) == "2.0%"  # one decimal from 0.1 % up
     assert saved_latency.percent_of(0.0, 50.0) == "0.0%"
+
+
+def test_a_band_is_the_lowest_to_highest_so_far_until_the_run_ends() -> None:
+    charts = ReportCharts()
+    tags = ("~report_lines/throughput_lowest", "~report_lines/throughput_highest")
+    seen = []
+    for tokens_per_second in [100.0, 300.0, 50.0, 200.0]:
+        metrics = {"time/step_ms": 0.0, "throughput/tokens_per_second": tokens_per_second}
+        lines = charts.lines(metrics, phases=[])[""]
+        seen.append(tuple(lines[tag] for tag in tags))
+    assert seen == [(100.0, 100.0), (100.0, 300.0), (50.0, 300.0), (50.0, 300.0)]
+    assert charts.run_bands() == dict(zip(tags, (50.0, 300.0), strict=True))

@@ -91,6 +91,8 @@ class TrainingProfiler:
                     self._report.write_text(self.report_markdown(), step=self._step)
             finally:
                 self._report.close()
+            if exc is None:  # the bands: the run's lowest to highest; see [report charts]
+                self._report.settle_bands(self._charts.run_bands())
         # never swallow the exception: returning None re-raises it
 
     # -- per step ----------------------------------------------------------------------------

@@ -54,8 +54,13 @@ REPORT_LINES = "~report_lines"
 # of its own (saved latency, throughput, MFU) is the interval's value with, as its band, the
 # lowest and the highest value so far: every value lies inside the band, and the band's edges
 # only widen and then hold, so they fill the quantiles at both ends; a warm-up step or a traced
-# one is a dip inside the band. What can still overshoot, by its excess over 5 % to 15 % of the
-# axis, is a new highest (or lowest) value in about the last 5 % of the run's points.
+# one is a dip inside the band. What could still overshoot, by its excess over 5 % to 15 % of
+# the axis, is a new highest (or lowest) value in about the last 5 % of the run's points (a
+# machine that gets busier near the end: the demo's last throughput and saved share once). So
+# when the run ends, the report's own file is rewritten with the run's lowest and highest as
+# the band at every step (``ReportFile.settle_bands``): a third of the chart's values at each
+# edge, every value between them, nothing off the chart. A TensorBoard already reading the file
+# keeps the edges it read until it is started again; a resumed launch settles its own file.
 # The CUSTOM SCALARS tab of TensorBoard 2.21 shows margin charts in the reverse of their order
 # in the layout (its item list inserts each chart before the previous one's second template),
 # so the layout lists them in reverse, and they show in the order of ``CHARTS``.
@@ -70,16 +75,17 @@ CHARTS = {
     ),
     "saved": (
         "What does exact mode save? Stock's gradient-scaling pass, % of the step time "
-        "(band: lowest to highest so far)",
+        "(band: lowest to highest, so far while the run goes on)",
         False,
     ),
     "throughput": (
         "How fast? Tokens processed per second on this rank, padding included "
-        "(band: lowest to highest so far)",
+        "(band: lowest to highest, so far while the run goes on)",
         False,
     ),
     "mfu": (
-        "How busy is the device? MFU, % of its peak FLOP/s (band: lowest to highest so far)",
+        "How busy is the device? MFU, % of its peak FLOP/s "
+        "(band: lowest to highest, so far while the run goes on)",
         False,
     ),
     "positions": (
@@ -146,6 +152,15 @@ class ReportCharts:
             kinds.append(("sample_tokens", 100 * (1 - metrics["throughput/padding_fraction"])))
             _stack(lines, "positions", [*kinds, ("padding", 100.0)])
         return lines
+
+    def run_bands(self) -> dict[str, float]:
+        """The single-line charts' band edges over the run so far, tag to value: each chart's
+        lowest and highest value (``ReportFile.settle_bands`` writes them at the end)."""
+        edges = {}
+        for key, (lowest, highest) in self._ranges.items():
+            _, lower, upper = chart_tags(key)
+            edges[lower], edges[upper] = lowest, highest
+        return edges
 
     def _band(self, lines: dict[str, dict[str, float]], key: str, value: float) -> None:
         lowest, highest = self._ranges.get(key, (value, value))
@@ -364,6 +379,30 @@ class ReportFile:
         writer = RecordWriter(self._files[path])
         for event in events:
             writer.write(event.SerializeToString())
+
+    def settle_bands(self, edges: dict[str, float]) -> None:
+        """Close the files and rewrite the report's own with the band edges ``edges`` (tag to
+        value, ``ReportCharts.run_bands``) at every step, atomically; see [report charts]."""
+        from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self.close()
+        if not edges or not self.path.exists():
+            return
+        events = [Event.FromString(r) for r in RawEventFileLoader(str(self.path)).Load()]
+        for event in events:
+            for value in event.summary.value:
+                if value.tag in edges:
+                    value.simple_value = edges[value.tag]
+        partial = self.path.with_name(f".{self.path.name}.partial")  # TensorBoard skips it
+        with open(partial, "wb") as out:
+            writer = RecordWriter(out)
+            for event in events:
+                writer.write(event.SerializeToString())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, self.path)
 
     def flush(self) -> None:
         """Hand what was written to the files' readers (a live TensorBoard)."""
