@@ -11,7 +11,8 @@ every trajectory step is killed at a random one and resumed: its weights equal t
 uninterrupted run's exactly and it logs the same losses for the steps after its checkpoint.
 ``EXACTGA_KILL_SEED`` replays a kill point.
 
-Launches: the killed one; every other run in one (tests/many_runs.py). The adapted stock config
+Launches: the killed one; every other run in one (tests/many_runs.py), the GA parity report on
+the same step's config included. The adapted stock config
 (``mistral/7B_full_ppo_low_memory``: batch 128, ``compile``, bf16, minutes on CPU) is validated
 in process, and trained in that launch only with ``EXACTGA_PPO_STOCK_CONFIG=1``.
 """
@@ -137,6 +138,13 @@ def runs(run_once) -> Path:
                 **{"metric_logger.log_dir": root / "resumed_logs"},
             )
             runs.append(Run(RECIPE, resume[1:], killed / "launch"))
+        parity = {
+            "parity.splits": "[2x2]",
+            "parity.modes": "[exact]",
+            "parity.micro_batching": "[fixed]",
+        }
+        out = root / "parity"
+        runs.append(Run("recipes/ga_parity.py", ppo_args(out, **STEP, **SGD, **parity)[1:], out))
         if TRAIN_STOCK:
             out = root / "stock"
             out.mkdir()
@@ -212,6 +220,13 @@ def test_killed_ppo_run_resumes_to_the_uninterrupted_weights(runs) -> None:
     assert list(after) == list(range(checkpoint + 1, total + 1))
     for step, loss in after.items():
         assert loss == full[step], step
+
+
+def test_the_parity_report_takes_a_ppo_config(runs) -> None:
+    """recipes/ga_parity.py trains a PPO config with the recipe's own steps (exactga.parity.ppo)."""
+    _ok(runs / "parity")
+    report = (runs / "parity" / "parity" / "report.md").read_text()
+    assert "**Verdict:** EXACT" in report, report[:2000]
 
 
 def test_the_stock_config_is_known_to_the_recipe(tmp_path, runs) -> None:
