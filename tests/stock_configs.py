@@ -328,10 +328,14 @@ def _paths_outside(cfg: DictConfig, output_dir: Path) -> list[str]:
 def launch_args(
     name: str, recipe: str, output_dir: Path | str, nproc_per_node: int = 2
 ) -> list[str]:
-    """``tune run`` arguments for the adapted config, written to ``output_dir/config.yaml``."""
+    """``tune run`` arguments for the adapted config, written to ``output_dir/config.yaml``; the
+    one-device PPO recipe runs without torchrun."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     config_path = output_dir / "config.yaml"
+    if recipe == PPO:
+        OmegaConf.save(adapted_ppo_config(name, output_dir), config_path)
+        return [f"recipes/{recipe}.py", "--config", str(config_path)]
     OmegaConf.save(adapted_config(name, recipe, output_dir), config_path)
     return [
         "--nproc_per_node",
@@ -362,8 +366,13 @@ PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 def expected_artefacts(cfg: DictConfig) -> list[str]:
     """Files the run must leave in ``checkpointer.output_dir``: merged or full weights, and for
     LoRA the adapters (PEFT's format too, except for Phi, which torchtune saves only in its
-    own)."""
+    own). PPO saves its value model too, through its own checkpointer (in ``value/``)."""
     files = []
+    if "policy_model" in cfg:
+        return [
+            "epoch_0/model-00001-of-00001.safetensors",
+            "value/epoch_0/model-00001-of-00001.safetensors",
+        ]
     if not cfg.get("save_adapter_weights_only", False):
         files.append("epoch_0/model-00001-of-00001.safetensors")
     if "lora_rank" in cfg.model:

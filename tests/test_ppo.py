@@ -203,3 +203,49 @@ def test_the_loss_step_matches_the_oracle_in_fp64(batch) -> None:
     with fp64():
         trained = _trained(double, trajectories, SPLITS["ga4_by_length"], lr)
     assert step_gap(trained, initial, gradient, lr) < 1e-10
+
+
+# ---------------------------------------------------------------------------------------------
+# The keys: stock's config accepted unchanged, bad combinations named at start-up.
+
+
+def _validate(cfg):
+    from exactga.config.validation import validate_config
+    from exactga.ppo.schema import PpoFullFinetuneSingleDeviceConfig
+
+    return validate_config(
+        cfg, PpoFullFinetuneSingleDeviceConfig, "ppo_full_finetune_single_device"
+    )
+
+
+def test_the_stock_config_is_accepted_unchanged() -> None:
+    from omegaconf import OmegaConf
+    from unit_utils import stock_configs
+
+    (path,) = stock_configs("ppo_full_finetune_single_device")
+    cfg = _validate(OmegaConf.load(path))
+    assert cfg.loss_normalization is NormMode.EXACT  # our keys get their defaults
+    assert cfg.ppo_batch_size == 128 and cfg.loss.value_coeff == 0.1
+
+
+BAD_KEYS = {
+    # overrides of the tiny config -> what the one message names
+    "ppo_batch_size": ({"ppo_batch_size": 3}, "'batch_size' and 'ppo_batch_size'"),
+    "forward_batch_size": ({"forward_batch_size": 3}, "'forward_batch_size'"),
+    "ga": ({"gradient_accumulation_steps": 3}, "'gradient_accumulation_steps'"),
+    "num_steps": ({"num_steps": 4}, "'num_steps'"),
+    "post_scale": (
+        {"loss_normalization": "post_scale", "micro_batching": "fixed"},
+        "'loss_normalization'",
+    ),
+    "loss_key": ({"loss": {"kl_coeff": 0.1}}, "'loss.kl_coeff'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KEYS))
+def test_bad_keys_are_named(case: str) -> None:
+    from unit_utils import tiny_config
+
+    overrides, words = BAD_KEYS[case]
+    with pytest.raises(ValueError, match=words):
+        _validate(tiny_config("ppo_single_device", **overrides))
