@@ -8,7 +8,7 @@ launches at a time. A launch passes when it exits 0, every logged loss is finite
 epoch's artefacts exist. One line per config as it finishes, then the count. ``--ours`` runs
 exactga's own distributed configs (``configs/llama3_1/8B_full.yaml``, ...: 10) the same way
 instead. The QAT recipes' stock configs and PPO's one (``mistral/7B_full_ppo_low_memory``, on
-one process: ``--recipe ppo_full_finetune_single_device``, about 5 minutes on 2 loaded cores,
+one process: ``--recipe ppo_full_finetune_single_device``, 2 to 5 minutes on 2 shared cores,
 mostly ``compile``) are swept too.
 
 Run from the repository root::

@@ -177,7 +177,9 @@ def _padded(rows: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, torc
     return tokens, labels
 
 
-def _per_response_token(flat: torch.Tensor, positions: torch.Tensor, rows: Sequence[Trajectory]):
+def _per_response_token(
+    flat: torch.Tensor, positions: torch.Tensor, rows: Sequence[Trajectory]
+) -> list[torch.Tensor]:
     """Values at the response positions of a padded chunk, back as one vector per row."""
     lengths = [len(r["completion"]) for r in rows]
     assert sum(lengths) == len(positions), "every response token has one scored position"
