@@ -12,6 +12,8 @@ unchanged. Like exactga.config.schemas, this module imports only bottom modules
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -135,6 +137,12 @@ def check_ppo_keys(cfg: DictConfig) -> None:
             "config key 'loss_normalization': post_scale is stock fine-tuning's token weighting; "
             "for PPO choose exact (default) or naive (stock PPO: each micro-batch's own means "
             "over gradient_accumulation_steps)."
+        )
+    if not cfg.enable_kv_cache and int(os.environ.get("RANK", "0")) == 0:
+        warnings.warn(
+            "config key 'enable_kv_cache' is ignored: generation always runs with a KV cache "
+            "here (exactga.setup.rollouts), which changes no number.",
+            stacklevel=2,
         )
     loss = cfg.loss if isinstance(cfg.loss, DictConfig) else {}
     unknown = sorted(set(loss) - {"_component_", *LOSS_DEFAULTS})
