@@ -109,17 +109,18 @@ def _oracle_loss(models: PolicyAndValue, trajectories: list[dict], groups=None) 
             tokens, first = torch.tensor([t["tokens"]]), t["prompt_length"] - 1
             log_probs = (models.policy(tokens)[0] / TEMPERATURE).log_softmax(-1)
             values = models.value(tokens)[0, :, 0]
-            for k, advantage in enumerate(t["advantages"]):
-                ratio = torch.exp(
-                    log_probs[first + k, t["tokens"][first + k + 1]] - t["old_log_probs"][k]
-                )
-                clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
-                policy_losses.append(torch.maximum(-advantage * ratio, -advantage * clipped))
-            for k, (old, ret) in enumerate(zip(t["old_values"], t["returns"], strict=True)):
-                value = values[first + k]
-                clipped = torch.clamp(value, old - clip, old + clip)
-                value_losses.append(0.5 * torch.maximum((value - ret) ** 2, (clipped - ret) ** 2))
-        total = total + torch.stack(policy_losses).mean() + coeff * torch.stack(value_losses).mean()
+            # Response token k is predicted at position first + k; value position k sits there.
+            responses = torch.arange(len(t["advantages"])) + first
+            targets = torch.tensor(t["tokens"])[responses + 1]
+            ratios = torch.exp(log_probs[responses, targets] - t["old_log_probs"])
+            advantages = t["advantages"]
+            clipped = torch.clamp(ratios, 1 - eps, 1 + eps)
+            policy_losses.append(torch.maximum(-advantages * ratios, -advantages * clipped))
+            value = values[torch.arange(len(t["old_values"])) + first]
+            old, ret = t["old_values"], t["returns"]
+            clipped = torch.clamp(value, old - clip, old + clip)
+            value_losses.append(0.5 * torch.maximum((value - ret) ** 2, (clipped - ret) ** 2))
+        total = total + torch.cat(policy_losses).mean() + coeff * torch.cat(value_losses).mean()
     return total / len(groups)
 
 
