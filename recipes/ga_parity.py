@@ -89,6 +89,8 @@ from exactga.kd.distillation import Distiller, check_kd_losses, check_vocabulari
 from exactga.launch.cli import run_recipe
 from exactga.parity.grpo import GrpoParity
 from exactga.parity.grpo_schema import GrpoParityConfig, is_grpo_config
+from exactga.parity.ppo import PpoParity
+from exactga.parity.ppo_schema import PpoParityConfig, is_ppo_config
 from exactga.parity.preference import (
     Preference,
     check_pairs,
@@ -614,10 +616,14 @@ class GaParityRecipe:
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains every planned run. A GRPO
-    config (one that sets ``grpo_samples``) is trained by exactga.parity.grpo.GrpoParity."""
+    config (one that sets ``grpo_samples``) is trained by exactga.parity.grpo.GrpoParity, a PPO
+    one (``ppo_batch_size``) by exactga.parity.ppo.PpoParity."""
     if is_grpo_config(cfg):
         cfg = validate_run_config(cfg, GrpoParityConfig, RECIPE_NAME)
         recipe = GrpoParity(cfg)
+    elif is_ppo_config(cfg):  # see [ppo parity] in exactga.parity.ppo
+        cfg = validate_run_config(cfg, PpoParityConfig, RECIPE_NAME)
+        recipe = PpoParity(cfg)
     else:
         cfg = validate_run_config(cfg, GaParityConfig, RECIPE_NAME)
         recipe = GaParityRecipe(cfg)

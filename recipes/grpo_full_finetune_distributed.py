@@ -62,7 +62,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         - Rollouts: ``grpo_samples`` completions per prompt, ``max_generated_tokens``,
           ``temperature``, ``top_k``, ``stop_token_ids``, with randomness drawn from (seed,
           step, prompt, sample) only; see [rollouts independent of the rank layout] in
-          ``exactga.grpo.rollouts``. Rewards are the config's ``rewards`` components, summed.
+          ``exactga.setup.rollouts``. Rewards are the config's ``rewards`` components, summed.
         - Exact accumulation over micro-batches and ranks for each ``loss_aggregation``
           (``token_mean``, ``sequence_mean``, ``constant``): one all-reduce of the window's
           units per step, each micro-batch's mean scaled before backward; ``naive`` in

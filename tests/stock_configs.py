@@ -328,10 +328,14 @@ def _paths_outside(cfg: DictConfig, output_dir: Path) -> list[str]:
 def launch_args(
     name: str, recipe: str, output_dir: Path | str, nproc_per_node: int = 2
 ) -> list[str]:
-    """``tune run`` arguments for the adapted config, written to ``output_dir/config.yaml``."""
+    """``tune run`` arguments for the adapted config, written to ``output_dir/config.yaml``; the
+    one-device PPO recipe runs without torchrun."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     config_path = output_dir / "config.yaml"
+    if recipe == PPO:
+        OmegaConf.save(adapted_ppo_config(name, output_dir), config_path)
+        return [f"recipes/{recipe}.py", "--config", str(config_path)]
     OmegaConf.save(adapted_config(name, recipe, output_dir), config_path)
     return [
         "--nproc_per_node",
@@ -362,8 +366,13 @@ PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 def expected_artefacts(cfg: DictConfig) -> list[str]:
     """Files the run must leave in ``checkpointer.output_dir``: merged or full weights, and for
     LoRA the adapters (PEFT's format too, except for Phi, which torchtune saves only in its
-    own)."""
+    own). PPO saves its value model too, through its own checkpointer (in ``value/``)."""
     files = []
+    if "policy_model" in cfg:
+        return [
+            "epoch_0/model-00001-of-00001.safetensors",
+            "value/epoch_0/model-00001-of-00001.safetensors",
+        ]
     if not cfg.get("save_adapter_weights_only", False):
         files.append("epoch_0/model-00001-of-00001.safetensors")
     if "lora_rank" in cfg.model:
@@ -384,3 +393,70 @@ def first_error_line(output: str) -> str:
             return match.group(1)[:200]
     lines = [line for line in output.splitlines() if line.strip()]
     return lines[-1][:200] if lines else "(no output)"
+
+
+# PPO (tests/test_recipe_ppo.py, docs/ppo.md): its one stock config, on one device.
+PPO = "ppo_full_finetune_single_device"
+# bitsandbytes' paged optimizers need CUDA (and the package); on CPU the stock optimizer is
+# swapped for torch's AdamW with the same settings, the one change besides the tiny shapes.
+PPO_CPU_OPTIMIZERS = {"bitsandbytes.optim.PagedAdamW": "torch.optim.AdamW"}
+
+
+def adapted_ppo_config(name: str, output_dir: Path | str) -> DictConfig:
+    """Stock PPO config ``name`` on tiny models, the tiny tokenizer and the bundled prompts,
+    on CPU: ``policy_model`` a tiny model of its family; ``reward_and_value_model`` the stock
+    classifier builder with tiny sizes; the four checkpointers writing seeded weights on first
+    use (the reference reads the policy's, the value model the reward model's, as stock's
+    comments ask); ``text_completion_dataset`` over configs/tiny/arithmetic_data.json (column
+    ``question``); one trajectory step (``num_steps: batch_size``). Everything else as shipped
+    (bf16, ``compile``, ``optimizer_in_bwd``, activation checkpointing, batch sizes, generation,
+    penalties, GAE and loss settings), but the optimizer on CPU (``PPO_CPU_OPTIMIZERS``)."""
+    cfg = stock_config(name)
+    policy, _ = tiny_model(cfg.policy_model)
+    classifier = OmegaConf.to_container(cfg.reward_and_value_model)
+    classifier.update(
+        vocab_size=TINY_SIZES["vocab_size"],
+        num_layers=TINY_SIZES["num_layers"],
+        max_seq_len=TINY_SIZES["max_seq_len"],
+        embed_dim=WIDTH,
+        intermediate_dim=2 * WIDTH,
+        num_heads=NUM_HEADS,
+        num_kv_heads=min(classifier["num_kv_heads"], 2),
+    )
+    cfg.output_dir = str(output_dir)
+    cfg.device = "cpu"
+    cfg.num_steps = cfg.batch_size
+    cfg.policy_model = policy
+    cfg.reward_and_value_model = classifier
+    optimizer = cfg.optimizer._component_
+    cfg.optimizer._component_ = PPO_CPU_OPTIMIZERS.get(optimizer, optimizer)
+    cfg.tokenizer = {
+        "_component_": "torchtune.models.llama2.llama2_tokenizer",
+        "path": str(TOKENIZER),
+        "max_seq_len": TOKENIZER_MAX_SEQ_LEN,
+        "prompt_template": None,
+    }
+    dataset = OmegaConf.to_container(cfg.dataset)
+    dataset.update(source="json", data_files=str(PROMPTS), column="question", split="train")
+    cfg.dataset = dataset
+
+    def checkpointer(key: str, model: str, folder: str, seed: int) -> dict[str, Any]:
+        return {
+            "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
+            "model": f"${{{model}}}",
+            "init_seed": seed,
+            "checkpoint_dir": f"${{output_dir}}/{folder}",
+            "checkpoint_files": ["model.safetensors"],
+            "output_dir": cfg[key].output_dir,
+            "model_type": cfg[key].model_type,
+        }
+
+    cfg.checkpointer = checkpointer("checkpointer", "policy_model", "base_policy", 0)
+    cfg.ref_policy_checkpointer = checkpointer(
+        "ref_policy_checkpointer", "policy_model", "base_policy", 0
+    )
+    for key in ("value_checkpointer", "reward_checkpointer"):
+        cfg[key] = checkpointer(key, "reward_and_value_model", "base_reward", 1)
+    leftover = _paths_outside(cfg, Path(output_dir))
+    assert not leftover, f"{name}: paths left outside output_dir: {leftover}"
+    return cfg

@@ -192,7 +192,7 @@ def _exactga_imports(path: Path) -> set[str]:
 # report, which trains every family. The profiler is the recipes' (and the report's): the step
 # takes it as an argument and never imports it. docs/architecture.md draws the same table.
 LAYERS = ("config", "launch", "runtime", "data", "accumulation", "run", "setup")
-FAMILIES = ("sft", "kd", "dpo", "grpo")
+FAMILIES = ("sft", "kd", "dpo", "grpo", "ppo")
 ALLOWED_IMPORTS = {
     "config": set(),
     "launch": set(),

@@ -1,4 +1,4 @@
-"""Rollouts that do not depend on the rank layout (exactga.grpo.rollouts).
+"""Rollouts that do not depend on the rank layout (exactga.setup.rollouts).
 
 A group's completions must be a function of (seed, step, prompt index, sample index) and the
 weights: the same whether the group is generated alone, after others or in another order, with
@@ -20,7 +20,7 @@ from unit_utils import run_on_ranks, tiny_model
 
 from exactga.accumulation.loss_units import IGNORE_INDEX, shift_labels
 from exactga.grpo.policy import collate_rollouts
-from exactga.grpo.rollouts import (
+from exactga.setup.rollouts import (
     RolloutGroup,
     SamplingSettings,
     check_prompt,

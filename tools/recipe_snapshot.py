@@ -56,13 +56,21 @@ RUNS = {
     "lora_dpo_distributed": ("lora_dpo_distributed", 2, {"max_steps_per_epoch": 6}),
     "full_dpo_distributed": ("full_dpo_distributed", 2, {"max_steps_per_epoch": 6}),
     "grpo_distributed": ("grpo_full_finetune_distributed", 2, {"num_steps": 4}),
+    # Its tiny models are small already, and it names them policy_model and
+    # reward_and_value_model: no SMALL_MODEL.
+    "ppo_single_device": ("ppo_full_finetune_single_device", 1, {"num_steps": 16}),
 }
+# Runs whose config has no ``model`` section for SMALL_MODEL to shrink.
+OWN_MODELS = ("ppo_single_device",)
+# The initial checkpoints the tiny configs write, not what a run saved.
+INITIAL = {"base_model", "base_policy", "base_reward"}
 
 
 def launch(name: str, output_dir: str) -> dict:
     """Run ``name`` into ``output_dir``; its logged metrics and weight hash, or its error."""
     recipe, nproc, overrides = RUNS[name]
-    settings = {**SMALL_MODEL, **overrides, **DISK_LOGGER, "output_dir": output_dir}
+    small = {} if name in OWN_MODELS else SMALL_MODEL
+    settings = {**small, **overrides, **DISK_LOGGER, "output_dir": output_dir}
     head = ["--nproc_per_node", str(nproc)] if nproc > 1 else []
     tune = str(Path(sys.executable).parent / "tune")
     args = [tune, "run", *head, f"recipes/{recipe}.py", "--config", f"configs/tiny/{name}.yaml"]
@@ -95,7 +103,7 @@ def weights_hash(output_dir: str) -> str:
     """SHA-256 over every safetensors file the run saved (not its initial weights)."""
     digest = hashlib.sha256()
     for path in sorted(Path(output_dir).rglob("*.safetensors")):
-        if "base_model" not in path.parts:
+        if not INITIAL & set(path.parts):
             digest.update(str(path.relative_to(output_dir)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

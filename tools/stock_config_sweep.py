@@ -7,7 +7,9 @@ as shipped) and launched through the real ``tune run --nproc_per_node 2`` on glo
 launches at a time. A launch passes when it exits 0, every logged loss is finite and the
 epoch's artefacts exist. One line per config as it finishes, then the count. ``--ours`` runs
 exactga's own distributed configs (``configs/llama3_1/8B_full.yaml``, ...: 10) the same way
-instead.
+instead. The QAT recipes' stock configs and PPO's one (``mistral/7B_full_ppo_low_memory``, on
+one process: ``--recipe ppo_full_finetune_single_device``, 2 to 5 minutes on 2 shared cores,
+mostly ``compile``) are swept too.
 
 Run from the repository root::
 
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run configs whose name contains this")
     parser.add_argument(
         "--recipe",
-        choices=stock_configs.RECIPES + stock_configs.QAT_RECIPES,
+        choices=stock_configs.RECIPES + stock_configs.QAT_RECIPES + (stock_configs.PPO,),
         help="one recipe's configs",
     )
     parser.add_argument(
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    recipes = stock_configs.RECIPES + stock_configs.QAT_RECIPES
+    recipes = stock_configs.RECIPES + stock_configs.QAT_RECIPES + (stock_configs.PPO,)
     configs = stock_configs.OUR_CONFIGS if args.ours else stock_configs.all_stock_configs(recipes)
     todo = [(r, n) for r, n in configs if args.only in n and args.recipe in (None, r)]
     print(f"{len(todo)} configs, {args.jobs} launches at a time, outputs in {args.out}")

@@ -128,11 +128,14 @@ def token_log_probs(
     targets: torch.Tensor,
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """``log p(target)`` at each of ``positions`` (flat indices into the ``(B, L)`` batch after
     the shift), in fp32 at least: the per-token log-probs of the preference and policy losses
     (``exactga.dpo.preference.sequence_log_probs`` sums them per row). The projection runs only at
-    ``positions`` where the model allows it; see [logits only at loss positions]."""
+    ``positions`` where the model allows it; see [logits only at loss positions]. PPO scores
+    tokens under the sampling distribution, the logits over ``temperature`` (stock's
+    ``rlhf.logits_to_logprobs``); 1 leaves them as they are."""
     autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
     activations = activations_ctx or contextlib.nullcontext()
     with activations, autocast, projecting_only(model, positions) as cut:
@@ -143,6 +146,8 @@ def token_log_probs(
     if not cut:
         logits = logits.index_select(0, positions)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits = logits / temperature
     return -F.cross_entropy(logits, targets, reduction="none")
 
 

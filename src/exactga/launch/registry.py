@@ -155,6 +155,7 @@ RECIPES = (
         ("tiny/grpo_distributed", "qwen3/0.6B_grpo", "gemma3/1B_grpo"),
         supports_distributed=True,
     ),
+    RecipeEntry("ppo_full_finetune_single_device", ("tiny/ppo_single_device",), False),
     RecipeEntry(
         "ga_parity",
         (

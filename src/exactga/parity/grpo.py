@@ -43,7 +43,6 @@ from exactga.config.options import LossAggregation, MasterWeights, MicroBatching
 from exactga.data.loader import build_prompt_loader
 from exactga.grpo.policy import grpo_loss_step, loss_units_for
 from exactga.grpo.rewards import build_rewards, reward_name
-from exactga.grpo.rollouts import SamplingSettings, check_prompt
 from exactga.grpo.schema import loss_settings
 from exactga.grpo.step import StepSettings, make_rollouts, ppo_windows
 from exactga.parity.grpo_report import PolicyObjective, grpo_splits, write_index
@@ -71,6 +70,7 @@ from exactga.parity.scoring import (
 from exactga.profiling import setup_profiler
 from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
+from exactga.setup.rollouts import SamplingSettings, check_prompt
 
 log = utils.get_logger("INFO")
 

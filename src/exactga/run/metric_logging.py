@@ -157,13 +157,18 @@ def config_summary(recipe_name: str, cfg: DictConfig, config_path: Path) -> list
         f"batch_size {cfg.batch_size} x gradient_accumulation_steps "
         f"{present(cfg, 'gradient_accumulation_steps')} x {ranks} rank{'s' if ranks > 1 else ''}"
     )
-    length = [f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''}"]
+    # PPO derives its epochs from num_steps (its ``epochs`` is None) and names its model
+    # policy_model.
+    epochs = present(cfg, "epochs")
+    length = [f"{epochs} epoch{'s' if epochs != 1 else ''}"] if epochs is not None else []
     if present(cfg, "max_steps_per_epoch") is not None:
         length.append(f"at most {cfg.max_steps_per_epoch} steps per epoch")
     if present(cfg, "num_steps") is not None:
-        length.append(f"at most {cfg.num_steps} rollout steps")
+        unit = "trajectories" if present(cfg, "policy_model") is not None else "rollout steps"
+        length.append(f"at most {cfg.num_steps} {unit}")
+    model = present(cfg, "model") or present(cfg, "policy_model")
     return [
-        f"{recipe_name}: model {_component_name(cfg.model)}, data {data}, "
+        f"{recipe_name}: model {_component_name(model)}, data {data}, "
         f"{present(cfg, 'dtype')} on {present(cfg, 'device')}",
         f"training: {', '.join(length)}; each step {step}",
         f"outputs: {cfg.output_dir} (the full resolved config: {config_path})",

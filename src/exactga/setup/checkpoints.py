@@ -44,6 +44,10 @@ class RunCheckpoints:
         lora: the adapters' settings for a LoRA model, ``None`` for full weights.
         adapter_only: ``save_adapter_weights_only``: no merged weights at an epoch's end.
         sharded: the model is sharded with FSDP2 over the data-parallel ranks.
+        parts: for a trained module that holds several models (PPO's policy and value), the
+            checkpointer of each submodule by attribute name, the first ``epoch_writer`` itself:
+            an epoch checkpoint writes each model with its own checkpointer, the first with the
+            recipe and optimizer state, as stock does. Step checkpoints hold the whole module.
     """
 
     progress: TrainingProgress
@@ -54,11 +58,14 @@ class RunCheckpoints:
     lora: LoraSettings | None = None
     adapter_only: bool = False
     sharded: bool = False
+    parts: Mapping[str, Any] | None = None
 
     def save_epoch(self, model: nn.Module, optimizer: Optimizer, epoch: int) -> None:
         """The checkpoint of ``epoch``, as stock writes it."""
         if self.lora is not None:
             self._save_adapters(model, optimizer, epoch)
+        elif self.parts:
+            self._save_parts(model, optimizer, epoch)
         elif self.sharded:  # torchtune's client gathers the full state on rank 0 and writes
             self.epoch_writer.save_checkpoint(
                 model=model,
@@ -74,6 +81,22 @@ class RunCheckpoints:
                 ckpt_dict[training.OPT_KEY] = optimizer.state_dict()
             self.epoch_writer.save_checkpoint(
                 ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate
+            )
+
+    def _save_parts(self, model: nn.Module, optimizer: Optimizer, epoch: int) -> None:
+        """Each part of ``model`` through its own checkpointer; only the first carries the
+        recipe and optimizer state while training goes on (stock PPO writes its value model
+        with ``intermediate_checkpoint=False`` always)."""
+        assert self.parts is not None and not self.sharded, "parts are a one-device module's"
+        intermediate = not self.progress.is_last_epoch(epoch)
+        for index, (name, writer) in enumerate(self.parts.items()):
+            ckpt_dict: dict[str, Any] = {training.MODEL_KEY: getattr(model, name).state_dict()}
+            first = index == 0
+            if first and intermediate:
+                ckpt_dict.update(self.progress.epoch_checkpoint_state())
+                ckpt_dict[training.OPT_KEY] = optimizer.state_dict()
+            writer.save_checkpoint(
+                ckpt_dict, epoch=epoch, intermediate_checkpoint=first and intermediate
             )
 
     def save_step(self, model: nn.Module, optimizer: Optimizer, dataloader: Any) -> Path:

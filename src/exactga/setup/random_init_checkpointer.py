@@ -133,6 +133,8 @@ _HF_ARCHITECTURES = {
     "PHI3_MINI": ("Phi3ForCausalLM", "phi3"),
     "PHI4": ("Phi3ForCausalLM", "phi3"),
     "QWEN2": ("Qwen2ForCausalLM", "qwen2"),
+    # torchtune's reward and value models: a Mistral-style classifier (``score`` head).
+    "REWARD": ("MistralForSequenceClassification", "mistral"),
 }
 
 
@@ -183,6 +185,15 @@ def _tune_to_hf(
 
         return qwen2_tune_to_hf(
             state_dict, **sizes, tie_word_embeddings=hf_config["tie_word_embeddings"]
+        )
+    if model_type == "REWARD":
+        from torchtune.rlhf.utils import reward_tune_to_hf
+
+        return reward_tune_to_hf(
+            state_dict,
+            num_heads=sizes["num_heads"],
+            num_kv_heads=sizes["num_kv_heads"],
+            dim=sizes["dim"],
         )
     if model_type == "GEMMA2":
         from torchtune.models.gemma2._convert_weights import gemma2_tune_to_hf

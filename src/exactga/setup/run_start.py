@@ -42,7 +42,7 @@ from exactga.run.metric_logging import (
     report_outputs,
 )
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
-from exactga.run.resume import start_run, validate_run_config
+from exactga.run.resume import checkpointer_source, start_run, validate_run_config
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
@@ -264,14 +264,40 @@ class RunStart:
             # learns there the layout it writes the epoch checkpoints in.
             self.ckpt_dict = self.epoch_writer.load_checkpoint()
         self.activations_ctx: Any = None  # the model's, once built
+        # Further trained models' checkpointers by part name (PPO's value model); see
+        # trained_part_weights.
+        self._part_writers: dict[str, Any] = {}
 
     # -- weights ---------------------------------------------------------------------------
-    def full_weights(self) -> FullWeights:
-        """Every weight: the checkpointer's, or the checkpoint's the run resumes from."""
-        return FullWeights(
-            self.resume.model_weights(self.ckpt_dict),
-            self.resume.weights_source(self.cfg.checkpointer),
+    def full_weights(self, part: str | None = None) -> FullWeights:
+        """Every weight: the checkpointer's, or the checkpoint's the run resumes from. A run
+        that trains several models in one module (PPO) names the ``part`` this checkpointer's
+        model is: a step checkpoint holds the whole module, each part under its name."""
+        weights = self.resume.model_weights(self.ckpt_dict)
+        if part is not None:
+            self._part_writers[part] = self.epoch_writer
+            if self.resume.from_step_checkpoint:
+                weights = _part_state(weights, part)
+        return FullWeights(weights, self.resume.weights_source(self.cfg.checkpointer))
+
+    def trained_part_weights(self, cfg_checkpointer: DictConfig, part: str) -> FullWeights:
+        """The weights of a further trained model (PPO's value model): its own checkpointer's
+        (stock: on resume, point it at the saved weights), or on a step-checkpoint resume the
+        step checkpoint's ``part``. Its epoch checkpoints go through that checkpointer, in
+        ``dtype`` (``RunCheckpoints.parts``). A classifier head's bias, if the checkpoint has
+        one, is dropped: torchtune's classifiers have none (stock's
+        ``update_state_dict_for_classifier``)."""
+        writer = self.runtime.precision.saving_in_dtype(
+            config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
         )
+        self._part_writers[part] = writer
+        state = writer.load_checkpoint()[training.MODEL_KEY]  # also teaches it its layout
+        source = checkpointer_source(cfg_checkpointer)
+        if self.resume.from_step_checkpoint:
+            state = _part_state(self.resume.model_weights(self.ckpt_dict), part)
+            source = self.resume.weights_source(cfg_checkpointer)
+        state.pop("output.bias", None)
+        return FullWeights(state, source)
 
     def adapter_weights(self, lora: LoraSettings) -> AdapterWeights:
         """The frozen base, and the adapters to go on from (fresh ones from the seed)."""
@@ -398,6 +424,7 @@ class RunStart:
         *,
         lora: LoraSettings | None = None,
         windows_per_epoch: int | None = None,
+        total_epochs: int | None = None,
         book_settings: StepBookSettings | None = None,
         **step_book_extras: Any,
     ) -> TrainingRun:
@@ -407,10 +434,14 @@ class RunStart:
             lora: the adapters' settings of a LoRA model (adapter checkpoints, merged weights
                 unless the config's ``save_adapter_weights_only``).
             windows_per_epoch: optimizer steps per epoch; the loader's length by default.
+            total_epochs: the run's epochs where the recipe derives them (PPO: from
+                ``num_steps``); the config's ``epochs`` by default.
             book_settings: the step bookkeeping's settings; the config's by default.
             step_book_extras: ``window_metrics``, ``track``: see ``StepBook``.
         """
         cfg, runtime, progress = self.cfg, self.runtime, self.progress
+        if total_epochs is not None:
+            progress.total_epochs = total_epochs
         progress.start(
             len(dataloader) if windows_per_epoch is None else windows_per_epoch,
             resumed_mid_run=self.resume.from_step_checkpoint,
@@ -424,6 +455,7 @@ class RunStart:
             lora=lora,
             adapter_only=lora is not None and cfg.save_adapter_weights_only,
             sharded=runtime.sharded,
+            parts=dict(self._part_writers) or None,
         )
         lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, optimizer, progress)
         # Phase timings on every rank; traces, snapshots and the report on rank 0.
@@ -443,6 +475,12 @@ class RunStart:
         self.resume.restore_rng(runtime.device)  # last: the setup above draws from the RNGs
         outputs = "Adapters and checkpoints" if lora is not None else "Checkpoints"
         return TrainingRun(steps, runtime, cfg.checkpointer.output_dir, outputs, cfg.compile)
+
+
+def _part_state(state: dict[str, Any], part: str) -> dict[str, Any]:
+    """The entries of one part of a module's state dict, without the part's prefix."""
+    prefix = f"{part}."
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def _frozen_on_device(

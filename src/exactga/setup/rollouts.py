@@ -1,4 +1,7 @@
-"""GRPO rollouts: one prompt's group of sampled completions, the same on any rank layout.
+"""Rollouts: one prompt's group of sampled completions, the same on any rank layout.
+
+GRPO samples a group of completions per prompt, PPO one; both generate here, so both families
+share the one generation path (a family never imports another, so it sits in this layer).
 
 :func:`generate_group` samples ``num_samples`` completions of one prompt with torchtune's
 ``generate`` and a KV cache, and returns them as rollouts for
