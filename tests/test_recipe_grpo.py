@@ -122,7 +122,7 @@ def test_logged_step_values_match_across_splits(runs, split) -> None:
 def test_the_parity_report_takes_the_recipes_own_steps(runs) -> None:
     """recipes/ga_parity.py on this config (exactga.parity.grpo) and the recipe, one rank:
     equal window losses, step by step, for the full batch (GA 1) and the 4x4 split (GA 4)."""
-    summary = json.loads((runs / PARITY / "parity" / "token_mean" / "summary.json").read_text())
+    summary = json.loads((runs / PARITY / "parity" / "token-mean" / "summary.json").read_text())
     (split,) = [run for run in summary["runs"] if run["split"] == "4x4"]
     for name, losses in (
         ("1rank_ga1", summary["reference_losses"]),
