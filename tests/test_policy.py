@@ -25,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from oracle_utils import flat, fp64, lr_for_unit_update, step_gap, trainable
 from torch import nn
 from torchtune.training import shard_model
@@ -39,8 +41,15 @@ from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS
 from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.data.micro_batching import SampleWindow
-from exactga.grpo import policy
-from exactga.grpo.losses import CISPOLoss, GSPOLoss, PPOClipLoss
+from exactga.grpo import losses, policy
+from exactga.grpo.losses import (
+    CISPOLoss,
+    GSPOLoss,
+    PolicyTokens,
+    PPOClipLoss,
+    build_policy_loss,
+    kl_estimate,
+)
 from exactga.grpo.policy import (
     ADVANTAGES,
     EMPTY,
@@ -52,6 +61,14 @@ from exactga.grpo.policy import (
     grpo_loss_step,
     loss_units_for,
 )
+from exactga.grpo.schema import POLICY_LOSS_KEYS, STOCK_LOSSES, check_loss_section
+from exactga.grpo.shaping import (
+    OverlongShaping,
+    groups_with_spread,
+    kept_groups,
+    kl_reward_penalties,
+)
+from exactga.grpo.step import StepRollouts, assign_advantages, dynamic_sampling
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 
@@ -578,3 +595,154 @@ def test_the_projection_sees_only_completion_positions(monkeypatch: pytest.Monke
 @contextlib.contextmanager
 def _never_cut(model, positions):
     yield False
+
+
+# --- (e) the loss components, the reward shaping, dynamic sampling ------------------------------
+
+
+def test_the_loss_table_of_the_schema_is_the_classes_signatures() -> None:
+    """Config validation checks ``loss`` keys from a table (it imports no torch); it must be
+    what the classes take. Stock's names train PPO-clip; an unknown key or class is named."""
+    for component, keys in POLICY_LOSS_KEYS.items():
+        assert tuple(inspect.signature(losses.POLICY_LOSSES[component]).parameters) == keys
+    assert type(build_policy_loss({"_component_": STOCK_LOSSES[1], "epsilon": 0.3})) is PPOClipLoss
+    ppo = build_policy_loss({"epsilon": 0.2, "epsilon_high": 0.28})
+    assert (ppo.epsilon_low, ppo.epsilon_high) == (0.2, 0.28)  # DAPO's clip-higher
+    with pytest.raises(ValueError, match="config key 'loss.epsilon': GSPOLoss takes epsilon_low"):
+        build_policy_loss({"_component_": "exactga.grpo.losses.GSPOLoss", "epsilon": 0.2})
+    with pytest.raises(ValueError, match="config key 'loss._component_'='my.Loss': choose one"):
+        build_policy_loss({"_component_": "my.Loss"})
+    section = OmegaConf.create(
+        {"_component_": "exactga.grpo.losses.CISPOLoss", "kl_estimator": "k4"}
+    )
+    with pytest.raises(ValueError, match="config key 'loss.kl_estimator'='k4': choose one of k1"):
+        check_loss_section(section, "loss")
+
+
+def test_kl_estimators_and_kl_in_the_reward_leave_the_loss_without_it() -> None:
+    log_probs, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
+    x = log_probs - ref
+    assert torch.equal(kl_estimate(log_probs, ref, "k1"), x)
+    assert torch.equal(kl_estimate(log_probs, ref, "k2"), 0.5 * x * x)
+    assert torch.allclose(kl_estimate(log_probs, ref, "k3"), torch.exp(-x) + x - 1)
+    tokens = PolicyTokens(
+        log_probs=log_probs.double(),
+        old_log_probs=log_probs.double(),
+        ref_log_probs=ref.double(),
+        advantages=torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64),
+        positions=torch.tensor([0, 1, 2]),
+        num_rows=1,
+        seq_len=3,
+    )
+    in_loss = PPOClipLoss(kl_coeff=0.5, kl_estimator="k2").token_losses(tokens)[0]
+    in_reward = PPOClipLoss(kl_coeff=0.5, kl_estimator="k2", kl_in_reward=True)
+    surrogate = in_reward.token_losses(tokens)[0]
+    assert torch.allclose(
+        in_loss - surrogate, 0.5 * kl_estimate(tokens.log_probs, tokens.ref_log_probs, "k2")
+    )
+    # In the reward: kl_coeff times each completion's summed estimate, from the recorded
+    # log-probs of its completion tokens only.
+    penalties = kl_reward_penalties(
+        rollouts()[:2], "old_log_probs", "ref_log_probs", kl_coeff=0.5, estimator="k1"
+    )
+    for rollout, penalty in zip(rollouts()[:2], penalties.tolist(), strict=True):
+        scored = [
+            t for t in range(1, len(rollout["labels"])) if rollout["labels"][t] != IGNORE_INDEX
+        ]
+        plain = sum(rollout["old_log_probs"][t] - rollout["ref_log_probs"][t] for t in scored)
+        assert penalty == pytest.approx(0.5 * plain, rel=1e-12)
+
+
+def test_overlong_shaping_is_dapos_soft_penalty() -> None:
+    shaping = OverlongShaping(max_generated_tokens=32, buffer=8, penalty_factor=0.5)
+    penalties = shaping.penalties([1, 24, 25, 28, 32]).tolist()
+    assert penalties == [0.0, 0.0, -0.5 / 8, -0.5 * 4 / 8, -0.5]
+    with pytest.raises(ValueError, match="config key 'overlong_buffer'=40: must be between 1"):
+        OverlongShaping(max_generated_tokens=32, buffer=40)
+
+
+# Dynamic sampling over the groups of ``rollouts()`` as prompts: group 2's rewards are all equal,
+# so it is dropped. The data order deals 2 prompts a step (one a rank on two ranks); its first
+# round holds groups 2 and 0, so a second round (groups 2 and 1) refills the step.
+DATA_ORDER = [2, 0, 2, 1, 0, 1]
+STEP_PROMPTS = 2
+
+
+def _prompt_batches(rank: int, world_size: int):
+    per_rank = STEP_PROMPTS // world_size
+    for start in range(0, len(DATA_ORDER), STEP_PROMPTS):
+        step = DATA_ORDER[start : start + STEP_PROMPTS]
+        yield [{"index": step[j * world_size + rank]} for j in range(per_rank)]
+
+
+def _generate_and_score(batch) -> StepRollouts:
+    """The groups of ``rollouts()`` the prompts name, as generation and scoring leave them."""
+    samples, rewards = [], []
+    for prompt in batch:
+        group = prompt["index"]
+        rows = range(group * GROUP_SIZE, (group + 1) * GROUP_SIZE)
+        samples += [{**copy.deepcopy(rollouts()[i]), "index": i} for i in rows]
+        rewards += GROUPS[group][2]
+    scored = StepRollouts(
+        samples=samples,
+        rewards=torch.tensor(rewards, dtype=torch.float64),
+        reward_components={},
+        successes=None,
+        num_generated_tokens=len(samples),
+        group_size=GROUP_SIZE,
+    )
+    assign_advantages(scored)
+    return scored
+
+
+def _dynamic_step(rank: int, world_size: int) -> tuple[list[int], torch.Tensor, int]:
+    """This rank's kept rollouts (indices into ``rollouts()``), after one SGD step over them
+    (FSDP2 on two ranks), the full trained weights, and the sampling rounds."""
+    group = dist.group.WORLD if world_size > 1 else None
+    batches = _prompt_batches(rank, world_size)
+    kept = dynamic_sampling(
+        next(batches),
+        _generate_and_score,
+        lambda: next(batches, None),
+        max_rounds=4,
+        dp_group=group,
+    )
+    indices = [sample["index"] for sample in kept.samples]
+    expected = [rollouts()[i]["advantage"] for i in indices]  # fp32 rewards there, fp64 here
+    assert [s["advantage"] for s in kept.samples] == pytest.approx(expected, rel=1e-6)
+    case = Case("token-mean")
+    if world_size > 1:
+        shard_model(case.model, [_is_layer], cpu_offload=False, reshard_after_forward=True)
+    real_step(case, [indices[: GROUP_SIZE // 2], indices[GROUP_SIZE // 2 :]], by_budget=True)
+    trained = flat([_full(p) for p in trainable(case.model)])
+    return indices, trained, kept.num_sampling_rounds
+
+
+def _dynamic_sampling_worker(rank: int) -> dict:
+    torch.set_num_threads(1)
+    indices, trained, rounds = _dynamic_step(rank, 2)
+    return {"indices": indices, "trained": trained.tolist(), "rounds": rounds}
+
+
+def test_dynamic_sampling_keeps_the_same_groups_and_takes_the_same_step_on_two_ranks(
+    tmp_path,
+) -> None:
+    """Group 2 (all rewards equal) is dropped and refilled from the next round on one rank and
+    on two; the two ranks hold groups 0 and 1 (rank 0's generated on rank 1) and their step is
+    the one rank's step, at the fp32 floor."""
+    indices, trained, rounds = _dynamic_step(0, 1)
+    assert indices == list(range(2 * GROUP_SIZE)) and rounds == 2  # groups 0 and 1, in order
+    results = run_on_ranks(_dynamic_sampling_worker, (), tmp_path)
+    assert [r["indices"] for r in results] == [list(range(GROUP_SIZE)), list(range(4, 8))]
+    assert [r["rounds"] for r in results] == [2, 2]
+    initial = flat(trainable(policy_model()))
+    for result in results:
+        gap = float((torch.tensor(result["trained"], dtype=torch.float64) - trained).norm())
+        gap /= float((trained - initial).norm())
+        print(f"dynamic sampling, 2 ranks against 1: relative L2 {gap:.2e}")
+        assert gap <= ORACLE_BOUND
+    with_spread = groups_with_spread(torch.tensor([1.0, 1.0, 0.0, 0.5]), 2)
+    assert with_spread.tolist() == [False, True]
+    # Too few groups with a spread: the first without fill up the step, in global order.
+    spreads = [torch.tensor([False, True]), torch.tensor([False, False])]
+    assert kept_groups(spreads, 2) == [(0, 0), (0, 1)]
