@@ -1,6 +1,7 @@
 """The GA parity report on a GRPO config: its keys, and through one two-rank ``tune run`` that for
 every ``loss_aggregation`` exact splits (one device and two ranks, fixed and token_budget
-micro-batches) land at the fp32 floor, that the naive weighting is far off for token_mean and
+micro-batches) land at the fp32 floor (with clip-higher, the KL in the reward, dynamic sampling and
+overlong shaping on), that the naive weighting is far off for token_mean and
 with exact for the completion units, and that each aggregation gets its own report, counted in
 its own units. See [grpo parity] in exactga.parity.grpo; that the report trains the GRPO recipe's
 own step is tests/test_recipe_grpo.py's (its losses equal the recipe's)."""
@@ -43,6 +44,13 @@ def grpo_report(run_once):
             "parity.splits": f"[{','.join(SPLITS)}]",
             "parity.num_steps": 2,
             "parity.micro_batching": "[fixed,token_budget]",
+            # The step's shaping keys and a KL in the reward ride along (through the same
+            # make_rollouts as the recipe): DAPO's clip-higher, dynamic sampling on two ranks
+            # (the dense reward keeps nearly every group, one round a step), overlong shaping.
+            "loss.epsilon_high": 0.28,
+            "loss.kl_in_reward": True,
+            "dynamic_sampling": True,
+            "overlong_buffer": 4,
         }
         args = [
             "--nproc_per_node",

@@ -1,11 +1,13 @@
-"""The GA parity report on a GRPO config: every ``loss_aggregation`` under every split.
+"""The GA parity report on a GRPO config: every policy loss x ``loss_aggregation`` under every
+split.
 
 ``recipes/ga_parity.py`` hands a config that sets ``grpo_samples`` to :class:`GrpoParity`, which
 trains it as recipes/grpo_full_finetune_distributed.py does (the one step of exactga.grpo.step:
 ``make_rollouts``, ``ppo_windows``, ``exactga.grpo.policy.grpo_loss_step`` and the recipes'
-``train_window``), once per listed ``loss_aggregation`` as the full batch on one device and then
-under every split and mode, and scores and reports each aggregation as its own objective with
-the fine-tuning report's tables, verdict and figure (exactga.parity.report). See [grpo parity].
+``train_window``), once per listed loss (``parity.losses``, or the config's ``loss``) and
+``loss_aggregation`` as the full batch on one device and then under every split and mode, and
+scores and reports each as its own objective with the fine-tuning report's tables, verdict and
+figure (exactga.parity.report). See [grpo parity].
 
 Note [grpo parity]
 A split ``BxGxN`` counts completions: ``B`` per micro-batch, ``G`` micro-batches, ``N`` ranks;
