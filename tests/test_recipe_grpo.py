@@ -15,6 +15,7 @@ every two-rank run in another (tests/many_runs.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,9 @@ def _parity_run(root: Path) -> Run:
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
     def make(root: Path) -> None:
-        tests_on_path = {"PYTHONPATH": str(Path(__file__).parent)}  # grpo_rewards
+        # grpo_rewards; before the caller's own path (a worktree's src/), not instead of it.
+        paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]
+        tests_on_path = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         launch_runs([*_runs(root, 0), _parity_run(root)], nproc=0, extra_env=tests_on_path)
         launch_runs(_runs(root, 2), nproc=2, extra_env=tests_on_path)
 
