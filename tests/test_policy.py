@@ -413,15 +413,18 @@ def test_the_three_losses_are_different_losses() -> None:
 # --- (b) two ranks under FSDP2, unequal completion tokens, one emptied filler -----------------
 
 
-# On two ranks: PPO-clip under every aggregation, GSPO and CISPO under their own.
+# On two ranks: both units, the sum that multiplies by C, and GSPO and CISPO under their own.
 RANK_OBJECTIVES = [
-    *(("ppoclip", a) for a in AGGREGATIONS),
+    ("ppoclip", "token-mean"),
+    ("ppoclip", "token-sum"),
     ("gspo", "seq-mean-token-mean"),
-    ("cispo", "token-mean"),
+    ("cispo", "seq-mean-token-sum-norm"),
 ]
 
 
 def _two_rank_worker(rank: int) -> dict:
+    """Every two-rank check of this module in one process group (a group costs seconds): each
+    objective's step on unequal ranks with a filler, and the dynamic sampling step."""
     torch.set_num_threads(1)
     results = {}
     for loss_name, aggregation in RANK_OBJECTIVES:
@@ -434,17 +437,29 @@ def _two_rank_worker(rank: int) -> dict:
             "oracle_loss": case.oracle_loss,
             "fillers": num_fillers,
         }
+    indices, trained, rounds = _dynamic_step(rank, 2)
+    results["dynamic sampling"] = {
+        "indices": indices,
+        "trained": trained.tolist(),
+        "rounds": rounds,
+    }
     return results
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory) -> list[dict]:
+    return run_on_ranks(_two_rank_worker, (), tmp_path_factory.mktemp("two_ranks"))
 
 
 def _is_layer(name: str, module: nn.Module) -> bool:
     return name.startswith("layers.") and name.count(".") == 1
 
 
+@pytest.mark.xdist_group("policy_two_ranks")  # one worker makes the module fixture once
 def test_two_ranks_with_unequal_completions_and_a_filler_take_the_full_batch_step(
-    tmp_path,
+    two_rank_results,
 ) -> None:
-    results = run_on_ranks(_two_rank_worker, (), tmp_path)
+    results = two_rank_results
     for loss_name, aggregation in RANK_OBJECTIVES:
         on_rank = [r[f"{loss_name} {aggregation}"] for r in results]
         assert [r["fillers"] for r in on_rank] == [0, 1]
@@ -718,21 +733,16 @@ def _dynamic_step(rank: int, world_size: int) -> tuple[list[int], torch.Tensor, 
     return indices, trained, kept.num_sampling_rounds
 
 
-def _dynamic_sampling_worker(rank: int) -> dict:
-    torch.set_num_threads(1)
-    indices, trained, rounds = _dynamic_step(rank, 2)
-    return {"indices": indices, "trained": trained.tolist(), "rounds": rounds}
-
-
+@pytest.mark.xdist_group("policy_two_ranks")
 def test_dynamic_sampling_keeps_the_same_groups_and_takes_the_same_step_on_two_ranks(
-    tmp_path,
+    two_rank_results,
 ) -> None:
     """Group 2 (all rewards equal) is dropped and refilled from the next round on one rank and
     on two; the two ranks hold groups 0 and 1 (rank 0's generated on rank 1) and their step is
     the one rank's step, at the fp32 floor."""
     indices, trained, rounds = _dynamic_step(0, 1)
     assert indices == list(range(2 * GROUP_SIZE)) and rounds == 2  # groups 0 and 1, in order
-    results = run_on_ranks(_dynamic_sampling_worker, (), tmp_path)
+    results = [r["dynamic sampling"] for r in two_rank_results]
     assert [r["indices"] for r in results] == [list(range(GROUP_SIZE)), list(range(4, 8))]
     assert [r["rounds"] for r in results] == [2, 2]
     initial = flat(trainable(policy_model()))
