@@ -54,10 +54,11 @@ runs it trains against its own copy, so only numbers travel to rank 0), the ``xN
 on all ranks together, and the one-device ``BxG`` runs are dealt out to the ranks in turn.
 
 A GRPO config (one that sets ``grpo_samples``) is trained by ``exactga.parity.grpo``, as
-recipes/grpo_full_finetune_distributed.py steps: per ``parity.loss_aggregations`` (all three by
-default) a full batch and every split, whose ``B`` counts completions per micro-batch, under
-``naive`` and ``exact``; one report per aggregation under ``parity/<loss_aggregation>/`` and an
-index in ``parity/report.md`` (see [grpo parity] there)::
+recipes/grpo_full_finetune_distributed.py steps: per ``parity.loss_aggregations`` (all five by
+default) and per ``parity.losses`` (the config's ``loss`` by default) a full batch and every
+split, whose ``B`` counts completions per micro-batch, under ``naive`` and ``exact``; one report
+per objective under ``parity/<loss_aggregation>/`` (``parity/<loss>.<loss_aggregation>/`` with
+``parity.losses``) and an index in ``parity/report.md`` (see [grpo parity] there)::
 
     tune run recipes/ga_parity.py --config configs/tiny/ga_parity_grpo.yaml
 

@@ -10,7 +10,7 @@ micro-batches whose step is exactly the full-batch step for the chosen ``loss_ag
 (completion tokens or completions counted over every micro-batch and rank by the one
 normaliser; stock has no accumulation and FSDP averages ranks with equal weight), and the
 completions do not depend on the rank layout, so 1 rank and 4 ranks train the same step.
-See [a GRPO step] in ``exactga.grpo.step``, [three policy denominators] in ``exactga.grpo.policy``
+See [a GRPO step] in ``exactga.grpo.step``, [policy aggregations] in ``exactga.grpo.policy``
 and docs/grpo.md.
 
 Launch from the repository root::
@@ -23,6 +23,7 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 
 import sys
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,10 +32,11 @@ from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.normalization import LossNormalizer, Window
+from exactga.grpo.losses import build_policy_loss
 from exactga.grpo.policy import PolicyMetrics, grpo_loss_step, loss_units_for
 from exactga.grpo.prompts import checked_prompt_loader
 from exactga.grpo.rewards import build_rewards
-from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig, loss_settings
+from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig
 from exactga.grpo.step import (
     StepRollouts,
     StepSettings,
@@ -64,9 +66,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
           step, prompt, sample) only; see [rollouts independent of the rank layout] in
           ``exactga.setup.rollouts``. Rewards are the config's ``rewards`` components, summed.
         - Exact accumulation over micro-batches and ranks for each ``loss_aggregation``
-          (``token_mean``, ``sequence_mean``, ``constant``): one all-reduce of the window's
-          units per step, each micro-batch's mean scaled before backward; ``naive`` in
-          ``loss_normalization`` is the per-micro-batch baseline, for the parity report.
+          (veRL's ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+          ``seq-mean-token-sum-norm``, ``token-sum``) and each policy ``loss`` (PPO-clip with
+          asymmetric clipping, GSPO, CISPO; KL k1/k2/k3 in the loss or the reward): one
+          all-reduce of the window's units per step, each micro-batch's mean scaled before
+          backward; ``naive`` in ``loss_normalization`` is the per-micro-batch baseline, for
+          the parity report.
+        - DAPO's ``dynamic_sampling`` and ``overlong_buffer`` shaping, the same groups and
+          rewards on any rank layout (exactga.grpo.shaping).
         - ``ppo_epochs`` optimizer steps per batch of rollouts; ``micro_batching`` of the
           rollouts, log-probs only at completion positions; precision, ``master_weights``,
           activation checkpointing, ``compile``, ``clip_grad_norm``, ``gradient_sync`` and
@@ -95,7 +102,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._ppo_epochs = cfg.ppo_epochs
         self._max_generated_tokens = cfg.max_generated_tokens
         self._loss_aggregation = cfg.loss_aggregation
-        self._loss_settings = loss_settings(cfg)
+        # The policy loss component (PPO-clip, GSPO, CISPO; stock's names are PPO-clip).
+        self._loss = build_policy_loss(cfg.get("loss"))
+        # The step's completions over every rank: token-sum's C (see [policy aggregations]).
+        self._num_completions = cfg.batch_size * cfg.grpo_samples * self._runtime.dp_size
 
     def setup(self, cfg: DictConfig) -> None:
         # Resume point, metric logger, torchtune's checkpoint client and the weights it read.
@@ -107,7 +117,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._ref_model = start.frozen_model(cfg.model, cfg.ref_checkpointer, "Reference")
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._step_settings = StepSettings.from_config(
-            cfg, pad_id=self._tokenizer.pad_id, eos_id=self._tokenizer.eos_id
+            cfg, pad_id=self._tokenizer.pad_id, eos_id=self._tokenizer.eos_id, loss=self._loss
         )
         self._rewards = build_rewards(cfg.rewards)
         self._optimizer = start.build_optimizer(
@@ -148,9 +158,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             window_metrics=self._window_metrics,
         )
 
-    def _make_rollouts(self, prompts: list[dict[str, Any]], rollout_step: int) -> StepRollouts:
-        """Generate, score and record log-probs for one step's prompts on this rank; see
-        [a GRPO step] in exactga.grpo.step."""
+    def _make_rollouts(
+        self, prompts: list[dict[str, Any]], rollout_step: int, more_prompts: Any
+    ) -> StepRollouts:
+        """Generate, score and record log-probs for one step's prompts on this rank (with
+        dynamic sampling, further prompts from ``more_prompts``); see [a GRPO step] in
+        exactga.grpo.step."""
         return make_rollouts(
             self._model,
             self._ref_model,
@@ -164,6 +177,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             run_full_length=self._runtime.dp_size > 1,  # every rank runs as many forwards
             precision=self._runtime.precision,
             phase=self._run.profiler.phase,
+            more_prompts=more_prompts,
+            dp_group=self._runtime.dp_group,
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -173,11 +188,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._model,
             batch,
             aggregation=self._loss_aggregation,
+            loss=self._loss,
             max_generated_tokens=self._max_generated_tokens,
+            num_completions=self._num_completions,
             precision=self._runtime.precision,
             activations_ctx=self._activations_ctx,
             metrics=self._policy_metrics,
-            **self._loss_settings,
         )
 
     def train(self) -> None:
@@ -187,9 +203,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 steps.open_epoch(curr_epoch)
                 rollout_steps_left = progress.windows_left_in(curr_epoch) // self._ppo_epochs
                 prompt_batches = iter(self._dataloader)
+                more_prompts = partial(next, prompt_batches, None)  # dynamic sampling's refill
                 for _ in range(rollout_steps_left):
+                    prompts = next(prompt_batches, None)
+                    if prompts is None:  # dynamic sampling drew this epoch's last prompts
+                        break
                     rollout_step = progress.global_step // self._ppo_epochs
-                    rollouts = self._make_rollouts(next(prompt_batches), rollout_step)
+                    rollouts = self._make_rollouts(prompts, rollout_step, more_prompts)
                     self._rollouts = rollouts  # read by _window_metrics on logged steps
                     windows = ppo_windows(rollouts, self._step_settings, self._normalizer)
                     for window in steps.training(windows):  # ppo_epochs passes over them

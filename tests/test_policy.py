@@ -1,19 +1,23 @@
-"""Exact GRPO: one optimizer step over rollouts against a full-batch oracle, per aggregation.
+"""Exact GRPO: one optimizer step over rollouts against a full-batch oracle, per policy loss and
+aggregation.
 
 The oracle is written here in plain PyTorch, fp64, knowing nothing of exactga: every rollout
 forwarded on its own (no padding), each completion token's ``log p`` at the positions whose
-label after the one-position shift is a completion token, the clipped surrogate with its
-completion's advantage plus ``KL_COEFF`` times the k3 estimator, then each aggregation's
-denominator in plain loops: the step's completion tokens (``token_mean``), each completion's
-own tokens then the completions (``sequence_mean``), ``MAX_GENERATED`` then the completions
-(``constant``). The rollouts' old and reference log-probs are data (fp32, as generation records
-them); the old ones are the policy's own plus noise, so clipping bites on both sides. SGD
-without momentum makes the step ``w - lr * g``, compared with the trained weights directly, as
-in tests/test_preference.py.
+label after the one-position shift is a completion token, then each loss's formula token by
+token (PPO-clip with asymmetric clipping and the k3 KL estimator; GSPO's sequence ratio
+``exp(mean log-ratio)`` clipped once per completion, with k2; CISPO's clipped, detached weight
+times ``log p``, with k1), then each aggregation in plain loops: over the step's completion tokens
+(``token-mean``), each completion's own tokens then the completions (``seq-mean-token-mean``),
+the completions of token sums (``seq-mean-token-sum``), of token sums over ``MAX_GENERATED``
+(``seq-mean-token-sum-norm``), and the plain sum (``token-sum``). The rollouts' old and reference
+log-probs are data (fp32, as generation records them); the old ones are the policy's own plus
+noise, so clipping bites on both sides. SGD without momentum makes the step ``w - lr * g``,
+compared with the trained weights directly, as in tests/test_preference.py.
 
 The real path is a recipe's: ``collate_rollouts``, ``LossNormalizer(units=loss_units_for(...))``,
 ``train_window`` with ``grpo_loss_step`` (and ``Window.scale``), on one process and on 2 gloo
-ranks under FSDP2. See [three policy denominators] in exactga.grpo.policy.
+ranks under FSDP2. See [policy aggregations] in exactga.grpo.policy and [policy losses are local
+to a completion] in exactga.grpo.losses.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from oracle_utils import flat, fp64, lr_for_unit_update, step_gap, trainable
 from torch import nn
 from torchtune.training import shard_model
@@ -35,7 +41,15 @@ from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS
 from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.data.micro_batching import SampleWindow
-from exactga.grpo import policy
+from exactga.grpo import losses, policy
+from exactga.grpo.losses import (
+    CISPOLoss,
+    GSPOLoss,
+    PolicyTokens,
+    PPOClipLoss,
+    build_policy_loss,
+    kl_estimate,
+)
 from exactga.grpo.policy import (
     ADVANTAGES,
     EMPTY,
@@ -47,16 +61,34 @@ from exactga.grpo.policy import (
     grpo_loss_step,
     loss_units_for,
 )
+from exactga.grpo.schema import POLICY_LOSS_KEYS, STOCK_LOSSES, check_loss_section
+from exactga.grpo.shaping import (
+    OverlongShaping,
+    groups_with_spread,
+    kept_groups,
+    kl_reward_penalties,
+)
+from exactga.grpo.step import StepRollouts, assign_advantages, dynamic_sampling
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 
 CPU = torch.device("cpu")
-EPSILON, KL_COEFF, MAX_GENERATED = 0.2, 0.1, 32
-AGGREGATIONS = [a.value for a in LossAggregation]  # token_mean, sequence_mean, constant
+KL_COEFF, MAX_GENERATED = 0.1, 32
+AGGREGATIONS = [a.value for a in LossAggregation]  # veRL's five names
+# Each loss with clip ranges the old log-probs' noise crosses on both sides, and its own KL
+# estimator: (low, high) of the ratio (PPO-clip: DAPO's clip-higher) and the estimator.
+LOSS_SETTINGS = {
+    "ppoclip": (PPOClipLoss, 0.2, 0.28, "k3"),
+    "gspo": (GSPOLoss, 0.05, 0.08, "k2"),
+    "cispo": (CISPOLoss, 0.5, 0.2, "k1"),
+}
+LOSSES = list(LOSS_SETTINGS)
+OBJECTIVES = [(loss, a) for loss in LOSSES for a in AGGREGATIONS]
 # Relative L2 of the trained weights from the oracle step (an update as large as the weights).
-# fp64: measured 2.4e-16 to 6.4e-16 over every aggregation and split (summation order only).
-# fp32: measured 2.1e-7 to 3.7e-7 on one process, 2.0e-7 to 3.3e-7 on 2 ranks. The naive
-# weighting is 3.1 (token_mean), 1.07 (sequence_mean), 0.97 (constant) off on the unequal split.
+# fp64: measured 4.0e-16 to 6.0e-16 over every loss and aggregation (summation order only).
+# fp32: measured 2.2e-7 to 3.6e-7 on one process, 1.9e-7 to 3.2e-7 on 2 ranks. The naive
+# weighting is 3.1 to 3.2 off under token-mean, 0.95 to 1.25 under the completion units, on the
+# unequal split (pytest tests/test_policy.py -p no:xdist -rP).
 ORACLE_BOUND = 2e-6
 FP64_BOUND = 1e-12
 BOUNDS = {torch.float32: ORACLE_BOUND, torch.float64: FP64_BOUND}
@@ -158,50 +190,80 @@ def rollouts() -> tuple[dict, ...]:
     return tuple(result)
 
 
-def oracle_loss(model: nn.Module, aggregation: str) -> torch.Tensor:
+def oracle_token_losses(loss: str, rollout: dict, log_probs: torch.Tensor, scored: list[int]):
+    """Each completion token's loss under ``loss``, token by token."""
+    _, low, high, _ = LOSS_SETTINGS[loss]
+    advantage = rollout["advantage"]  # an fp32 value, as the batch carries it
+    old = [rollout["old_log_probs"][t + 1] for t in scored]
+    ref = [rollout["ref_log_probs"][t + 1] for t in scored]
+    if loss == "gspo":  # one ratio for the completion, clipped once
+        ratio = torch.exp(sum(lp - o for lp, o in zip(log_probs, old, strict=True)) / len(old))
+        sequence = -torch.minimum(
+            ratio * advantage, torch.clamp(ratio, 1 - low, 1 + high) * advantage
+        )
+    token_losses = []
+    for log_prob, o, r in zip(log_probs, old, ref, strict=True):
+        ratio = torch.exp(log_prob - o)
+        if loss == "ppoclip":
+            clipped = torch.clamp(ratio, 1 - low, 1 + high)
+            surrogate = -torch.minimum(ratio * advantage, clipped * advantage)
+            kl = torch.exp(r - log_prob) - (r - log_prob) - 1
+        elif loss == "gspo":
+            surrogate = sequence
+            kl = 0.5 * (log_prob - r) ** 2
+        else:  # cispo
+            weight = torch.clamp(ratio, 1 - low, 1 + high).detach()
+            surrogate = -weight * advantage * log_prob
+            kl = log_prob - r
+        token_losses.append(surrogate + KL_COEFF * kl)
+    return token_losses
+
+
+def oracle_loss(model: nn.Module, loss: str, aggregation: str) -> torch.Tensor:
     completion_losses, num_tokens = [], 0
     for rollout in rollouts():
         log_probs, scored = oracle_token_log_probs(model, rollout)
-        advantage = rollout["advantage"]  # an fp32 value, as the batch carries it
-        token_losses = []
-        for log_prob, t in zip(log_probs, scored, strict=True):
-            ratio = torch.exp(log_prob - rollout["old_log_probs"][t + 1])
-            clipped = torch.clamp(ratio, 1 - EPSILON, 1 + EPSILON)
-            surrogate = -torch.minimum(ratio * advantage, clipped * advantage)
-            log_ratio = rollout["ref_log_probs"][t + 1] - log_prob
-            kl = torch.exp(log_ratio) - log_ratio - 1
-            token_losses.append(surrogate + KL_COEFF * kl)
+        token_losses = oracle_token_losses(loss, rollout, log_probs, scored)
         completion_losses.append(sum(token_losses))
         num_tokens += len(token_losses)
-        if aggregation == "sequence_mean":
+        if aggregation == "seq-mean-token-mean":
             completion_losses[-1] = completion_losses[-1] / len(token_losses)
-        elif aggregation == "constant":
+        elif aggregation == "seq-mean-token-sum-norm":
             completion_losses[-1] = completion_losses[-1] / MAX_GENERATED
-    if aggregation == "token_mean":
+    if aggregation == "token-mean":
         return sum(completion_losses) / num_tokens
+    if aggregation == "token-sum":
+        return sum(completion_losses)
     return sum(completion_losses) / len(completion_losses)
 
 
 @functools.cache
-def oracle(aggregation: str) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+def oracle(loss: str, aggregation: str) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """Initial trainable weights, the fp64 full-batch gradient, the SGD lr, the loss."""
     model = policy_model()
     initial = flat(trainable(model))
     policy64 = copy.deepcopy(model).double()
     with fp64():
-        loss = oracle_loss(policy64, aggregation)
-        loss.backward()
+        value = oracle_loss(policy64, loss, aggregation)
+        value.backward()
     gradient = flat([p.grad for p in trainable(policy64)])
-    return initial, gradient, lr_for_unit_update(initial, gradient), float(loss.detach())
+    return initial, gradient, lr_for_unit_update(initial, gradient), float(value.detach())
+
+
+def policy_loss(loss: str):
+    cls, low, high, estimator = LOSS_SETTINGS[loss]
+    return cls(epsilon_low=low, epsilon_high=high, kl_coeff=KL_COEFF, kl_estimator=estimator)
 
 
 class Case:
     """A fresh policy and what the oracle computes for it."""
 
-    def __init__(self, aggregation: str, dtype: torch.dtype = torch.float32) -> None:
-        self.aggregation, self.dtype = aggregation, dtype
+    def __init__(
+        self, aggregation: str, dtype: torch.dtype = torch.float32, loss: str = "ppoclip"
+    ) -> None:
+        self.aggregation, self.dtype, self.loss = aggregation, dtype, loss
         self.model = policy_model().to(dtype)
-        self.initial, self.gradient, self.lr, self.oracle_loss = oracle(aggregation)
+        self.initial, self.gradient, self.lr, self.oracle_loss = oracle(loss, aggregation)
 
     def precision(self) -> contextlib.AbstractContextManager[None]:
         return fp64() if self.dtype == torch.float64 else contextlib.nullcontext()
@@ -211,9 +273,9 @@ class Case:
             self.model,
             batch,
             aggregation=self.aggregation,
-            epsilon=EPSILON,
-            kl_coeff=KL_COEFF,
+            loss=policy_loss(self.loss),
             max_generated_tokens=MAX_GENERATED,
+            num_completions=len(rollouts()),  # the step's, over every rank
         )
 
     def gap(self) -> float:
@@ -273,78 +335,139 @@ DTYPES = pytest.mark.parametrize(
 # --- (a) one process, every split -------------------------------------------------------------
 
 
-@DTYPES
 @pytest.mark.parametrize("split", list(SPLITS))
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_one_step_is_the_full_batch_grpo_step(
-    aggregation: str, split: str, dtype: torch.dtype
-) -> None:
-    case = Case(aggregation, dtype)
+def test_one_step_is_the_full_batch_grpo_step_under_every_split(split: str) -> None:
+    """PPO-clip under token-mean, every split (one micro-batch, one completion each, fixed,
+    regrouped by length, unequal)."""
+    case = Case("token-mean")
     loss, _ = real_step(case, SPLITS[split])
     gap = case.gap()
-    print(f"{aggregation} {split} {dtype}: relative L2 to the oracle step {gap:.2e}")
-    assert gap <= BOUNDS[dtype]
+    print(f"ppoclip token-mean {split}: relative L2 to the oracle step {gap:.2e}")
+    assert gap <= ORACLE_BOUND
     assert loss == pytest.approx(case.oracle_loss, rel=1e-6)
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_the_naive_mean_of_micro_batch_means_is_far_off(aggregation: str) -> None:
-    """Each micro-batch's own mean over the micro-batch count, on the unequal regrouping: the
-    oracle sees it, so the checks above can fail."""
-    case = Case(aggregation)
+@DTYPES
+@pytest.mark.parametrize("loss,aggregation", OBJECTIVES)
+def test_every_loss_and_aggregation_is_the_full_batch_step(
+    loss: str, aggregation: str, dtype: torch.dtype
+) -> None:
+    """Every loss x aggregation on the unequal regrouping (1, 5 and 6 completions), at the
+    precision's floor."""
+    case = Case(aggregation, dtype, loss)
+    value, _ = real_step(case, SPLITS["unequal"])
+    gap = case.gap()
+    print(f"{loss} {aggregation} unequal {dtype}: relative L2 to the oracle step {gap:.2e}")
+    assert gap <= BOUNDS[dtype]
+    # CISPO's value, -w A log p summed, is a small difference of terms of a nat or so, and the
+    # window's logged loss is summed in fp32: hence the absolute slack (measured 4.8e-8).
+    assert value == pytest.approx(case.oracle_loss, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("loss,aggregation", OBJECTIVES)
+def test_the_naive_mean_of_micro_batch_means_is_far_off(loss: str, aggregation: str) -> None:
+    """Each micro-batch's own mean over the micro-batch count (the wrong reference of a
+    per-micro-batch mean), on the unequal regrouping: the oracle sees it, so the checks above
+    can fail."""
+    case = Case(aggregation, loss=loss)
     real_step(case, SPLITS["unequal"], mode=NormMode.NAIVE)
     gap = case.gap()
-    print(f"{aggregation} naive unequal: {gap:.2e}")
+    print(f"{loss} {aggregation} naive unequal: {gap:.2e}")
     assert gap > 1000 * ORACLE_BOUND
 
 
-def test_the_three_aggregations_are_three_different_losses() -> None:
-    """On rollouts of unequal lengths ``sequence_mean`` points elsewhere than ``token_mean``;
-    ``constant`` is ``token_mean`` times ``T / (C G)`` within a step (its scale does not move
-    with the step's lengths, which one step cannot show)."""
-    token, sequence = oracle("token_mean")[1], oracle("sequence_mean")[1]
+def test_the_aggregations_are_different_losses() -> None:
+    """On rollouts of unequal lengths ``seq-mean-token-mean`` points elsewhere than
+    ``token-mean``; the three token sums are ``token-mean`` times ``T / C``, ``T / (C G)`` and
+    ``T`` within a step (their scale does not move with the step's lengths, which one step
+    cannot show)."""
+    token, sequence = (
+        oracle("ppoclip", "token-mean")[1],
+        oracle("ppoclip", "seq-mean-token-mean")[1],
+    )
     cosine = float(token @ sequence / (token.norm() * sequence.norm()))
-    print(f"token_mean / sequence_mean gradients: cosine {cosine:.4f}")
+    print(f"token-mean / seq-mean-token-mean gradients: cosine {cosine:.4f}")
     assert cosine < 0.95
     num_tokens = sum(len(oracle_token_log_probs(policy_model(), r)[1]) for r in rollouts())
-    # token_mean = constant * (C G / T): the same direction, another scale.
-    scale = num_tokens / (len(rollouts()) * MAX_GENERATED)
-    assert oracle("constant")[3] / oracle("token_mean")[3] == pytest.approx(scale, rel=1e-9)
-    assert float((oracle("constant")[1] - scale * token).norm() / token.norm()) < 1e-9
+    num_completions = len(rollouts())
+    scales = {
+        "seq-mean-token-sum": num_tokens / num_completions,
+        "seq-mean-token-sum-norm": num_tokens / (num_completions * MAX_GENERATED),
+        "token-sum": float(num_tokens),
+    }
+    for aggregation, scale in scales.items():
+        _, gradient, _, value = oracle("ppoclip", aggregation)
+        assert value / oracle("ppoclip", "token-mean")[3] == pytest.approx(scale, rel=1e-9)
+        assert float((gradient - scale * token).norm() / token.norm()) < 1e-9
+
+
+def test_the_three_losses_are_different_losses() -> None:
+    """PPO-clip, GSPO and CISPO point in different directions on the same rollouts."""
+    gradients = {loss: oracle(loss, "seq-mean-token-mean")[1] for loss in LOSSES}
+    for a, b in (("ppoclip", "gspo"), ("ppoclip", "cispo"), ("gspo", "cispo")):
+        cosine = float(gradients[a] @ gradients[b] / (gradients[a].norm() * gradients[b].norm()))
+        print(f"{a} / {b} gradients: cosine {cosine:.4f}")
+        assert cosine < 0.99
 
 
 # --- (b) two ranks under FSDP2, unequal completion tokens, one emptied filler -----------------
 
 
+# On two ranks: both units, the sum that multiplies by C, and GSPO and CISPO under their own.
+RANK_OBJECTIVES = [
+    ("ppoclip", "token-mean"),
+    ("ppoclip", "token-sum"),
+    ("gspo", "seq-mean-token-mean"),
+    ("cispo", "seq-mean-token-sum-norm"),
+]
+
+
 def _two_rank_worker(rank: int) -> dict:
+    """Every two-rank check of this module in one process group (a group costs seconds): each
+    objective's step on unequal ranks with a filler, and the dynamic sampling step."""
     torch.set_num_threads(1)
     results = {}
-    for aggregation in AGGREGATIONS:
-        case = Case(aggregation)
+    for loss_name, aggregation in RANK_OBJECTIVES:
+        case = Case(aggregation, loss=loss_name)
         shard_model(case.model, [_is_layer], cpu_offload=False, reshard_after_forward=True)
         loss, num_fillers = real_step(case, RANK_GROUPS[rank], by_budget=True)
-        results[aggregation] = {
+        results[f"{loss_name} {aggregation}"] = {
             "gap": case.gap(),
             "loss": loss,
             "oracle_loss": case.oracle_loss,
             "fillers": num_fillers,
         }
+    indices, trained, rounds = _dynamic_step(rank, 2)
+    results["dynamic sampling"] = {
+        "indices": indices,
+        "trained": trained.tolist(),
+        "rounds": rounds,
+    }
     return results
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory) -> list[dict]:
+    return run_on_ranks(_two_rank_worker, (), tmp_path_factory.mktemp("two_ranks"))
 
 
 def _is_layer(name: str, module: nn.Module) -> bool:
     return name.startswith("layers.") and name.count(".") == 1
 
 
+@pytest.mark.xdist_group("policy_two_ranks")  # one worker makes the module fixture once
 def test_two_ranks_with_unequal_completions_and_a_filler_take_the_full_batch_step(
-    tmp_path,
+    two_rank_results,
 ) -> None:
-    results = run_on_ranks(_two_rank_worker, (), tmp_path)
-    for aggregation in AGGREGATIONS:
-        on_rank = [r[aggregation] for r in results]
+    results = two_rank_results
+    for loss_name, aggregation in RANK_OBJECTIVES:
+        on_rank = [r[f"{loss_name} {aggregation}"] for r in results]
         assert [r["fillers"] for r in on_rank] == [0, 1]
         assert on_rank[0]["gap"] == on_rank[1]["gap"]  # the same full weights on both ranks
-        print(f"{aggregation} 2 ranks (8 + 4 completions, one filler): {on_rank[0]['gap']:.2e}")
+        print(
+            f"{loss_name} {aggregation} 2 ranks (8 + 4 completions, one filler): "
+            f"{on_rank[0]['gap']:.2e}"
+        )
         assert on_rank[0]["gap"] <= ORACLE_BOUND
         assert on_rank[0]["loss"] == pytest.approx(on_rank[0]["oracle_loss"], rel=1e-6)
 
@@ -356,7 +479,7 @@ def test_two_ranks_with_unequal_completions_and_a_filler_take_the_full_batch_ste
 def test_an_emptied_micro_batch_has_no_unit_a_finite_loss_and_a_zero_gradient(units) -> None:
     """Its loss reaches every weight (so FSDP's collectives pair up) and, weighed 0 by the
     normaliser, leaves every gradient exactly 0."""
-    case = Case("sequence_mean")
+    case = Case("seq-mean-token-mean")
     batch = collate_rollouts(rollouts()[:3])
     for source in (batch, {k: v[-1:] for k, v in batch.items()}):  # as filler_micro_batch cuts
         emptied = units.emptied(source)
@@ -413,10 +536,10 @@ def test_advantages_of_the_wrong_shape_are_named(units) -> None:
             units.count({**batch, ADVANTAGES: advantages})
     with pytest.raises(ValueError, match=r"ref_log_probs of shape \(3, 5\)"):
         units.count({**batch, "ref_log_probs": torch.zeros(3, 5)})
-    with pytest.raises(ValueError, match="loss_aggregation 'constant' divides by"):
-        grpo_loss_step(
-            policy_model(), batch, aggregation="constant", epsilon=EPSILON, kl_coeff=KL_COEFF
-        )
+    with pytest.raises(ValueError, match="loss_aggregation 'seq-mean-token-sum-norm' divides"):
+        grpo_loss_step(policy_model(), batch, aggregation="constant", loss=PPOClipLoss())
+    with pytest.raises(ValueError, match="loss_aggregation 'token-sum' needs num_completions"):
+        grpo_loss_step(policy_model(), batch, aggregation="token-sum", loss=PPOClipLoss())
     with pytest.raises(ValueError, match="config key 'loss_aggregation'='mean': choose one of"):
         loss_units_for("mean")
 
@@ -439,9 +562,7 @@ def test_without_old_log_probs_the_old_policy_is_the_current_one() -> None:
 
     def loss_and_grads(batch):
         model.zero_grad()
-        loss = grpo_loss_step(
-            model, dict(batch), aggregation="token_mean", epsilon=EPSILON, kl_coeff=KL_COEFF
-        )
+        loss = grpo_loss_step(model, dict(batch), aggregation="token_mean", loss=PPOClipLoss())
         loss.backward()
         return float(loss.detach()), flat([p.grad for p in model.parameters()])
 
@@ -473,9 +594,7 @@ def test_the_projection_sees_only_completion_positions(monkeypatch: pytest.Monke
 
     def loss_and_grads():
         model.zero_grad()
-        loss = grpo_loss_step(
-            model, dict(batch), aggregation="sequence_mean", epsilon=EPSILON, kl_coeff=KL_COEFF
-        )
+        loss = grpo_loss_step(model, dict(batch), aggregation="sequence_mean", loss=PPOClipLoss())
         loss.backward()
         return float(loss.detach()), flat([p.grad for p in model.parameters()])
 
@@ -491,3 +610,149 @@ def test_the_projection_sees_only_completion_positions(monkeypatch: pytest.Monke
 @contextlib.contextmanager
 def _never_cut(model, positions):
     yield False
+
+
+# --- (e) the loss components, the reward shaping, dynamic sampling ------------------------------
+
+
+def test_the_loss_table_of_the_schema_is_the_classes_signatures() -> None:
+    """Config validation checks ``loss`` keys from a table (it imports no torch); it must be
+    what the classes take. Stock's names train PPO-clip; an unknown key or class is named."""
+    for component, keys in POLICY_LOSS_KEYS.items():
+        assert tuple(inspect.signature(losses.POLICY_LOSSES[component]).parameters) == keys
+    assert type(build_policy_loss({"_component_": STOCK_LOSSES[1], "epsilon": 0.3})) is PPOClipLoss
+    ppo = build_policy_loss({"epsilon": 0.2, "epsilon_high": 0.28})
+    assert (ppo.epsilon_low, ppo.epsilon_high) == (0.2, 0.28)  # DAPO's clip-higher
+    with pytest.raises(ValueError, match="config key 'loss.epsilon': GSPOLoss takes epsilon_low"):
+        build_policy_loss({"_component_": "exactga.grpo.losses.GSPOLoss", "epsilon": 0.2})
+    with pytest.raises(ValueError, match="config key 'loss._component_'='my.Loss': choose one"):
+        build_policy_loss({"_component_": "my.Loss"})
+    section = OmegaConf.create(
+        {"_component_": "exactga.grpo.losses.CISPOLoss", "kl_estimator": "k4"}
+    )
+    with pytest.raises(ValueError, match="config key 'loss.kl_estimator'='k4': choose one of k1"):
+        check_loss_section(section, "loss")
+
+
+def test_kl_estimators_and_kl_in_the_reward_leave_the_loss_without_it() -> None:
+    log_probs, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
+    x = log_probs - ref
+    assert torch.equal(kl_estimate(log_probs, ref, "k1"), x)
+    assert torch.equal(kl_estimate(log_probs, ref, "k2"), 0.5 * x * x)
+    assert torch.allclose(kl_estimate(log_probs, ref, "k3"), torch.exp(-x) + x - 1)
+    tokens = PolicyTokens(
+        log_probs=log_probs.double(),
+        old_log_probs=log_probs.double(),
+        ref_log_probs=ref.double(),
+        advantages=torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64),
+        positions=torch.tensor([0, 1, 2]),
+        num_rows=1,
+        seq_len=3,
+    )
+    in_loss = PPOClipLoss(kl_coeff=0.5, kl_estimator="k2").token_losses(tokens)[0]
+    in_reward = PPOClipLoss(kl_coeff=0.5, kl_estimator="k2", kl_in_reward=True)
+    surrogate = in_reward.token_losses(tokens)[0]
+    assert torch.allclose(
+        in_loss - surrogate, 0.5 * kl_estimate(tokens.log_probs, tokens.ref_log_probs, "k2")
+    )
+    # In the reward: kl_coeff times each completion's summed estimate, from the recorded
+    # log-probs of its completion tokens only.
+    penalties = kl_reward_penalties(
+        rollouts()[:2], "old_log_probs", "ref_log_probs", kl_coeff=0.5, estimator="k1"
+    )
+    for rollout, penalty in zip(rollouts()[:2], penalties.tolist(), strict=True):
+        scored = [
+            t for t in range(1, len(rollout["labels"])) if rollout["labels"][t] != IGNORE_INDEX
+        ]
+        plain = sum(rollout["old_log_probs"][t] - rollout["ref_log_probs"][t] for t in scored)
+        assert penalty == pytest.approx(0.5 * plain, rel=1e-12)
+
+
+def test_overlong_shaping_is_dapos_soft_penalty() -> None:
+    shaping = OverlongShaping(max_generated_tokens=32, buffer=8, penalty_factor=0.5)
+    penalties = shaping.penalties([1, 24, 25, 28, 32]).tolist()
+    assert penalties == [0.0, 0.0, -0.5 / 8, -0.5 * 4 / 8, -0.5]
+    with pytest.raises(ValueError, match="config key 'overlong_buffer'=40: must be between 1"):
+        OverlongShaping(max_generated_tokens=32, buffer=40)
+
+
+# Dynamic sampling over the groups of ``rollouts()`` as prompts: group 2's rewards are all equal,
+# so it is dropped. The data order deals 2 prompts a step (one a rank on two ranks); its first
+# round holds groups 2 and 0, so a second round (groups 2 and 1) refills the step.
+DATA_ORDER = [2, 0, 2, 1, 0, 1]
+STEP_PROMPTS = 2
+
+
+def _prompt_batches(rank: int, world_size: int):
+    per_rank = STEP_PROMPTS // world_size
+    for start in range(0, len(DATA_ORDER), STEP_PROMPTS):
+        step = DATA_ORDER[start : start + STEP_PROMPTS]
+        yield [{"index": step[j * world_size + rank]} for j in range(per_rank)]
+
+
+def _generate_and_score(batch) -> StepRollouts:
+    """The groups of ``rollouts()`` the prompts name, as generation and scoring leave them."""
+    samples, rewards = [], []
+    for prompt in batch:
+        group = prompt["index"]
+        rows = range(group * GROUP_SIZE, (group + 1) * GROUP_SIZE)
+        samples += [{**copy.deepcopy(rollouts()[i]), "index": i} for i in rows]
+        rewards += GROUPS[group][2]
+    scored = StepRollouts(
+        samples=samples,
+        rewards=torch.tensor(rewards, dtype=torch.float64),
+        reward_components={},
+        successes=None,
+        num_generated_tokens=len(samples),
+        group_size=GROUP_SIZE,
+    )
+    assign_advantages(scored)
+    return scored
+
+
+def _dynamic_step(rank: int, world_size: int) -> tuple[list[int], torch.Tensor, int]:
+    """This rank's kept rollouts (indices into ``rollouts()``), after one SGD step over them
+    (FSDP2 on two ranks), the full trained weights, and the sampling rounds."""
+    group = dist.group.WORLD if world_size > 1 else None
+    batches = _prompt_batches(rank, world_size)
+    kept = dynamic_sampling(
+        next(batches),
+        _generate_and_score,
+        lambda: next(batches, None),
+        max_rounds=4,
+        dp_group=group,
+    )
+    indices = [sample["index"] for sample in kept.samples]
+    expected = [rollouts()[i]["advantage"] for i in indices]  # fp32 rewards there, fp64 here
+    assert [s["advantage"] for s in kept.samples] == pytest.approx(expected, rel=1e-6)
+    case = Case("token-mean")
+    if world_size > 1:
+        shard_model(case.model, [_is_layer], cpu_offload=False, reshard_after_forward=True)
+    real_step(case, [indices[: GROUP_SIZE // 2], indices[GROUP_SIZE // 2 :]], by_budget=True)
+    trained = flat([_full(p) for p in trainable(case.model)])
+    return indices, trained, kept.num_sampling_rounds
+
+
+@pytest.mark.xdist_group("policy_two_ranks")
+def test_dynamic_sampling_keeps_the_same_groups_and_takes_the_same_step_on_two_ranks(
+    two_rank_results,
+) -> None:
+    """Group 2 (all rewards equal) is dropped and refilled from the next round on one rank and
+    on two; the two ranks hold groups 0 and 1 (rank 0's generated on rank 1) and their step is
+    the one rank's step, at the fp32 floor."""
+    indices, trained, rounds = _dynamic_step(0, 1)
+    assert indices == list(range(2 * GROUP_SIZE)) and rounds == 2  # groups 0 and 1, in order
+    results = [r["dynamic sampling"] for r in two_rank_results]
+    assert [r["indices"] for r in results] == [list(range(GROUP_SIZE)), list(range(4, 8))]
+    assert [r["rounds"] for r in results] == [2, 2]
+    initial = flat(trainable(policy_model()))
+    for result in results:
+        gap = float((torch.tensor(result["trained"], dtype=torch.float64) - trained).norm())
+        gap /= float((trained - initial).norm())
+        print(f"dynamic sampling, 2 ranks against 1: relative L2 {gap:.2e}")
+        assert gap <= ORACLE_BOUND
+    with_spread = groups_with_spread(torch.tensor([1.0, 1.0, 0.0, 0.5]), 2)
+    assert with_spread.tolist() == [False, True]
+    # Too few groups with a spread: the first without fill up the step, in global order.
+    spreads = [torch.tensor([False, True]), torch.tensor([False, False])]
+    assert kept_groups(spreads, 2) == [(0, 0), (0, 1)]

@@ -1,6 +1,7 @@
 """The GA parity report on a GRPO config: its keys, and through one two-rank ``tune run`` that for
 every ``loss_aggregation`` exact splits (one device and two ranks, fixed and token_budget
-micro-batches) land at the fp32 floor, that the naive weighting is far off for token_mean and
+micro-batches) land at the fp32 floor (with clip-higher, the KL in the reward, dynamic sampling and
+overlong shaping on), that the naive weighting is far off for token_mean and
 with exact for the completion units, and that each aggregation gets its own report, counted in
 its own units. See [grpo parity] in exactga.parity.grpo; that the report trains the GRPO recipe's
 own step is tests/test_recipe_grpo.py's (its losses equal the recipe's)."""
@@ -15,13 +16,14 @@ from omegaconf import OmegaConf
 from recipe_utils import output_of, run_tune
 
 from exactga.accumulation.normalization import NormMode
+from exactga.config.options import LossAggregation
 from exactga.config.validation import validate_config
 from exactga.parity.grpo_report import grpo_splits
 from exactga.parity.grpo_schema import GrpoParityConfig, is_grpo_config
 
 PARITY_RECIPE = "recipes/ga_parity.py"
 GRPO_CONFIG = "configs/tiny/ga_parity_grpo.yaml"
-AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SPLITS = ("4x4", "4x2x2")
 # Fixed bounds, never the report's own floor, measured with ``pytest
 # tests/test_recipe_ga_parity_grpo.py -p no:xdist -rP`` (2 rollout steps of 4 prompts x 4
@@ -42,6 +44,13 @@ def grpo_report(run_once):
             "parity.splits": f"[{','.join(SPLITS)}]",
             "parity.num_steps": 2,
             "parity.micro_batching": "[fixed,token_budget]",
+            # The step's shaping keys and a KL in the reward ride along (through the same
+            # make_rollouts as the recipe): DAPO's clip-higher, dynamic sampling on two ranks
+            # (the dense reward keeps nearly every group, one round a step), overlong shaping.
+            "loss.epsilon_high": 0.28,
+            "loss.kl_in_reward": True,
+            "dynamic_sampling": True,
+            "overlong_buffer": 4,
         }
         args = [
             "--nproc_per_node",
@@ -89,12 +98,12 @@ def test_naive_is_far_off_for_token_mean_and_exact_for_completion_units(grpo_rep
     completion-token counts alike; every fixed micro-batch holds 4 completions, so for the
     completion units 1/G is each one's share (the report's gap section says the same)."""
     report_dir, summaries = grpo_report
-    naive = _runs(summaries["token_mean"], "naive")
+    naive = _runs(summaries["token-mean"], "naive")
     assert set(naive) == {("fixed", split) for split in SPLITS}  # baselines: fixed only
     assert min(naive.values()) >= NAIVE_TOKEN_MEAN_MIN, naive
-    for aggregation in ("sequence_mean", "constant"):
+    for aggregation in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
         assert max(_runs(summaries[aggregation], "naive").values()) <= EXACT_BOUND
-    gap = (report_dir / "token_mean" / "report.md").read_text()
+    gap = (report_dir / "token-mean" / "report.md").read_text()
     assert "## Where the naive weighting's gap comes from" in gap
     assert "- `naive/fixed` 4x2x2: " in gap and "completion tokens per micro-batch" in gap
 
@@ -109,7 +118,7 @@ def test_each_aggregation_has_its_report_counted_in_its_units(grpo_report):
         assert "**Verdict:** EXACT" in section
         assert f"[{aggregation}/report.md]({aggregation}/report.md)" in section
         summary = summaries[aggregation]
-        units = "completion_tokens" if aggregation == "token_mean" else "completions"
+        units = "completion_tokens" if aggregation == "token-mean" else "completions"
         assert summary["units"] == units
         assert summary["policy"]["aggregation"] == aggregation
         assert summary["reference"] == "16x1"
@@ -146,7 +155,7 @@ def test_the_grpo_training_config_runs_with_its_own_split_and_unread_keys_named(
         )
     # batch_size 4 x grpo_samples 8 in gradient_accumulation_steps 2 micro-batches.
     assert GrpoParityConfig.splits_for(cfg) == ["16x2"]
-    assert [a.value for a in cfg.parity.loss_aggregations] == list(AGGREGATIONS)
+    assert [a.value for a in cfg.parity.loss_aggregations] == [a.value for a in LossAggregation]
 
 
 def test_a_grpo_split_must_hold_whole_prompts_and_post_scale_is_refused():

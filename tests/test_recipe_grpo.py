@@ -15,6 +15,7 @@ every two-rank run in another (tests/many_runs.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,9 @@ def _parity_run(root: Path) -> Run:
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
     def make(root: Path) -> None:
-        tests_on_path = {"PYTHONPATH": str(Path(__file__).parent)}  # grpo_rewards
+        # grpo_rewards; before the caller's own path (a worktree's src/), not instead of it.
+        paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]
+        tests_on_path = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         launch_runs([*_runs(root, 0), _parity_run(root)], nproc=0, extra_env=tests_on_path)
         launch_runs(_runs(root, 2), nproc=2, extra_env=tests_on_path)
 
@@ -122,7 +125,7 @@ def test_logged_step_values_match_across_splits(runs, split) -> None:
 def test_the_parity_report_takes_the_recipes_own_steps(runs) -> None:
     """recipes/ga_parity.py on this config (exactga.parity.grpo) and the recipe, one rank:
     equal window losses, step by step, for the full batch (GA 1) and the 4x4 split (GA 4)."""
-    summary = json.loads((runs / PARITY / "parity" / "token_mean" / "summary.json").read_text())
+    summary = json.loads((runs / PARITY / "parity" / "token-mean" / "summary.json").read_text())
     (split,) = [run for run in summary["runs"] if run["split"] == "4x4"]
     for name, losses in (
         ("1rank_ga1", summary["reference_losses"]),

@@ -96,14 +96,47 @@ class GradientSync(Option):
     EVERY_MICRO_BATCH, ONCE_PER_WINDOW = every_micro_batch, once_per_window
 
 
-class LossAggregation(Option):
-    """``loss_aggregation``: what the GRPO policy loss is a mean over; see [three policy
-    denominators] in exactga.grpo.policy."""
+# ``loss_aggregation``: what the GRPO policy loss is a mean over, by veRL's names (its
+# ``loss_agg_mode``); see [policy aggregations] in exactga.grpo.policy. The names contain hyphens,
+# so the enum is built from a list; exactga's earlier names stay as aliases (the same members):
+# token_mean is token-mean, sequence_mean is seq-mean-token-mean, constant is
+# seq-mean-token-sum-norm. Upper-case names are the code's, as for the other options.
+LossAggregation = Option(
+    "LossAggregation",
+    [
+        ("token-mean", "token-mean"),
+        ("seq-mean-token-sum", "seq-mean-token-sum"),
+        ("seq-mean-token-mean", "seq-mean-token-mean"),
+        ("seq-mean-token-sum-norm", "seq-mean-token-sum-norm"),
+        ("token-sum", "token-sum"),
+        ("token_mean", "token-mean"),
+        ("sequence_mean", "seq-mean-token-mean"),
+        ("constant", "seq-mean-token-sum-norm"),
+        ("TOKEN_MEAN", "token-mean"),
+        ("SEQ_MEAN_TOKEN_SUM", "seq-mean-token-sum"),
+        ("SEQ_MEAN_TOKEN_MEAN", "seq-mean-token-mean"),
+        ("SEQ_MEAN_TOKEN_SUM_NORM", "seq-mean-token-sum-norm"),
+        ("TOKEN_SUM", "token-sum"),
+        ("SEQUENCE_MEAN", "seq-mean-token-mean"),
+        ("CONSTANT", "seq-mean-token-sum-norm"),
+    ],
+    module=__name__,
+)
+LossAggregation.__doc__ = (
+    "``loss_aggregation``: what the GRPO policy loss is a mean over; see [policy aggregations] "
+    "in exactga.grpo.policy."
+)
 
-    token_mean = "token_mean"
-    sequence_mean = "sequence_mean"
-    constant = "constant"
-    TOKEN_MEAN, SEQUENCE_MEAN, CONSTANT = token_mean, sequence_mean, constant
+
+class KLEstimator(Option):
+    """``loss.kl_estimator``: which per-token estimate of ``KL(policy || reference)`` a GRPO
+    loss takes, from the sampled token's log-ratio ``x = logp - ref_logp`` (Schulman's k1, k2,
+    k3); see exactga.grpo.losses."""
+
+    k1 = "k1"  # x: unbiased, may be negative
+    k2 = "k2"  # x^2 / 2: biased; its gradient is the reverse KL's
+    k3 = "k3"  # exp(-x) + x - 1: unbiased, never negative (torchtune's GRPOLoss)
+    K1, K2, K3 = k1, k2, k3
 
 
 class RouterBalanceObjective(Option):
@@ -144,4 +177,6 @@ def as_option(option: type[OptionT], value: object, key: str) -> OptionT:
         for member in option:
             if member.value == value:
                 return member
+        if value in option.__members__:  # an alias's name (a former spelling of a value)
+            return option.__members__[value]
     raise bad_value(key, value, [member.value for member in option])

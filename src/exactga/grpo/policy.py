@@ -10,35 +10,45 @@ it; 0 elsewhere); and one ``advantages`` value per completion (:func:`group_adva
 the whole step's rollouts). :func:`grpo_loss_step` returns the micro-batch's mean over its units,
 which
 :class:`CompletionTokens` or :class:`Completions` count for the one normaliser of
-``exactga.accumulation.normalization`` (:func:`loss_units_for` picks them). See [three policy
-denominators].
+``exactga.accumulation.normalization`` (:func:`loss_units_for` picks them). See [policy
+aggregations].
 
-Note [three policy denominators]
-Each completion token ``t`` of completion ``c`` has a loss ``l_ct``: the clipped surrogate
-``-min(r A_c, clip(r, 1 - eps, 1 + eps) A_c)`` with ``r = exp(logp - old_logp)``, plus
-``kl_coeff`` times the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` of the KL to the
-reference. Nothing in ``l_ct`` depends on the batch it sits in: the advantages come from the
-whole step's rewards before any split, and a row's log-probs do not see its padding (causal
-attention, right padding). The step's loss is one of three aggregations over its ``C``
-completions of ``n_c`` completion tokens each (``T = sum_c n_c``):
+Note [policy aggregations]
+Each completion token ``t`` of completion ``c`` has a loss ``l_ct`` (the ``loss`` component's:
+PPO-clip, GSPO or CISPO, plus a KL term; see exactga.grpo.losses). Nothing in ``l_ct`` depends
+on the batch it sits in: the advantages come from the whole step's rewards before any split, a
+row's log-probs do not see its padding (causal attention, right padding), and a micro-batch
+holds whole completions (see [policy losses are local to a completion] there). The step's loss
+is one of veRL's five aggregations (its ``loss_agg_mode`` names) over the step's ``C``
+completions of ``n_c`` completion tokens each (``T = sum_c n_c``, ``G =
+max_generated_tokens``):
 
-- ``token_mean`` (DAPO): ``sum_ct l_ct / T``, a mean over completion tokens;
-- ``sequence_mean`` (the GRPO paper): ``sum_c (sum_t l_ct / n_c) / C``, a mean over
-  completions of each one's token mean;
-- ``constant`` (Dr. GRPO): ``sum_c (sum_t l_ct / G) / C`` with ``G = max_generated_tokens``,
-  a mean over completions of each one's token sum over a constant.
+- ``token-mean`` (DAPO; alias ``token_mean``): ``sum_ct l_ct / T``; units: completion tokens,
+  each its own ``l_ct``;
+- ``seq-mean-token-mean`` (the GRPO paper; alias ``sequence_mean``): ``(1/C) sum_c (sum_t l_ct
+  / n_c)``; units: completions, each its own token mean. The ``1/n_c`` is local to a
+  completion, so it is part of the completion's loss, not a denominator to count;
+- ``seq-mean-token-sum``: ``(1/C) sum_c sum_t l_ct``; units: completions, each its token sum;
+- ``seq-mean-token-sum-norm`` (Dr. GRPO; alias ``constant``): ``(1/C) sum_c sum_t l_ct / G``;
+  units: completions, each its token sum over the constant ``G`` (veRL's
+  ``loss_scale_factor``, by default the response length, which is ``G``). ``G`` is a setting,
+  not a count: the units are still completions, and only ``C`` is counted;
+- ``token-sum``: ``sum_ct l_ct``, a sum, with no denominator to count. It is ``(1/C) sum_c (C
+  sum_t l_ct)``: units completions, each its token sum times ``C``, the step's completions over
+  every rank (``num_completions``), which the config fixes (``batch_size x grpo_samples x`` the
+  data-parallel ranks, the same on every split); the normaliser then divides by the ``C`` it
+  counts, which is that same number.
 
-Each is a mean over units of a per-unit loss that depends on that unit alone (a token's ``l_ct``,
-a completion's ``sum_t l_ct / n_c`` or ``sum_t l_ct / G``), so a micro-batch's mean over its own
-units, weighed by ``dp_size * u_m / U`` before backward, gives the full-batch loss whatever the
-split (see [loss units] in exactga.accumulation.loss_units): units are completion tokens for the
-first, completions for the other two, and the normaliser is the same code. They differ when lengths
-differ: ``sequence_mean`` gives a short completion's tokens more weight than a long one's
-(``1 / (C n_c)`` against ``1 / T``), ``constant`` weighs every token alike like ``token_mean``
-but its scale does not move with the step's lengths. With equal lengths ``n_c = n`` the three are
-one loss up to the factor ``n / G`` of ``constant``. The ``naive`` baseline (each micro-batch's
-own mean divided by the micro-batch count, as TRL's ``grpo``, ``bnpo`` and ``dr_grpo`` losses
-weigh micro-batches) is exact only when every micro-batch holds as many units.
+Each is a mean over units of a per-unit loss that depends on that unit alone, so a micro-batch's
+mean over its own units, weighed by ``dp_size * u_m / U`` before backward, gives the full-batch
+loss whatever the split (see [loss units] in exactga.accumulation.loss_units), with the one
+normaliser. They differ when lengths differ: ``seq-mean-token-mean`` gives a short completion's
+tokens more weight than a long one's (``1 / (C n_c)`` against ``1 / T``); the three token sums
+weigh every token alike, as ``token-mean`` does, but their scale does not move with the step's
+lengths (``1 / C``, ``1 / (C G)``, 1 against ``1 / T``). The ``naive`` baseline (each
+micro-batch's own mean divided by the micro-batch count, as TRL's ``grpo``, ``bnpo`` and
+``dr_grpo`` losses weigh micro-batches) is exact only when every micro-batch holds as many
+units.
 
 A completion with no completion token after the shift (an empty generation, or a prompt that
 filled the context) has ``n_c = 0``: under ``sequence_mean`` its mean is 0/0, and under every
@@ -72,14 +82,15 @@ from exactga.accumulation.loss_units import (
     loss_positions,
     shift_labels,
 )
-from exactga.config.options import LossAggregation, as_option
+from exactga.config.options import KLEstimator, LossAggregation, as_option
+from exactga.grpo.losses import PolicyLoss, PolicyTokens, kl_estimate, row_of
 from exactga.runtime.precision import Precision
 
 OLD_LOG_PROBS = "old_log_probs"
 REF_LOG_PROBS = "ref_log_probs"
 ADVANTAGES = "advantages"
 # An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
-# no unit. See [three policy denominators].
+# no unit. See [policy aggregations].
 EMPTY = "no_completions"
 
 
@@ -176,8 +187,8 @@ class _Rollouts:
         return {**batch, LOSS_POSITIONS: loss_positions(batch["labels"], self.ignore_index)}
 
     def emptied(self, batch: Batch) -> Batch:
-        """The last completion of ``batch``, marked as holding no unit; see [three policy
-        denominators]."""
+        """The last completion of ``batch``, marked as holding no unit; see [policy
+        aggregations]."""
         num_rows = batch["tokens"].size(0)
         emptied = {
             key: value[-1:] if _has_rows(value, num_rows) else value
@@ -188,7 +199,7 @@ class _Rollouts:
 
 
 class CompletionTokens(_Rollouts):
-    """Completion tokens after the shift: the units of ``token_mean`` (DAPO)."""
+    """Completion tokens after the shift: the units of ``token-mean`` (DAPO)."""
 
     name = "completion_tokens"
 
@@ -197,7 +208,7 @@ class CompletionTokens(_Rollouts):
 
 
 class Completions(_Rollouts):
-    """Completions: the units of ``sequence_mean`` (GRPO) and ``constant`` (Dr. GRPO)."""
+    """Completions: the units of the four ``seq-mean-*`` and ``token-sum`` aggregations."""
 
     name = "completions"
 
@@ -208,7 +219,7 @@ class Completions(_Rollouts):
 def loss_units_for(
     aggregation: LossAggregation | str, ignore_index: int = IGNORE_INDEX
 ) -> LossUnits:
-    """The units ``aggregation``'s loss is a mean over; see [three policy denominators]."""
+    """The units ``aggregation``'s loss is a mean over; see [policy aggregations]."""
     aggregation = as_option(LossAggregation, aggregation, "loss_aggregation")
     if aggregation is LossAggregation.TOKEN_MEAN:
         return CompletionTokens(ignore_index)
@@ -253,22 +264,56 @@ def _has_rows(value: Any, num_rows: int) -> bool:
 # Per-token log-probs at the completion positions, and the loss step.
 
 
-def policy_token_losses(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    ref_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
+def needs_num_completions(aggregation: LossAggregation | str) -> bool:
+    """Whether ``aggregation``'s per-completion loss needs the step's completion count
+    (``token-sum``; see [policy aggregations])."""
+    return as_option(LossAggregation, aggregation, "loss_aggregation") is LossAggregation.TOKEN_SUM
+
+
+def aggregate(
+    losses: torch.Tensor,
+    tokens: PolicyTokens,
+    aggregation: LossAggregation,
     *,
-    epsilon: float,
-    kl_coeff: float,
+    max_generated_tokens: int | None,
+    num_completions: int | None,
 ) -> torch.Tensor:
-    """Each completion token's loss: the clipped surrogate plus ``kl_coeff`` times the k3 KL
-    estimator to the reference (torchtune's ``GRPOLoss`` per token). All arguments per token."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon)
-    surrogate = -torch.minimum(ratio * advantages, clipped * advantages)
-    log_ratio = ref_log_probs - log_probs
-    return surrogate + kl_coeff * (torch.exp(log_ratio) - log_ratio - 1.0)
+    """The micro-batch's mean over its units of the per-token ``losses``; see [policy
+    aggregations]."""
+    if aggregation is LossAggregation.TOKEN_MEAN:
+        return losses.sum() / len(losses)
+    row_sums = tokens.row_sums(losses)
+    if aggregation is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
+        return (row_sums / tokens.row_counts()).mean()
+    if aggregation is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+        return (row_sums / max_generated_tokens).mean()
+    if aggregation is LossAggregation.TOKEN_SUM:
+        return (row_sums * num_completions).mean()
+    return row_sums.mean()  # seq-mean-token-sum
+
+
+def check_aggregation_settings(
+    aggregation: LossAggregation | str,
+    max_generated_tokens: int | None,
+    num_completions: int | None,
+) -> LossAggregation:
+    """``aggregation`` as a member, with the setting it divides or multiplies by.
+
+    Raises:
+        ValueError: ``seq-mean-token-sum-norm`` without ``max_generated_tokens``, or
+            ``token-sum`` without ``num_completions``.
+    """
+    aggregation = as_option(LossAggregation, aggregation, "loss_aggregation")
+    if aggregation is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and not max_generated_tokens:
+        raise ValueError(
+            f"loss_aggregation '{aggregation}' divides by max_generated_tokens; set it."
+        )
+    if aggregation is LossAggregation.TOKEN_SUM and not num_completions:
+        raise ValueError(
+            f"loss_aggregation '{aggregation}' needs num_completions, the step's completions "
+            "over every rank; see [policy aggregations] in exactga.grpo.policy."
+        )
+    return aggregation
 
 
 def grpo_loss_step(
@@ -276,25 +321,25 @@ def grpo_loss_step(
     batch: Batch,
     *,
     aggregation: LossAggregation | str,
-    epsilon: float,
-    kl_coeff: float,
+    loss: PolicyLoss,
     max_generated_tokens: int | None = None,
+    num_completions: int | None = None,
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
     metrics: PolicyMetrics | None = None,
 ) -> torch.Tensor:
     """The mean policy loss over the units of one rollout micro-batch already on the device,
-    for ``Window.scale``; see [three policy denominators]. ``metrics`` records the KL and
-    clipping of its completion tokens (an emptied micro-batch records nothing).
+    for ``Window.scale``; see [policy aggregations]. ``loss`` gives each completion token's
+    loss (exactga.grpo.losses); ``metrics`` records the KL and clipping of the completion
+    tokens (an emptied micro-batch records nothing).
 
     The units must be ``loss_units_for(aggregation)``'s. Without ``old_log_probs`` in the batch
     the old policy is the current one (``ppo_epochs: 1``): the ratio is ``exp(logp -
-    logp.detach())``, 1 with the surrogate's gradient. ``constant`` needs
-    ``max_generated_tokens``.
+    logp.detach())``, 1 with the surrogate's gradient. ``seq-mean-token-sum-norm`` needs
+    ``max_generated_tokens``, ``token-sum`` ``num_completions`` (the step's completions over
+    every rank).
     """
-    aggregation = as_option(LossAggregation, aggregation, "loss_aggregation")
-    if aggregation is LossAggregation.CONSTANT and not max_generated_tokens:
-        raise ValueError("loss_aggregation 'constant' divides by max_generated_tokens; set it.")
+    aggregation = check_aggregation_settings(aggregation, max_generated_tokens, num_completions)
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     is_empty = batch.pop(EMPTY, None) is not None
@@ -313,28 +358,25 @@ def grpo_loss_step(
     token_old = (
         log_probs.detach() if old is None else old.reshape(-1).index_select(0, positions + 1)
     )
-    rows = torch.div(positions, seq_len, rounding_mode="floor")
-    token_advantages = advantages.double().index_select(0, rows)
-    losses = policy_token_losses(
-        log_probs,
-        token_old.double(),
-        token_ref,
-        token_advantages,
-        epsilon=epsilon,
-        kl_coeff=kl_coeff,
+    tokens = PolicyTokens(
+        log_probs=log_probs,
+        old_log_probs=token_old.double(),
+        ref_log_probs=token_ref,
+        advantages=advantages.double().index_select(0, row_of(positions, seq_len)),
+        positions=positions,
+        num_rows=num_rows,
+        seq_len=seq_len,
     )
+    losses, clipped = loss.token_losses(tokens)
     if metrics is not None and not is_empty:
-        metrics.record(log_probs.detach(), token_old.double(), token_ref, token_advantages, epsilon)
-    if aggregation is LossAggregation.TOKEN_MEAN:
-        return losses.sum() / len(positions)
-    # Per row, through a dense (B, L) grid: index_copy with distinct indices is deterministic on
-    # every device, where an index_add into rows would use atomics on CUDA.
-    grid = losses.new_zeros(num_rows * seq_len).index_copy(0, positions, losses)
-    row_sums = grid.view(num_rows, seq_len).sum(dim=1)
-    if aggregation is LossAggregation.SEQUENCE_MEAN:
-        scored = torch.zeros_like(grid).index_fill(0, positions, 1.0)
-        return (row_sums / scored.view(num_rows, seq_len).sum(dim=1)).mean()
-    return (row_sums / max_generated_tokens).mean()
+        metrics.record(tokens, clipped, loss.kl_estimator)
+    return aggregate(
+        losses,
+        tokens,
+        aggregation,
+        max_generated_tokens=max_generated_tokens,
+        num_completions=num_completions,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,9 +388,10 @@ class PolicyMetrics:
     every rank, whatever the split (a per-micro-batch mean would weigh short micro-batches
     more). Sums stay on the device and are read only when logged.
 
-    - ``policy/kl``: the k3 estimator of the KL to the reference, per completion token;
-    - ``policy/clip_fraction``: tokens whose surrogate is the clipped one (the ratio left
-      ``[1 - eps, 1 + eps]`` on the side the advantage pushes towards);
+    - ``policy/kl``: the loss's estimator (``kl_estimator``) of the KL to the reference, per
+      completion token;
+    - ``policy/clip_fraction``: tokens the loss's clipping cut (PPO-clip and GSPO: the ratio
+      left its range on the side the advantage pushes towards; CISPO: the weight was clipped);
     - ``policy/ratio``: the mean probability ratio to the policy that generated the rollouts
       (1 on the first pass over them).
 
@@ -367,20 +410,12 @@ class PolicyMetrics:
         self._sums = None
 
     def record(
-        self,
-        log_probs: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        ref_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        epsilon: float,
+        self, tokens: PolicyTokens, clipped: torch.Tensor, kl_estimator: KLEstimator | str
     ) -> None:
         """Add one micro-batch's per-token values (detached; no host read)."""
-        ratio = torch.exp(log_probs - old_log_probs)
-        log_ratio = ref_log_probs - log_probs
-        kl = torch.exp(log_ratio) - log_ratio - 1.0
-        clipped = ((ratio > 1.0 + epsilon) & (advantages > 0)) | (
-            (ratio < 1.0 - epsilon) & (advantages < 0)
-        )
+        log_probs = tokens.log_probs.detach()
+        ratio = torch.exp(log_probs - tokens.old_log_probs)
+        kl = kl_estimate(log_probs, tokens.ref_log_probs, kl_estimator)
         sums = torch.stack(
             [kl.sum(), clipped.double().sum(), ratio.sum(), kl.new_tensor(float(kl.numel()))]
         )

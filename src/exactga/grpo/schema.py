@@ -18,10 +18,13 @@ from typing import Any, ClassVar
 from omegaconf import MISSING, DictConfig, ListConfig
 
 from exactga.config.options import (
+    KLEstimator,
     LossAggregation,
     MicroBatching,
     NormMode,
     RankBalancing,
+    as_option,
+    bad_value,
 )
 from exactga.config.schemas import (
     FullFinetuneDistributedConfig,
@@ -40,10 +43,27 @@ GRPO_FINGERPRINT_KEYS = (
     "stop_token_ids",
     "ppo_epochs",
     "loss_aggregation",
+    "overlong_buffer",
+    "overlong_penalty_factor",
+    "dynamic_sampling",
+    "max_sampling_rounds",
 )
 
-# The policy loss's settings and their defaults (torchtune's dev ``GRPOLoss``).
-LOSS_DEFAULTS = {"epsilon": 0.1, "kl_coeff": 0.1}
+# The policy losses a config's ``loss._component_`` may name (exactga.grpo.losses), and the
+# settings each takes. Stock's names (torchtune.dev.grpo.loss, which the pip package lacks) train
+# PPOClipLoss with stock's settings. Kept here, as data, so validating a config imports no torch;
+# tests/test_policy_losses.py checks the table against the classes' signatures.
+_KL_KEYS = ("kl_coeff", "kl_estimator", "kl_in_reward")
+POLICY_LOSS_KEYS = {
+    "exactga.grpo.losses.PPOClipLoss": ("epsilon", "epsilon_low", "epsilon_high", *_KL_KEYS),
+    "exactga.grpo.losses.GSPOLoss": ("epsilon_low", "epsilon_high", *_KL_KEYS),
+    "exactga.grpo.losses.CISPOLoss": ("epsilon_low", "epsilon_high", *_KL_KEYS),
+}
+STOCK_LOSSES = (
+    "torchtune.dev.grpo.loss.GRPOLoss",
+    "torchtune.dev.grpo.loss.GRPOSimpleLoss",
+    "torchtune.dev.grpo.loss.GRPOWithChunkedOutputLoss",
+)
 
 
 @dataclass
@@ -62,6 +82,15 @@ class RolloutKeys:
     # Rollouts per no-grad forward of the reference and the old policy; default: the training
     # micro-batch (batch_size x grpo_samples / gradient_accumulation_steps).
     forward_batch_size: int | None = None
+    # DAPO's overlong shaping: completions longer than max_generated_tokens - overlong_buffer
+    # lose up to overlong_penalty_factor of reward (null: off). See exactga.grpo.shaping.
+    overlong_buffer: int | None = None
+    overlong_penalty_factor: float = 1.0
+    # DAPO's dynamic sampling: drop the groups whose rewards are all equal and sample further
+    # prompts of the data order, at most max_sampling_rounds rounds a step; the same groups on
+    # any rank layout. See [dynamic sampling on any layout] in exactga.grpo.shaping.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
 
 
 @dataclass
@@ -74,8 +103,10 @@ class GrpoDistributedConfig(FullFinetuneDistributedConfig, RolloutKeys):
 
     num_steps: int = MISSING  # rollout steps of the run at most (each is ppo_epochs steps)
     save_every_n_epochs: int | None = None  # stock's key; epoch checkpoints are written always
-    # exactga: what the policy loss is a mean over; see [three policy denominators] and
-    # docs/grpo.md. token_mean (DAPO), sequence_mean (the GRPO paper), constant (Dr. GRPO).
+    # exactga: what the policy loss is a mean over, by veRL's names: token-mean (DAPO),
+    # seq-mean-token-mean (the GRPO paper), seq-mean-token-sum, seq-mean-token-sum-norm (Dr.
+    # GRPO), token-sum; token_mean, sequence_mean, constant are aliases. See [policy
+    # aggregations] and docs/grpo.md.
     loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
     # Prompts are dealt as stock deals them: a prompt's rollouts are generated where it lands.
     rank_balancing: RankBalancing = RankBalancing.NONE
@@ -149,13 +180,15 @@ def check_rollout_keys(cfg: DictConfig) -> None:
         raise ValueError(f"config key 'temperature'={cfg.temperature}: must be positive.")
     if cfg.forward_batch_size is not None and cfg.forward_batch_size < 1:
         raise ValueError("config key 'forward_batch_size' must be at least 1 (or null).")
-    loss = cfg.loss if isinstance(cfg.loss, DictConfig) else {}
-    unknown = sorted(set(loss) - {"_component_", *LOSS_DEFAULTS})
-    if unknown:
+    buffer = cfg.get("overlong_buffer")
+    if buffer is not None and not 0 < buffer <= cfg.max_generated_tokens:
         raise ValueError(
-            f"config key 'loss.{unknown[0]}': the GRPO loss takes epsilon and kl_coeff only "
-            "(exactga.grpo.policy computes it; see docs/grpo.md)."
+            f"config key 'overlong_buffer'={buffer}: must be between 1 and max_generated_tokens "
+            f"({cfg.max_generated_tokens}), or null for no overlong shaping."
         )
+    if cfg.get("max_sampling_rounds", 1) < 1:
+        raise ValueError("config key 'max_sampling_rounds' must be at least 1.")
+    check_loss_keys(cfg)
     if not isinstance(cfg.rewards, ListConfig) or not len(cfg.rewards):
         raise ValueError(
             "config key 'rewards': a list of reward components, e.g. "
@@ -163,9 +196,40 @@ def check_rollout_keys(cfg: DictConfig) -> None:
         )
 
 
-def loss_settings(cfg: DictConfig) -> dict[str, float]:
-    """``epsilon`` and ``kl_coeff`` of the config's ``loss`` section, defaults filled in (stock
-    names torchtune.dev.grpo's loss there, which the pip package lacks; only its settings are
-    read)."""
-    loss = cfg.loss if isinstance(cfg.loss, DictConfig) else {}
-    return {key: float(loss.get(key, default)) for key, default in LOSS_DEFAULTS.items()}
+def check_loss_keys(cfg: DictConfig) -> None:
+    """The ``loss`` section; see :func:`check_loss_section`."""
+    check_loss_section(cfg.get("loss"), "loss")
+
+
+def check_loss_section(loss: Any, key: str) -> None:
+    """A policy loss section: a component of :data:`POLICY_LOSS_KEYS` (or stock's), with
+    settings it takes; ``key`` is where the config holds it.
+
+    Raises:
+        ValueError: another component, an unknown setting or KL estimator, naming the key.
+    """
+    if not isinstance(loss, DictConfig):
+        return  # stock's default loss: PPO-clip with its defaults
+    component = loss.get("_component_")
+    accepted = POLICY_LOSS_KEYS["exactga.grpo.losses.PPOClipLoss"]
+    if component is not None and component not in STOCK_LOSSES:
+        if component not in POLICY_LOSS_KEYS:
+            raise bad_value(f"{key}._component_", component, [*POLICY_LOSS_KEYS, *STOCK_LOSSES])
+        accepted = POLICY_LOSS_KEYS[component]
+    unknown = sorted(set(loss) - {"_component_", *accepted})
+    if unknown:
+        raise ValueError(
+            f"config key '{key}.{unknown[0]}': {component or 'the GRPO loss'} takes "
+            f"{', '.join(accepted)} (exactga.grpo.losses; see docs/grpo.md)."
+        )
+    if loss.get("kl_estimator") is not None:
+        as_option(KLEstimator, loss.kl_estimator, f"{key}.kl_estimator")
+
+
+def loss_short_name(loss: Any) -> str:
+    """A loss section's name in reports: its class without ``Loss``, lower case (``ppoclip``,
+    ``gspo``, ``cispo``; stock's names are ``ppoclip``)."""
+    component = loss.get("_component_") if isinstance(loss, DictConfig) else None
+    if component is None or component in STOCK_LOSSES:
+        return "ppoclip"
+    return component.rsplit(".", 1)[-1].removesuffix("Loss").lower()

@@ -1,11 +1,13 @@
-"""The GA parity report on a GRPO config: every ``loss_aggregation`` under every split.
+"""The GA parity report on a GRPO config: every policy loss x ``loss_aggregation`` under every
+split.
 
 ``recipes/ga_parity.py`` hands a config that sets ``grpo_samples`` to :class:`GrpoParity`, which
 trains it as recipes/grpo_full_finetune_distributed.py does (the one step of exactga.grpo.step:
 ``make_rollouts``, ``ppo_windows``, ``exactga.grpo.policy.grpo_loss_step`` and the recipes'
-``train_window``), once per listed ``loss_aggregation`` as the full batch on one device and then
-under every split and mode, and scores and reports each aggregation as its own objective with
-the fine-tuning report's tables, verdict and figure (exactga.parity.report). See [grpo parity].
+``train_window``), once per listed loss (``parity.losses``, or the config's ``loss``) and
+``loss_aggregation`` as the full batch on one device and then under every split and mode, and
+scores and reports each as its own objective with the fine-tuning report's tables, verdict and
+figure (exactga.parity.report). See [grpo parity].
 
 Note [grpo parity]
 A split ``BxGxN`` counts completions: ``B`` per micro-batch, ``G`` micro-batches, ``N`` ranks;
@@ -39,12 +41,18 @@ from tqdm import tqdm
 
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import train_window
-from exactga.config.options import LossAggregation, MasterWeights, MicroBatching, NormMode
+from exactga.config.options import (
+    LossAggregation,
+    MasterWeights,
+    MicroBatching,
+    NormMode,
+    as_option,
+)
 from exactga.data.loader import build_prompt_loader
+from exactga.grpo.losses import PolicyLoss, build_policy_loss
 from exactga.grpo.policy import grpo_loss_step, loss_units_for
 from exactga.grpo.rewards import build_rewards, reward_name
-from exactga.grpo.schema import loss_settings
-from exactga.grpo.step import StepSettings, make_rollouts, ppo_windows
+from exactga.grpo.step import ShapingKeys, StepSettings, make_rollouts, ppo_windows
 from exactga.parity.grpo_report import PolicyObjective, grpo_splits, write_index
 from exactga.parity.grpo_schema import GrpoParityConfig
 from exactga.parity.report import markdown_table, write_report
@@ -102,7 +110,10 @@ class GrpoParity:
             GrpoParityConfig.splits_for(cfg), launched_world_size, cfg.grpo_samples
         )
         self._modes = GrpoParityConfig.modes_for(cfg)
-        self._aggregations = [LossAggregation(a) for a in cfg.parity.loss_aggregations]
+        self._aggregations = [
+            as_option(LossAggregation, a, "parity.loss_aggregations")
+            for a in cfg.parity.loss_aggregations
+        ]
         self._micro_batchings = [MicroBatching(m) for m in cfg.parity.micro_batching]
         self._num_steps = cfg.parity.num_steps
         self._global_completions = self._splits[0].global_batch
@@ -113,7 +124,9 @@ class GrpoParity:
             self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
         self._world_size, self._rank = utils.get_world_size_and_rank()
         self._seed = training.set_seed(seed=cfg.seed)  # the recipe's rollout seed
-        self._loss_settings = loss_settings(cfg)
+        # Each objective is a (loss, loss_aggregation): the config's ``loss``, or each of
+        # ``parity.losses``, under each of ``parity.loss_aggregations``.
+        self._losses = GrpoParityConfig.losses_for(cfg)
         self._reports: dict[str, dict[str, Any]] = {}  # rank 0: each aggregation's outcome
         self._num_runs = 0
 
@@ -162,15 +175,16 @@ class GrpoParity:
         reference_split = Split(self._global_completions, 1)
         plan = plan_runs(self._modes, self._micro_batchings, self._splits, reference_split)
         references = 1 if self._fp32_precision is None else 2
-        self._num_runs = len(self._aggregations) * (references + len(plan))
+        self._num_runs = len(self._objectives()) * (references + len(plan))
         distributed.log_rank_zero(
             f"{self._num_runs} runs of {self._num_steps} rollout steps x {self._cfg.ppo_epochs} "
             f"PPO epochs: per loss_aggregation the full batch {reference_split} first, "
             f"{self._precision.describe()}"
         )
         run = 0
-        for aggregation in self._aggregations:
-            train = partial(self._train, aggregation)
+        for (loss_name, loss_section), aggregation in self._objectives():
+            loss = build_policy_loss(loss_section)
+            train = partial(self._train, loss, aggregation)
             run += 1
             reference = train(reference_split, NormMode.EXACT, MicroBatching.FIXED, run=run)
             initial = {n: self._initial_state[n].float().cpu() for n in reference.weights}
@@ -202,10 +216,17 @@ class GrpoParity:
             run += len(plan)
             summaries = [s for _, s in sorted(gather_summaries(local).items())]
             if self._rank == 0:
-                self._save(aggregation, reference, summaries, fp32_reference, to_fp32)
+                objective = (loss_name, loss, aggregation)
+                self._save(objective, reference, summaries, fp32_reference, to_fp32)
+
+    def _objectives(self) -> list[tuple[tuple[str | None, Any], LossAggregation]]:
+        """Each (loss, aggregation) the report trains: every listed loss under every listed
+        aggregation (the loss's name is None for the config's own ``loss``)."""
+        return [(loss, a) for loss in self._losses for a in self._aggregations]
 
     def _train(
         self,
+        loss: PolicyLoss,
         aggregation: LossAggregation,
         split: Split,
         mode: NormMode,
@@ -219,7 +240,8 @@ class GrpoParity:
         reseed(self._seed)
         sharded = split.num_ranks > 1
         what = (
-            f"run {run} of {self._num_runs}: loss_aggregation={aggregation.value}, {split} with "
+            f"run {run} of {self._num_runs}: {type(loss).__name__}, "
+            f"loss_aggregation={aggregation.value}, {split} with "
             f"loss_normalization={mode.value}, micro_batching={micro_batching.value}"
         )
         if sharded:
@@ -247,6 +269,7 @@ class GrpoParity:
             micro_batch_tokens=self._cfg.parity.micro_batch_tokens,
             forward_batch_size=self._cfg.forward_batch_size,
             pad_id=self._tokenizer.pad_id,
+            shaping=ShapingKeys.from_config(self._cfg, loss),
         )
         optimizer = config.instantiate(self._cfg.optimizer, list(model.parameters()))
         lr_scheduler = None
@@ -272,9 +295,10 @@ class GrpoParity:
             grpo_loss_step,
             model,
             aggregation=aggregation,
+            loss=loss,
             max_generated_tokens=self._cfg.max_generated_tokens,
+            num_completions=self._global_completions,
             precision=precision,
-            **self._loss_settings,
         )
         loader = build_prompt_loader(
             self._dataset,
@@ -292,10 +316,13 @@ class GrpoParity:
         bar = tqdm(total=self._num_steps, desc=f"run {run}/{self._num_runs}", disable=self._rank)
         prompt_batches = iter(loader)
         for rollout_step in range(self._num_steps):
+            prompts = next(prompt_batches, None)
+            if prompts is None:  # dynamic sampling drew the epoch's last prompts
+                break
             rollouts = make_rollouts(
                 model,
                 self._references.get(sharded=sharded, dtype=precision.compute_dtype),
-                next(prompt_batches),
+                prompts,
                 settings=settings,
                 reward_components=self._rewards,
                 tokenizer=self._tokenizer,
@@ -304,6 +331,8 @@ class GrpoParity:
                 device=self._device,
                 run_full_length=sharded,
                 precision=precision,
+                more_prompts=partial(next, prompt_batches, None),
+                dp_group=dp_group,
             )
             for window in ppo_windows(rollouts, settings, normalizer):
                 train_window(
@@ -330,38 +359,44 @@ class GrpoParity:
 
     def _save(
         self,
-        aggregation: LossAggregation,
+        objective: tuple[str | None, PolicyLoss, LossAggregation],
         reference: ParityRun,
         summaries: list[RunSummary],
         fp32_reference: ParityRun | None,
         reference_to_fp32: float | None,
     ) -> None:
-        """Rank 0: the aggregation's report in ``parity/<aggregation>/``."""
+        """Rank 0: the objective's report in ``parity/<name>/`` (the aggregation's name, after
+        the loss's where ``parity.losses`` lists losses)."""
+        loss_name, loss, aggregation = objective
         precision = PrecisionView(
             dtype=str(self._cfg.dtype),
             master_weights=str(getattr(self._cfg.master_weights, "value", "none")),
             noise_floor=self._cfg.parity.noise_floor,
             reference_to_fp32=reference_to_fp32,
         )
-        objective = PolicyObjective(
+        policy = PolicyObjective(
             aggregation=aggregation.value,
             grpo_samples=self._cfg.grpo_samples,
             ppo_epochs=self._cfg.ppo_epochs,
             rewards=tuple(reward_name(r) for r in self._rewards),
+            loss=loss.describe(),
         )
+        name = aggregation.value if loss_name is None else f"{loss_name}.{aggregation.value}"
         report = write_report(
-            self._report_dir / aggregation.value,
+            self._report_dir / name,
             reference=reference,
             summaries=summaries,
             precision=precision,
             micro_batch_tokens=self._cfg.parity.micro_batch_tokens,
             fp32_reference=fp32_reference,
-            policy=objective,
+            policy=policy,
         )
-        self._reports[aggregation.value] = {
+        self._reports[name] = {
             "report": str(report.relative_to(self._report_dir)),
             "verdict": verdict(summaries, precision),
             "table": markdown_table(summaries, reference, precision, "weights"),
+            "loss": loss.describe(),
+            "aggregation": aggregation.value,
         }
 
     def save_report(self) -> Path | None:

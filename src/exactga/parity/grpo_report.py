@@ -46,22 +46,28 @@ class PolicyObjective:
     grpo_samples: int
     ppo_epochs: int
     rewards: tuple[str, ...]
+    loss: str = "PPOClipLoss"  # the policy loss and its settings (PolicyLoss.describe)
 
     @property
     def units(self) -> str:
-        return "completion tokens" if self.aggregation == "token_mean" else "completions"
+        return "completion tokens" if self.aggregation == "token-mean" else "completions"
 
     def describe(self) -> str:
         means = {
-            "token_mean": "the per-token policy losses of every completion token of the step "
+            "token-mean": "the per-token policy losses of every completion token of the step "
             "on every rank, summed, over their count (DAPO)",
-            "sequence_mean": "each completion's token mean, averaged over the step's "
+            "seq-mean-token-mean": "each completion's token mean, averaged over the step's "
             "completions (the GRPO paper)",
-            "constant": "the per-token losses summed over the step's completions, divided by "
-            "their number times max_generated_tokens (Dr. GRPO)",
+            "seq-mean-token-sum": "each completion's token sum, averaged over the step's "
+            "completions",
+            "seq-mean-token-sum-norm": "each completion's token sum over "
+            "max_generated_tokens, averaged over the step's completions (Dr. GRPO)",
+            "token-sum": "the per-token losses summed over the step's completions on every "
+            "rank (each completion's token sum times the step's completions, averaged)",
         }[self.aggregation]
         return (
-            f"**Objective: GRPO, `loss_aggregation: {self.aggregation}`**: {means}. Every run "
+            f"**Objective: GRPO, `{self.loss}`, `loss_aggregation: {self.aggregation}`**: "
+            f"{means}. Every run "
             f"trains recipes/grpo_full_finetune_distributed.py's step: {self.grpo_samples} "
             f"completions per prompt scored by {', '.join(self.rewards)}, group-relative "
             f"advantages, {self.ppo_epochs} optimizer step(s) per rollout step. A split BxG(xN) "
@@ -92,9 +98,9 @@ class PolicyObjective:
                 "micro-batches: TRL's `grpo`/`bnpo`/`dr_grpo` and veRL's weighting before their "
                 "fixes) agrees with exact only when every micro-batch of a window on every rank "
                 f"holds as many {self.units}. Completions end at different lengths, so under "
-                "`token_mean` it is off almost always; under `sequence_mean` and `constant` "
-                "fixed micro-batches hold as many completions and naive is exact up to "
-                "rounding. The first rollout step's completions are the same in every run; "
+                "`token-mean` it is off almost always; under the completion units fixed "
+                "micro-batches hold as many completions and naive is exact up to rounding "
+                "The first rollout step's completions are the same in every run; "
                 "from the second on a run whose weights moved elsewhere samples other "
                 "completions, so its loss curve compares different rollouts (see [grpo parity] "
                 "in exactga.parity.grpo).",
@@ -123,14 +129,18 @@ def write_index(
     table (``outcomes``: name -> report, verdict, table) with a link to its own report."""
     sections = [
         "# GA parity report: GRPO",
-        f"Each `loss_aggregation` is its own objective with its own full-batch reference "
+        f"Each policy loss x `loss_aggregation` is its own objective with its own full-batch "
+        "reference "
         f"({num_completions} completions in one micro-batch on one device), {num_steps} rollout "
         f"steps of {ppo_epochs} optimizer step(s). A split BxG(xN) counts completions: B per "
         "micro-batch, G micro-batches (x N ranks).",
     ]
     for name, outcome in outcomes.items():
+        title = f"loss_aggregation: {outcome.get('aggregation', name)}"
+        if name != outcome.get("aggregation", name):  # parity.losses lists the losses
+            title = f"{outcome['loss']}, {title}"
         sections += [
-            f"## loss_aggregation: {name}",
+            f"## {title}",
             f"**Verdict:** {outcome['verdict']}",
             outcome["table"],
             f"Figure, TensorBoard runs and the naive gap: [{outcome['report']}]"
@@ -142,6 +152,8 @@ def write_index(
         name: {
             "report": outcome["report"],
             "verdict": outcome["verdict"],
+            "loss": outcome.get("loss"),
+            "aggregation": outcome.get("aggregation", name),
             "summary": json.loads((report_dir / name / "summary.json").read_text()),
         }
         for name, outcome in outcomes.items()

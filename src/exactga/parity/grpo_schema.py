@@ -4,17 +4,25 @@ exactga.parity.grpo)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
-from exactga.config.options import LossAggregation, MasterWeights, MicroBatching, NormMode
+from exactga.config.options import (
+    LossAggregation,
+    MasterWeights,
+    MicroBatching,
+    NormMode,
+    as_option,
+)
 from exactga.config.schemas import TrainingRunConfig, check_master_weights
 from exactga.grpo.schema import (
     PACKED_ROLLOUTS,
     GrpoDistributedConfig,
     RolloutKeys,
+    check_loss_section,
     check_rollout_keys,
+    loss_short_name,
 )
 from exactga.parity.schema import PADDED_MODES, ParitySettings
 
@@ -32,6 +40,9 @@ class GrpoParitySettings(ParitySettings):
     micro_batching: list[MicroBatching] = field(default_factory=lambda: list(PADDED_MODES))
     # Each is trained as its own objective, with its own full-batch reference.
     loss_aggregations: list[LossAggregation] = field(default_factory=lambda: list(LossAggregation))
+    # Policy loss sections ({_component_: exactga.grpo.losses.GSPOLoss, ...}), each trained under
+    # every loss_aggregation as its own objective; null: the config's own ``loss``.
+    losses: list[Any] | None = None
     num_steps: int = 4
 
 
@@ -54,12 +65,17 @@ class GrpoParityConfig(TrainingRunConfig, RolloutKeys):
         check_rollout_keys(cfg)
         check_master_weights(cfg)
         parity = cfg.parity
-        aggregations = [LossAggregation(a).value for a in parity.loss_aggregations]
+        aggregations = [
+            as_option(LossAggregation, a, "parity.loss_aggregations").value
+            for a in parity.loss_aggregations
+        ]
         if not aggregations or len(set(aggregations)) < len(aggregations):
             raise ValueError(
                 f"config key 'parity.loss_aggregations'={aggregations}: list each of "
                 f"{', '.join(a.value for a in LossAggregation)} at most once, at least one."
             )
+        for index, loss in enumerate(parity.losses or []):
+            check_loss_section(loss, f"parity.losses[{index}]")
         if parity.num_steps < 1:
             raise ValueError("config key 'parity.num_steps' must be at least 1 (rollout steps).")
         if parity.modes is not None and NormMode.POST_SCALE in parity.modes:
@@ -90,6 +106,19 @@ class GrpoParityConfig(TrainingRunConfig, RolloutKeys):
         if completions % ga:
             ga = 1
         return [f"{completions // ga}x{ga}"]
+
+    @staticmethod
+    def losses_for(cfg: DictConfig) -> list[tuple[str | None, Any]]:
+        """Each loss the report trains, as (its name in the report, its section): the
+        config's own ``loss`` (name None) where ``parity.losses`` is null; a loss listed twice
+        is named with its place in the list."""
+        if cfg.parity.losses is None:
+            return [(None, cfg.get("loss"))]
+        names = [loss_short_name(loss) for loss in cfg.parity.losses]
+        return [
+            (name if names.count(name) == 1 else f"{name}{index}", loss)
+            for index, (name, loss) in enumerate(zip(names, cfg.parity.losses, strict=True))
+        ]
 
     @staticmethod
     def modes_for(cfg: DictConfig) -> list[NormMode]:
