@@ -86,8 +86,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         # Device, process group, data-parallel mesh (stock's DPO has no tensor parallelism),
         # precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
-        # What the loss is beyond the per-pair ``loss``: see exactga.dpo.preference.DpoTerms.
-        self._dpo_terms = DpoTerms(rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob)
         self._clip_grad_norm = cfg.clip_grad_norm
 
     def setup(self, cfg: DictConfig) -> None:
@@ -95,16 +93,23 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         start = RunStart(cfg, self._runtime, FULL_DPO_FINGERPRINT_KEYS)
         self._model = start.build_model(cfg.model, start.full_weights())
         self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
+        # One loss per pair (with rpo_alpha or ORPO also an NLL over the chosen tokens), and
+        # what it needs of the step: see exactga.dpo.preference.DpoTerms.
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._dpo_terms = DpoTerms.for_loss(
+            self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob
+        )
         # The frozen reference: ``model`` with ref_checkpointer's weights (also on resume, as
-        # stock), sharded like the policy; held only by the reference below.
-        ref_model = start.frozen_model(cfg.model, cfg.ref_checkpointer, "Reference")
+        # stock), sharded like the policy; held only by the reference below. A reference-free
+        # loss (SimPO, ORPO) builds and runs none.
+        ref_model = None
+        if not self._dpo_terms.reference_free:
+            ref_model = start.frozen_model(cfg.model, cfg.ref_checkpointer, "Reference")
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = start.build_optimizer(
             cfg.optimizer, self._model, in_backward=cfg.optimizer_in_bwd
         )
-        # One loss per pair (with rpo_alpha also an NLL over the chosen tokens); the normaliser
-        # weighs each term by its own units, counted over every data-parallel rank.
-        self._loss_fn = config.instantiate(cfg.loss)
+        # The normaliser weighs each term by its own units, counted over every data-parallel rank.
         normalizer = LossNormalizer(
             self._loss_fn,
             mode=cfg.loss_normalization,
@@ -116,7 +121,9 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         # The reference model, or its log-probs computed once (which frees the model).
         self._reference, dataset = reference_for_run(
-            frozen_model_reference(ref_model, self._runtime.precision),
+            None
+            if ref_model is None
+            else frozen_model_reference(ref_model, self._runtime.precision),
             dataset,
             cfg,
             pad_id=self._tokenizer.pad_id,

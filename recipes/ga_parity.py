@@ -84,7 +84,7 @@ from exactga.accumulation.step import train_window
 from exactga.data.loader import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.data.packing import uses_flex_attention
-from exactga.dpo.preference import PreferencePairs
+from exactga.dpo.preference import DpoTerms
 from exactga.kd.distillation import Distiller, check_kd_losses, check_vocabularies
 from exactga.launch.cli import run_recipe
 from exactga.parity.grpo import GrpoParity
@@ -248,7 +248,12 @@ class GaParityRecipe:
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
         self._ignore_index = loss_ignore_index(self._loss_fn)  # padding's label; a pair loss's too
-        if self._is_preference and not self._is_lora:
+        self._dpo_terms = None  # a DPO config's: units, reference, NLL term (exactga.dpo)
+        if self._is_preference:
+            self._dpo_terms = DpoTerms.for_loss(
+                self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob
+            )
+        if self._is_preference and not self._is_lora and not self._dpo_terms.reference_free:
             ref_state = config.instantiate(cfg.ref_checkpointer).load_checkpoint()
             self._ref_models = FrozenModels(
                 cfg.model,
@@ -481,8 +486,8 @@ class GaParityRecipe:
             mode=mode,
             dp_group=dp_group,
             units=(
-                PreferencePairs(self._ignore_index)
-                if self._is_preference
+                self._dpo_terms.units(self._ignore_index)
+                if self._dpo_terms is not None
                 else router.units(self._loss_fn)
             ),
         )
@@ -507,7 +512,7 @@ class GaParityRecipe:
         windows = router.track(windows)  # its statistics start empty every window
         if self._is_preference:  # the DPO recipes' loss step, against their reference
             loss_step = preference_loss_step(
-                model, self._loss_fn, precision, self._reference_model(sharded)
+                model, self._loss_fn, precision, self._reference_model(sharded), self._dpo_terms
             )
         if self._teacher is not None:  # the KD recipes' loss step and windows
             distiller = Distiller(
@@ -586,7 +591,11 @@ class GaParityRecipe:
             fp32_reference=self._fp32_reference,
             data=None if self._is_preference else self._data_shape,
             distillation=self._distillation(),
-            preference=Preference.of(self._loss_fn, self._is_lora) if self._is_preference else None,
+            preference=(
+                Preference.of(self._loss_fn, self._is_lora, self._dpo_terms)
+                if self._dpo_terms is not None
+                else None
+            ),
             router=(
                 RouterTerm(self._router_coef, str(self._router_balance.value))
                 if self._router_coef > 0

@@ -90,8 +90,6 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         # Device, precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.single_device(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
-        # What the loss is beyond the per-pair ``loss``: see exactga.dpo.preference.DpoTerms.
-        self._dpo_terms = DpoTerms(rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob)
         self._clip_grad_norm = cfg.clip_grad_norm
 
     def setup(self, cfg: DictConfig) -> None:
@@ -101,18 +99,25 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
-        # One loss per pair (with rpo_alpha also an NLL over the chosen tokens); the normaliser
+        # One loss per pair (with rpo_alpha or ORPO also an NLL over the chosen tokens), and
+        # what it needs of the step: see exactga.dpo.preference.DpoTerms. The normaliser
         # weighs each term by its own units.
         self._loss_fn = config.instantiate(cfg.loss)
+        self._dpo_terms = DpoTerms.for_loss(
+            self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob
+        )
         normalizer = LossNormalizer(
             self._loss_fn, mode=cfg.loss_normalization, units=self._dpo_terms.units()
         )
         self._metrics = PreferenceMetrics(self._runtime.device, self._dpo_terms)
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
-        # The reference: the policy with its adapters off, or its log-probs computed once.
+        # The reference: the policy with its adapters off, or its log-probs computed once;
+        # none for a reference-free loss (SimPO, ORPO).
         self._reference, dataset = reference_for_run(
-            lora_reference(self._model, self._runtime.precision),
+            None
+            if self._dpo_terms.reference_free
+            else lora_reference(self._model, self._runtime.precision),
             dataset,
             cfg,
             pad_id=self._tokenizer.pad_id,

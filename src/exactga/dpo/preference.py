@@ -96,6 +96,7 @@ from exactga.accumulation.loss_units import (
 from exactga.accumulation.normalization import Window
 from exactga.config.options import SequenceLogProb, as_option
 from exactga.data.packing import PACKED_SEQUENCES
+from exactga.dpo.losses import is_reference_free
 from exactga.dpo.reference_logprobs import PAIR_INDEX, ReferenceTable, with_precomputed_reference
 from exactga.runtime.precision import Precision
 from exactga.setup.frozen import frozen_forward
@@ -238,6 +239,38 @@ class DpoTerms:
 
     rpo_alpha: float
     sequence_log_prob: SequenceLogProb
+    # The loss takes the policy's log-probs alone: no reference is built or run (SimPO, ORPO).
+    reference_free: bool = False
+
+    @classmethod
+    def for_loss(
+        cls,
+        loss_fn: nn.Module,
+        *,
+        rpo_alpha: float = 0.0,
+        sequence_log_prob: SequenceLogProb | str | None = None,
+    ) -> DpoTerms:
+        """The terms of ``loss_fn``'s step from the config's keys and what the loss declares
+        (``reference_free``, ``sequence_log_prob``, ``nll_weight``; see exactga.dpo.losses): a
+        null ``sequence_log_prob`` is the loss's own (the sum for torchtune's losses), and ORPO's
+        NLL term is its ``nll_weight``.
+
+        Raises:
+            ValueError: naming ``rpo_alpha``, for a loss that holds an NLL term of its own.
+        """
+        own_nll = float(getattr(loss_fn, "nll_weight", 0.0))
+        if own_nll and rpo_alpha:
+            raise ValueError(
+                f"config key 'rpo_alpha'={rpo_alpha}: {type(loss_fn).__name__} holds its own NLL "
+                f"term on the chosen responses (weight {own_nll}); set rpo_alpha: 0."
+            )
+        if sequence_log_prob is None:
+            sequence_log_prob = getattr(loss_fn, "sequence_log_prob", SequenceLogProb.SUM)
+        return cls(
+            rpo_alpha=own_nll or rpo_alpha,
+            sequence_log_prob=sequence_log_prob,
+            reference_free=is_reference_free(loss_fn),
+        )
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.rpo_alpha) or self.rpo_alpha < 0:
@@ -325,7 +358,7 @@ def dpo_loss_step(
     model: nn.Module,
     loss_fn: nn.Module,
     batch: Batch,
-    reference: Reference | ReferenceTable,
+    reference: Reference | ReferenceTable | None,
     *,
     terms: DpoTerms | None = None,
     metrics: PreferenceMetrics | None = None,
@@ -338,11 +371,13 @@ def dpo_loss_step(
     rpo_alpha * mean NLL over the chosen tokens]``, which ``Window.scale`` weighs by the pairs
     and the chosen tokens (units from ``terms.units()``); see [chosen tokens as the NLL's units].
 
-    ``loss_fn`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (or any loss with their signature
-    that returns one loss per pair). The reference runs first, so its activations are gone
-    before the policy's are made; a ``ReferenceTable`` (``precompute_reference_logprobs``)
-    is looked up by the batch's pair indices instead. ``metrics`` records the pairs' rewards
-    and log-probs (and the terms, with an NLL term).
+    ``loss_fn`` is torchtune's ``DPOLoss`` or ``RSOLoss``, or one of exactga.dpo.losses (any
+    loss with their signature that returns one loss per pair). The reference runs first, so its
+    activations are gone before the policy's are made; a ``ReferenceTable``
+    (``precompute_reference_logprobs``) is looked up by the batch's pair indices instead. A
+    reference-free loss (``terms.reference_free``: SimPO, ORPO) takes the policy's log-probs
+    alone and ``reference`` is None: nothing runs for it. ``metrics`` records the pairs'
+    rewards and log-probs (and the terms, with an NLL term).
     """
     terms = DPO if terms is None else terms
     labels = batch.pop("labels")
@@ -352,7 +387,11 @@ def dpo_loss_step(
     if positions is None:  # a batch that did not come through the normaliser
         positions = loss_positions(labels)
     targets = shift_labels(labels).reshape(-1).index_select(0, positions)
-    if isinstance(reference, ReferenceTable):
+    if terms.reference_free:  # no reference log-probs at all; see exactga.dpo.losses
+        reference_chosen = reference_rejected = None
+    elif reference is None:
+        raise ValueError(f"{type(loss_fn).__name__} compares against a reference; none given")
+    elif isinstance(reference, ReferenceTable):
         if pair_index is None:
             raise ValueError("a precomputed reference needs the pairs' indices (IndexedPairs)")
         reference_chosen, reference_rejected = reference.lookup(pair_index)
@@ -365,11 +404,15 @@ def dpo_loss_step(
         lengths = response_lengths({**batch, "labels": labels}).to(policy.dtype)
         chosen_lengths, rejected_lengths = split_pairs(lengths)
         chosen, rejected = chosen / chosen_lengths, rejected / rejected_lengths
-        reference_chosen = reference_chosen / chosen_lengths
-        reference_rejected = reference_rejected / rejected_lengths
-    losses, chosen_rewards, rejected_rewards = loss_fn(
-        chosen, rejected, reference_chosen, reference_rejected
-    )
+        if not terms.reference_free:
+            reference_chosen = reference_chosen / chosen_lengths
+            reference_rejected = reference_rejected / rejected_lengths
+    if terms.reference_free:
+        losses, chosen_rewards, rejected_rewards = loss_fn(chosen, rejected)
+    else:
+        losses, chosen_rewards, rejected_rewards = loss_fn(
+            chosen, rejected, reference_chosen, reference_rejected
+        )
     if losses.shape != chosen.shape:
         raise ValueError(
             f"loss {type(loss_fn).__name__} returned losses of shape {tuple(losses.shape)} for "
@@ -509,8 +552,8 @@ def reference_for_run(
     a time, and the dataset its pairs are looked up from (see [precomputed reference] in
     exactga.dpo.reference_logprobs). The caller drops its other handles on the reference
     model, so that the table frees it."""
-    if not cfg.precompute_reference_logprobs:
-        return reference, dataset
+    if reference is None or not cfg.precompute_reference_logprobs:
+        return reference, dataset  # a reference-free loss has nothing to precompute
     return with_precomputed_reference(
         reference,
         dataset,

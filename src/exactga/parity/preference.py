@@ -42,8 +42,13 @@ from torch import nn
 from exactga.accumulation.loss_units import Batch
 from exactga.config.schemas import TrainingRunConfig
 from exactga.data.rows import is_preference_sample
-from exactga.dpo.preference import dpo_loss_step, frozen_model_reference, lora_reference
-from exactga.dpo.schema import PAIR_COLLATE
+from exactga.dpo.preference import (
+    DpoTerms,
+    dpo_loss_step,
+    frozen_model_reference,
+    lora_reference,
+)
+from exactga.dpo.schema import PAIR_COLLATE, loss_is_reference_free
 from exactga.parity.scoring import ParityRun, RunSummary, sorted_runs
 from exactga.runtime.distributed import is_rank_zero
 from exactga.runtime.precision import Precision
@@ -67,7 +72,8 @@ def collate_fn_for(collate_fn: str | None, is_preference: bool) -> str:
 
 
 def check_preference_keys(cfg: DictConfig, *, is_preference: bool, is_lora: bool) -> None:
-    """``ref_checkpointer`` is full DPO's and needed there; a DPO config distils no teacher.
+    """``ref_checkpointer`` is full DPO's and needed there unless the loss is reference-free
+    (SimPO, ORPO); a DPO config distils no teacher.
 
     Raises:
         ValueError: naming the keys.
@@ -77,13 +83,16 @@ def check_preference_keys(cfg: DictConfig, *, is_preference: bool, is_lora: bool
             "config keys 'teacher_model' and 'loss': the report trains a distillation or a "
             "preference loss, not both; remove teacher_model or use a token loss."
         )
-    if is_preference and not is_lora and cfg.ref_checkpointer is None:
+    reference_free = is_preference and loss_is_reference_free(cfg)
+    if is_preference and not is_lora and not reference_free and cfg.ref_checkpointer is None:
         raise ValueError(
             "config key 'ref_checkpointer' is needed for full DPO: the reference's weights "
             "(as recipes/full_dpo_distributed.py reads them; LoRA DPO needs none)."
         )
-    if cfg.ref_checkpointer is not None and (is_lora or not is_preference) and is_rank_zero():
+    unread = is_lora or not is_preference or reference_free
+    if cfg.ref_checkpointer is not None and unread and is_rank_zero():
         why = "LoRA DPO's reference is the base model" if is_preference else "no preference loss"
+        why = "the loss is reference-free" if reference_free else why
         warnings.warn(f"config key 'ref_checkpointer' ignored: {why}.", stacklevel=2)
 
 
@@ -112,14 +121,20 @@ def preference_loss_step(
     loss_fn: nn.Module,
     precision: Precision,
     ref_model: nn.Module | None = None,
+    terms: DpoTerms | None = None,
 ) -> Callable[[Batch], torch.Tensor]:
     """The DPO recipes' loss step for ``model``: against the frozen ``ref_model`` (full DPO) or,
-    without one, ``model`` with its adapters off (LoRA DPO)."""
-    if ref_model is None:
+    without one, ``model`` with its adapters off (LoRA DPO); with no reference at all for a
+    reference-free loss (``terms.reference_free``)."""
+    if terms is not None and terms.reference_free:
+        reference = None
+    elif ref_model is None:
         reference = lora_reference(model, precision)
     else:
         reference = frozen_model_reference(ref_model, precision)
-    return partial(dpo_loss_step, model, loss_fn, reference=reference, precision=precision)
+    return partial(
+        dpo_loss_step, model, loss_fn, reference=reference, terms=terms, precision=precision
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,10 +149,12 @@ class Preference:
     reference: str  # what the reference log-probs come from
 
     @classmethod
-    def of(cls, loss_fn: nn.Module, is_lora: bool) -> Preference:
+    def of(cls, loss_fn: nn.Module, is_lora: bool, terms: DpoTerms | None = None) -> Preference:
         reference = "the policy with its adapters off"
         if not is_lora:
             reference = "a frozen copy of `model` with the weights of `ref_checkpointer`"
+        if terms is not None and terms.reference_free:
+            reference = "none (a reference-free loss: no reference model is built or run)"
         return cls(loss=type(loss_fn).__name__, reference=reference)
 
     def describe(self) -> str:

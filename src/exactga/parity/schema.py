@@ -28,6 +28,7 @@ from exactga.config.schemas import (
     _warn_once,
     max_seq_len_of,
 )
+from exactga.dpo.schema import DpoLossKeys
 from exactga.kd.schema import DistillationKeys
 
 # The modes that pad micro-batches (every one but packed).
@@ -58,7 +59,7 @@ class ParitySettings:
 
 
 @dataclass
-class GaParityConfig(TrainingRunConfig):
+class GaParityConfig(TrainingRunConfig, DpoLossKeys):
     """``ga_parity``: the keys of a full, LoRA, KD or DPO config it reads, plus ``parity``.
 
     The other keys of those recipes (single-device or distributed) are accepted, so a training
