@@ -104,6 +104,8 @@ from exactga.setup.frozen import frozen_forward
 # An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
 # no pair. See [pairs as loss units].
 EMPTY = "no_pairs"
+# A KTO sample's label (True: a desirable example), ``(B,)`` in a micro-batch; see exactga.dpo.kto.
+DESIRABLE = "desirable"
 
 # (inputs on the device, response positions, their labels) -> (chosen, rejected) log-probs.
 Reference = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -127,6 +129,8 @@ def collate_pairs(
     batch = {"tokens": tokens, "labels": labels}
     if samples and PAIR_INDEX in samples[0]:
         batch[PAIR_INDEX] = torch.tensor([s[PAIR_INDEX] for s in samples], dtype=torch.long)
+    if samples and DESIRABLE in samples[0]:  # KTO's unpaired examples
+        batch[DESIRABLE] = torch.tensor([bool(s[DESIRABLE]) for s in samples])
     return batch
 
 
@@ -202,8 +206,9 @@ class PreferencePairs:
             for key, value in batch.items()
             if key != LOSS_POSITIONS
         }
-        if PAIR_INDEX in batch:  # one entry per pair: the last pair's
-            emptied[PAIR_INDEX] = batch[PAIR_INDEX][-1:]
+        for key in (PAIR_INDEX, DESIRABLE):  # one entry per pair: the last pair's
+            if key in batch:
+                emptied[key] = batch[key][-1:]
         return {**emptied, EMPTY: torch.tensor(True)}
 
 
@@ -241,6 +246,8 @@ class DpoTerms:
     sequence_log_prob: SequenceLogProb
     # The loss takes the policy's log-probs alone: no reference is built or run (SimPO, ORPO).
     reference_free: bool = False
+    # The loss trains unpaired examples against the window's reference point (KTO).
+    unpaired: bool = False
 
     @classmethod
     def for_loss(
@@ -266,10 +273,17 @@ class DpoTerms:
             )
         if sequence_log_prob is None:
             sequence_log_prob = getattr(loss_fn, "sequence_log_prob", SequenceLogProb.SUM)
+        unpaired = bool(getattr(loss_fn, "unpaired", False))
+        if unpaired and (rpo_alpha or sequence_log_prob == SequenceLogProb.MEAN):
+            raise ValueError(
+                f"config keys 'rpo_alpha' and 'sequence_log_prob': {type(loss_fn).__name__} "
+                "trains unpaired examples on summed log-probs; leave both out."
+            )
         return cls(
             rpo_alpha=own_nll or rpo_alpha,
             sequence_log_prob=sequence_log_prob,
             reference_free=is_reference_free(loss_fn),
+            unpaired=unpaired,
         )
 
     def __post_init__(self) -> None:
@@ -286,7 +300,12 @@ class DpoTerms:
 
     def units(self, ignore_index: int = IGNORE_INDEX) -> PreferencePairs:
         """What the step's loss is a mean over: pairs, and with an NLL term its chosen tokens
-        too. Without one, exactly the units of stock-weighted DPO (:class:`PreferencePairs`)."""
+        too. Without one, exactly the units of stock-weighted DPO (:class:`PreferencePairs`);
+        KTO's examples for an unpaired loss."""
+        if self.unpaired:
+            from exactga.dpo.kto import KtoExamples  # kto builds on this module
+
+            return KtoExamples(ignore_index)
         if self.has_nll:
             return PairsAndChosenTokens(ignore_index)
         return PreferencePairs(ignore_index)
@@ -364,6 +383,7 @@ def dpo_loss_step(
     metrics: PreferenceMetrics | None = None,
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+    reference_point: Any = None,
 ) -> torch.Tensor:
     """The mean loss over the pairs of one micro-batch already on the device, for
     ``Window.scale`` (which weighs it by its pairs); see [pairs as loss units]. With an NLL
@@ -377,9 +397,23 @@ def dpo_loss_step(
     (``precompute_reference_logprobs``) is looked up by the batch's pair indices instead. A
     reference-free loss (``terms.reference_free``: SimPO, ORPO) takes the policy's log-probs
     alone and ``reference`` is None: nothing runs for it. ``metrics`` records the pairs'
-    rewards and log-probs (and the terms, with an NLL term).
+    rewards and log-probs (and the terms, with an NLL term). An unpaired loss (KTO,
+    ``terms.unpaired``) trains the micro-batch's examples against ``reference_point``, the
+    window's (exactga.dpo.kto.kto_loss_step).
     """
     terms = DPO if terms is None else terms
+    if terms.unpaired:
+        from exactga.dpo.kto import kto_loss_step  # kto builds on this module
+
+        return kto_loss_step(
+            model,
+            loss_fn,
+            batch,
+            reference,
+            reference_point=reference_point,
+            precision=precision,
+            activations_ctx=activations_ctx,
+        )
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     is_empty = batch.pop(EMPTY, None) is not None
