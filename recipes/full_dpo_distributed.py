@@ -34,6 +34,7 @@ from exactga.dpo.preference import (
     dpo_loss_step,
     frozen_model_reference,
     reference_for_run,
+    reference_point_for,
 )
 from exactga.dpo.schema import FULL_DPO_FINGERPRINT_KEYS, FullDpoDistributedConfig
 from exactga.launch.cli import run_recipe
@@ -109,14 +110,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._optimizer = start.build_optimizer(
             cfg.optimizer, self._model, in_backward=cfg.optimizer_in_bwd
         )
-        # The normaliser weighs each term by its own units, counted over every data-parallel rank.
-        normalizer = LossNormalizer(
-            self._loss_fn,
-            mode=cfg.loss_normalization,
-            dp_group=self._runtime.dp_group,
-            units=self._dpo_terms.units(),
-        )
-        self._metrics = PreferenceMetrics(self._runtime.device, self._dpo_terms)
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         # The reference model, or its log-probs computed once (which frees the model).
@@ -131,6 +124,23 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             dp_group=self._runtime.dp_group,
         )
         del ref_model  # held by the reference now, or by nothing once the table has its log-probs
+        # KTO's reference point: a statistic of each whole window over every rank, computed
+        # before its backward passes (None for a loss over pairs); see [kto reference point].
+        self._reference_point = reference_point_for(
+            self._dpo_terms, self._model, self._reference, self._runtime.precision
+        )
+        # The normaliser weighs each term by its own units, counted over every data-parallel
+        # rank (and computes KTO's statistic over them).
+        normalizer = LossNormalizer(
+            self._loss_fn,
+            mode=cfg.loss_normalization,
+            dp_group=self._runtime.dp_group,
+            units=self._dpo_terms.units(),
+            statistics=[self._reference_point] if self._reference_point else [],
+        )
+        self._metrics = PreferenceMetrics(
+            self._runtime.device, self._dpo_terms, self._reference_point
+        )
         dataloader = start.dataloader(
             dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
         )
@@ -155,6 +165,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             metrics=self._metrics,
             precision=self._runtime.precision,
             activations_ctx=self._activations_ctx,
+            reference_point=self._reference_point,  # KTO's, for the whole window
         )
 
     def train(self) -> None:

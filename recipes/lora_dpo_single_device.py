@@ -32,6 +32,7 @@ from exactga.dpo.preference import (
     dpo_loss_step,
     lora_reference,
     reference_for_run,
+    reference_point_for,
 )
 from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoSingleDeviceConfig
 from exactga.launch.cli import run_recipe
@@ -100,16 +101,11 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
         # One loss per pair (with rpo_alpha or ORPO also an NLL over the chosen tokens), and
-        # what it needs of the step: see exactga.dpo.preference.DpoTerms. The normaliser
-        # weighs each term by its own units.
+        # what it needs of the step: see exactga.dpo.preference.DpoTerms.
         self._loss_fn = config.instantiate(cfg.loss)
         self._dpo_terms = DpoTerms.for_loss(
             self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob
         )
-        normalizer = LossNormalizer(
-            self._loss_fn, mode=cfg.loss_normalization, units=self._dpo_terms.units()
-        )
-        self._metrics = PreferenceMetrics(self._runtime.device, self._dpo_terms)
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         # The reference: the policy with its adapters off, or its log-probs computed once;
@@ -122,6 +118,21 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             cfg,
             pad_id=self._tokenizer.pad_id,
             device=self._runtime.device,
+        )
+        # KTO's reference point: a statistic of each whole window over every rank, computed
+        # before its backward passes (None for a loss over pairs); see [kto reference point].
+        self._reference_point = reference_point_for(
+            self._dpo_terms, self._model, self._reference, self._runtime.precision
+        )
+        # The normaliser weighs each term by its own units (and computes KTO's statistic).
+        normalizer = LossNormalizer(
+            self._loss_fn,
+            mode=cfg.loss_normalization,
+            units=self._dpo_terms.units(),
+            statistics=[self._reference_point] if self._reference_point else [],
+        )
+        self._metrics = PreferenceMetrics(
+            self._runtime.device, self._dpo_terms, self._reference_point
         )
         dataloader = start.dataloader(
             dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
@@ -148,6 +159,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             metrics=self._metrics,
             precision=self._runtime.precision,
             activations_ctx=self._activations_ctx,
+            reference_point=self._reference_point,  # KTO's, for the whole window
         )
 
     def train(self) -> None:

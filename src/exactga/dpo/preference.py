@@ -492,11 +492,13 @@ class PreferenceMetrics:
 
     With an NLL term (``terms.rpo_alpha``) also the two terms of the loss: ``dpo_loss``, the
     mean per-pair loss, and ``chosen_nll``, the mean NLL over the window's chosen tokens (not
-    weighted by ``rpo_alpha``), so ``loss = dpo_loss + rpo_alpha * chosen_nll``.
+    weighted by ``rpo_alpha``), so ``loss = dpo_loss + rpo_alpha * chosen_nll``. For KTO
+    (``terms.unpaired``) ``kl`` alone, the window's reference point (``reference_point``).
 
     Args:
         device: where the metrics' all-reduce runs (the data-parallel backend's device).
         terms: the step's loss terms (:class:`DpoTerms`); stock DPO's by default.
+        reference_point: KTO's (exactga.dpo.kto.KtoReferencePoint), for ``kl``.
     """
 
     NAMES = (
@@ -509,10 +511,16 @@ class PreferenceMetrics:
     )
     TERM_NAMES = ("dpo_loss", "chosen_nll")
 
-    def __init__(self, device: torch.device | str = "cpu", terms: DpoTerms | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        terms: DpoTerms | None = None,
+        reference_point: Any = None,
+    ) -> None:
         self.device = torch.device(device)
         self.has_terms = terms is not None and terms.has_nll
         self.names = self.NAMES + (self.TERM_NAMES if self.has_terms else ())
+        self.reference_point = reference_point  # KTO's: its one metric, already global
         self._sums: torch.Tensor | None = None
         self._term_sums: torch.Tensor | None = None
 
@@ -555,6 +563,8 @@ class PreferenceMetrics:
         parallelism (call on every rank, on logged steps only); nothing for a skipped window."""
         if window.should_skip_step():
             return {}
+        if self.reference_point is not None:  # computed over every rank before the backward
+            return {"kl": float(self.reference_point.value)}
         sums = torch.zeros(len(self.NAMES), dtype=torch.float64, device=self.device)
         if self._sums is not None:
             sums = self._sums.to(self.device, copy=True)  # reduced in place below
@@ -569,6 +579,19 @@ class PreferenceMetrics:
         if self.has_terms:  # chosen_nll: over the chosen tokens
             means[-1] = float(sums[-1]) / window.num_global_term_units[1]
         return dict(zip(self.names, means, strict=True))
+
+
+def reference_point_for(
+    terms: DpoTerms, model: nn.Module, reference: Any, precision: Precision | None = None
+) -> Any:
+    """KTO's reference point of each window (exactga.dpo.kto.KtoReferencePoint), a window
+    statistic the normaliser computes before the window's backward passes; None for a loss
+    over pairs."""
+    if not terms.unpaired:
+        return None
+    from exactga.dpo.kto import KtoReferencePoint  # kto builds on this module
+
+    return KtoReferencePoint(model, reference, precision)
 
 
 def reference_for_run(
