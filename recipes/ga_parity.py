@@ -481,6 +481,11 @@ class GaParityRecipe:
         dp_group = distributed.dp_group(self._mesh) if sharded else None
         # The fine-tuning recipes' router term (off for a dense model, KD and DPO).
         router = RouterBalance(model, coef, self._router_balance, dp_group, self._device)
+        preference = None  # a DPO config's loss step, against its reference, and KTO's statistic
+        if self._dpo_terms is not None:
+            preference = preference_loss_step(
+                model, self._loss_fn, precision, self._reference_model(sharded), self._dpo_terms
+            )
         normalizer = LossNormalizer(
             self._loss_fn,
             mode=mode,
@@ -490,6 +495,7 @@ class GaParityRecipe:
                 if self._dpo_terms is not None
                 else router.units(self._loss_fn)
             ),
+            statistics=preference.statistics if preference is not None else (),
         )
         micro_batch_context = None
         if sharded:  # the distributed recipes' default policy
@@ -510,10 +516,8 @@ class GaParityRecipe:
             causal_lm_loss, model, self._loss_fn, precision=precision, router=router
         )
         windows = router.track(windows)  # its statistics start empty every window
-        if self._is_preference:  # the DPO recipes' loss step, against their reference
-            loss_step = preference_loss_step(
-                model, self._loss_fn, precision, self._reference_model(sharded), self._dpo_terms
-            )
+        if preference is not None:  # the DPO recipes' loss step
+            loss_step = preference.loss_step
         if self._teacher is not None:  # the KD recipes' loss step and windows
             distiller = Distiller(
                 model,

@@ -33,7 +33,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig
@@ -47,6 +47,7 @@ from exactga.dpo.preference import (
     dpo_loss_step,
     frozen_model_reference,
     lora_reference,
+    reference_point_for,
 )
 from exactga.dpo.schema import PAIR_COLLATE, loss_is_reference_free
 from exactga.parity.scoring import ParityRun, RunSummary, sorted_runs
@@ -116,25 +117,42 @@ def check_pairs(dataset: Any, is_preference: bool, loss_name: str) -> None:
     )
 
 
+class PreferenceStep(NamedTuple):
+    """The DPO recipes' loss step for one run, and the window statistics it reads (KTO's
+    reference point; none for a loss over pairs), for the run's normaliser."""
+
+    loss_step: Callable[[Batch], torch.Tensor]
+    statistics: tuple[Any, ...]
+
+
 def preference_loss_step(
     model: nn.Module,
     loss_fn: nn.Module,
     precision: Precision,
     ref_model: nn.Module | None = None,
     terms: DpoTerms | None = None,
-) -> Callable[[Batch], torch.Tensor]:
+) -> PreferenceStep:
     """The DPO recipes' loss step for ``model``: against the frozen ``ref_model`` (full DPO) or,
     without one, ``model`` with its adapters off (LoRA DPO); with no reference at all for a
-    reference-free loss (``terms.reference_free``)."""
+    reference-free loss (``terms.reference_free``); KTO's against its window's reference point
+    (see [kto reference point] in exactga.dpo.kto)."""
     if terms is not None and terms.reference_free:
         reference = None
     elif ref_model is None:
         reference = lora_reference(model, precision)
     else:
         reference = frozen_model_reference(ref_model, precision)
-    return partial(
-        dpo_loss_step, model, loss_fn, reference=reference, terms=terms, precision=precision
+    reference_point = None if terms is None else reference_point_for(terms, model, reference)
+    loss_step = partial(
+        dpo_loss_step,
+        model,
+        loss_fn,
+        reference=reference,
+        terms=terms,
+        precision=precision,
+        reference_point=reference_point,
     )
+    return PreferenceStep(loss_step, () if reference_point is None else (reference_point,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +165,7 @@ class Preference:
 
     loss: str  # the loss's class, e.g. DPOLoss
     reference: str  # what the reference log-probs come from
+    units: str = "pairs"  # what the loss is a mean over, as the window names them
 
     @classmethod
     def of(cls, loss_fn: nn.Module, is_lora: bool, terms: DpoTerms | None = None) -> Preference:
@@ -155,16 +174,17 @@ class Preference:
             reference = "a frozen copy of `model` with the weights of `ref_checkpointer`"
         if terms is not None and terms.reference_free:
             reference = "none (a reference-free loss: no reference model is built or run)"
-        return cls(loss=type(loss_fn).__name__, reference=reference)
+        units = "pairs" if terms is None else _units_of(terms)
+        return cls(loss=type(loss_fn).__name__, reference=reference, units=units)
 
     def describe(self) -> str:
         return (
             f"**Objective: direct preference optimisation.** Every run trains `{self.loss}` on "
-            f"preference pairs with the DPO recipes' loss step, the reference being "
-            f"{self.reference}. The loss units are pairs: exact weighs each micro-batch's mean "
-            "by its pairs over the window's; `naive` is stock torchtune 0.6.1's DPO weighting "
-            "(each micro-batch's mean divided by the number of micro-batches). There is no "
-            "`post_scale`, a token weighting."
+            f"preference data with the DPO recipes' loss step, the reference being "
+            f"{self.reference}. The loss units are {self.units}: exact weighs each "
+            "micro-batch's mean by its units over the window's; `naive` is stock torchtune "
+            "0.6.1's DPO weighting (each micro-batch's mean divided by the number of "
+            "micro-batches). There is no `post_scale`, a token weighting."
         )
 
     def baselines(self) -> str:
@@ -211,7 +231,13 @@ class Preference:
         )
 
     def as_json(self) -> dict[str, str]:
-        return {**dataclasses.asdict(self), "units": "pairs"}
+        return dataclasses.asdict(self)
+
+
+def _units_of(terms: DpoTerms) -> str:
+    """The loss's units in words: pairs (and the chosen tokens of an NLL term), or examples."""
+    units = terms.units()
+    return " and ".join((units.name, *getattr(units, "term_names", ())))
 
 
 def _equal(summary: RunSummary) -> bool:

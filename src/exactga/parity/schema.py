@@ -151,10 +151,12 @@ class GaParityConfig(TrainingRunConfig, DpoLossKeys):
         from torchtune.config._utils import _get_component_from_path
 
         try:
-            forward = _get_component_from_path(str(cfg.loss["_component_"])).forward
+            loss_class = _get_component_from_path(str(cfg.loss["_component_"]))
         except Exception:  # instantiating the loss names what is wrong
             return False
-        return "policy_chosen_logps" in inspect.signature(forward).parameters
+        if getattr(loss_class, "unpaired", False):  # KTO: unpaired examples, laid out as pairs
+            return True
+        return "policy_chosen_logps" in inspect.signature(loss_class.forward).parameters
 
     @classmethod
     def modes_for(cls, cfg: DictConfig) -> list[NormMode]:
