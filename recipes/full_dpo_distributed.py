@@ -57,10 +57,17 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           of the window's pair count per step, each micro-batch's mean loss over its pairs
           scaled by ``dp_size * batch_pairs / window_pairs`` before backward, which undoes
           FSDP's averaging; ``token_budget`` fillers as in the LoRA DPO recipe.
+        - ``loss`` beyond torchtune's ``DPOLoss`` and ``RSOLoss``: ``exactga.dpo.losses``'
+          ``SimPOLoss`` and ``ORPOLoss`` (reference-free: no reference model is built or run;
+          ORPO's NLL over the chosen tokens), ``IPOLoss``, and ``exactga.dpo.kto.KTOLoss`` on
+          unpaired examples (``exactga.dpo.kto.kto_dataset``) against a reference point over
+          the whole window and every rank, computed before its backward passes (logged as
+          ``kl``). See docs/dpo.md.
         - ``rpo_alpha`` (exactga): adds ``rpo_alpha`` times the chosen responses' NLL, a mean
           over the window's chosen tokens, weighted by its own units (RPO; exact where TRL
           averages per micro-batch); ``sequence_log_prob: mean`` length-normalises each
-          response's log-prob (IPO, SimPO). Off by default: stock's loss, by the same code.
+          response's log-prob (null: the loss's own). Off by default: stock's loss, by the same
+          code.
         - ``micro_batching`` on pairs per rank, log-probs only at response positions,
           ``loss_normalization`` (``exact`` or stock's ``naive``), precision and
           ``master_weights``, activation checkpointing (also selective with ``ac_mode``) and

@@ -161,12 +161,15 @@ class GaParityRecipe:
           ``dtype`` (one copy per rank, unsharded: it only runs forwards), and every run trains
           ``exactga.kd.distillation.Distiller``'s loss step; ``post_scale`` is then stock's KD
           weighting (see [stock kd weighting] there).
-        - DPO (a ``loss`` that weighs pairs, torchtune's ``DPOLoss`` or ``RSOLoss``, on a
-          preference dataset): every run trains the DPO recipes' loss step on pairs, counted
-          in pairs; the reference is the policy with its adapters off (LoRA) or a frozen copy
-          of ``model`` with ``ref_checkpointer``'s weights, built once in ``dtype`` (sharded
-          like the policy for ``BxGxN`` runs). ``naive`` is stock DPO's weighting and also runs
-          ``token_budget``; no ``post_scale`` (see exactga.parity.preference).
+        - DPO (a ``loss`` that weighs pairs, torchtune's ``DPOLoss`` or ``RSOLoss``, exactga's
+          SimPO, ORPO, IPO, or KTO on unpaired examples, on a preference dataset): every run
+          trains the DPO recipes' loss step, counted in the loss's units (pairs; ORPO's and
+          RPO's chosen tokens too; KTO's examples, its reference point a window statistic);
+          the reference is the policy with its adapters off (LoRA) or a frozen copy of
+          ``model`` with ``ref_checkpointer``'s weights, built once in ``dtype`` (sharded like
+          the policy for ``BxGxN`` runs), none for SimPO and ORPO. ``naive`` is stock DPO's
+          weighting and also runs ``token_budget``; no ``post_scale`` (see
+          exactga.parity.preference).
         - A mixture-of-experts model with ``router_aux_loss_coef > 0``: every run adds the
           router's balance term as the fine-tuning recipes do; the full batch and the
           exact/fixed splits also train without it, and the report shows the term's own gap

@@ -57,10 +57,17 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
           ``batch_pairs / window_pairs`` before backward. An epoch's last, short window is a
           step of its own (``drop_partial_window: True`` drops it); stock leaks its leftover
           micro-batches' gradient into the next epoch's first step.
+        - ``loss`` beyond torchtune's ``DPOLoss`` and ``RSOLoss``: ``exactga.dpo.losses``'
+          ``SimPOLoss`` and ``ORPOLoss`` (reference-free: no reference model is built or run;
+          ORPO's NLL over the chosen tokens), ``IPOLoss``, and ``exactga.dpo.kto.KTOLoss`` on
+          unpaired examples (``exactga.dpo.kto.kto_dataset``) against a reference point over
+          the whole window and every rank, computed before its backward passes (logged as
+          ``kl``). See docs/dpo.md.
         - ``rpo_alpha`` (exactga): adds ``rpo_alpha`` times the chosen responses' NLL, a mean
           over the window's chosen tokens, weighted by its own units (RPO; exact where TRL
           averages per micro-batch); ``sequence_log_prob: mean`` length-normalises each
-          response's log-prob (IPO, SimPO). Off by default: stock's loss, by the same code.
+          response's log-prob (null: the loss's own). Off by default: stock's loss, by the same
+          code.
         - ``micro_batching`` on pairs: ``by_length`` (default: pairs sorted by their longer
           side), ``fixed`` (stock's order), ``token_budget`` (``micro_batch_tokens`` bounds
           the ``2 x pairs x longest`` positions of a micro-batch). Exact in every mode.
