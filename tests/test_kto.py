@@ -22,19 +22,23 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from oracle_utils import flat, fp64, lr_for_unit_update, step_gap, trainable
 from recipe_utils import REPO_ROOT
 from test_preference import oracle_log_prob
 from torch import nn
+from torchtune import config
 from torchtune.training import shard_model
 from unit_utils import VOCAB, tiny_model
 
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer, NormMode
+from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
 from exactga.dpo.kto import KtoDataset, KtoExamples, KTOLoss, KtoReferencePoint, mismatched_rows
 from exactga.dpo.preference import DpoTerms, collate_pairs, dpo_loss_step, frozen_model_reference
+from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 from exactga.setup.frozen import freeze_model
@@ -274,9 +278,6 @@ def test_two_ranks_read_the_one_rank_reference_point_and_take_its_step(two_ranks
 
 
 def test_the_bundled_kto_data_gives_examples_and_their_mismatched_sequences() -> None:
-    from omegaconf import OmegaConf
-    from torchtune import config
-
     tokenizer = config.instantiate(
         OmegaConf.create(
             {
@@ -304,3 +305,11 @@ def test_a_row_without_a_label_column_is_named(tmp_path) -> None:
     path.write_text(json.dumps([{"prompt": "a", "completion": "b"}]))
     with pytest.raises(ValueError, match="no column 'label'"):
         KtoDataset(source="json", data_files=str(path), tokenizer=None)
+
+
+def test_kto_under_packed_micro_batching_is_refused_at_start_up() -> None:
+    cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / "lora_dpo_single_device.yaml")
+    cfg.loss = {"_component_": "exactga.dpo.kto.KTOLoss"}
+    cfg.micro_batching, cfg.micro_batch_tokens = "packed", 512
+    with pytest.raises(ValueError, match="'micro_batching': KTO reads its examples"):
+        validate_config(cfg, LoraDpoSingleDeviceConfig, "lora_dpo_single_device")

@@ -81,17 +81,22 @@ def check_preference_keys(cfg: DictConfig) -> None:
         )
 
 
-def loss_is_reference_free(cfg: DictConfig) -> bool:
-    """Whether the config's ``loss`` declares ``reference_free`` (SimPO, ORPO; see
-    exactga.dpo.losses). The class is looked up by its path, not built; a path that does not
-    resolve is left to instantiation to name."""
+def loss_declares(cfg: DictConfig, name: str) -> bool:
+    """Whether the config's ``loss`` class declares ``name`` true (``reference_free``: SimPO,
+    ORPO; ``unpaired``: KTO; see exactga.dpo.losses). The class is looked up by its path, not
+    built; a path that does not resolve is left to instantiation to name."""
     from torchtune.config._utils import _get_component_from_path  # only when validating
 
     try:
         loss_class = _get_component_from_path(str(cfg.loss["_component_"]))
     except Exception:  # instantiating the loss names what is wrong
         return False
-    return bool(getattr(loss_class, "reference_free", False))
+    return bool(getattr(loss_class, name, False))
+
+
+def loss_is_reference_free(cfg: DictConfig) -> bool:
+    """Whether the config's ``loss`` takes no reference (SimPO, ORPO)."""
+    return loss_declares(cfg, "reference_free")
 
 
 def check_ref_checkpointer(cfg: DictConfig) -> None:
@@ -122,6 +127,11 @@ def check_packed_pairs(cfg: DictConfig) -> None:
     (a row is one sequence to it), where both are given."""
     if cfg.micro_batching is not MicroBatching.PACKED:
         return
+    if loss_declares(cfg, "unpaired"):
+        raise ValueError(
+            "config key 'micro_batching': KTO reads its examples and their mismatched sequences "
+            "as rows; use fixed, by_length or token_budget, not packed."
+        )
     side, limit = max_seq_len_of(cfg, "tokenizer"), max_seq_len_of(cfg, "model")
     if side and limit and 2 * side > limit:
         raise ValueError(
