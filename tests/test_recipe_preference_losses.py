@@ -103,6 +103,14 @@ def test_each_loss_lands_at_the_floor_on_every_split_and_naive_where_units_are_u
     assert unequal and all(r["relative_l2"] > NAIVE_UNEQUAL_MIN for r in unequal)
     reference_free = loss in ("simpo", "orpo")
     assert summary["preference"]["reference"].startswith("none") == reference_free
+    report = (launched / loss / "parity" / "report.md").read_text()
+    unit = "examples" if loss == "kto" else "pairs"
+    assert f"**This config's runs** (8 {unit} a step): " in report
+    if loss == "orpo":  # its NLL's chosen tokens differ between micro-batches of as many pairs
+        assert all(
+            r["relative_l2"] > NAIVE_UNEQUAL_MIN for r in summary["runs"] if r["mode"] == "naive"
+        )
+        assert "the loss has a term over the chosen tokens" in report
 
 
 @pytest.mark.slow

@@ -199,17 +199,25 @@ class Preference:
         """When stock's DPO weighting (``naive``) differs from exact, and the pairs per
         micro-batch of this config's naive runs. See [stock dpo weighting]."""
         naive = [s for s in sorted_runs(summaries) if s.mode == "naive"]
+        unit = self.units.split(" and ")[0]  # pairs, or KTO's examples
         lines = [
-            f"- `{s.label}` {s.split}: {_pairs(s.units_per_micro_batch)} per micro-batch"
+            f"- `{s.label}` {s.split}: {_count(s.units_per_micro_batch, unit)} per micro-batch"
             f"{'' if _equal(s) else ', unequal'}; relative L2 {s.relative_l2:.2e}"
             for s in naive
         ]
         if not naive:
             here = "no naive run was requested."
+        elif " and " in self.units:  # a term over the chosen tokens: RPO's, ORPO's NLL
+            here = (
+                "the loss has a term over the chosen tokens, whose number differs between "
+                "micro-batches of as many pairs (the responses' lengths differ), so naive is "
+                "off under every grouping; see [chosen tokens as the NLL's units] in "
+                "exactga.dpo.preference."
+            )
         elif all(_equal(s) for s in naive):
-            here = "every naive micro-batch held as many pairs, so naive sits with exact."
+            here = f"every naive micro-batch held as many {unit}, so naive sits with exact."
         else:
-            here = "naive's gap shows where its micro-batches held unequal numbers of pairs."
+            here = f"naive's gap shows where its micro-batches held unequal numbers of {unit}."
         pairs = reference.units[0] if reference.units else 0
         return "\n\n".join(
             [
@@ -225,7 +233,7 @@ class Preference:
                 "`gradient_accumulation_steps` and carries into the next epoch's first step "
                 "(the report trains full windows only, so it does not show that one). See "
                 "[stock dpo weighting] in exactga.parity.preference.",
-                f"**This config's runs** ({pairs} pairs a step): {here}",
+                f"**This config's runs** ({pairs} {unit} a step): {here}",
                 *(["\n".join(lines)] if lines else []),
             ]
         )
@@ -245,8 +253,8 @@ def _equal(summary: RunSummary) -> bool:
     return fewest == most
 
 
-def _pairs(bounds: tuple[int, int]) -> str:
+def _count(bounds: tuple[int, int], unit: str = "pairs") -> str:
     fewest, most = bounds
     if fewest == most:
-        return f"{most} pair{'s' if most != 1 else ''}"
-    return f"{fewest} to {most} pairs"
+        return f"{most} {unit if most != 1 else unit.removesuffix('s')}"
+    return f"{fewest} to {most} {unit}"
