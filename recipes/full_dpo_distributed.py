@@ -34,6 +34,7 @@ from exactga.dpo.preference import (
     dpo_loss_step,
     frozen_model_reference,
     reference_for_run,
+    reference_point_for,
 )
 from exactga.dpo.schema import FULL_DPO_FINGERPRINT_KEYS, FullDpoDistributedConfig
 from exactga.launch.cli import run_recipe
@@ -56,10 +57,17 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           of the window's pair count per step, each micro-batch's mean loss over its pairs
           scaled by ``dp_size * batch_pairs / window_pairs`` before backward, which undoes
           FSDP's averaging; ``token_budget`` fillers as in the LoRA DPO recipe.
+        - ``loss`` beyond torchtune's ``DPOLoss`` and ``RSOLoss``: ``exactga.dpo.losses``'
+          ``SimPOLoss`` and ``ORPOLoss`` (reference-free: no reference model is built or run;
+          ORPO's NLL over the chosen tokens), ``IPOLoss``, and ``exactga.dpo.kto.KTOLoss`` on
+          unpaired examples (``exactga.dpo.kto.kto_dataset``) against a reference point over
+          the whole window and every rank, computed before its backward passes (logged as
+          ``kl``). See docs/dpo.md.
         - ``rpo_alpha`` (exactga): adds ``rpo_alpha`` times the chosen responses' NLL, a mean
           over the window's chosen tokens, weighted by its own units (RPO; exact where TRL
           averages per micro-batch); ``sequence_log_prob: mean`` length-normalises each
-          response's log-prob (IPO, SimPO). Off by default: stock's loss, by the same code.
+          response's log-prob (null: the loss's own). Off by default: stock's loss, by the same
+          code.
         - ``micro_batching`` on pairs per rank, log-probs only at response positions,
           ``loss_normalization`` (``exact`` or stock's ``naive``), precision and
           ``master_weights``, activation checkpointing (also selective with ``ac_mode``) and
@@ -86,8 +94,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         # Device, process group, data-parallel mesh (stock's DPO has no tensor parallelism),
         # precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
-        # What the loss is beyond the per-pair ``loss``: see exactga.dpo.preference.DpoTerms.
-        self._dpo_terms = DpoTerms(rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob)
         self._clip_grad_norm = cfg.clip_grad_norm
 
     def setup(self, cfg: DictConfig) -> None:
@@ -95,28 +101,29 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         start = RunStart(cfg, self._runtime, FULL_DPO_FINGERPRINT_KEYS)
         self._model = start.build_model(cfg.model, start.full_weights())
         self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
+        # One loss per pair (with rpo_alpha or ORPO also an NLL over the chosen tokens), and
+        # what it needs of the step: see exactga.dpo.preference.DpoTerms.
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._dpo_terms = DpoTerms.for_loss(
+            self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob
+        )
         # The frozen reference: ``model`` with ref_checkpointer's weights (also on resume, as
-        # stock), sharded like the policy; held only by the reference below.
-        ref_model = start.frozen_model(cfg.model, cfg.ref_checkpointer, "Reference")
+        # stock), sharded like the policy; held only by the reference below. A reference-free
+        # loss (SimPO, ORPO) builds and runs none.
+        ref_model = None
+        if not self._dpo_terms.reference_free:
+            ref_model = start.frozen_model(cfg.model, cfg.ref_checkpointer, "Reference")
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = start.build_optimizer(
             cfg.optimizer, self._model, in_backward=cfg.optimizer_in_bwd
         )
-        # One loss per pair (with rpo_alpha also an NLL over the chosen tokens); the normaliser
-        # weighs each term by its own units, counted over every data-parallel rank.
-        self._loss_fn = config.instantiate(cfg.loss)
-        normalizer = LossNormalizer(
-            self._loss_fn,
-            mode=cfg.loss_normalization,
-            dp_group=self._runtime.dp_group,
-            units=self._dpo_terms.units(),
-        )
-        self._metrics = PreferenceMetrics(self._runtime.device, self._dpo_terms)
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         # The reference model, or its log-probs computed once (which frees the model).
         self._reference, dataset = reference_for_run(
-            frozen_model_reference(ref_model, self._runtime.precision),
+            None
+            if ref_model is None
+            else frozen_model_reference(ref_model, self._runtime.precision),
             dataset,
             cfg,
             pad_id=self._tokenizer.pad_id,
@@ -124,6 +131,23 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             dp_group=self._runtime.dp_group,
         )
         del ref_model  # held by the reference now, or by nothing once the table has its log-probs
+        # KTO's reference point: a statistic of each whole window over every rank, computed
+        # before its backward passes (None for a loss over pairs); see [kto reference point].
+        self._reference_point = reference_point_for(
+            self._dpo_terms, self._model, self._reference, self._runtime.precision
+        )
+        # The normaliser weighs each term by its own units, counted over every data-parallel
+        # rank (and computes KTO's statistic over them).
+        normalizer = LossNormalizer(
+            self._loss_fn,
+            mode=cfg.loss_normalization,
+            dp_group=self._runtime.dp_group,
+            units=self._dpo_terms.units(),
+            statistics=[self._reference_point] if self._reference_point else [],
+        )
+        self._metrics = PreferenceMetrics(
+            self._runtime.device, self._dpo_terms, self._reference_point
+        )
         dataloader = start.dataloader(
             dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
         )
@@ -148,6 +172,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             metrics=self._metrics,
             precision=self._runtime.precision,
             activations_ctx=self._activations_ctx,
+            reference_point=self._reference_point,  # KTO's, for the whole window
         )
 
     def train(self) -> None:

@@ -85,7 +85,7 @@ from exactga.accumulation.step import train_window
 from exactga.data.loader import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.data.packing import uses_flex_attention
-from exactga.dpo.preference import PreferencePairs
+from exactga.dpo.preference import DpoTerms
 from exactga.kd.distillation import Distiller, check_kd_losses, check_vocabularies
 from exactga.launch.cli import run_recipe
 from exactga.parity.grpo import GrpoParity
@@ -164,12 +164,15 @@ class GaParityRecipe:
           ``dtype`` (one copy per rank, unsharded: it only runs forwards), and every run trains
           ``exactga.kd.distillation.Distiller``'s loss step; ``post_scale`` is then stock's KD
           weighting (see [stock kd weighting] there).
-        - DPO (a ``loss`` that weighs pairs, torchtune's ``DPOLoss`` or ``RSOLoss``, on a
-          preference dataset): every run trains the DPO recipes' loss step on pairs, counted
-          in pairs; the reference is the policy with its adapters off (LoRA) or a frozen copy
-          of ``model`` with ``ref_checkpointer``'s weights, built once in ``dtype`` (sharded
-          like the policy for ``BxGxN`` runs). ``naive`` is stock DPO's weighting and also runs
-          ``token_budget``; no ``post_scale`` (see exactga.parity.preference).
+        - DPO (a ``loss`` that weighs pairs, torchtune's ``DPOLoss`` or ``RSOLoss``, exactga's
+          SimPO, ORPO, IPO, or KTO on unpaired examples, on a preference dataset): every run
+          trains the DPO recipes' loss step, counted in the loss's units (pairs; ORPO's and
+          RPO's chosen tokens too; KTO's examples, its reference point a window statistic);
+          the reference is the policy with its adapters off (LoRA) or a frozen copy of
+          ``model`` with ``ref_checkpointer``'s weights, built once in ``dtype`` (sharded like
+          the policy for ``BxGxN`` runs), none for SimPO and ORPO. ``naive`` is stock DPO's
+          weighting and also runs ``token_budget``; no ``post_scale`` (see
+          exactga.parity.preference).
         - A mixture-of-experts model with ``router_aux_loss_coef > 0``: every run adds the
           router's balance term as the fine-tuning recipes do; the full batch and the
           exact/fixed splits also train without it, and the report shows the term's own gap
@@ -251,7 +254,12 @@ class GaParityRecipe:
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
         self._ignore_index = loss_ignore_index(self._loss_fn)  # padding's label; a pair loss's too
-        if self._is_preference and not self._is_lora:
+        self._dpo_terms = None  # a DPO config's: units, reference, NLL term (exactga.dpo)
+        if self._is_preference:
+            self._dpo_terms = DpoTerms.for_loss(
+                self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob
+            )
+        if self._is_preference and not self._is_lora and not self._dpo_terms.reference_free:
             ref_state = config.instantiate(cfg.ref_checkpointer).load_checkpoint()
             self._ref_models = FrozenModels(
                 cfg.model,
@@ -479,15 +487,21 @@ class GaParityRecipe:
         dp_group = distributed.dp_group(self._mesh) if sharded else None
         # The fine-tuning recipes' router term (off for a dense model, KD and DPO).
         router = RouterBalance(model, coef, self._router_balance, dp_group, self._device)
+        preference = None  # a DPO config's loss step, against its reference, and KTO's statistic
+        if self._dpo_terms is not None:
+            preference = preference_loss_step(
+                model, self._loss_fn, precision, self._reference_model(sharded), self._dpo_terms
+            )
         normalizer = LossNormalizer(
             self._loss_fn,
             mode=mode,
             dp_group=dp_group,
             units=(
-                PreferencePairs(self._ignore_index)
-                if self._is_preference
+                self._dpo_terms.units(self._ignore_index)
+                if self._dpo_terms is not None
                 else router.units(self._loss_fn)
             ),
+            statistics=preference.statistics if preference is not None else (),
         )
         micro_batch_context = None
         if sharded:  # the distributed recipes' default policy
@@ -508,10 +522,8 @@ class GaParityRecipe:
             causal_lm_loss, model, self._loss_fn, precision=precision, router=router
         )
         windows = router.track(windows)  # its statistics start empty every window
-        if self._is_preference:  # the DPO recipes' loss step, against their reference
-            loss_step = preference_loss_step(
-                model, self._loss_fn, precision, self._reference_model(sharded)
-            )
+        if preference is not None:  # the DPO recipes' loss step
+            loss_step = preference.loss_step
         if self._teacher is not None:  # the KD recipes' loss step and windows
             distiller = Distiller(
                 model,
@@ -589,7 +601,11 @@ class GaParityRecipe:
             fp32_reference=self._fp32_reference,
             data=None if self._is_preference else self._data_shape,
             distillation=self._distillation(),
-            preference=Preference.of(self._loss_fn, self._is_lora) if self._is_preference else None,
+            preference=(
+                Preference.of(self._loss_fn, self._is_lora, self._dpo_terms)
+                if self._dpo_terms is not None
+                else None
+            ),
             router=(
                 RouterTerm(self._router_coef, str(self._router_balance.value))
                 if self._router_coef > 0

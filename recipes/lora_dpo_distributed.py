@@ -34,6 +34,7 @@ from exactga.dpo.preference import (
     dpo_loss_step,
     lora_reference,
     reference_for_run,
+    reference_point_for,
 )
 from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoDistributedConfig
 from exactga.launch.cli import run_recipe
@@ -58,10 +59,17 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
           scaled by ``dp_size * batch_pairs / window_pairs`` before backward. With
           ``token_budget`` a rank with fewer micro-batches runs zero-weight fillers (one real
           pair each, so FSDP's collectives pair up and the gradient is exactly unchanged).
+        - ``loss`` beyond torchtune's ``DPOLoss`` and ``RSOLoss``: ``exactga.dpo.losses``'
+          ``SimPOLoss`` and ``ORPOLoss`` (reference-free: no reference model is built or run;
+          ORPO's NLL over the chosen tokens), ``IPOLoss``, and ``exactga.dpo.kto.KTOLoss`` on
+          unpaired examples (``exactga.dpo.kto.kto_dataset``) against a reference point over
+          the whole window and every rank, computed before its backward passes (logged as
+          ``kl``). See docs/dpo.md.
         - ``rpo_alpha`` (exactga): adds ``rpo_alpha`` times the chosen responses' NLL, a mean
           over the window's chosen tokens, weighted by its own units (RPO; exact where TRL
           averages per micro-batch); ``sequence_log_prob: mean`` length-normalises each
-          response's log-prob (IPO, SimPO). Off by default: stock's loss, by the same code.
+          response's log-prob (null: the loss's own). Off by default: stock's loss, by the same
+          code.
         - ``micro_batching`` on pairs per rank, log-probs only at response positions,
           ``loss_normalization`` (``exact`` or stock's ``naive``), precision, master weights,
           activation checkpointing and offloading, ``compile``, ``clip_grad_norm``,
@@ -88,8 +96,6 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
         # the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
-        # What the loss is beyond the per-pair ``loss``: see exactga.dpo.preference.DpoTerms.
-        self._dpo_terms = DpoTerms(rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob)
         self._clip_grad_norm = cfg.clip_grad_norm
 
     def setup(self, cfg: DictConfig) -> None:
@@ -99,26 +105,42 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
         self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
-        # One loss per pair (with rpo_alpha also an NLL over the chosen tokens); the normaliser
-        # weighs each term by its own units, counted over every data-parallel rank.
+        # One loss per pair (with rpo_alpha or ORPO also an NLL over the chosen tokens), and
+        # what it needs of the step: see exactga.dpo.preference.DpoTerms.
         self._loss_fn = config.instantiate(cfg.loss)
-        normalizer = LossNormalizer(
-            self._loss_fn,
-            mode=cfg.loss_normalization,
-            dp_group=self._runtime.dp_group,
-            units=self._dpo_terms.units(),
+        self._dpo_terms = DpoTerms.for_loss(
+            self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob
         )
-        self._metrics = PreferenceMetrics(self._runtime.device, self._dpo_terms)
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
-        # The reference: the policy with its adapters off, or its log-probs computed once.
+        # The reference: the policy with its adapters off, or its log-probs computed once;
+        # none for a reference-free loss (SimPO, ORPO).
         self._reference, dataset = reference_for_run(
-            lora_reference(self._model, self._runtime.precision),
+            None
+            if self._dpo_terms.reference_free
+            else lora_reference(self._model, self._runtime.precision),
             dataset,
             cfg,
             pad_id=self._tokenizer.pad_id,
             device=self._runtime.device,
             dp_group=self._runtime.dp_group,
+        )
+        # KTO's reference point: a statistic of each whole window over every rank, computed
+        # before its backward passes (None for a loss over pairs); see [kto reference point].
+        self._reference_point = reference_point_for(
+            self._dpo_terms, self._model, self._reference, self._runtime.precision
+        )
+        # The normaliser weighs each term by its own units, counted over every data-parallel
+        # rank (and computes KTO's statistic over them).
+        normalizer = LossNormalizer(
+            self._loss_fn,
+            mode=cfg.loss_normalization,
+            dp_group=self._runtime.dp_group,
+            units=self._dpo_terms.units(),
+            statistics=[self._reference_point] if self._reference_point else [],
+        )
+        self._metrics = PreferenceMetrics(
+            self._runtime.device, self._dpo_terms, self._reference_point
         )
         dataloader = start.dataloader(
             dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
@@ -145,6 +167,7 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
             metrics=self._metrics,
             precision=self._runtime.precision,
             activations_ctx=self._activations_ctx,
+            reference_point=self._reference_point,  # KTO's, for the whole window
         )
 
     def train(self) -> None:

@@ -41,7 +41,7 @@ loss unscaled; a window whose ``post_scale_weights_by_count`` is False reproduce
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -50,6 +50,7 @@ from torch import nn
 from torchtune.training import scale_grads
 
 from exactga.accumulation.loss_units import LossUnits, ShiftedTokens, count_terms, term_names
+from exactga.accumulation.window_statistics import WindowStatistic
 from exactga.config.options import NormMode, as_option
 from exactga.data.micro_batching import SampleWindow, WindowWork, filler_micro_batch
 
@@ -169,6 +170,9 @@ class Window:
     units_name: str = "loss_tokens"
     # The further terms' units (``TermUnits.term_names``); empty for a single-mean loss.
     term_names: tuple[str, ...] = ()
+    # Statistics of the whole window the loss reads, computed before its first backward (KTO's
+    # reference point); see [window statistics] in exactga.accumulation.window_statistics.
+    statistics: tuple[WindowStatistic, ...] = ()
 
     @property
     def num_local_units(self) -> int:
@@ -416,6 +420,9 @@ class LossNormalizer:
         mode: ``exact`` for training; see [baseline modes] for the others.
         dp_group: the data-parallel process group, or ``None`` on one device.
         units: what the loss is a mean over; see [loss units].
+        statistics: statistics of each whole window that the loss reads, computed over every
+            micro-batch and rank before the window's first backward; see [window statistics]
+            in exactga.accumulation.window_statistics.
     """
 
     def __init__(
@@ -425,8 +432,10 @@ class LossNormalizer:
         mode: NormMode | str = NormMode.EXACT,
         dp_group: dist.ProcessGroup | None = None,
         units: LossUnits | None = None,
+        statistics: Sequence[WindowStatistic] = (),
     ) -> None:
         self.loss_fn = loss_fn
+        self.statistics = tuple(statistics)
         self.units = ShiftedTokens(loss_fn) if units is None else units
         self.mode = as_option(NormMode, mode, "loss_normalization")
         if self.mode is NormMode.POST_SCALE and not isinstance(self.units, ShiftedTokens):
@@ -504,6 +513,7 @@ class LossNormalizer:
             counts_may_differ=sample_window.by_budget,
             units_name=self.units.name,
             term_names=self._term_names,
+            statistics=self.statistics,
         )
 
 

@@ -21,6 +21,7 @@ from torchtune import utils
 
 from exactga.accumulation.normalization import MicroBatch, Window, warn_skipped_step
 from exactga.accumulation.optimizers import steps_in_backward
+from exactga.accumulation.window_statistics import compute_window_statistics
 
 T = TypeVar("T")
 LossStep = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -122,6 +123,9 @@ class TrainingWindow:
         if self.window.should_skip_step():  # the same answer on every rank; see [empty windows]
             self._ran_all = True
             return
+        if self.window.statistics:  # before the first backward: see [window statistics]
+            with context.profiler.phase("forward"):
+                compute_window_statistics(self.window, self.window.statistics, context.device)
         micro_batches = _with_last_flag(self.window.micro_batches_to_run())
         for micro_batch, is_last in micro_batches:
             sync = context.micro_batch_context

@@ -96,6 +96,7 @@ from exactga.accumulation.loss_units import (
 from exactga.accumulation.normalization import Window
 from exactga.config.options import SequenceLogProb, as_option
 from exactga.data.packing import PACKED_SEQUENCES
+from exactga.dpo.losses import is_reference_free
 from exactga.dpo.reference_logprobs import PAIR_INDEX, ReferenceTable, with_precomputed_reference
 from exactga.runtime.precision import Precision
 from exactga.setup.frozen import frozen_forward
@@ -103,6 +104,8 @@ from exactga.setup.frozen import frozen_forward
 # An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
 # no pair. See [pairs as loss units].
 EMPTY = "no_pairs"
+# A KTO sample's label (True: a desirable example), ``(B,)`` in a micro-batch; see exactga.dpo.kto.
+DESIRABLE = "desirable"
 
 # (inputs on the device, response positions, their labels) -> (chosen, rejected) log-probs.
 Reference = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -126,6 +129,8 @@ def collate_pairs(
     batch = {"tokens": tokens, "labels": labels}
     if samples and PAIR_INDEX in samples[0]:
         batch[PAIR_INDEX] = torch.tensor([s[PAIR_INDEX] for s in samples], dtype=torch.long)
+    if samples and DESIRABLE in samples[0]:  # KTO's unpaired examples
+        batch[DESIRABLE] = torch.tensor([bool(s[DESIRABLE]) for s in samples])
     return batch
 
 
@@ -201,8 +206,9 @@ class PreferencePairs:
             for key, value in batch.items()
             if key != LOSS_POSITIONS
         }
-        if PAIR_INDEX in batch:  # one entry per pair: the last pair's
-            emptied[PAIR_INDEX] = batch[PAIR_INDEX][-1:]
+        for key in (PAIR_INDEX, DESIRABLE):  # one entry per pair: the last pair's
+            if key in batch:
+                emptied[key] = batch[key][-1:]
         return {**emptied, EMPTY: torch.tensor(True)}
 
 
@@ -238,6 +244,47 @@ class DpoTerms:
 
     rpo_alpha: float
     sequence_log_prob: SequenceLogProb
+    # The loss takes the policy's log-probs alone: no reference is built or run (SimPO, ORPO).
+    reference_free: bool = False
+    # The loss trains unpaired examples against the window's reference point (KTO).
+    unpaired: bool = False
+
+    @classmethod
+    def for_loss(
+        cls,
+        loss_fn: nn.Module,
+        *,
+        rpo_alpha: float = 0.0,
+        sequence_log_prob: SequenceLogProb | str | None = None,
+    ) -> DpoTerms:
+        """The terms of ``loss_fn``'s step from the config's keys and what the loss declares
+        (``reference_free``, ``sequence_log_prob``, ``nll_weight``; see exactga.dpo.losses): a
+        null ``sequence_log_prob`` is the loss's own (the sum for torchtune's losses), and ORPO's
+        NLL term is its ``nll_weight``.
+
+        Raises:
+            ValueError: naming ``rpo_alpha``, for a loss that holds an NLL term of its own.
+        """
+        own_nll = float(getattr(loss_fn, "nll_weight", 0.0))
+        if own_nll and rpo_alpha:
+            raise ValueError(
+                f"config key 'rpo_alpha'={rpo_alpha}: {type(loss_fn).__name__} holds its own NLL "
+                f"term on the chosen responses (weight {own_nll}); set rpo_alpha: 0."
+            )
+        if sequence_log_prob is None:
+            sequence_log_prob = getattr(loss_fn, "sequence_log_prob", SequenceLogProb.SUM)
+        unpaired = bool(getattr(loss_fn, "unpaired", False))
+        if unpaired and (rpo_alpha or sequence_log_prob == SequenceLogProb.MEAN):
+            raise ValueError(
+                f"config keys 'rpo_alpha' and 'sequence_log_prob': {type(loss_fn).__name__} "
+                "trains unpaired examples on summed log-probs; leave both out."
+            )
+        return cls(
+            rpo_alpha=own_nll or rpo_alpha,
+            sequence_log_prob=sequence_log_prob,
+            reference_free=is_reference_free(loss_fn),
+            unpaired=unpaired,
+        )
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.rpo_alpha) or self.rpo_alpha < 0:
@@ -253,7 +300,12 @@ class DpoTerms:
 
     def units(self, ignore_index: int = IGNORE_INDEX) -> PreferencePairs:
         """What the step's loss is a mean over: pairs, and with an NLL term its chosen tokens
-        too. Without one, exactly the units of stock-weighted DPO (:class:`PreferencePairs`)."""
+        too. Without one, exactly the units of stock-weighted DPO (:class:`PreferencePairs`);
+        KTO's examples for an unpaired loss."""
+        if self.unpaired:
+            from exactga.dpo.kto import KtoExamples  # kto builds on this module
+
+            return KtoExamples(ignore_index)
         if self.has_nll:
             return PairsAndChosenTokens(ignore_index)
         return PreferencePairs(ignore_index)
@@ -325,12 +377,13 @@ def dpo_loss_step(
     model: nn.Module,
     loss_fn: nn.Module,
     batch: Batch,
-    reference: Reference | ReferenceTable,
+    reference: Reference | ReferenceTable | None,
     *,
     terms: DpoTerms | None = None,
     metrics: PreferenceMetrics | None = None,
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+    reference_point: Any = None,
 ) -> torch.Tensor:
     """The mean loss over the pairs of one micro-batch already on the device, for
     ``Window.scale`` (which weighs it by its pairs); see [pairs as loss units]. With an NLL
@@ -338,13 +391,29 @@ def dpo_loss_step(
     rpo_alpha * mean NLL over the chosen tokens]``, which ``Window.scale`` weighs by the pairs
     and the chosen tokens (units from ``terms.units()``); see [chosen tokens as the NLL's units].
 
-    ``loss_fn`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (or any loss with their signature
-    that returns one loss per pair). The reference runs first, so its activations are gone
-    before the policy's are made; a ``ReferenceTable`` (``precompute_reference_logprobs``)
-    is looked up by the batch's pair indices instead. ``metrics`` records the pairs' rewards
-    and log-probs (and the terms, with an NLL term).
+    ``loss_fn`` is torchtune's ``DPOLoss`` or ``RSOLoss``, or one of exactga.dpo.losses (any
+    loss with their signature that returns one loss per pair). The reference runs first, so its
+    activations are gone before the policy's are made; a ``ReferenceTable``
+    (``precompute_reference_logprobs``) is looked up by the batch's pair indices instead. A
+    reference-free loss (``terms.reference_free``: SimPO, ORPO) takes the policy's log-probs
+    alone and ``reference`` is None: nothing runs for it. ``metrics`` records the pairs'
+    rewards and log-probs (and the terms, with an NLL term). An unpaired loss (KTO,
+    ``terms.unpaired``) trains the micro-batch's examples against ``reference_point``, the
+    window's (exactga.dpo.kto.kto_loss_step).
     """
     terms = DPO if terms is None else terms
+    if terms.unpaired:
+        from exactga.dpo.kto import kto_loss_step  # kto builds on this module
+
+        return kto_loss_step(
+            model,
+            loss_fn,
+            batch,
+            reference,
+            reference_point=reference_point,
+            precision=precision,
+            activations_ctx=activations_ctx,
+        )
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     is_empty = batch.pop(EMPTY, None) is not None
@@ -352,7 +421,11 @@ def dpo_loss_step(
     if positions is None:  # a batch that did not come through the normaliser
         positions = loss_positions(labels)
     targets = shift_labels(labels).reshape(-1).index_select(0, positions)
-    if isinstance(reference, ReferenceTable):
+    if terms.reference_free:  # no reference log-probs at all; see exactga.dpo.losses
+        reference_chosen = reference_rejected = None
+    elif reference is None:
+        raise ValueError(f"{type(loss_fn).__name__} compares against a reference; none given")
+    elif isinstance(reference, ReferenceTable):
         if pair_index is None:
             raise ValueError("a precomputed reference needs the pairs' indices (IndexedPairs)")
         reference_chosen, reference_rejected = reference.lookup(pair_index)
@@ -365,11 +438,15 @@ def dpo_loss_step(
         lengths = response_lengths({**batch, "labels": labels}).to(policy.dtype)
         chosen_lengths, rejected_lengths = split_pairs(lengths)
         chosen, rejected = chosen / chosen_lengths, rejected / rejected_lengths
-        reference_chosen = reference_chosen / chosen_lengths
-        reference_rejected = reference_rejected / rejected_lengths
-    losses, chosen_rewards, rejected_rewards = loss_fn(
-        chosen, rejected, reference_chosen, reference_rejected
-    )
+        if not terms.reference_free:
+            reference_chosen = reference_chosen / chosen_lengths
+            reference_rejected = reference_rejected / rejected_lengths
+    if terms.reference_free:
+        losses, chosen_rewards, rejected_rewards = loss_fn(chosen, rejected)
+    else:
+        losses, chosen_rewards, rejected_rewards = loss_fn(
+            chosen, rejected, reference_chosen, reference_rejected
+        )
     if losses.shape != chosen.shape:
         raise ValueError(
             f"loss {type(loss_fn).__name__} returned losses of shape {tuple(losses.shape)} for "
@@ -415,11 +492,13 @@ class PreferenceMetrics:
 
     With an NLL term (``terms.rpo_alpha``) also the two terms of the loss: ``dpo_loss``, the
     mean per-pair loss, and ``chosen_nll``, the mean NLL over the window's chosen tokens (not
-    weighted by ``rpo_alpha``), so ``loss = dpo_loss + rpo_alpha * chosen_nll``.
+    weighted by ``rpo_alpha``), so ``loss = dpo_loss + rpo_alpha * chosen_nll``. For KTO
+    (``terms.unpaired``) ``kl`` alone, the window's reference point (``reference_point``).
 
     Args:
         device: where the metrics' all-reduce runs (the data-parallel backend's device).
         terms: the step's loss terms (:class:`DpoTerms`); stock DPO's by default.
+        reference_point: KTO's (exactga.dpo.kto.KtoReferencePoint), for ``kl``.
     """
 
     NAMES = (
@@ -432,10 +511,16 @@ class PreferenceMetrics:
     )
     TERM_NAMES = ("dpo_loss", "chosen_nll")
 
-    def __init__(self, device: torch.device | str = "cpu", terms: DpoTerms | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        terms: DpoTerms | None = None,
+        reference_point: Any = None,
+    ) -> None:
         self.device = torch.device(device)
         self.has_terms = terms is not None and terms.has_nll
         self.names = self.NAMES + (self.TERM_NAMES if self.has_terms else ())
+        self.reference_point = reference_point  # KTO's: its one metric, already global
         self._sums: torch.Tensor | None = None
         self._term_sums: torch.Tensor | None = None
 
@@ -478,6 +563,8 @@ class PreferenceMetrics:
         parallelism (call on every rank, on logged steps only); nothing for a skipped window."""
         if window.should_skip_step():
             return {}
+        if self.reference_point is not None:  # computed over every rank before the backward
+            return {"kl": float(self.reference_point.value)}
         sums = torch.zeros(len(self.NAMES), dtype=torch.float64, device=self.device)
         if self._sums is not None:
             sums = self._sums.to(self.device, copy=True)  # reduced in place below
@@ -492,6 +579,19 @@ class PreferenceMetrics:
         if self.has_terms:  # chosen_nll: over the chosen tokens
             means[-1] = float(sums[-1]) / window.num_global_term_units[1]
         return dict(zip(self.names, means, strict=True))
+
+
+def reference_point_for(
+    terms: DpoTerms, model: nn.Module, reference: Any, precision: Precision | None = None
+) -> Any:
+    """KTO's reference point of each window (exactga.dpo.kto.KtoReferencePoint), a window
+    statistic the normaliser computes before the window's backward passes; None for a loss
+    over pairs."""
+    if not terms.unpaired:
+        return None
+    from exactga.dpo.kto import KtoReferencePoint  # kto builds on this module
+
+    return KtoReferencePoint(model, reference, precision)
 
 
 def reference_for_run(
@@ -509,8 +609,8 @@ def reference_for_run(
     a time, and the dataset its pairs are looked up from (see [precomputed reference] in
     exactga.dpo.reference_logprobs). The caller drops its other handles on the reference
     model, so that the table frees it."""
-    if not cfg.precompute_reference_logprobs:
-        return reference, dataset
+    if reference is None or not cfg.precompute_reference_logprobs:
+        return reference, dataset  # a reference-free loss has nothing to precompute
     return with_precomputed_reference(
         reference,
         dataset,

@@ -10,10 +10,11 @@ exactga.config.schemas, this module imports only bottom modules (``tests/test_ar
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 
 from exactga.config.options import MicroBatching, NormMode, SequenceLogProb
 from exactga.config.schemas import (
@@ -42,9 +43,10 @@ class DpoLossKeys:
     # The weight of an NLL term on the chosen responses, a mean over their tokens (RPO; TRL's
     # name); 0: none. See [chosen tokens as the NLL's units] in exactga.dpo.preference.
     rpo_alpha: float = 0.0
-    # A response's log-prob from its tokens': their sum (stock) or mean (length-normalised,
-    # IPO/SimPO). See [length-normalised log-probs are per pair] in exactga.dpo.preference.
-    sequence_log_prob: SequenceLogProb = SequenceLogProb.SUM
+    # A response's log-prob from its tokens': their sum or mean (length-normalised). null: the
+    # loss's own (the sum for torchtune's DPOLoss and RSOLoss, the mean for SimPO, ORPO, IPO).
+    # See [length-normalised log-probs are per pair] in exactga.dpo.preference.
+    sequence_log_prob: SequenceLogProb | None = None
 
 
 def check_preference_keys(cfg: DictConfig) -> None:
@@ -65,11 +67,57 @@ def check_preference_keys(cfg: DictConfig) -> None:
             "which is naive here. Choose exact (default) or naive."
         )
     check_packed_pairs(cfg)
+    if cfg.precompute_reference_logprobs and loss_is_reference_free(cfg):
+        warnings.warn(
+            "config key 'precompute_reference_logprobs' ignored: "
+            f"{cfg.loss['_component_']} is reference-free, there is no reference to compute.",
+            stacklevel=2,
+        )
     if cfg.collate_fn != PAIR_COLLATE and not cfg.collate_fn.endswith("collate_pairs"):
         raise ValueError(
             f"config key 'collate_fn'={cfg.collate_fn}: DPO micro-batches stack each pair's "
             f"chosen and rejected rows; use {PAIR_COLLATE} (torchtune's padded_collate_dpo "
             "layout, as a dict), or remove the key."
+        )
+
+
+def loss_declares(cfg: DictConfig, name: str) -> bool:
+    """Whether the config's ``loss`` class declares ``name`` true (``reference_free``: SimPO,
+    ORPO; ``unpaired``: KTO; see exactga.dpo.losses). The class is looked up by its path, not
+    built; a path that does not resolve is left to instantiation to name."""
+    from torchtune.config._utils import _get_component_from_path  # only when validating
+
+    try:
+        loss_class = _get_component_from_path(str(cfg.loss["_component_"]))
+    except Exception:  # instantiating the loss names what is wrong
+        return False
+    return bool(getattr(loss_class, name, False))
+
+
+def loss_is_reference_free(cfg: DictConfig) -> bool:
+    """Whether the config's ``loss`` takes no reference (SimPO, ORPO)."""
+    return loss_declares(cfg, "reference_free")
+
+
+def check_ref_checkpointer(cfg: DictConfig) -> None:
+    """Full DPO reads the reference's weights from ``ref_checkpointer``, unless its loss is
+    reference-free, which builds no reference at all (the key is then ignored, with a warning).
+
+    Raises:
+        ValueError: naming ``ref_checkpointer``, when a reference-based loss has none.
+    """
+    reference_free = loss_is_reference_free(cfg)
+    if cfg.ref_checkpointer is None and not reference_free:
+        raise ValueError(
+            f"config key 'ref_checkpointer' is needed: {cfg.loss['_component_']} compares the "
+            "policy with a reference model, whose weights it reads (or choose a reference-free "
+            "loss: exactga.dpo.losses.SimPOLoss, ORPOLoss)."
+        )
+    if cfg.ref_checkpointer is not None and reference_free:
+        warnings.warn(
+            f"config key 'ref_checkpointer' ignored: {cfg.loss['_component_']} is "
+            "reference-free, so no reference model is built.",
+            stacklevel=2,
         )
 
 
@@ -79,6 +127,11 @@ def check_packed_pairs(cfg: DictConfig) -> None:
     (a row is one sequence to it), where both are given."""
     if cfg.micro_batching is not MicroBatching.PACKED:
         return
+    if loss_declares(cfg, "unpaired"):
+        raise ValueError(
+            "config key 'micro_batching': KTO reads its examples and their mismatched sequences "
+            "as rows; use fixed, by_length or token_budget, not packed."
+        )
     side, limit = max_seq_len_of(cfg, "tokenizer"), max_seq_len_of(cfg, "model")
     if side and limit and 2 * side > limit:
         raise ValueError(
@@ -132,13 +185,15 @@ class FullDpoDistributedConfig(FullFinetuneDistributedConfig, DpoLossKeys):
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 
     collate_fn: str = PAIR_COLLATE
-    ref_checkpointer: Any = MISSING
+    # The reference's weights; needed unless the loss is reference-free (SimPO, ORPO).
+    ref_checkpointer: Any = None
     # exactga: as in the LoRA DPO recipes; the reference model is also freed after the pre-pass.
     precompute_reference_logprobs: bool = False
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
         check_preference_keys(cfg)  # first: stock's own checks would name post_scale otherwise
+        check_ref_checkpointer(cfg)
         if cfg.tensor_parallel_dim > 1:
             raise ValueError(
                 "config key 'tensor_parallel_dim': full DPO shards policy and reference over "

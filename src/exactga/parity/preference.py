@@ -33,7 +33,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig
@@ -42,8 +42,14 @@ from torch import nn
 from exactga.accumulation.loss_units import Batch
 from exactga.config.schemas import TrainingRunConfig
 from exactga.data.rows import is_preference_sample
-from exactga.dpo.preference import dpo_loss_step, frozen_model_reference, lora_reference
-from exactga.dpo.schema import PAIR_COLLATE
+from exactga.dpo.preference import (
+    DpoTerms,
+    dpo_loss_step,
+    frozen_model_reference,
+    lora_reference,
+    reference_point_for,
+)
+from exactga.dpo.schema import PAIR_COLLATE, loss_is_reference_free
 from exactga.parity.scoring import ParityRun, RunSummary, sorted_runs
 from exactga.runtime.distributed import is_rank_zero
 from exactga.runtime.precision import Precision
@@ -67,7 +73,8 @@ def collate_fn_for(collate_fn: str | None, is_preference: bool) -> str:
 
 
 def check_preference_keys(cfg: DictConfig, *, is_preference: bool, is_lora: bool) -> None:
-    """``ref_checkpointer`` is full DPO's and needed there; a DPO config distils no teacher.
+    """``ref_checkpointer`` is full DPO's and needed there unless the loss is reference-free
+    (SimPO, ORPO); a DPO config distils no teacher.
 
     Raises:
         ValueError: naming the keys.
@@ -77,13 +84,16 @@ def check_preference_keys(cfg: DictConfig, *, is_preference: bool, is_lora: bool
             "config keys 'teacher_model' and 'loss': the report trains a distillation or a "
             "preference loss, not both; remove teacher_model or use a token loss."
         )
-    if is_preference and not is_lora and cfg.ref_checkpointer is None:
+    reference_free = is_preference and loss_is_reference_free(cfg)
+    if is_preference and not is_lora and not reference_free and cfg.ref_checkpointer is None:
         raise ValueError(
             "config key 'ref_checkpointer' is needed for full DPO: the reference's weights "
             "(as recipes/full_dpo_distributed.py reads them; LoRA DPO needs none)."
         )
-    if cfg.ref_checkpointer is not None and (is_lora or not is_preference) and is_rank_zero():
+    unread = is_lora or not is_preference or reference_free
+    if cfg.ref_checkpointer is not None and unread and is_rank_zero():
         why = "LoRA DPO's reference is the base model" if is_preference else "no preference loss"
+        why = "the loss is reference-free" if reference_free else why
         warnings.warn(f"config key 'ref_checkpointer' ignored: {why}.", stacklevel=2)
 
 
@@ -107,19 +117,42 @@ def check_pairs(dataset: Any, is_preference: bool, loss_name: str) -> None:
     )
 
 
+class PreferenceStep(NamedTuple):
+    """The DPO recipes' loss step for one run, and the window statistics it reads (KTO's
+    reference point; none for a loss over pairs), for the run's normaliser."""
+
+    loss_step: Callable[[Batch], torch.Tensor]
+    statistics: tuple[Any, ...]
+
+
 def preference_loss_step(
     model: nn.Module,
     loss_fn: nn.Module,
     precision: Precision,
     ref_model: nn.Module | None = None,
-) -> Callable[[Batch], torch.Tensor]:
+    terms: DpoTerms | None = None,
+) -> PreferenceStep:
     """The DPO recipes' loss step for ``model``: against the frozen ``ref_model`` (full DPO) or,
-    without one, ``model`` with its adapters off (LoRA DPO)."""
-    if ref_model is None:
+    without one, ``model`` with its adapters off (LoRA DPO); with no reference at all for a
+    reference-free loss (``terms.reference_free``); KTO's against its window's reference point
+    (see [kto reference point] in exactga.dpo.kto)."""
+    if terms is not None and terms.reference_free:
+        reference = None
+    elif ref_model is None:
         reference = lora_reference(model, precision)
     else:
         reference = frozen_model_reference(ref_model, precision)
-    return partial(dpo_loss_step, model, loss_fn, reference=reference, precision=precision)
+    reference_point = None if terms is None else reference_point_for(terms, model, reference)
+    loss_step = partial(
+        dpo_loss_step,
+        model,
+        loss_fn,
+        reference=reference,
+        terms=terms,
+        precision=precision,
+        reference_point=reference_point,
+    )
+    return PreferenceStep(loss_step, () if reference_point is None else (reference_point,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,22 +165,26 @@ class Preference:
 
     loss: str  # the loss's class, e.g. DPOLoss
     reference: str  # what the reference log-probs come from
+    units: str = "pairs"  # what the loss is a mean over, as the window names them
 
     @classmethod
-    def of(cls, loss_fn: nn.Module, is_lora: bool) -> Preference:
+    def of(cls, loss_fn: nn.Module, is_lora: bool, terms: DpoTerms | None = None) -> Preference:
         reference = "the policy with its adapters off"
         if not is_lora:
             reference = "a frozen copy of `model` with the weights of `ref_checkpointer`"
-        return cls(loss=type(loss_fn).__name__, reference=reference)
+        if terms is not None and terms.reference_free:
+            reference = "none (a reference-free loss: no reference model is built or run)"
+        units = "pairs" if terms is None else _units_of(terms)
+        return cls(loss=type(loss_fn).__name__, reference=reference, units=units)
 
     def describe(self) -> str:
         return (
             f"**Objective: direct preference optimisation.** Every run trains `{self.loss}` on "
-            f"preference pairs with the DPO recipes' loss step, the reference being "
-            f"{self.reference}. The loss units are pairs: exact weighs each micro-batch's mean "
-            "by its pairs over the window's; `naive` is stock torchtune 0.6.1's DPO weighting "
-            "(each micro-batch's mean divided by the number of micro-batches). There is no "
-            "`post_scale`, a token weighting."
+            f"preference data with the DPO recipes' loss step, the reference being "
+            f"{self.reference}. The loss units are {self.units}: exact weighs each "
+            "micro-batch's mean by its units over the window's; `naive` is stock torchtune "
+            "0.6.1's DPO weighting (each micro-batch's mean divided by the number of "
+            "micro-batches). There is no `post_scale`, a token weighting."
         )
 
     def baselines(self) -> str:
@@ -162,17 +199,25 @@ class Preference:
         """When stock's DPO weighting (``naive``) differs from exact, and the pairs per
         micro-batch of this config's naive runs. See [stock dpo weighting]."""
         naive = [s for s in sorted_runs(summaries) if s.mode == "naive"]
+        unit = self.units.split(" and ")[0]  # pairs, or KTO's examples
         lines = [
-            f"- `{s.label}` {s.split}: {_pairs(s.units_per_micro_batch)} per micro-batch"
+            f"- `{s.label}` {s.split}: {_count(s.units_per_micro_batch, unit)} per micro-batch"
             f"{'' if _equal(s) else ', unequal'}; relative L2 {s.relative_l2:.2e}"
             for s in naive
         ]
         if not naive:
             here = "no naive run was requested."
+        elif " and " in self.units:  # a term over the chosen tokens: RPO's, ORPO's NLL
+            here = (
+                "the loss has a term over the chosen tokens, whose number differs between "
+                "micro-batches of as many pairs (the responses' lengths differ), so naive is "
+                "off under every grouping; see [chosen tokens as the NLL's units] in "
+                "exactga.dpo.preference."
+            )
         elif all(_equal(s) for s in naive):
-            here = "every naive micro-batch held as many pairs, so naive sits with exact."
+            here = f"every naive micro-batch held as many {unit}, so naive sits with exact."
         else:
-            here = "naive's gap shows where its micro-batches held unequal numbers of pairs."
+            here = f"naive's gap shows where its micro-batches held unequal numbers of {unit}."
         pairs = reference.units[0] if reference.units else 0
         return "\n\n".join(
             [
@@ -188,13 +233,19 @@ class Preference:
                 "`gradient_accumulation_steps` and carries into the next epoch's first step "
                 "(the report trains full windows only, so it does not show that one). See "
                 "[stock dpo weighting] in exactga.parity.preference.",
-                f"**This config's runs** ({pairs} pairs a step): {here}",
+                f"**This config's runs** ({pairs} {unit} a step): {here}",
                 *(["\n".join(lines)] if lines else []),
             ]
         )
 
     def as_json(self) -> dict[str, str]:
-        return {**dataclasses.asdict(self), "units": "pairs"}
+        return dataclasses.asdict(self)
+
+
+def _units_of(terms: DpoTerms) -> str:
+    """The loss's units in words: pairs (and the chosen tokens of an NLL term), or examples."""
+    units = terms.units()
+    return " and ".join((units.name, *getattr(units, "term_names", ())))
 
 
 def _equal(summary: RunSummary) -> bool:
@@ -202,8 +253,8 @@ def _equal(summary: RunSummary) -> bool:
     return fewest == most
 
 
-def _pairs(bounds: tuple[int, int]) -> str:
+def _count(bounds: tuple[int, int], unit: str = "pairs") -> str:
     fewest, most = bounds
     if fewest == most:
-        return f"{most} pair{'s' if most != 1 else ''}"
-    return f"{fewest} to {most} pairs"
+        return f"{most} {unit if most != 1 else unit.removesuffix('s')}"
+    return f"{fewest} to {most} {unit}"

@@ -28,6 +28,7 @@ from exactga.config.schemas import (
     _warn_once,
     max_seq_len_of,
 )
+from exactga.dpo.schema import DpoLossKeys
 from exactga.kd.schema import DistillationKeys
 
 # The modes that pad micro-batches (every one but packed).
@@ -58,7 +59,7 @@ class ParitySettings:
 
 
 @dataclass
-class GaParityConfig(TrainingRunConfig):
+class GaParityConfig(TrainingRunConfig, DpoLossKeys):
     """``ga_parity``: the keys of a full, LoRA, KD or DPO config it reads, plus ``parity``.
 
     The other keys of those recipes (single-device or distributed) are accepted, so a training
@@ -150,10 +151,12 @@ class GaParityConfig(TrainingRunConfig):
         from torchtune.config._utils import _get_component_from_path
 
         try:
-            forward = _get_component_from_path(str(cfg.loss["_component_"])).forward
+            loss_class = _get_component_from_path(str(cfg.loss["_component_"]))
         except Exception:  # instantiating the loss names what is wrong
             return False
-        return "policy_chosen_logps" in inspect.signature(forward).parameters
+        if getattr(loss_class, "unpaired", False):  # KTO: unpaired examples, laid out as pairs
+            return True
+        return "policy_chosen_logps" in inspect.signature(loss_class.forward).parameters
 
     @classmethod
     def modes_for(cls, cfg: DictConfig) -> list[NormMode]:
