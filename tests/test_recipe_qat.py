@@ -150,101 +150,102 @@ def _windows(reference: Path) -> list[list[dict[str, torch.Tensor]]]:
     raise AssertionError(f"{reference}: fewer than {SPLIT_STEPS} windows")
 
 
-def _window_loss(run: Path, model: torch.nn.Module, window: list[dict[str, torch.Tensor]]) -> float:
-    """The window's loss: the sum of its token losses over its loss tokens (after the shift),
-    with the run's loss function and the recipes' forward."""
+Values = list[tuple[torch.Tensor, int]]  # each fake quantizer's output, by rows, and levels
+
+
+def _forward(run: Path, step: int, window: list[dict[str, torch.Tensor]]) -> tuple[float, Values]:
+    """Step ``step`` of ``run`` redone in one forward of its window on the weights it started
+    from: the window's loss (the sum of its token losses over its loss tokens, after the shift,
+    with the run's loss function and the recipes' forward), and every fake quantizer's output
+    in that forward (weights and activations) in call order, by the rows it quantises in (a
+    weight group, a token), with its number of levels."""
     from torchtune import config
 
+    from exactga.setup.qat import fake_quantizers
     from exactga.sft.loss import causal_lm_loss
 
+    model = _model(run, _state_after(run, step - 1), step - 1)
     loss_fn = config.instantiate(_config(run).loss)
     model.set_num_output_chunks(loss_fn.num_output_chunks)
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for batch in window:
-            count = int((batch["labels"][:, 1:] != loss_fn.ignore_index).sum())
-            total += float(causal_lm_loss(model, loss_fn, dict(batch))) * count
-            tokens += count
-    return total / tokens
-
-
-def _fake_quantised_values(
-    model: torch.nn.Module, window: list[dict[str, torch.Tensor]]
-) -> list[tuple[torch.Tensor, int, int]]:
-    """Every fake quantizer's output in the window's forward (weights and activations), in call
-    order, with the width of the rows it quantises in (a weight group, a token) and its levels."""
-    from exactga.setup.qat import fake_quantizers
-
-    seen: list[tuple[torch.Tensor, int, int]] = []
+    values: Values = []
 
     def record(module, inputs, output) -> None:
-        if not module.enabled:
-            return
-        fq_config = module.config
-        group = getattr(fq_config.granularity, "group_size", None) or inputs[0].shape[-1]
-        bits = int("".join(c for c in str(fq_config.dtype) if c.isdigit()))
-        seen.append((output.detach().reshape(-1, group), group, 2**bits))
+        if module.enabled:
+            fq_config = module.config
+            group = getattr(fq_config.granularity, "group_size", None) or inputs[0].shape[-1]
+            bits = int("".join(c for c in str(fq_config.dtype) if c.isdigit()))
+            values.append((output.detach().reshape(-1, group), 2**bits))
 
     hooks = [fq.register_forward_hook(record) for fq in fake_quantizers(model)]
+    total, tokens = 0.0, 0
     try:
         with torch.no_grad():
             for batch in window:
-                model(batch["tokens"])
+                count = int((batch["labels"][:, 1:] != loss_fn.ignore_index).sum())
+                total += float(causal_lm_loss(model, loss_fn, dict(batch))) * count
+                tokens += count
     finally:
         for hook in hooks:
             hook.remove()
-    return seen
+    return total / tokens, values
 
 
-def _flips(a: torch.nn.Module, b: torch.nn.Module, window) -> int:
-    """Fake-quantised values (weights and activations) of the window's forward that land on
-    another grid point in ``b`` than in ``a``: they differ by a quarter of a grid step (the
-    row's range over its levels) or more. A value that stays on its grid point moves only as
-    much as the row's scale, which rounding moves in its last bits."""
+def _flips(reference: Values, values: Values) -> int:
+    """Fake-quantised values that land on another grid point than the reference's: they
+    differ by a quarter of a grid step (the row's range over its levels) or more. A value that
+    stays on its grid point moves only as much as its row's scale, which rounding moves in its
+    last bits."""
     count = 0
-    for (va, _, levels), (vb, _, _) in zip(
-        _fake_quantised_values(a, window), _fake_quantised_values(b, window), strict=True
-    ):
-        grid_step = (va.amax(1, keepdim=True) - va.amin(1, keepdim=True)) / (levels - 1)
-        count += int(((va - vb).abs() > 0.25 * grid_step).sum())
+    for (ref, levels), (value, _) in zip(reference, values, strict=True):
+        grid_step = (ref.amax(1, keepdim=True) - ref.amin(1, keepdim=True)) / (levels - 1)
+        count += int(((ref - value).abs() > 0.25 * grid_step).sum())
     return count
 
 
-def _follow(runs: Path, name: str) -> list[dict[str, float]]:
-    """Each step ``k`` of split run ``name`` beside the one-process full batch of its kind:
-    the distance of their weights after it, the fake-quantised values of step ``k``'s forward
-    that differ between the two (``flips``), and the run's logged loss against the full-batch
-    loss of the weights it held (``loss_gap``; LoRA from step 2)."""
-    run, reference = runs / name, runs / (name.rsplit("_", 1)[0] + "_1x8x1")
-    logged = list(logged_steps(run / "logs").values())
+def _follow(runs: Path, kind: str) -> dict[str, list[dict[str, float]]]:
+    """Each step ``k`` of each split run of ``kind`` beside the one-process full batch: the
+    distance of their weights after it, the fake-quantised values of step ``k``'s forward that
+    differ between the two (``flips``), and the run's logged loss against the full-batch loss
+    of the weights it held (``loss_gap``; for LoRA from step 2: no checkpoint holds the initial
+    adapters; not for ``full_off``). One forward per run and step; the reference's serves all
+    its splits."""
+    reference = runs / f"{kind}_split_1x8x1"
+    names = [f"{kind}_split_{split}" for split in SPLIT_KINDS[kind][2] if split != "1x8x1"]
+    logged = {name: list(logged_steps(runs / name / "logs").values()) for name in names}
     windows = _windows(reference)
-    rows = []
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for step in range(1, SPLIT_STEPS + 1):
-        row = {"distance": _distance_at(run, reference, step), "flips": 0.0, "loss_gap": 0.0}
-        if step > 1 or not _is_lora(run):
-            before, ref_before = _state_after(run, step - 1), _state_after(reference, step - 1)
-            model = _model(run, before, step - 1)
-            loss = _window_loss(run, model, windows[step - 1])
-            row["loss_gap"] = abs(logged[step - 1] - loss) / abs(loss)
-            ref_model = _model(reference, ref_before, step - 1)
-            row["flips"] = float(_flips(ref_model, model, windows[step - 1]))
-        rows.append(row)
-        print(
-            f"{name} step {step}: relative L2 {row['distance']:.2e}, "
-            f"flipped values in its forward {int(row['flips'])}, "
-            f"logged loss vs its weights' full batch {row['loss_gap']:.1e}"
-        )
+        # Fake quantisation off: nothing to flip, and the plain model's steps are
+        # tests/test_recipe_full_distributed.py's.
+        redo = (step > 1 or not _is_lora(reference)) and kind != "full_off"
+        ref_values = _forward(reference, step, windows[step - 1])[1] if redo else []
+        for name in names:
+            run = runs / name
+            row = {"distance": _distance_at(run, reference, step), "flips": 0.0, "loss_gap": 0.0}
+            if redo:
+                loss, values = _forward(run, step, windows[step - 1])
+                row["loss_gap"] = abs(logged[name][step - 1] - loss) / abs(loss)
+                row["flips"] = float(_flips(ref_values, values))
+            rows[name].append(row)
+            print(
+                f"{name} step {step}: relative L2 {row['distance']:.2e}, "
+                f"flipped values in its forward {int(row['flips'])}, "
+                f"logged loss vs its weights' full batch {row['loss_gap']:.1e}"
+            )
     return rows
 
 
 @pytest.fixture(scope="module")
 def followed(runs: Path):
-    cache: dict[str, list[dict[str, float]]] = {}
+    """``followed(name)``: the rows of split run ``name`` (``_follow``), each kind followed
+    once."""
+    cache: dict[str, dict[str, list[dict[str, float]]]] = {}
 
     def get(name: str) -> list[dict[str, float]]:
-        if name not in cache:
-            cache[name] = _follow(runs, name)
-        return cache[name]
+        kind = name.split("_split_")[0]
+        if kind not in cache:
+            cache[kind] = _follow(runs, kind)
+        return cache[kind][name]
 
     return get
 
@@ -348,13 +349,16 @@ def test_int4_weight_only_switches_on_after_n_steps(runs: Path) -> None:
 
 
 def _prepared_and_converted(
-    weights_dir: Path, groupsize: int, out: Path
-) -> tuple[torch.nn.Module, ...]:
+    weights_dir: Path, quantizer, out: Path, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The saved weights read back as ``tune run quantize`` reads them (the HF checkpointer),
-    into the QAT-prepared tiny model, then converted by the same quantizer."""
+    into the tiny model in ``dtype`` prepared by ``quantizer``, then converted by it; with the
+    logits of a forward before the convert step without and with fake quantisation
+    (``plain``, ``fake_quantised``) and after it (``quantised``)."""
     from torchtune import training
     from torchtune.models.llama3_2 import llama3_2
-    from torchtune.training.quantization import Int8DynActInt4WeightQATQuantizer
+
+    from exactga.setup.qat import set_fake_quant
 
     checkpointer = training.FullModelHFCheckpointer(
         checkpoint_dir=str(weights_dir),
@@ -364,34 +368,76 @@ def _prepared_and_converted(
     )
     state = checkpointer.load_checkpoint()[training.MODEL_KEY]
     sizes = {k.split(".")[1]: v for k, v in SMALL_MODEL.items()}
-    model = llama3_2(vocab_size=2048, max_seq_len=512, tie_word_embeddings=True, **sizes)
-    quantizer = Int8DynActInt4WeightQATQuantizer(groupsize=groupsize)
+    with training.set_default_dtype(dtype):
+        model = llama3_2(vocab_size=2048, max_seq_len=512, tie_word_embeddings=True, **sizes)
     prepared = quantizer.prepare(model)
     prepared.load_state_dict(state, strict=True)
     tokens = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = {}
     with torch.no_grad():
-        fake_quantised = prepared(tokens)
+        set_fake_quant(prepared, False)
+        logits["plain"] = prepared(tokens).float()
+        set_fake_quant(prepared, True)
+        logits["fake_quantised"] = prepared(tokens).float()
         converted = quantizer.convert(prepared)
-        quantised = converted(tokens)
-    return converted, fake_quantised, quantised
+        logits["quantised"] = converted(tokens).float()
+    return converted, logits
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
 
 
 def test_the_saved_weights_convert_and_the_converted_model_runs(runs: Path, tmp_path: Path) -> None:
     """What stock's quantize recipe does with a QAT run's output: prepare, load the saved
     weights, ``quantizer.convert``; the converted model (torchao's int8-activation, int4-weight
-    linears) runs a forward with the fake-quantised model's numbers."""
-    converted, fake_quantised, quantised = _prepared_and_converted(
-        runs / "full_1x8x1" / "epoch_0", PARITY["quantizer.groupsize"], tmp_path / "full"
+    linears) runs a forward with the fake-quantised model's numbers, and not the unquantised
+    model's (the comparison can fail)."""
+    from torchtune.training.quantization import Int8DynActInt4WeightQATQuantizer
+
+    groupsize = PARITY["quantizer.groupsize"]
+    for name in ("full_1x8x1", "lora_1x8x1"):  # LoRA's merged weights are plain weights too
+        converted, logits = _prepared_and_converted(
+            runs / name / "epoch_0", Int8DynActInt4WeightQATQuantizer(groupsize), tmp_path / name
+        )
+        kinds = {type(m).__name__ for m in converted.modules()}
+        assert "Int8DynActInt4WeightLinear" in kinds, kinds
+        assert torch.isfinite(logits["quantised"]).all()
+        to_fake, to_plain = (
+            _relative(logits["quantised"], logits["fake_quantised"]),
+            _relative(logits["quantised"], logits["plain"]),
+        )
+        print(f"{name}: converted vs fake-quantised {to_fake:.1e}, vs unquantised {to_plain:.1e}")
+        torch.testing.assert_close(
+            logits["quantised"], logits["fake_quantised"], rtol=1e-4, atol=1e-4
+        )
+        assert to_plain > 100 * to_fake
+
+
+def test_int4_weight_only_converts_and_runs_in_bf16_on_cpu(runs: Path, tmp_path: Path) -> None:
+    """The int4 weight-only run's saved weights, converted as stock's quantize recipe does in
+    bf16 (its configs' dtype): torchao's tinygemm-layout linears (``WeightOnlyInt4Linear``) run
+    on CPU too, through torch's CPU int4 kernel, in bf16 only (fp32 fails in the kernel:
+    ``expected scalar type Float but found BFloat16``); their logits are the fake-quantised
+    model's up to bf16 rounding. tests/gpu/test_gpu_qat_convert.py runs both quantizers on
+    CUDA."""
+    from torchtune.training.quantization import Int4WeightOnlyQATQuantizer
+
+    quantizer = Int4WeightOnlyQATQuantizer(groupsize=PARITY["quantizer.groupsize"], inner_k_tiles=2)
+    converted, logits = _prepared_and_converted(
+        runs / "full_4w_after_2" / "epoch_0", quantizer, tmp_path / "4w", dtype=torch.bfloat16
     )
-    kinds = {type(m).__name__ for m in converted.modules()}
-    assert "Int8DynActInt4WeightLinear" in kinds, kinds
-    assert torch.isfinite(quantised).all()
-    torch.testing.assert_close(quantised, fake_quantised, rtol=1e-4, atol=1e-4)
-    # The LoRA run's merged weights are plain weights too: they convert the same way.
-    _, lora_fake, lora_quantised = _prepared_and_converted(
-        runs / "lora_1x8x1" / "epoch_0", PARITY["quantizer.groupsize"], tmp_path / "lora"
+    assert "WeightOnlyInt4Linear" in {type(m).__name__ for m in converted.modules()}
+    to_fake, to_plain = (
+        _relative(logits["quantised"], logits["fake_quantised"]),
+        _relative(logits["quantised"], logits["plain"]),
     )
-    torch.testing.assert_close(lora_quantised, lora_fake, rtol=1e-4, atol=1e-4)
+    print(
+        f"int4 weight-only, bf16: converted vs fake-quantised {to_fake:.1e}, "
+        f"vs unquantised {to_plain:.1e}"
+    )
+    assert to_fake <= 2e-2  # bf16 logits
+    assert to_plain > 3 * to_fake
 
 
 def test_the_parity_report_shows_qat_split_invariance_and_the_baselines_gap(runs: Path) -> None:
