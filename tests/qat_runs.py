@@ -48,7 +48,10 @@ SPLIT = {
     "~optimizer.weight_decay": None,
     "save_every_n_steps": 1,
     "keep_last_n_checkpoints": SPLIT_STEPS + 1,
-    "tokenizer.max_seq_len": 64,  # short rows: the tests redo each step's forward in-process
+    # Short rows, every token a label (the prompt alone would fill 64): the tests redo each
+    # step's forward in-process.
+    "tokenizer.max_seq_len": 64,
+    "dataset.train_on_input": True,
 }
 FULL_ON = {"fake_quant_after_n_steps": "null"}
 FULL_OFF = {"fake_quant_after_n_steps": SPLIT_STEPS}  # switched on after the run's last step

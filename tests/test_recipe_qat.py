@@ -190,22 +190,32 @@ def _forward(run: Path, step: int, window: list[dict[str, torch.Tensor]]) -> tup
     return total / tokens, values
 
 
-def _flips(reference: Values, values: Values) -> int:
-    """Fake-quantised values that land on another grid point than the reference's: they
-    differ by a quarter of a grid step (the row's range over its levels) or more. A value that
-    stays on its grid point moves only as much as its row's scale, which rounding moves in its
-    last bits."""
+# Note [flipped values]
+# A fake-quantised value is a grid point: an integer code times its row's scale (plus a zero
+# point). Between two runs whose inputs differ by fp32 rounding, a value keeps its code and
+# moves only as its scale does, in the scale's last bits: about 1e-5 of a grid step at most
+# (int8's 255 levels times fp32's 1e-7). It moves by a whole grid step when its code flips (the
+# input sat on a rounding boundary), and by 2^-8 of the scale times its code when a scale or
+# zero point rounded to bf16 (``Int4WeightOnlyQATQuantizer``'s) lands on the neighbouring bf16
+# value. ``GRID_MOVE`` counts both and nothing of the first kind; ``CODE_FLIP`` only codes.
+GRID_MOVE, CODE_FLIP = 1e-3, 0.25  # in grid steps: see [flipped values]
+
+
+def _flips(reference: Values, values: Values, threshold: float = GRID_MOVE) -> int:
+    """Fake-quantised values that differ from the reference's by ``threshold`` grid steps (the
+    row's range over its levels) or more; see [flipped values]."""
     count = 0
     for (ref, levels), (value, _) in zip(reference, values, strict=True):
         grid_step = (ref.amax(1, keepdim=True) - ref.amin(1, keepdim=True)) / (levels - 1)
-        count += int(((ref - value).abs() > 0.25 * grid_step).sum())
+        count += int(((ref - value).abs() > threshold * grid_step).sum())
     return count
 
 
 def _follow(runs: Path, kind: str) -> dict[str, list[dict[str, float]]]:
     """Each step ``k`` of each split run of ``kind`` beside the one-process full batch: the
     distance of their weights after it, the fake-quantised values of step ``k``'s forward that
-    differ between the two (``flips``), and the run's logged loss against the full-batch loss
+    moved between the two (``flips``; ``code_flips``: those on another grid point; see
+    [flipped values]), and the run's logged loss against the full-batch loss
     of the weights it held (``loss_gap``; for LoRA from step 2: no checkpoint holds the initial
     adapters; not for ``full_off``). One forward per run and step; the reference's serves all
     its splits."""
@@ -221,15 +231,18 @@ def _follow(runs: Path, kind: str) -> dict[str, list[dict[str, float]]]:
         ref_values = _forward(reference, step, windows[step - 1])[1] if redo else []
         for name in names:
             run = runs / name
-            row = {"distance": _distance_at(run, reference, step), "flips": 0.0, "loss_gap": 0.0}
+            row = {"distance": _distance_at(run, reference, step), "loss_gap": 0.0}
+            row.update(flips=0.0, code_flips=0.0)
             if redo:
                 loss, values = _forward(run, step, windows[step - 1])
                 row["loss_gap"] = abs(logged[name][step - 1] - loss) / abs(loss)
                 row["flips"] = float(_flips(ref_values, values))
+                row["code_flips"] = float(_flips(ref_values, values, CODE_FLIP))
             rows[name].append(row)
             print(
                 f"{name} step {step}: relative L2 {row['distance']:.2e}, "
-                f"flipped values in its forward {int(row['flips'])}, "
+                f"values moved in its forward {int(row['flips'])} "
+                f"(on another grid point {int(row['code_flips'])}), "
                 f"logged loss vs its weights' full batch {row['loss_gap']:.1e}"
             )
     return rows
@@ -280,8 +293,9 @@ def test_first_step_matches_one_process_with_fake_quantisation_on(runs: Path, na
 def test_every_step_is_the_full_batch_step_of_its_weights(followed, name: str) -> None:
     """Whatever the weights (after values have flipped too), each step of each split logs the
     full-batch loss of the window on the weights it held (recomputed here in one forward of
-    the 8 sequences), and the split stays at the fp32 floor from the full batch for as long as
-    no fake-quantised value of its forwards has flipped to another grid point."""
+    the 8 sequences); and the split stays at the fp32 floor from the full batch for as long as
+    no fake-quantised value of its forwards has moved to another grid point or grid (see
+    [flipped values]): a split parts only at or after a step whose forward had one."""
     rows = followed(name)
     for step, row in enumerate(rows, start=1):
         assert row["loss_gap"] <= LOSS_TOLERANCE, (step, row)
@@ -290,25 +304,20 @@ def test_every_step_is_the_full_batch_step_of_its_weights(followed, name: str) -
 
 
 @pytest.mark.parametrize("name", [n for n in SPLIT_RUNS if n.startswith("full_split")])
-def test_with_int8_activations_the_splits_part_where_a_value_flips(followed, name: str) -> None:
-    """Int8-activation, int4-weight fake quantisation over 6 steps: the splits part by far more
-    than rounding, and the first step that parts is one whose forward (or an earlier one) had a
-    fake-quantised value on another grid point than the full batch's."""
+def test_with_int8_activations_the_splits_part_by_far_more_than_rounding(followed, name) -> None:
+    """Int8-activation, int4-weight fake quantisation over 6 steps: once values flip, the
+    splits part by far more than rounding (so the rule above is not vacuous)."""
     rows = followed(name)
-    parted = [step for step, row in enumerate(rows, start=1) if row["distance"] > PARITY_TOLERANCE]
-    assert parted and max(row["distance"] for row in rows) > DRIFT, rows
-    assert any(row["flips"] > 0 for row in rows[: parted[0]]), rows
+    assert max(row["distance"] for row in rows) > DRIFT, rows
+    assert max(row["code_flips"] for row in rows) > 0, rows
 
 
-@pytest.mark.parametrize("name", [n for n in SPLIT_RUNS if n.startswith(("full_off", "full_4w"))])
-def test_without_activation_quantisation_the_splits_stay_at_the_floor(followed, name) -> None:
+@pytest.mark.parametrize("name", [n for n in SPLIT_RUNS if n.startswith("full_off")])
+def test_with_fake_quantisation_off_the_splits_stay_at_the_floor(followed, name: str) -> None:
     """The same splits stay at the fp32 floor over every step when fake quantisation stays off
-    (``fake_quant_after_n_steps`` past the run) and with int4 weight-only fake quantisation,
-    whose weights flipped no grid point in these runs."""
+    (``fake_quant_after_n_steps`` past the run): the drift is fake quantisation's."""
     rows = followed(name)
     assert max(row["distance"] for row in rows) <= PARITY_TOLERANCE, rows
-    if name.startswith("full_4w"):
-        assert all(row["flips"] == 0 for row in rows), rows
 
 
 def test_fake_quantisation_changes_training(runs: Path) -> None:
