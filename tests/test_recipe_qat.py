@@ -116,18 +116,13 @@ def _model(run: Path, state: dict[str, torch.Tensor], steps_done: int) -> torch.
     model = prepare_for_qat(model, quantizer_from_config(cfg.quantizer, torch.float32), lora=lora)
     base = _tune_layout(load_weights(run / INITIAL))
     if lora:
-        adapters = state or _initial_adapters(model, run)
-        missing, unexpected = model.load_state_dict({**base, **adapters}, strict=False)
+        assert state, f"{run}: no checkpoint holds the initial adapters (see _state_after)"
+        missing, unexpected = model.load_state_dict({**base, **state}, strict=False)
         assert not unexpected and not [k for k in missing if "lora" not in k], missing
     else:
         model.load_state_dict(state)
     FakeQuantSchedule(model, cfg.get("fake_quant_after_n_steps")).before_window(steps_done)
     return model.eval()
-
-
-def _initial_adapters(model: torch.nn.Module, run: Path) -> dict[str, torch.Tensor]:
-    """Never needed: a LoRA run's step 1 is not recomputed (see ``_state_after``)."""
-    raise AssertionError(f"{run}: the initial adapters are in no checkpoint")
 
 
 @functools.cache
