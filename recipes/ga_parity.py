@@ -99,7 +99,13 @@ from exactga.parity.preference import (
     collate_fn_for,
     preference_loss_step,
 )
-from exactga.parity.report import DataShape, Distillation, RouterTerm, write_report
+from exactga.parity.report import (
+    DataShape,
+    Distillation,
+    FakeQuantisation,
+    RouterTerm,
+    write_report,
+)
 from exactga.parity.runs import (
     FrozenModels,
     RunTally,
@@ -128,6 +134,7 @@ from exactga.runtime import distributed
 from exactga.runtime.precision import MasterWeights, Precision
 from exactga.setup.frozen import freeze_model
 from exactga.setup.lora import LoraSettings, load_lora_weights
+from exactga.setup.qat import FakeQuantSchedule, quantizer_from_config
 from exactga.sft.loss import causal_lm_loss
 from exactga.sft.router_balance import RouterBalance
 
@@ -178,6 +185,11 @@ class GaParityRecipe:
           exact/fixed splits also train without it, and the report shows the term's own gap
           beside the token loss's (see [router term in the parity report] in
           exactga.parity.report).
+        - Quantisation-aware training (``quantizer``, ``fake_quant_after_n_steps``, as the QAT
+          recipes read them): every run's linears fake-quantised by torchao as
+          recipes/qat_distributed.py and recipes/qat_lora_finetune_distributed.py build them
+          (exactga.setup.qat), switched on at the same step; see docs/qat.md for how far its
+          splits stay at the floor.
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -317,7 +329,21 @@ class GaParityRecipe:
         return teacher
 
     def _build_model(self, cfg_model: DictConfig, precision: Precision) -> nn.Module:
-        return build_model(cfg_model, precision, self._device, is_lora=self._is_lora)
+        return build_model(
+            cfg_model,
+            precision,
+            self._device,
+            is_lora=self._is_lora,
+            quantizer=self._quantizer(precision),
+        )
+
+    def _quantizer(self, precision: Precision) -> Any:
+        """A QAT config's quantizer for a model in ``precision`` (stock builds it in ``dtype``;
+        the fp32 full batch's in fp32); None without ``quantizer``."""
+        if self._cfg.quantizer is None:
+            return None
+        dtype = torch.float32 if precision is self._fp32_precision else self._dtype
+        return quantizer_from_config(self._cfg.quantizer, dtype)
 
     def _build_sharded_model(self, cfg_model: DictConfig, precision: Precision) -> nn.Module:
         """Sharded over the ``dp`` mesh as the distributed recipes shard it, loaded with the
@@ -329,6 +355,7 @@ class GaParityRecipe:
             self._device,
             self._mesh["dp"],
             is_lora=self._is_lora,
+            quantizer=self._quantizer(precision),
         )
 
     def _setup_dataset(self, cfg_dataset: DictConfig) -> Any:
@@ -543,7 +570,10 @@ class GaParityRecipe:
         )
         tally = RunTally()
         labels = []  # the full batch's, for the report's data shape
+        # A QAT config's fake_quant_after_n_steps, as the QAT recipe switches it.
+        fake_quant = FakeQuantSchedule(model, self._cfg.fake_quant_after_n_steps)
         for step, window in enumerate(windows, start=1):
+            fake_quant.before_window(step - 1)
             if run == 1:
                 labels += [mb.batch["labels"] for mb in window.micro_batches]
             train_window(
@@ -611,6 +641,7 @@ class GaParityRecipe:
                 if self._router_coef > 0
                 else None
             ),
+            fake_quantisation=self._fake_quantisation(),
         )
         log.info(f"Parity report: {report} (figure: {self._report_dir / 'parity.png'})")
         return report
@@ -624,6 +655,16 @@ class GaParityRecipe:
             loss=type(self._loss_fn).__name__,
             kd_loss=type(self._kd_loss_fn).__name__,
             teacher=str(self._cfg.teacher_model._component_),
+        )
+
+    def _fake_quantisation(self) -> FakeQuantisation | None:
+        """A QAT config's quantizer, for the report to say what every run trained under."""
+        if self._cfg.quantizer is None:
+            return None
+        return FakeQuantisation(
+            quantizer=str(self._cfg.quantizer._component_).rsplit(".", 1)[-1],
+            groupsize=self._cfg.quantizer.get("groupsize"),
+            after_n_steps=self._cfg.fake_quant_after_n_steps,
         )
 
     def cleanup(self) -> None:

@@ -235,7 +235,12 @@ def test_the_parity_report_runs_a_training_config_and_names_the_keys_it_ignores(
 
 
 def test_the_shipped_parity_configs_hold_only_keys_the_report_reads() -> None:
-    for path in (PARITY, "configs/tiny/ga_parity_lora.yaml", "configs/tiny/ga_parity_kd.yaml"):
+    for path in (
+        PARITY,
+        "configs/tiny/ga_parity_lora.yaml",
+        "configs/tiny/ga_parity_kd.yaml",
+        "configs/tiny/ga_parity_qat.yaml",
+    ):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             _validate(GaParityConfig, path)

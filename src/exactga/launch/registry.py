@@ -164,6 +164,7 @@ RECIPES = (
             "tiny/ga_parity_kd",
             "tiny/ga_parity_dpo",
             "tiny/ga_parity_grpo",
+            "tiny/ga_parity_qat",
         ),
         supports_distributed=True,
     ),

@@ -313,6 +313,31 @@ def _has_matplotlib() -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class FakeQuantisation:
+    """A QAT config's fake quantisation (``quantizer``), which every run trained under, for the
+    report to say (docs/qat.md)."""
+
+    quantizer: str  # the quantizer's class
+    groupsize: int | None
+    after_n_steps: int | None  # fake_quant_after_n_steps; None: on from the first step
+
+    def describe(self) -> str:
+        when = (
+            "from the first step"
+            if self.after_n_steps is None
+            else f"after {self.after_n_steps} steps without it"
+        )
+        return (
+            f"**Fake quantisation: {self.quantizer}** (group size {self.groupsize}), as "
+            f"recipes/qat_distributed.py and recipes/qat_lora_finetune_distributed.py train, "
+            f"{when}, in every run. Fake quantisation rounds to a grid: once a split's weights "
+            "differ from the full batch's by rounding, a value on a grid boundary may round to "
+            "the neighbouring point, and from that step on the split parts by more than the "
+            'floor (docs/qat.md, "What is exact").'
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Distillation:
     """What a knowledge-distillation config trains (``teacher_model`` set): the mix every run
     optimised, for the report to say."""
@@ -450,6 +475,7 @@ def write_report(
     preference: Preference | None = None,
     policy: PolicyObjective | None = None,
     router: RouterTerm | None = None,
+    fake_quantisation: FakeQuantisation | None = None,
 ) -> Path:
     """Write ``report.md``, ``parity.png``, ``summary.json`` and ``tensorboard/`` into ``out_dir``.
 
@@ -459,7 +485,8 @@ def write_report(
     the KD mix every run trained, for a KD config; ``preference`` what a DPO config trained,
     ``policy`` what a GRPO config trained under one loss_aggregation (either's section on its
     baseline's gap then replaces ``data``'s); ``router`` a mixture-of-experts config's router
-    term, which every run added (see [router term in the parity report]).
+    term, which every run added (see [router term in the parity report]);
+    ``fake_quantisation`` a QAT config's quantizer, which every run trained under.
     Returns the report's path.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -480,6 +507,7 @@ def write_report(
     baselines += "optimise)."
     objective = [distillation.describe()] if distillation is not None else []
     objective += [router.describe()] if router is not None else []
+    objective += [fake_quantisation.describe()] if fake_quantisation is not None else []
     for view in (preference, policy):
         if view is not None:
             objective, baselines = [view.describe()], view.baselines()
@@ -525,6 +553,10 @@ def write_report(
         "policy": policy.as_json() if policy is not None else None,
         # A mixture-of-experts config's router term (coefficient, objective); None without.
         "router": router.as_json() if router is not None else None,
+        # A QAT config's quantizer (class, group size, fake_quant_after_n_steps); None without.
+        "fake_quantisation": (
+            dataclasses.asdict(fake_quantisation) if fake_quantisation is not None else None
+        ),
         "reference_term_losses": reference.term_losses,
         # What units_per_micro_batch counts: loss_tokens, pairs, completion_tokens, completions.
         "units": reference.units_name,

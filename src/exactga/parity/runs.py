@@ -29,6 +29,7 @@ from exactga.parity.scoring import ParityRun, RunSummary
 from exactga.runtime import distributed
 from exactga.setup.frozen import build_frozen_model
 from exactga.setup.model import init_rope
+from exactga.setup.qat import prepare_for_qat
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -126,12 +127,20 @@ class RunTally:
 
 
 def build_model(
-    cfg_model: DictConfig, precision: Precision, device: torch.device, *, is_lora: bool
+    cfg_model: DictConfig,
+    precision: Precision,
+    device: torch.device,
+    *,
+    is_lora: bool,
+    quantizer: Any = None,
 ) -> nn.Module:
     """A run's model on one device, uninitialised: the adapters alone trainable for LoRA,
-    trainable weights cast as ``precision`` keeps them (fp32 master weights)."""
+    trainable weights cast as ``precision`` keeps them (fp32 master weights); a QAT config's
+    ``quantizer`` fake-quantises its linears as the QAT recipes do (exactga.setup.qat)."""
     with training.set_default_dtype(precision.compute_dtype), device:
         model = config.instantiate(cfg_model)
+    if quantizer is not None:  # before the adapters are made trainable: QATLoRALinear's new ones
+        model = prepare_for_qat(model, quantizer, lora=is_lora)
     if is_lora:
         set_trainable_params(model, get_adapter_params(model))
     precision.cast_trainable(model)
@@ -146,12 +155,16 @@ def build_sharded_model(
     dp_mesh: DeviceMesh,
     *,
     is_lora: bool,
+    quantizer: Any = None,
 ) -> nn.Module:
     """A run's model built on the meta device, sharded with FSDP2 over ``dp_mesh`` as the
     distributed recipes shard it (a bf16 policy over fp32 master weights), then loaded with
-    ``state``, the runs' shared initial state."""
+    ``state``, the runs' shared initial state; fake-quantised by ``quantizer`` before sharding,
+    as the QAT recipes do."""
     with training.set_default_dtype(precision.compute_dtype), torch.device("meta"):
         model = config.instantiate(cfg_model)
+    if quantizer is not None:  # swaps modules: before FSDP wraps them
+        model = prepare_for_qat(model, quantizer, lora=is_lora)
     if is_lora:
         set_trainable_params(model, get_adapter_params(model))
     precision.cast_trainable(model)

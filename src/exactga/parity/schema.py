@@ -87,6 +87,10 @@ class GaParityConfig(TrainingRunConfig, DpoLossKeys):
     # every run adds it, and the report shows its own gap (docs/ga_parity.md, "Router term").
     router_aux_loss_coef: float = 0.0
     router_balance: RouterBalanceObjective = RouterBalanceObjective.GLOBAL_BATCH
+    # Quantisation-aware training, as the QAT recipes read them (docs/qat.md): every run
+    # fake-quantised by ``quantizer``, off for the first ``fake_quant_after_n_steps`` steps.
+    quantizer: Any = None
+    fake_quant_after_n_steps: int | None = None
 
     # Keys of these (and so of the single-device) recipes are accepted, named in a warning.
     accepts_unread_keys_of: ClassVar[tuple[type, ...]] = (
@@ -104,6 +108,12 @@ class GaParityConfig(TrainingRunConfig, DpoLossKeys):
         cls._check_micro_batching(cfg)  # and the modes (modes_for)
         cls._check_distillation(cfg)
         cls._check_router_term(cfg)
+        after = cfg.fake_quant_after_n_steps
+        if after is not None and (cfg.quantizer is None or after < 0):
+            raise ValueError(
+                "config key 'fake_quant_after_n_steps' needs a 'quantizer' and must be 0 or "
+                f"more, got {after}."
+            )
 
     @classmethod
     def _check_router_term(cls, cfg: DictConfig) -> None:
