@@ -26,15 +26,12 @@ from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.loss_units import IGNORE_INDEX
-from exactga.accumulation.normalization import LossNormalizer
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.dpo.preference import (
     DpoTerms,
-    PreferenceMetrics,
     dpo_loss_step,
     frozen_model_reference,
-    reference_for_run,
-    reference_point_for,
+    preference_run,
 )
 from exactga.dpo.schema import FULL_DPO_FINGERPRINT_KEYS, FullDpoDistributedConfig
 from exactga.launch.cli import run_recipe
@@ -119,44 +116,34 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         )
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
-        # The reference model, or its log-probs computed once (which frees the model).
-        self._reference, dataset = reference_for_run(
-            None
+        # The reference (the frozen model above; none for SimPO and ORPO; or its log-probs
+        # computed once), KTO's reference point over each whole window, the normaliser weighing
+        # each term by its own units over every rank, and the metrics: one call, so that a copy
+        # cannot wire them apart.
+        prefs = preference_run(
+            cfg,
+            self._loss_fn,
+            self._dpo_terms,
+            dataset,
+            model=self._model,
+            reference=None
             if ref_model is None
             else frozen_model_reference(ref_model, self._runtime.precision),
-            dataset,
-            cfg,
             pad_id=self._tokenizer.pad_id,
-            device=self._runtime.device,
-            dp_group=self._runtime.dp_group,
+            runtime=self._runtime,
         )
         del ref_model  # held by the reference now, or by nothing once the table has its log-probs
-        # KTO's reference point: a statistic of each whole window over every rank, computed
-        # before its backward passes (None for a loss over pairs); see [kto reference point].
-        self._reference_point = reference_point_for(
-            self._dpo_terms, self._model, self._reference, self._runtime.precision
-        )
-        # The normaliser weighs each term by its own units, counted over every data-parallel
-        # rank (and computes KTO's statistic over them).
-        normalizer = LossNormalizer(
-            self._loss_fn,
-            mode=cfg.loss_normalization,
-            dp_group=self._runtime.dp_group,
-            units=self._dpo_terms.units(),
-            statistics=[self._reference_point] if self._reference_point else [],
-        )
-        self._metrics = PreferenceMetrics(
-            self._runtime.device, self._dpo_terms, self._reference_point
-        )
+        self._reference, self._reference_point = prefs.reference, prefs.reference_point
+        self._metrics = prefs.metrics
         dataloader = start.dataloader(
-            dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
+            prefs.dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
         )
         # Checkpoints, scheduler, profiler, logs: the bookkeeping of every step, set up last.
         self._run = start.training_run(
             self._model,
             self._optimizer,
             dataloader,
-            normalizer,
+            prefs.normalizer,
             window_metrics=self._metrics.window_metrics,  # rewards, margins, accuracy
             track=self._metrics.track,
         )

@@ -24,15 +24,12 @@ from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.loss_units import IGNORE_INDEX
-from exactga.accumulation.normalization import LossNormalizer
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.dpo.preference import (
     DpoTerms,
-    PreferenceMetrics,
     dpo_loss_step,
     lora_reference,
-    reference_for_run,
-    reference_point_for,
+    preference_run,
 )
 from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoSingleDeviceConfig
 from exactga.launch.cli import run_recipe
@@ -115,41 +112,33 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
         )
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
-        # The reference: the policy with its adapters off, or its log-probs computed once;
-        # none for a reference-free loss (SimPO, ORPO).
-        self._reference, dataset = reference_for_run(
-            None
+        # The reference (the policy with its adapters off; none for SimPO and ORPO; or its log-probs
+        # computed once), KTO's reference point over each whole window, the normaliser weighing
+        # each term by its own units over every rank, and the metrics: one call, so that a copy
+        # cannot wire them apart.
+        prefs = preference_run(
+            cfg,
+            self._loss_fn,
+            self._dpo_terms,
+            dataset,
+            model=self._model,
+            reference=None
             if self._dpo_terms.reference_free
             else lora_reference(self._model, self._runtime.precision),
-            dataset,
-            cfg,
             pad_id=self._tokenizer.pad_id,
-            device=self._runtime.device,
+            runtime=self._runtime,
         )
-        # KTO's reference point: a statistic of each whole window over every rank, computed
-        # before its backward passes (None for a loss over pairs); see [kto reference point].
-        self._reference_point = reference_point_for(
-            self._dpo_terms, self._model, self._reference, self._runtime.precision
-        )
-        # The normaliser weighs each term by its own units (and computes KTO's statistic).
-        normalizer = LossNormalizer(
-            self._loss_fn,
-            mode=cfg.loss_normalization,
-            units=self._dpo_terms.units(),
-            statistics=[self._reference_point] if self._reference_point else [],
-        )
-        self._metrics = PreferenceMetrics(
-            self._runtime.device, self._dpo_terms, self._reference_point
-        )
+        self._reference, self._reference_point = prefs.reference, prefs.reference_point
+        self._metrics = prefs.metrics
         dataloader = start.dataloader(
-            dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
+            prefs.dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
         )
         # Checkpoints (adapters, and merged weights), scheduler, profiler, logs: set up last.
         self._run = start.training_run(
             self._model,
             self._optimizer,
             dataloader,
-            normalizer,
+            prefs.normalizer,
             lora=self._lora,
             window_metrics=self._metrics.window_metrics,  # rewards, margins, accuracy
             track=self._metrics.track,

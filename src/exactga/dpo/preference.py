@@ -78,7 +78,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -93,13 +93,16 @@ from exactga.accumulation.loss_units import (
     loss_positions,
     shift_labels,
 )
-from exactga.accumulation.normalization import Window
+from exactga.accumulation.normalization import LossNormalizer, Window
 from exactga.config.options import SequenceLogProb, as_option
 from exactga.data.packing import PACKED_SEQUENCES
 from exactga.dpo.losses import is_reference_free
 from exactga.dpo.reference_logprobs import PAIR_INDEX, ReferenceTable, with_precomputed_reference
 from exactga.runtime.precision import Precision
 from exactga.setup.frozen import frozen_forward
+
+if TYPE_CHECKING:
+    from exactga.setup.run_start import Runtime  # the recipe's; run_start does not import dpo
 
 # An emptied micro-batch carries this key (a 0-d tensor, so it moves with the batch): it holds
 # no pair. See [pairs as loss units].
@@ -619,3 +622,50 @@ def reference_for_run(
         device=device,
         dp_group=dp_group,
     )
+
+
+@dataclass
+class PreferenceRun:
+    """What a preference recipe's step reads, wired in one place (:func:`preference_run`):
+    a recipe copy that rewires one of these by hand would train a different loss silently."""
+
+    reference: Any  # what dpo_loss_step reads reference log-probs from; None when reference-free
+    reference_point: Any  # KTO's window statistic (exactga.dpo.kto), None for a loss over pairs
+    normalizer: LossNormalizer  # each term weighed by its own units over the window and ranks
+    metrics: PreferenceMetrics
+    dataset: Any  # the dataset to load: with a precomputed reference, the table's lookup rows
+
+
+def preference_run(
+    cfg: Any,
+    loss_fn: nn.Module,
+    terms: DpoTerms,
+    dataset: Any,
+    *,
+    model: nn.Module,
+    reference: Reference | None,
+    pad_id: int,
+    runtime: Runtime,
+) -> PreferenceRun:
+    """The reference (``reference`` as given, or its log-probs computed once with
+    ``precompute_reference_logprobs``), KTO's reference point over each whole window, the
+    normaliser over ``terms``' units (counted over ``runtime``'s data-parallel ranks) and the
+    metrics, for ``loss_fn`` on ``dataset``.
+
+    ``reference`` is None for a reference-free loss (``terms.reference_free``): the recipe
+    then builds no reference model at all. The caller drops its own handles on the reference
+    model, so that a precomputed table frees it.
+    """
+    reference, dataset = reference_for_run(
+        reference, dataset, cfg, pad_id=pad_id, device=runtime.device, dp_group=runtime.dp_group
+    )
+    reference_point = reference_point_for(terms, model, reference, runtime.precision)
+    normalizer = LossNormalizer(
+        loss_fn,
+        mode=cfg.loss_normalization,
+        dp_group=runtime.dp_group,
+        units=terms.units(),
+        statistics=[reference_point] if reference_point else [],  # computed before backward
+    )
+    metrics = PreferenceMetrics(runtime.device, terms, reference_point)
+    return PreferenceRun(reference, reference_point, normalizer, metrics, dataset)
