@@ -71,7 +71,7 @@ def run_tune(
     The launch goes through the tests' launch server (tests/zygote.py: forked from a process
     that has made the imports already) unless it must be a real process; what the test sees is
     the same either way."""
-    command, env = tune_command(tune_env(extra_env), TUNE)
+    command, env = tune_command(tune_env(extra_env), TUNE, base=tune_env())
     return subprocess.run(
         [*command, "run", *args],
         cwd=cwd,
@@ -189,7 +189,7 @@ def launch_and_kill(
 ) -> None:
     """Launch ``tune run args`` (output into ``log_path``), and SIGKILL it and its ranks
     ``delay_s`` after ``ready()`` first holds; fail if it ends by itself before."""
-    command, env = tune_command(tune_env(), TUNE)
+    command, env = tune_command(tune_env(), TUNE, base=tune_env())
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [*command, "run", *args],

@@ -76,7 +76,8 @@ def _args(nproc: int, out: Path) -> list[str]:
 def _launch_and_signal(nproc: int, signum: signal.Signals, out: Path, log: Path) -> int:
     """Launch, send ``signum`` to the launch's process group once a second step is done, and
     return its exit status (the launch is killed if it outlives the bound)."""
-    command, env = tune_command(tune_env(), TUNE)  # the signal reaches the launch's own process
+    # Through tests/zygote.py's stand-in, which passes the signal on to the launch.
+    command, env = tune_command(tune_env(), TUNE, base=tune_env())
     with open(log, "w") as output:
         proc = subprocess.Popen(
             [*command, "run", *_args(nproc, out)],

@@ -96,14 +96,17 @@ _server: dict[str, object] = {}
 # --- the test worker's side ---------------------------------------------------------------------
 
 
-def tune_command(env: dict[str, str], tune: Path) -> tuple[list[str], dict[str, str]]:
+def tune_command(
+    env: dict[str, str], tune: Path, base: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The command and environment of a ``tune`` launch with ``env``: the stand-in and its
-    server's socket where the server can make it, else ``[tune]`` and ``env`` unchanged."""
+    server's socket where the server can make it, else ``[tune]`` and ``env`` unchanged. The
+    server starts, on first use, with ``base`` (a plain launch's environment; ``env`` if None)."""
     if env.get(SWITCH, "1") == "0" or env.get(REAL_LAUNCH) == "1":
         return [str(tune)], env
     with _lock:
         if not _server:
-            _start(env, tune)
+            _start(env if base is None else base, tune)
     base = _server["env"]
     keys = (env.keys() | base.keys()) - RUNTIME_VARIABLES
     if any(env.get(key) != base.get(key) for key in keys):  # read at import: a real launch
