@@ -340,6 +340,11 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
+        # The interpreter's own command line, as a fresh one would have it: ``python <tune>
+        # run ...`` (the shebang's), or ``python -u <recipe> ...`` for a rank; a stopped run
+        # prints the command that resumes it from this.
+        head = [sys.executable] if request["mode"] == "tune" else [sys.executable, "-u"]
+        sys.orig_argv = [*head, *sys.argv]
         threading.Thread(target=_die_with_launcher, args=(conn,), daemon=True).start()
         code = _run(request)
     except SystemExit as exit_:
