@@ -1,7 +1,8 @@
 """Helpers for the recipe tests: launch ``tune run`` in a subprocess and read what it wrote.
 
 Tests run recipes only through the real command line (docs/contributing.md point 10): nothing here
-imports a recipe. Every launch is offline.
+imports a recipe. Every launch is offline. ``run_tune`` launches through tests/zygote.py (a
+server that made the imports once forks the launch) where a fresh process shows nothing more.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import zygote
+from zygote import tune_command
 
 # The one relative L2 of the project, as the docs define it: ||w - w_ref|| / ||w_ref - w_init||
 # over every tensor, in float64 (see exactga.parity.scoring).
@@ -63,11 +66,16 @@ def run_tune(
     extra_env: dict[str, str | None] | None = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess:
-    """``tune run *args`` from ``cwd``, with stdout and stderr captured as text."""
+    """``tune run *args`` from ``cwd``, with stdout and stderr captured as text.
+
+    The launch goes through the tests' launch server (tests/zygote.py: forked from a process
+    that has made the imports already) unless it must be a real process; what the test sees is
+    the same either way."""
+    command, env = tune_command(tune_env(extra_env), TUNE, base=tune_env())
     return subprocess.run(
-        [str(TUNE), "run", *args],
+        [*command, "run", *args],
         cwd=cwd,
-        env=tune_env(extra_env),
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -181,11 +189,12 @@ def launch_and_kill(
 ) -> None:
     """Launch ``tune run args`` (output into ``log_path``), and SIGKILL it and its ranks
     ``delay_s`` after ``ready()`` first holds; fail if it ends by itself before."""
+    command, env = tune_command(tune_env(), TUNE, base=tune_env())
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [str(TUNE), "run", *args],
+            [*command, "run", *args],
             cwd=REPO_ROOT,
-            env=tune_env(),
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -208,40 +217,21 @@ def kill_launch(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     torchrun starts each rank in a session of its own (``start_new_session=True`` in torch's
     elastic subprocess handler), so killing the launcher's process group would leave the ranks
     training on to the end, writing into the folder a resumed run then works in. The ranks are
-    found under the launcher in /proc and killed by their ids.
+    found under the launcher in /proc and killed by their ids. A launch of the tests' launch
+    server (tests/zygote.py) has its processes under the server: the server kills them and
+    answers once they have ended.
     """
-    descendants = _descendants(proc.pid)
+    if zygote.is_stand_in(proc.args):
+        zygote.kill_launch(proc.pid)
+    descendants = zygote.descendants(proc.pid)
     for pid in [proc.pid, *descendants]:
         with contextlib.suppress(ProcessLookupError):  # already gone
             os.kill(pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + timeout_s
-    while any(_is_running(pid) for pid in descendants):
+    while any(zygote.is_running(pid) for pid in descendants):
         assert time.monotonic() < deadline, f"processes {descendants} outlived SIGKILL"
         time.sleep(0.02)
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes ``pid`` started, and theirs (Linux: read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError):  # a process that ended meanwhile
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(stat.parent.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        started = children.get(todo.pop(), [])
-        found += started
-        todo += started
-    return found
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # --- what a resumed run trained --------------------------------------------------------------

@@ -2,8 +2,9 @@
 command that line prints goes on to the uninterrupted run's weights, bit for bit.
 
 See [stop at a step boundary] in exactga.launch.stopping, [every rank stops at one step] in
-exactga.run.steps and [torchrun and a stop] in exactga.launch.cli. Each scenario launches the
-real ``tune run`` in a session of its own (as a terminal's foreground job), waits until the
+exactga.run.steps and [torchrun and a stop] in exactga.launch.cli. Each scenario launches
+``tune run`` in a session of its own (as a terminal's foreground job; through tests/zygote.py's
+stand-in, which passes each signal it gets on to the launch), waits until the
 progress bar shows a second finished step, and sends the signal to the launch's process group,
 as Ctrl-C or a ``kill`` of the job does: on one device that is the recipe's process; under
 torchrun the launcher, which passes it on to each rank. No step checkpoints are asked for
@@ -33,6 +34,7 @@ import pytest
 import torch
 from many_runs import launch_runs, run_of
 from recipe_utils import REPO_ROOT, SMALL_MODEL, TUNE, kill_launch, load_weights, tune_env
+from zygote import tune_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("stop_on_signal")]
 
@@ -74,13 +76,17 @@ def _args(nproc: int, out: Path) -> list[str]:
 def _launch_and_signal(nproc: int, signum: signal.Signals, out: Path, log: Path) -> int:
     """Launch, send ``signum`` to the launch's process group once a second step is done, and
     return its exit status (the launch is killed if it outlives the bound)."""
+    # A datasets cache of its own: the data file is read for the first time, as on a fresh
+    # clone, when datasets would print its progress bars (the console test). That variable is
+    # read at import, so tests/zygote.py makes this a real launch: a fresh console, as a user's.
+    command, env = tune_command(
+        tune_env({"HF_DATASETS_CACHE": str(out.parent / "datasets_cache")}), TUNE, base=tune_env()
+    )
     with open(log, "w") as output:
         proc = subprocess.Popen(
-            [str(TUNE), "run", *_args(nproc, out)],
+            [*command, "run", *_args(nproc, out)],
             cwd=REPO_ROOT,
-            # A datasets cache of its own: the data file is read for the first time, as on a
-            # fresh clone, when datasets would print its progress bars (the console test).
-            env=tune_env({"HF_DATASETS_CACHE": str(out.parent / "datasets_cache")}),
+            env=env,
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
