@@ -163,8 +163,10 @@ def test_the_console_holds_each_step_once_and_no_third_party_noise(runs, scenari
     output = (runs / scenario / "stopped.txt").read_text(errors="replace")
     assert SECOND_STEP_DONE.search(output)
     assert not [noise for noise in NOISE if noise in output], output[-3000:]
-    # Step 1 is never the last the bar shows (the signal waits for step 2): printed once.
-    assert len(re.findall(r"epoch 1:[^\r\n]*\| 1/6 \[", output)) == 1, output[-3000:]
+    # Each state of the bar at most once: tqdm may skip a fast step's state (an idle machine
+    # runs several steps within its refresh interval) but a step must never be drawn twice.
+    shown = re.findall(r"epoch 1:[^\r\n]*\| (\d+)/6 \[", output)
+    assert len(shown) > 1 and len(shown) == len(set(shown)), output[-3000:]
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
