@@ -50,12 +50,21 @@ def _distance(runs: Path, name: str, reference: str) -> float:
 # --- following the split runs step by step ----------------------------------------------------
 
 
+@functools.cache
 def _config(run: Path):
+    """The run's resolved config, read once (every step and split asks for it; treat as
+    read-only)."""
     return OmegaConf.load(run / "resolved_config.yaml")
 
 
 def _is_lora(run: Path) -> bool:
     return "lora_rank" in _config(run).model
+
+
+@functools.cache
+def _initial(run: Path) -> dict[str, torch.Tensor]:
+    """The run's initial weights under the model's own names, read once (treat as read-only)."""
+    return _tune_layout(load_weights(run / INITIAL))
 
 
 def _tune_layout(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -77,17 +86,19 @@ def _state_after(run: Path, step: int) -> dict[str, torch.Tensor]:
     the full weights, or for LoRA the adapters (none at 0: every split starts from the same
     seeded ones, which no checkpoint holds)."""
     if step == 0:
-        return {} if _is_lora(run) else _tune_layout(load_weights(run / INITIAL))
+        return {} if _is_lora(run) else dict(_initial(run))
     return load_weights(run / "step_checkpoints" / f"step_{step:06d}" / "model.safetensors")
 
 
+@functools.cache
 def _comparable(run: Path, step: int) -> dict[str, torch.Tensor]:
     """Weights to measure a step by: the full weights, or LoRA's merged ones (base plus
-    ``alpha / rank`` B A on each adapted linear; the base, unchanged, at step 0)."""
+    ``alpha / rank`` B A on each adapted linear; the base, unchanged, at step 0). Made once per
+    run and step (the reference's serves each of its splits; treat as read-only)."""
     state = _state_after(run, step)
     if not _is_lora(run):
         return state
-    merged = _tune_layout(load_weights(run / INITIAL))
+    merged = dict(_initial(run))
     model = _config(run).model
     scale = model.lora_alpha / model.lora_rank
     for key in [k for k in state if k.endswith("lora_a.weight")]:
@@ -114,7 +125,7 @@ def _model(run: Path, state: dict[str, torch.Tensor], steps_done: int) -> torch.
     lora = _is_lora(run)
     model = config.instantiate(cfg.model)
     model = prepare_for_qat(model, quantizer_from_config(cfg.quantizer, torch.float32), lora=lora)
-    base = _tune_layout(load_weights(run / INITIAL))
+    base = _initial(run)
     if lora:
         assert state, f"{run}: no checkpoint holds the initial adapters (see _state_after)"
         missing, unexpected = model.load_state_dict({**base, **state}, strict=False)
@@ -196,14 +207,38 @@ def _forward(run: Path, step: int, window: list[dict[str, torch.Tensor]]) -> tup
 GRID_MOVE, CODE_FLIP = 1e-3, 0.25  # in grid steps: see [flipped values]
 
 
-def _flips(reference: Values, values: Values, threshold: float = GRID_MOVE) -> int:
-    """Fake-quantised values that differ from the reference's by ``threshold`` grid steps (the
-    row's range over its levels) or more; see [flipped values]."""
-    count = 0
-    for (ref, levels), (value, _) in zip(reference, values, strict=True):
-        grid_step = (ref.amax(1, keepdim=True) - ref.amin(1, keepdim=True)) / (levels - 1)
-        count += int(((ref - value).abs() > threshold * grid_step).sum())
-    return count
+def _grid_steps(reference: Values) -> list[torch.Tensor]:
+    """Each row's grid step in the reference's values: the row's range over its levels."""
+    return [
+        (ref.amax(1, keepdim=True) - ref.amin(1, keepdim=True)) / (n - 1) for ref, n in reference
+    ]
+
+
+def _flips(reference: Values, grid_steps: list[torch.Tensor], values: Values) -> tuple[int, int]:
+    """Fake-quantised values that differ from the reference's by ``GRID_MOVE`` grid steps
+    (``_grid_steps``) or more, and by ``CODE_FLIP`` or more; see [flipped values]."""
+    moved = on_another_point = 0
+    for (ref, _), grid_step, (value, _) in zip(reference, grid_steps, values, strict=True):
+        gap = (ref - value).abs()
+        moved += int((gap > GRID_MOVE * grid_step).sum())
+        on_another_point += int((gap > CODE_FLIP * grid_step).sum())
+    return moved, on_another_point
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _same_forward(run: Path, reference: Path, step: int) -> bool:
+    """Whether ``_forward(run, step, ...)`` is ``_forward(reference, step, ...)``: the same
+    model, quantizer, loss and fake-quantisation switch, and bit-identical weights before the
+    step (the full recipes' first step: every split starts from the same initial weights)."""
+    keys = ("model", "quantizer", "loss", "fake_quant_after_n_steps")
+    if any(_config(run).get(k) != _config(reference).get(k) for k in keys):
+        return False
+    return _equal(_initial(run), _initial(reference)) and _equal(
+        _state_after(run, step - 1), _state_after(reference, step - 1)
+    )
 
 
 def _follow(runs: Path, kind: str) -> dict[str, list[dict[str, float]]]:
@@ -213,7 +248,8 @@ def _follow(runs: Path, kind: str) -> dict[str, list[dict[str, float]]]:
     [flipped values]), and the run's logged loss against the full-batch loss
     of the weights it held (``loss_gap``; for LoRA from step 2: no checkpoint holds the initial
     adapters; not for ``full_off``). One forward per run and step; the reference's serves all
-    its splits."""
+    its splits, and stands for a split's own where that is the same forward
+    (``_same_forward``)."""
     reference = runs / f"{kind}_split_1x8x1"
     names = [f"{kind}_split_{split}" for split in SPLIT_KINDS[kind][2] if split != "1x8x1"]
     logged = {name: list(logged_steps(runs / name / "logs").values()) for name in names}
@@ -223,16 +259,20 @@ def _follow(runs: Path, kind: str) -> dict[str, list[dict[str, float]]]:
         # Fake quantisation off: nothing to flip, and the plain model's steps are
         # tests/test_recipe_full_distributed.py's.
         redo = (step > 1 or not _is_lora(reference)) and kind != "full_off"
-        ref_values = _forward(reference, step, windows[step - 1])[1] if redo else []
+        ref_loss, ref_values = _forward(reference, step, windows[step - 1]) if redo else (0.0, [])
+        grid_steps = _grid_steps(ref_values)
         for name in names:
             run = runs / name
             row = {"distance": _distance_at(run, reference, step), "loss_gap": 0.0}
             row.update(flips=0.0, code_flips=0.0)
             if redo:
-                loss, values = _forward(run, step, windows[step - 1])
+                if _same_forward(run, reference, step):
+                    loss, values = ref_loss, ref_values
+                else:
+                    loss, values = _forward(run, step, windows[step - 1])
                 row["loss_gap"] = abs(logged[name][step - 1] - loss) / abs(loss)
-                row["flips"] = float(_flips(ref_values, values))
-                row["code_flips"] = float(_flips(ref_values, values, CODE_FLIP))
+                moved, on_another_point = _flips(ref_values, grid_steps, values)
+                row["flips"], row["code_flips"] = float(moved), float(on_another_point)
             rows[name].append(row)
             print(
                 f"{name} step {step}: relative L2 {row['distance']:.2e}, "
