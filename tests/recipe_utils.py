@@ -186,10 +186,12 @@ def launch_and_kill(
     ready: Callable[[], bool],
     timeout_s: float = 300.0,
     delay_s: float = 0.0,
+    extra_env: dict[str, str | None] | None = None,
 ) -> None:
-    """Launch ``tune run args`` (output into ``log_path``), and SIGKILL it and its ranks
-    ``delay_s`` after ``ready()`` first holds; fail if it ends by itself before."""
-    command, env = tune_command(tune_env(), TUNE, base=tune_env())
+    """Launch ``tune run args`` (output into ``log_path``, ``extra_env`` as ``run_tune``'s), and
+    SIGKILL it and its ranks ``delay_s`` after ``ready()`` first holds; fail if it ends by itself
+    before."""
+    command, env = tune_command(tune_env(extra_env), TUNE, base=tune_env())
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [*command, "run", *args],

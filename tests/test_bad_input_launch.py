@@ -26,6 +26,7 @@ line) keep launches of their own.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -680,7 +681,9 @@ def own_dataset_launch(tmp_path_factory) -> dict[str, Launched]:
             max_steps_per_epoch=2,
         )
         args_of[problem] = [*args, f"dataset.problem={problem}"]
-    return launch_together(root, args_of, extra_env={"PYTHONPATH": str(root)})
+    # Before the launching environment's own entries (tests/zygote.py then forks the launch).
+    python_path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return launch_together(root, args_of, extra_env={"PYTHONPATH": python_path})
 
 
 @pytest.mark.xdist_group("bad_input_own_dataset")

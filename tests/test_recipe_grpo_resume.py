@@ -81,7 +81,6 @@ def runs(run_once) -> Path:
         out = root / "killed" / "run"
         out.parent.mkdir()
         kill_after = PPO_EPOCHS * rng.randint(1, ROLLOUT_STEPS - 2)  # optimizer steps
-        os.environ.update(TESTS)  # launch_and_kill launches with this process's environment
         try:
             launch_and_kill(
                 _args(out),
@@ -89,14 +88,11 @@ def runs(run_once) -> Path:
                 ready=lambda: latest_step_checkpoint(out) >= kill_after,
                 timeout_s=300,
                 delay_s=rng.uniform(0.0, 0.2),
+                extra_env=TESTS,
             )
             (root / "killed" / "draw").write_text(f"EXACTGA_KILL_SEED={seed}")
         except BaseException:  # noqa: BLE001 - the resume test reports it
             (root / "killed" / "kill_failed").write_text(traceback.format_exc()[-8000:])
-        finally:
-            os.environ.pop("PYTHONPATH", None)
-            if PYTHONPATH is not None:
-                os.environ["PYTHONPATH"] = PYTHONPATH
         two_ranks = [run_of(_args(root / "uninterrupted"), root / "uninterrupted")[1]]
         if not (root / "killed" / "kill_failed").exists():
             (root / "killed" / "checkpoint").write_text(str(latest_step_checkpoint(out)))

@@ -12,6 +12,10 @@ torchrun the launcher, which passes it on to each rank. No step checkpoints are 
 rather than sleeping keeps it right on a loaded machine: the signal always lands in training,
 at whatever step it is by then.
 
+The console test reads the two stopped runs that are fresh processes (``FRESH``: one on one
+device, one under torchrun, each reading the data file for the first time); the other two are
+forked by tests/zygote.py's server, as their tests are of the run, not of a process's start.
+
 Launches are shared: the four stopped runs are a launch each; the resumes, each the printed
 command run as ``tune run`` runs it (tests/many_runs.py), and the uninterrupted references
 share one launch per rank count. The single-device reference is a launch into a copy of a
@@ -34,7 +38,7 @@ import pytest
 import torch
 from many_runs import launch_runs, run_of
 from recipe_utils import REPO_ROOT, SMALL_MODEL, TUNE, kill_launch, load_weights, tune_env
-from zygote import tune_command
+from zygote import is_stand_in, tune_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("stop_on_signal")]
 
@@ -57,6 +61,10 @@ SCENARIOS = {
     "two_ranks_sigint": (2, signal.SIGINT),
     "two_ranks_sigterm": (2, signal.SIGTERM),
 }
+# The scenarios whose launch is a fresh process, as a user's (one per launcher): the console test
+# reads theirs. The others are forked by tests/zygote.py's server: what they test (the stop, its
+# checkpoint, the printed command going on bit for bit) is the run's, not the process start's.
+FRESH = ("one_device_sigint", "two_ranks_sigterm")
 RERUN = "one_device_sigterm"  # the stopped run whose folder a launch without the key reuses
 # The bar after a second finished step: "epoch 1:  33%|███▎      | 2/6 [...]".
 SECOND_STEP_DONE = re.compile(r"epoch \d+:[^\r\n]*\|\s*(?:[2-9]|\d\d+)/\d+")
@@ -76,12 +84,14 @@ def _args(nproc: int, out: Path) -> list[str]:
 def _launch_and_signal(nproc: int, signum: signal.Signals, out: Path, log: Path) -> int:
     """Launch, send ``signum`` to the launch's process group once a second step is done, and
     return its exit status (the launch is killed if it outlives the bound)."""
-    # A datasets cache of its own: the data file is read for the first time, as on a fresh
-    # clone, when datasets would print its progress bars (the console test). That variable is
-    # read at import, so tests/zygote.py makes this a real launch: a fresh console, as a user's.
-    command, env = tune_command(
-        tune_env({"HF_DATASETS_CACHE": str(out.parent / "datasets_cache")}), TUNE, base=tune_env()
-    )
+    # For a FRESH scenario, a datasets cache of its own: the data file is read for the first
+    # time, as on a fresh clone, when datasets would print its progress bars (the console test).
+    # That variable is read at import, so tests/zygote.py makes this a real launch: a fresh
+    # console, import-time warnings included, as a user's. The others fork.
+    fresh = out.parent.name in FRESH
+    extra = {"HF_DATASETS_CACHE": str(out.parent / "datasets_cache")} if fresh else {}
+    command, env = tune_command(tune_env(extra), TUNE, base=tune_env())
+    assert not (fresh and is_stand_in(command)), "a FRESH scenario must be a real launch"
     with open(log, "w") as output:
         proc = subprocess.Popen(
             [*command, "run", *_args(nproc, out)],
@@ -158,7 +168,7 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint_and_one_line(runs, scenario)
 NOISE = ("Generating train split", "set_vital", "Traceback")
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", FRESH)  # a fresh process's console: see FRESH
 def test_the_console_holds_each_step_once_and_no_third_party_noise(runs, scenario) -> None:
     output = (runs / scenario / "stopped.txt").read_text(errors="replace")
     assert SECOND_STEP_DONE.search(output)

@@ -22,10 +22,15 @@ only threads it has are the ones the imports start (numpy's BLAS pool and pyarro
 thread, both of which reset themselves at fork).
 
 What only a fresh process shows stays a real launch (``recipe_utils.run_tune`` decides): a launch
-whose environment differs from the server's in anything read at import (``PYTHONPATH``, say) or
-asked to be real (``EXACTGA_TESTS_REAL_LAUNCH=1``); ``EXACTGA_TESTS_ZYGOTE=0`` makes every launch
-real. The tests that kill or signal a launch start the real ``tune`` themselves, and
-tests/test_quiet_torchao.py checks the console of a fresh process.
+whose environment differs from the server's in anything read at import (``HF_DATASETS_CACHE``,
+say) or asked to be real (``EXACTGA_TESTS_REAL_LAUNCH=1``); ``EXACTGA_TESTS_ZYGOTE=0`` makes every
+launch real. A ``PYTHONPATH`` that puts entries before the server's (a test's own modules: the
+GRPO tests' reward components in tests/) still forks where a fresh interpreter would import
+nothing else than the server did (``path_is_safe``: absolute folders, holding no start-up hook and
+no other file for a module the server imported); the child puts them on ``sys.path`` where a
+fresh interpreter puts ``PYTHONPATH``. Any other ``PYTHONPATH`` is a real launch.
+tests/test_quiet_torchao.py and two of tests/test_stop_on_signal.py's launches check the console
+of a fresh process.
 """
 
 from __future__ import annotations
@@ -108,12 +113,62 @@ def tune_command(
         if not _server:
             _start(env if base is None else base, tune)
     base = _server["env"]
-    keys = (env.keys() | base.keys()) - RUNTIME_VARIABLES
+    keys = (env.keys() | base.keys()) - RUNTIME_VARIABLES - {"PYTHONPATH"}
     if any(env.get(key) != base.get(key) for key in keys):  # read at import: a real launch
+        return [str(tune)], env
+    extra = extra_path(env.get("PYTHONPATH"), base.get("PYTHONPATH"))
+    if extra is None or not path_is_safe(extra, _server["modules"]):
         return [str(tune)], env
     if _server["process"].poll() is not None:  # the server died: launch as before
         return [str(tune)], env
     return [str(_server["client"])], {**env, SOCKET: str(_server["socket"])}
+
+
+def extra_path(path: str | None, base: str | None) -> list[str] | None:
+    """The entries ``PYTHONPATH`` ``path`` puts before the server's (``base``), or None where
+    it is not those entries followed by exactly the server's."""
+    entries = path.split(os.pathsep) if path else []
+    tail = base.split(os.pathsep) if base else []
+    if len(entries) < len(tail) or entries[len(entries) - len(tail) :] != tail:
+        return None
+    return entries[: len(entries) - len(tail)]
+
+
+def path_is_safe(extra: list[str], modules: dict[str, list[str]]) -> bool:
+    """Whether a child of the server, with ``extra`` put before its ``sys.path`` (after
+    ``sys.path[0]``, as a fresh interpreter puts ``PYTHONPATH``), is what a fresh process would
+    be: each entry an absolute folder, none holding a start-up hook (``sitecustomize``,
+    ``usercustomize``: a fresh process runs it at start, the server did not) nor another file
+    for a module the server has imported (``modules``: top-level name -> its files, its
+    ``__init__.py`` or a namespace package's folders), which a fresh process would import from
+    there instead. A name the server has not imported is found through the entries as afresh."""
+    for entry in extra:
+        folder = Path(entry)
+        if not folder.is_absolute() or not folder.is_dir():
+            return False
+        for item in folder.iterdir():
+            name = item.name.split(".")[0]
+            if name in ("sitecustomize", "usercustomize"):
+                return False
+            if name not in modules:
+                continue
+            found = item / "__init__.py" if item.is_dir() else item
+            if not found.exists() or str(found.resolve()) not in modules[name]:
+                return False  # shadows what the server imported (a namespace folder too)
+    return True
+
+
+def _imported() -> dict[str, list[str]]:
+    """The server's top-level modules: name -> the files (or a namespace package's folders)
+    a fresh process would have to find first for it; builtins have none."""
+    found: dict[str, list[str]] = {}
+    for name, module in list(sys.modules.items()):
+        if "." in name or module is None:
+            continue
+        file = getattr(module, "__file__", None)
+        files = [file] if file else list(getattr(module, "__path__", []) or [])
+        found[name] = [str(Path(f).resolve()) for f in files]
+    return found
 
 
 def _start(env: dict[str, str], tune: Path) -> None:
@@ -147,6 +202,8 @@ def _start(env: dict[str, str], tune: Path) -> None:
                 if process.poll() is not None:
                     raise RuntimeError("the tests' launch server ended at start-up") from None
                 threading.Event().wait(0.05)
+        # The answer: the modules it imported (what an extra PYTHONPATH entry may not shadow).
+        _server["modules"] = json.loads(probe.makefile("rb").readline())
 
 
 def _stop(process: subprocess.Popen, folder: Path) -> None:
@@ -227,6 +284,8 @@ class Server:
             message += more
         request = json.loads(message)
         if request["mode"] == "ping":
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps(_imported()).encode() + b"\n")
             conn.close()
         elif request["mode"] == "kill":
             self._kill(conn, request["launcher"])
@@ -363,6 +422,10 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
 def _run(request: dict) -> int:
     import runpy
 
+    # PYTHONPATH entries before the server's (tune_command checked them), where a fresh
+    # interpreter puts them: after sys.path[0], which is set below.
+    extra = extra_path(request["env"].get("PYTHONPATH"), _SERVER_PYTHONPATH) or []
+    sys.path[1:1] = extra
     if request["mode"] == "tune":
         sys.path[0] = str(Path(request["argv"][0]).parent)  # as the ``tune`` script's
         _ranks_from_the_server()
@@ -497,6 +560,7 @@ class RankProcess:
 
 
 _SOCKET_PATH = ""
+_SERVER_PYTHONPATH = os.environ.get("PYTHONPATH")
 
 if __name__ == "__main__":
     _SOCKET_PATH = sys.argv[1]
