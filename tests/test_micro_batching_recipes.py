@@ -1,18 +1,20 @@
 """Length-aware micro-batching (issue #12) through the real ``tune run`` on CPU.
 
-Tier (b) of docs/contributing.md point 9. Every run steps on the same 64 sequences per step (same
+Tier (b) of docs/contributing.md point 9. Every run steps on the same 32 sequences per step (same
 seed, same sampler order); only ``micro_batching`` and the split differ:
 
-- ``fixed`` 64x1, ``by_length`` 8x8, ``token_budget`` 64x1 (1024 padded positions per
-  micro-batch) and ``packed`` 8x8 (rows of 512 positions) end within the parity bound of each
+- ``fixed`` 32x1, ``by_length`` 4x8, ``token_budget`` 32x1 (1024 padded positions per
+  micro-batch) and ``packed`` 4x8 (rows of 512 positions) end within the parity bound of each
   other, full fine-tuning (SGD, AdamW) and LoRA (fp32, and fp64 for one pair), because the split
   is exact (see [regrouping is exact] in exactga.data.micro_batching, [packed rows are exact] in
   exactga.data.packing); the logged padding shows that the split really changed, and ``packed`` runs
   one micro-batch shape;
-- on 2 gloo ranks, 4x8 ``by_length``, 32x1 ``token_budget`` and 4x8 ``packed`` (AdamW, and
-  SGD for packed) end at the one-device weights; under ``token_budget`` and ``packed`` the
-  ranks plan different micro-batch counts, so the one with fewer runs zero-weight fillers (see
-  [one collective per window] in exactga.accumulation.normalization);
+- on 2 gloo ranks, 16x1 ``token_budget`` and 2x8 ``packed`` (AdamW, and SGD for packed) end at
+  the one-device weights (``by_length`` on 2 ranks: tests/test_recipe_full_distributed.py, whose
+  distributed config regroups by length, and tests/test_ga_parity_distributed.py); under
+  ``token_budget`` and ``packed`` the ranks plan different micro-batch counts, so the one with
+  fewer runs zero-weight fillers (see [one collective per window] in
+  exactga.accumulation.normalization);
 - a run killed with SIGKILL after a mid-epoch step checkpoint resumes, in every mode (and on 2
   ranks with ``token_budget``), to the uninterrupted run's weights bit for bit, with the same
   losses. tests/test_resume.py kills at random steps under the default mode.
@@ -60,32 +62,32 @@ ADAPTERS = "epoch_0/adapter_model.pt"
 STEPS = 3
 BUDGET = 1024  # token_budget's padded positions per micro-batch: 4 sequences of max_seq_len 256
 ROW = 512  # packed's positions per row: the tiny model's max_seq_len
-# The modes on one device, 64 sequences per step: (batch_size, gradient_accumulation_steps, mode).
+# The modes on one device, 32 sequences per step: (batch_size, gradient_accumulation_steps, mode).
 MODES = {
-    "fixed": (64, 1, {"micro_batching": "fixed"}),
-    "by_length": (8, 8, {"micro_batching": "by_length"}),
-    "token_budget": (64, 1, {"micro_batching": "token_budget", "micro_batch_tokens": BUDGET}),
-    "packed": (8, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
+    "fixed": (32, 1, {"micro_batching": "fixed"}),
+    "by_length": (4, 8, {"micro_batching": "by_length"}),
+    "token_budget": (32, 1, {"micro_batching": "token_budget", "micro_batch_tokens": BUDGET}),
+    "packed": (4, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
 }
-# Two ranks, 64 sequences per step in all. On the shipped data a budget of 1024 plans the same
-# count on both ranks in the first five windows, 512 plans different counts in each of the
-# first three (in both directions), so the filler path runs. The token_budget run syncs
+# Two ranks, 32 sequences per step in all. On the shipped data a budget of 512 plans the same
+# counts on both ranks in the first three windows (6, 5, 6), 384 plans 9, 8, 10 on rank 0 and
+# 9, 8, 9 on rank 1, so the filler path runs in the third. The token_budget run syncs
 # gradients every micro-batch: the collective counter then sees how many micro-batches each
-# rank ran (one reduce-scatter per FSDP unit per micro-batch).
+# rank ran (one reduce-scatter per FSDP unit per micro-batch). by_length on 2 ranks is the
+# distributed config's default, trained against one device in tests/test_recipe_full_distributed.py.
 TWO_RANKS = {
-    "by_length": (4, 8, {"micro_batching": "by_length"}),  # the config's once_per_window
     "token_budget": (
-        32,
+        16,
         1,
         {
             "micro_batching": "token_budget",
-            "micro_batch_tokens": 512,
+            "micro_batch_tokens": 384,
             "gradient_sync": "every_micro_batch",
-            # The default rank_balancing: by_tokens, under which the ranks still plan 11 and 12
+            # The default rank_balancing: by_tokens, under which the ranks still plan 10 and 9
             # micro-batches in the third window, so its fillers run with balanced ranks.
         },
     ),
-    "packed": (4, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
+    "packed": (2, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
 }
 # Two-rank runs beyond TWO_RANKS' AdamW ones: (mode, optimizer).
 TWO_RANK_SGD = [("packed", "sgd")]
@@ -120,8 +122,10 @@ OPTIMIZERS = {
     # divides each element's update by that element's own gradient scale, so in its first steps
     # an element whose gradient is near eps turns fp32 rounding into lr-sized differences: after
     # 3 steps the modes measured 0.9e-5 to 1.8e-5 apart with eps 1e-8 (1.2e-5 after 6 steps), and
-    # 1.1e-6 with eps 1e-6. The larger eps keeps the check on the normalisation, not on that
-    # amplification (tests/test_recipe_lora_single_device.py does the same in fp64).
+    # 1.1e-6 with eps 1e-6 (64 sequences a step). With eps 1e-6 and 32 sequences a step: 0.87e-6
+    # to 1.34e-6 on one device, 1.06e-6 and 1.18e-6 on 2 ranks; SGD 0.32e-6 to 0.33e-6. The
+    # larger eps keeps the check on the normalisation, not on that amplification
+    # (tests/test_recipe_lora_single_device.py does the same in fp64).
     "adamw": {"optimizer.eps": 1e-6},
 }
 TOLERANCE = 1e-5
@@ -130,7 +134,8 @@ RESUMABLE = {"save_every_n_steps": 1}
 
 # LoRA with plain SGD (as above). Its B matrices start at zero, so AdamW's amplification of
 # rounding is at its worst on the adapters: with the config's AdamW the fp32 modes measured
-# 0.5e-6 to 2.2e-6 apart after 3 steps (at the bound), with SGD 1.7e-7. fp64 uses torch's
+# 0.5e-6 to 2.2e-6 apart after 3 steps (at the bound), with SGD 0.84e-6 at 64 sequences a step
+# and 0.71e-6 to 0.72e-6 at 32 (fp64: 1.3e-8 at 64, 2.9e-8 at 32). fp64 uses torch's
 # CrossEntropyLoss (the chunked loss upcasts to fp32 only). Each fp64 launch is the slowest of
 # the module, so fp64 compares one pair.
 LORA_PRECISIONS = {  # precision: (overrides, tolerance, modes)
@@ -298,8 +303,8 @@ def two_rank_runs(run_once) -> Path:
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_modes_end_at_the_same_weights(full_runs, optimizer):
-    """by_length 8x8, token_budget 64x1 and packed 8x8 train to the weights of fixed 64x1
-    (relative L2 <= 1e-5) on the same 64 sequences per step, with the same losses."""
+    """by_length 4x8, token_budget 32x1 and packed 4x8 train to the weights of fixed 32x1
+    (relative L2 <= 1e-5) on the same 32 sequences per step, with the same losses."""
     reference = full_runs / f"{optimizer}_fixed"
     w_ref, w_init = load_weights(reference / TRAINED), load_weights(reference / INITIAL)
     ref_scalars = read_scalars(reference / "logs")
@@ -309,7 +314,7 @@ def test_modes_end_at_the_same_weights(full_runs, optimizer):
         scalars = read_scalars(run / "logs")
         assert scalars["loss_tokens"] == ref_scalars["loss_tokens"]  # the same sequences
         rel = relative_l2(load_weights(run / TRAINED), w_ref, w_init)
-        print(f"full {optimizer} {mode} vs fixed 64x1: relative L2 {rel:.3e}")
+        print(f"full {optimizer} {mode} vs fixed 32x1: relative L2 {rel:.3e}")
         assert rel <= TOLERANCE, f"{mode} differs from fixed by {rel:.3e}"
         assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
 
@@ -346,8 +351,8 @@ def test_regrouping_lowers_the_logged_padding(full_runs):
 
 @pytest.mark.parametrize("precision", list(LORA_PRECISIONS))
 def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
-    """The modes train to the adapters of fixed 64x1: fp32 within 2e-6 (by_length 8x8 and
-    token_budget 64x1), fp64 within 1e-7 (by_length 8x8)."""
+    """The modes train to the adapters of fixed 32x1: fp32 within 2e-6 (by_length 4x8,
+    token_budget 32x1 and packed 4x8), fp64 within 1e-7 (by_length 4x8)."""
     _, tolerance, modes = LORA_PRECISIONS[precision]
     reference = lora_runs / f"{precision}_fixed"
     a_ref = load_adapters(reference / ADAPTERS)
@@ -361,7 +366,7 @@ def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
         run = lora_runs / f"{precision}_{mode}"
         assert read_scalars(run / "logs")["loss_tokens"] == ref_scalars["loss_tokens"]
         rel = relative_l2(load_adapters(run / ADAPTERS), a_ref, a_init)
-        print(f"lora sgd {precision} {mode} vs fixed 64x1: relative L2 {rel:.3e}")
+        print(f"lora sgd {precision} {mode} vs fixed 32x1: relative L2 {rel:.3e}")
         assert rel <= tolerance, f"{mode} differs from fixed by {rel:.3e}"
 
 
@@ -370,8 +375,8 @@ def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
 
 @pytest.mark.parametrize(("mode", "optimizer"), TWO_RANK_RUNS)
 def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode, optimizer):
-    """2 ranks x (4x8 by_length, 32x1 token_budget, 4x8 packed; and packed with SGD) train to
-    the weights of one device's fixed 64x1 run with the same optimizer: the same sampler order
+    """2 ranks x (16x1 token_budget, 2x8 packed; and packed with SGD) train to
+    the weights of one device's fixed 32x1 run with the same optimizer: the same sampler order
     and initial checkpoint, as in tests/test_recipe_full_distributed.py (relative L2 <= 1e-5)."""
     reference = full_runs / f"{optimizer}_fixed"
     run = two_rank_runs / _two_rank_name(mode, optimizer)
@@ -382,13 +387,13 @@ def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode,
         load_weights(reference / TRAINED),
         load_weights(reference / INITIAL),
     )
-    print(f"2 ranks {mode} {optimizer} vs 1 device fixed 64x1: relative L2 {rel:.3e}")
+    print(f"2 ranks {mode} {optimizer} vs 1 device fixed 32x1: relative L2 {rel:.3e}")
     assert rel <= TOLERANCE
     assert scalars["loss"] == pytest.approx(ref_scalars["loss"], rel=1e-6)
 
 
-def _planned_micro_batches(rank: int) -> list[int]:
-    """How many micro-batches ``rank``'s first STEPS windows of the 2-rank token_budget run
+def _planned_micro_batches() -> list[list[int]]:
+    """How many micro-batches each rank's first STEPS windows of the 2-rank token_budget run
     split into, from the loader every recipe builds (exactga.data.loader) on the config's data."""
     from omegaconf import OmegaConf
     from torchtune import config
@@ -405,21 +410,26 @@ def _planned_micro_batches(rank: int) -> list[int]:
     budget = MicroBatchingSettings(
         MicroBatching.TOKEN_BUDGET, batch_size, settings["micro_batch_tokens"]
     )
-    loader = build_dataloader(
-        load_dataset(cfg.dataset, tokenizer, cfg.model.vocab_size),
-        batch_size=batch_size,
-        gradient_accumulation_steps=ga,
-        micro_batching=budget,
-        shuffle=cfg.shuffle,
-        collate_fn="torchtune.data.padded_collate_sft",
-        padding_idx=tokenizer.pad_id,
-        ignore_idx=-100,
-        num_replicas=2,
-        rank=rank,
-        rank_balancing=RankBalancing.BY_TOKENS,  # the distributed recipes' default
-    )
-    loader.sampler.set_epoch(0)
-    return [len(window.micro_batches) for window in itertools.islice(loader, STEPS)]
+    dataset = load_dataset(cfg.dataset, tokenizer, cfg.model.vocab_size)
+
+    def planned(rank: int) -> list[int]:
+        loader = build_dataloader(
+            dataset,
+            batch_size=batch_size,
+            gradient_accumulation_steps=ga,
+            micro_batching=budget,
+            shuffle=cfg.shuffle,
+            collate_fn="torchtune.data.padded_collate_sft",
+            padding_idx=tokenizer.pad_id,
+            ignore_idx=-100,
+            num_replicas=2,
+            rank=rank,
+            rank_balancing=RankBalancing.BY_TOKENS,  # the distributed recipes' default
+        )
+        loader.sampler.set_epoch(0)
+        return [len(window.micro_batches) for window in itertools.islice(loader, STEPS)]
+
+    return [planned(rank) for rank in range(2)]
 
 
 def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
@@ -427,7 +437,7 @@ def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
     many as the busiest (the counter sees one reduce-scatter per FSDP unit per micro-batch
     run), so the other runs zero-weight fillers, and the parity test above shows they weigh
     nothing. The ranks' positions differ too: ``throughput/rank_imbalance`` > 1."""
-    planned = [_planned_micro_batches(rank) for rank in range(2)]
+    planned = _planned_micro_batches()
     print(f"micro-batches planned per step: rank 0 {planned[0]}, rank 1 {planned[1]}")
     busiest = [max(counts) for counts in zip(*planned, strict=True)]
     assert planned[0] != planned[1], "no window with fillers: the test would not test them"
