@@ -29,6 +29,9 @@ CRASH = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors
     [
         ((_failure(1, USER), _failure(1, USER)), True),  # every rank on the same key
         ((_failure(1, USER), _failure(-15, "Signal 15 (SIGTERM)")), True),  # the other stopped
+        # the other was stopped by its own stop handler (a race seen in a fresh-clone run)
+        ((_failure(1, USER), _failure(143, "<N/A>")), True),
+        ((_failure(1, USER), _failure(2, "<N/A>")), False),  # the other failed otherwise
         ((_failure(1, USER), _failure(1, CRASH)), False),  # one rank crashed: show it
         ((_failure(1, CRASH), _failure(-15, "Signal 15 (SIGTERM)")), False),
         ((_failure(-9, "Signal 9 (SIGKILL)"),), False),  # killed, no user error at all

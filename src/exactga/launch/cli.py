@@ -387,8 +387,12 @@ def _stopped_by_signal(err: Any) -> int | None:
 
 def _ended_on_user_error(err: Any) -> bool:
     """Whether some rank of the failed launch reported a user error and every other failed
-    rank did too or was stopped by a signal (the launcher stops the others after one fails)."""
+    rank did too or was stopped by a signal (the launcher stops the others after one fails):
+    killed by it (a negative code) or ended by our stop handler (130 or 143), which a rank
+    has installed once its recipe started, so which of the two a peer shows is a race."""
     messages = [str(failure.message) for failure in err.failures.values()]
     codes = [failure.exitcode for failure in err.failures.values()]
     marked = [message.startswith(USER_ERROR_MARK) for message in messages]
-    return any(marked) and all(m or code < 0 for m, code in zip(marked, codes, strict=True))
+    stops = {exit_status(signum) for signum in STOP_SIGNALS}
+    stopped = [code < 0 or code in stops for code in codes]
+    return any(marked) and all(m or s for m, s in zip(marked, stopped, strict=True))
