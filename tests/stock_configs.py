@@ -20,7 +20,8 @@ the shipped YAML with only these sections replaced:
 - ``tokenizer``: configs/tiny/tokenizer.model through ``llama2_tokenizer``, 64 tokens.
 - ``dataset``: configs/tiny/data.json through ``alpaca_dataset``; the stock section's other keys
   (``packed``) are kept. GRPO keeps its shipped prompts (the bundled configs/tiny/
-  arithmetic_data.json), and its ``ref_checkpointer`` reads the same initial weights.
+  arithmetic_data.json), and its ``ref_checkpointer`` reads the same initial weights; its
+  completions are cut to ``MAX_GENERATED_TOKENS``, a size like the others.
 - ``device: cpu``, ``output_dir``, ``epochs: 1``, ``max_steps_per_epoch: 2``.
 
 Everything else (dtype, optimizer with ``fused``, compile, activation checkpointing,
@@ -85,6 +86,9 @@ DATA = REPO_ROOT / "configs" / "tiny" / "data.json"
 PROMPTS = REPO_ROOT / "configs" / "tiny" / "arithmetic_data.json"  # GRPO's, shipped in its configs
 TOKENIZER_MAX_SEQ_LEN = 64
 MAX_STEPS_PER_EPOCH = 2
+# GRPO's completions at most: a tiny random model rarely samples a stop token, so each of a
+# step's completions runs to the limit; 16 tokens keep the KV-cache path and a fourth of the cost.
+MAX_GENERATED_TOKENS = 16
 
 # The tiny sizes. NF4 quantises in blocks of 64 values with scalers in blocks of 256, so a
 # QLoRA model's quantised weights need multiples of 16384 elements: width 256 there.
@@ -247,6 +251,7 @@ def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig
     }
     if recipe == GRPO:
         _check_grpo_prompts(cfg, name)
+        cfg.max_generated_tokens = min(cfg.max_generated_tokens, MAX_GENERATED_TOKENS)
     else:
         dataset = OmegaConf.to_container(cfg.dataset)
         assert isinstance(dataset, dict), f"{name}: one dataset section expected"

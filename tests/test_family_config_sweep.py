@@ -9,8 +9,9 @@ of the same family built with the family's own component builder (``exactga.mode
 passes it except the sizes (Gemma 3: a window shorter than the sequences, one local and one
 global layer; Qwen3 MoE: 4 experts, 2 per token), the tiny tokenizer, local data, a seeded
 initial checkpoint in the family's HF layout (``initialized_hf_checkpointer`` with the config's
-``model_type``), ``device: cpu``, 2 steps; every other key as shipped (dtype, master weights,
-optimizer, loss, activation checkpointing, micro-batching, logger, ...). By recipe:
+``model_type``), ``device: cpu``, 2 steps (GRPO: completions of 16 tokens at most); every other
+key as shipped (dtype, master weights, optimizer, loss, activation checkpointing, micro-batching,
+logger, ...). By recipe:
 
 - full and LoRA/QLoRA fine-tuning (one device and distributed), KD (both recipes):
   ``stock_configs.adapted_config``; KD's teacher twice the student's width;
@@ -63,7 +64,7 @@ DISTRIBUTED = [(recipe, name) for recipe, name in SWEEP if recipe in DISTRIBUTED
 # Sections an adaptation replaces (stock_configs' module docstring); every other key is shipped.
 ADAPTED_KEYS = {"model", "tokenizer", "dataset", "checkpointer", "device", "output_dir"}
 ADAPTED_KEYS |= {"epochs", "max_steps_per_epoch", "teacher_model", "teacher_checkpointer"}
-ADAPTED_KEYS |= {"ref_checkpointer"}
+ADAPTED_KEYS |= {"ref_checkpointer", "max_generated_tokens"}
 
 
 def _params(runs: list[tuple[str, str]]) -> list:
