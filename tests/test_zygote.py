@@ -1,12 +1,15 @@
 """tests/zygote.py forks a launch whose ``PYTHONPATH`` adds entries before the server's only where
-a fresh interpreter would import the same modules: the decision, in-process (no launch)."""
+a fresh interpreter would import the same modules: the decision, in-process (no launch). And the
+2-rank harness's forkserver preloads only what it can import."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
 import zygote
+from unit_utils import RANK_PRELOAD
 from zygote import extra_path, path_is_safe
 
 TESTS = Path(__file__).resolve().parent
@@ -71,3 +74,11 @@ def test_relative_missing_or_empty_entries_are_not_safe(tmp_path: Path) -> None:
     assert not path_is_safe([""], {})
     assert not path_is_safe([str(tmp_path / "missing")], {})
     assert path_is_safe([], {})
+
+
+def test_the_rank_forkserver_preloads_installed_modules_only() -> None:
+    """The forkserver does not get the tests' sys.path (CPython drops it) and skips a module
+    it cannot import without a word: each preloaded module must come from outside tests/."""
+    for name in RANK_PRELOAD:
+        origin = Path(importlib.import_module(name).__file__).resolve()
+        assert TESTS not in origin.parents, name
