@@ -257,6 +257,34 @@ def test_config_error_is_one_message_before_the_config_is_printed(shared_launch,
     assert_fails_naming(proc, tmp_path / "out", names)
 
 
+# A recipe whose rank 1 fails at once on its own input while rank 0 is still starting: the
+# launcher then stops rank 0 before rank 0 could print anything (a race that once lost the
+# message behind rank 0's "stopped at once" line).
+RANK_1_FAILS_FIRST = """
+import os, sys, time
+from exactga.launch.cli import run_recipe
+
+def recipe_main():
+    if os.environ["RANK"] == "1":
+        raise ValueError("data file 'shard_1.json', row 7: no 'output' field; add one.")
+    time.sleep(120)
+
+sys.exit(run_recipe(recipe_main))
+"""
+
+
+def test_under_torchrun_another_ranks_error_is_printed_once_by_the_launcher(tmp_path):
+    recipe, config = tmp_path / "my_recipe.py", tmp_path / "my_config.yaml"
+    recipe.write_text(RANK_1_FAILS_FIRST)
+    config.write_text("{}\n")  # tune run asks for one; this recipe reads none
+    proc = run_tune(["--nproc_per_node", "2", recipe.name, "--config", config.name], cwd=tmp_path)
+    output = output_of(proc)
+    assert proc.returncode == 1, output[-4000:]
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-4000:]
+    assert output.count("exactga: ") == 1, output[-4000:]  # no stop line from rank 0
+    assert "row 7: no 'output' field" in message_of(output)
+
+
 def test_under_torchrun_a_config_error_is_one_message_without_the_launchers_traceback(tmp_path):
     """Every rank fails on the key; the launcher's ChildFailedError is not printed."""
     out = tmp_path / "out"

@@ -5,6 +5,8 @@ the wrap of ``tune run``'s torchrun path. The launch itself: tests/test_bad_inpu
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -51,7 +53,7 @@ def test_a_rank_marks_its_user_error_in_the_launchers_error_file(tmp_path, monke
     assert capsys.readouterr().err == ""  # rank 0 alone prints
 
 
-def test_the_wrap_exits_1_quietly_on_user_errors_and_reraises_the_rest(monkeypatch):
+def test_the_wrap_exits_1_quietly_on_user_errors_and_reraises_the_rest(monkeypatch, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     def failure(tmp_error_file: str, exitcode: int) -> ProcessFailure:
@@ -67,8 +69,11 @@ def test_the_wrap_exits_1_quietly_on_user_errors_and_reraises_the_rest(monkeypat
     cli.quiet_user_errors_under_torchrun(module)
     cli.quiet_user_errors_under_torchrun(module)  # installed once
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
-    for name in (cli.LAUNCH_COMMAND_ENV, "OMP_NUM_THREADS"):  # the wrap sets them: restore after
-        monkeypatch.delenv(name, raising=False)
+    # The wrap sets these: put back after. (A bare delenv of an unset variable records nothing
+    # to undo, and the launcher's variables leaked into later launches of the worker.)
+    for name in (cli.LAUNCH_COMMAND_ENV, cli.LAUNCHER_STOP_FILE_ENV, "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     args = SimpleNamespace(nproc_per_node="1", shutdown_timeout=30)  # torch stays unpatched
     marked = failure("/nonexistent", 1)
     marked.message = USER
@@ -76,6 +81,15 @@ def test_the_wrap_exits_1_quietly_on_user_errors_and_reraises_the_rest(monkeypat
     with pytest.raises(SystemExit) as exit_info:
         Run()._run_distributed(args, False)
     assert exit_info.value.code == 1
+    # The launcher prints the message, once: rank 0 may have been stopped before it could.
+    assert capsys.readouterr().err.count("exactga: config key 'epoch' ...") == 1
+    stopped = failure("/nonexistent", -15)
+    outcome["error"] = ChildFailedError("recipe", {0: stopped, 1: marked})
+    with pytest.raises(SystemExit):
+        Run()._run_distributed(args, False)
+    assert capsys.readouterr().err.count("exactga: config key 'epoch' ...") == 1
+    launch_folder = Path(os.environ[cli.LAUNCHER_STOP_FILE_ENV]).parent
+    assert not launch_folder.exists()  # removed when the launch ended
     crashed = failure("/nonexistent", 1)  # no error file: torch's generic message
     outcome["error"] = ChildFailedError("recipe", {0: crashed})
     with pytest.raises(ChildFailedError):

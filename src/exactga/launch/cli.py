@@ -10,11 +10,14 @@ raised inside torch or torchtune included, keeps its traceback: that is a bug to
 input to fix. ``EXACTGA_TRACEBACK=1`` shows the traceback of user errors too.
 
 Under torchrun every rank ends so, and the launcher would then print its own ``ChildFailedError``
-traceback and failure table, about 50 lines under the message. So each rank also writes the
-message, marked, to the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE``), and
-``tune run``'s torchrun path is wrapped (:func:`quiet_user_errors_under_torchrun`, installed by
-the start-up hook ``_exactga_recipes_hook``) to exit with status 1 and no traceback when every
-failed rank reported a user error or was stopped by the launcher after one did.
+traceback and failure table, about 50 lines under the message. So each rank writes the message,
+marked, to the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE``), and ``tune run``'s
+torchrun path is wrapped (:func:`quiet_user_errors_under_torchrun`, installed by the start-up
+hook ``_exactga_recipes_hook``) to print the message of the lowest failed rank itself, once, and
+exit with status 1 and no traceback, when every failed rank reported a user error or was
+stopped by the launcher after one did. The launcher prints it, not rank 0: the rank that fails
+first may be another (its own data shard, or just faster), and the launcher then stops rank 0
+before it gets to print; its ranks (``LAUNCHER_STOP_FILE_ENV`` set) print no user error.
 
 The same wrap makes a stop on SIGINT or SIGTERM (see [stop at a step boundary] in
 exactga.launch.stopping) end the launch as quietly: see [torchrun and a stop].
@@ -22,12 +25,15 @@ exactga.launch.stopping) end the launch as quietly: see [torchrun and a stop].
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +42,7 @@ from typing import Any
 
 from exactga.launch.stopping import (
     LAUNCH_COMMAND_ENV,
+    LAUNCHER_STOP_FILE_ENV,
     STOP_SIGNALS,
     exit_status,
     stopping_on_signals,
@@ -70,17 +77,23 @@ def run_recipe(recipe_main: Callable[[], Any]) -> int:
 
 
 def _print_user_error(message: str) -> None:
-    """The message on rank 0 alone, in the one form tests and users look for; under torchrun
-    also in this rank's error file, marked (see [user errors])."""
+    """The message in the one form tests and users look for: on rank 0 alone, or under
+    exactga's wrap of torchrun in this rank's error file, marked, for the launcher to print
+    once (see [user errors]); under a plain torchrun both."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         record = {"message": USER_ERROR_MARK + message, "timestamp": int(time.time())}
         Path(error_file).write_text(json.dumps(record))
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"\nexactga: {message}\n(the traceback is hidden; {TRACEBACK_ENV}=1 shows it)",
-            file=sys.stderr,
-        )
+    launcher_prints = bool(error_file) and bool(os.environ.get(LAUNCHER_STOP_FILE_ENV))
+    if int(os.environ.get("RANK", "0")) == 0 and not launcher_prints:
+        _print_message(message)
+
+
+def _print_message(message: str) -> None:
+    print(
+        f"\nexactga: {message}\n(the traceback is hidden; {TRACEBACK_ENV}=1 shows it)",
+        file=sys.stderr,
+    )
 
 
 def _missing_config(argv: list[str]) -> str | None:
@@ -265,6 +278,10 @@ def _raised_by(tb: TracebackType | None, recipe_file: Path) -> bool:
 #   ranks alone, as Slurm's scancel does);
 # - leaves out the agent's lines about passing the signal on; its line about a rank that
 #   outlived the timeout ("forcefully exiting via SIGKILL") stays;
+# - writes a file of the launch's own (``LAUNCHER_STOP_FILE_ENV``) when it got the signal
+#   itself, before passing it on: a rank stopped outside training while that file is missing
+#   was stopped by the agent's clean-up after another rank failed, and prints no stop line,
+#   which would stand where that rank's error belongs (see [user errors]);
 # - hands the ranks its own command line (``EXACTGA_LAUNCH_COMMAND``), since theirs is
 #   torchrun's ``python -m recipes.<name>``, for the command that goes on;
 # - sets ``OMP_NUM_THREADS=1`` where torchrun would (several ranks, the variable unset): the
@@ -293,7 +310,7 @@ def quiet_user_errors_under_torchrun(run_module: Any) -> None:
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-        _prepare_ranks(args)
+        launch_folder = _prepare_ranks(args)
         try:
             return launch(self, args, is_builtin)
         except SignalException as err:
@@ -302,24 +319,32 @@ def quiet_user_errors_under_torchrun(run_module: Any) -> None:
             if os.environ.get(TRACEBACK_ENV):
                 raise
             if _ended_on_user_error(err):
+                _print_message(_first_user_error(err))
                 raise SystemExit(1) from None
             stopped = _stopped_by_signal(err)
             if stopped is not None:
                 raise SystemExit(stopped) from None
             raise
+        finally:
+            shutil.rmtree(launch_folder, ignore_errors=True)
 
     quiet = record(run_distributed)
     quiet._exactga_quiet = True
     run_class._run_distributed = quiet
 
 
-def _prepare_ranks(args: Any) -> None:
-    """The environment and launcher settings of [torchrun and a stop]."""
+def _prepare_ranks(args: Any) -> str:
+    """The environment and launcher settings of [torchrun and a stop]; returns the launch's
+    temporary folder, for the caller to remove."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api as processes
     from torch.distributed.run import determine_local_world_size
 
     os.environ[LAUNCH_COMMAND_ENV] = json.dumps(sys.argv)
+    # A path of this launch's own; the file exists once the launcher got a stop signal.
+    launch_folder = tempfile.mkdtemp(prefix="exactga_launch_")
+    os.environ[LAUNCHER_STOP_FILE_ENV] = str(Path(launch_folder) / "stop_signal")
+    mark_a_stop_signal(processes)
     if getattr(args, "shutdown_timeout", None) is None and not os.environ.get(
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
     ):
@@ -332,6 +357,28 @@ def _prepare_ranks(args: Any) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
     for name in _AGENT_LOGGERS:
         logging.getLogger(name).addFilter(_forwarding_a_stop)
+    return launch_folder
+
+
+def mark_a_stop_signal(processes: Any) -> None:
+    """Make torchrun's agent write the file ``LAUNCHER_STOP_FILE_ENV`` names when it gets
+    SIGINT or SIGTERM itself, before it passes the signal on: a rank stopped outside training
+    by a signal the launcher did not get was stopped by the launcher's clean-up after another
+    rank failed, and prints no stop line (see [torchrun and a stop]). ``processes`` is torch's
+    ``torch.distributed.elastic.multiprocessing.api``."""
+    if getattr(processes, "_exactga_marks_stops", False):
+        return
+    raise_in_agent = processes._terminate_process_handler
+
+    def marking_handler(signum: int, frame: Any) -> None:
+        stop_file = os.environ.get(LAUNCHER_STOP_FILE_ENV)
+        if signum in STOP_SIGNALS and stop_file:
+            with contextlib.suppress(OSError):
+                Path(stop_file).touch()
+        raise_in_agent(signum, frame)
+
+    processes._terminate_process_handler = marking_handler
+    processes._exactga_marks_stops = True
 
 
 def grace_after_a_stop_signal(processes: Any, agent_class: Any) -> None:
@@ -383,6 +430,15 @@ def _stopped_by_signal(err: Any) -> int | None:
     codes = {failure.exitcode for failure in err.failures.values()}
     stops = {exit_status(signum) for signum in STOP_SIGNALS}
     return codes.pop() if len(codes) == 1 and codes <= stops else None
+
+
+def _first_user_error(err: Any) -> str:
+    """The user error of the lowest rank that reported one, without its mark."""
+    for _, failure in sorted(err.failures.items()):
+        message = str(failure.message)
+        if message.startswith(USER_ERROR_MARK):
+            return message.removeprefix(USER_ERROR_MARK)
+    raise AssertionError("no rank reported a user error")  # _ended_on_user_error said one did
 
 
 def _ended_on_user_error(err: Any) -> bool:

@@ -41,6 +41,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The command line of ``tune run`` under torchrun, set by the launcher for its ranks (whose
 # own command line is torchrun's ``python -m recipes.<name> ...``): a JSON list.
 LAUNCH_COMMAND_ENV = "EXACTGA_LAUNCH_COMMAND"
+# Set by exactga's wrap of torchrun for its ranks: a file that exists once the launcher itself
+# got a stop signal (see [torchrun and a stop] in exactga.launch.cli).
+LAUNCHER_STOP_FILE_ENV = "EXACTGA_LAUNCHER_STOP_FILE"
 RESUME_KEY = "resume_from_checkpoint"
 
 
@@ -110,11 +113,21 @@ def _stop_at_once(signum: signal.Signals) -> None:
     for stream in (sys.stdout, sys.stderr):  # what the run printed before the line
         with contextlib.suppress(RuntimeError, OSError, ValueError):  # a write it interrupted
             stream.flush()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and not _stopped_after_a_peer_failed():
         # os.write, not print: the signal may have come inside a write to the same stream,
         # and a buffered stream refuses to be written to again from there.
         os.write(sys.stderr.fileno(), f"\nexactga: {what}.\n".encode())
     os._exit(exit_status(signum))
+
+
+def _stopped_after_a_peer_failed() -> bool:
+    """Whether this rank of exactga's torchrun wrap was stopped outside training by a signal
+    its launcher did not get: the launcher's clean-up after another rank failed (or a signal
+    sent to the ranks alone), where a stop line would only hide that rank's error."""
+    stop_file = os.environ.get(LAUNCHER_STOP_FILE_ENV)
+    if not stop_file or "TORCHELASTIC_ERROR_FILE" not in os.environ:  # not a rank of the wrap
+        return False
+    return _REQUEST.signal is None and not os.path.exists(stop_file)
 
 
 def resume_command(
