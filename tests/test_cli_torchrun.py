@@ -213,3 +213,32 @@ def test_the_agent_waits_longer_for_its_ranks_only_after_a_stop_signal_of_its_ow
         processes._terminate_process_handler(signal.SIGTERM, None)
     Agent()._shutdown(signal.SIGTERM, timeout=30)
     assert waited == [30, cli.SHUTDOWN_TIMEOUT_S]
+
+
+def test_the_agent_marks_a_stop_signal_of_its_own_before_passing_it_on(tmp_path, monkeypatch):
+    import signal
+
+    from exactga.launch import stopping
+
+    def raise_in_agent(signum, frame):
+        raise RuntimeError(f"signal {signum}")  # torch's raises SignalException
+
+    processes = SimpleNamespace(_terminate_process_handler=raise_in_agent)
+    cli.mark_a_stop_signal(processes)
+    cli.mark_a_stop_signal(processes)  # installed once
+    stop_file = tmp_path / "stop_signal"
+    monkeypatch.setenv(cli.LAUNCHER_STOP_FILE_ENV, str(stop_file))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(stopping, "_REQUEST", stopping.StopRequest())
+    # A rank stopped while the file is missing: the agent's clean-up after a failed peer.
+    assert stopping._stopped_after_a_peer_failed()
+    with pytest.raises(RuntimeError, match="signal 1"):
+        processes._terminate_process_handler(signal.SIGHUP, None)
+    assert not stop_file.exists()  # not a stop signal
+    with pytest.raises(RuntimeError, match="signal 2"):
+        processes._terminate_process_handler(signal.SIGINT, None)
+    assert stop_file.exists()
+    assert not stopping._stopped_after_a_peer_failed()  # the user's Ctrl-C: the line prints
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    stop_file.unlink()
+    assert not stopping._stopped_after_a_peer_failed()  # not a rank of the wrap
