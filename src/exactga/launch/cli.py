@@ -45,6 +45,7 @@ from exactga.launch.stopping import (
     LAUNCHER_STOP_FILE_ENV,
     STOP_SIGNALS,
     exit_status,
+    is_a_rank_of_the_launcher_wrap,
     stopping_on_signals,
 )
 
@@ -84,8 +85,7 @@ def _print_user_error(message: str) -> None:
     if error_file:
         record = {"message": USER_ERROR_MARK + message, "timestamp": int(time.time())}
         Path(error_file).write_text(json.dumps(record))
-    launcher_prints = bool(error_file) and bool(os.environ.get(LAUNCHER_STOP_FILE_ENV))
-    if int(os.environ.get("RANK", "0")) == 0 and not launcher_prints:
+    if int(os.environ.get("RANK", "0")) == 0 and not is_a_rank_of_the_launcher_wrap():
         _print_message(message)
 
 

@@ -120,14 +120,22 @@ def _stop_at_once(signum: signal.Signals) -> None:
     os._exit(exit_status(signum))
 
 
+def is_a_rank_of_the_launcher_wrap() -> bool:
+    """Whether this process is a rank started by exactga's wrap of torchrun: its launcher reads
+    the rank's error file and marks the stop signals it gets (see [torchrun and a stop] in
+    exactga.launch.cli)."""
+    return bool(
+        os.environ.get(LAUNCHER_STOP_FILE_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE")
+    )
+
+
 def _stopped_after_a_peer_failed() -> bool:
     """Whether this rank of exactga's torchrun wrap was stopped outside training by a signal
     its launcher did not get: the launcher's clean-up after another rank failed (or a signal
     sent to the ranks alone), where a stop line would only hide that rank's error."""
-    stop_file = os.environ.get(LAUNCHER_STOP_FILE_ENV)
-    if not stop_file or "TORCHELASTIC_ERROR_FILE" not in os.environ:  # not a rank of the wrap
+    if not is_a_rank_of_the_launcher_wrap():
         return False
-    return _REQUEST.signal is None and not os.path.exists(stop_file)
+    return _REQUEST.signal is None and not os.path.exists(os.environ[LAUNCHER_STOP_FILE_ENV])
 
 
 def resume_command(
