@@ -3,10 +3,15 @@
 They carry the ``gpu`` marker (pyproject.toml), so ``pytest -m gpu tests/gpu`` selects them and
 ``make test`` on a CPU machine collects them and reports them as skipped. ``make gpu-check``
 (tools/gpu_check.py) runs them and writes docs/gpu_report.md.
+
+``EXACTGA_GPU_DRY_RUN=1`` runs them on the CPU instead (``cuda_runs.DEVICE``): a rehearsal that
+finds a broken launch, key or import before a GPU machine's minutes are spent on it. Assertions
+about CUDA itself (peak GPU memory, NCCL, kernels) fail there; that is expected of a rehearsal.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -26,13 +31,14 @@ if not recipe_utils.TUNE.exists() and shutil.which("tune"):
     recipe_utils.TUNE = Path(shutil.which("tune"))
 
 CUDA_AVAILABLE = torch.cuda.is_available()
+DRY_RUN = os.environ.get("EXACTGA_GPU_DRY_RUN") == "1"  # the same switch as cuda_runs.DEVICE
 HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip this folder's tests without CUDA. A skip marker acts before any fixture is set up,
     so the module fixtures that launch runs never start on a CPU machine."""
-    if CUDA_AVAILABLE:
+    if CUDA_AVAILABLE or DRY_RUN:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -11,6 +11,7 @@ so a module costs about as much as its slowest launch.
 from __future__ import annotations
 
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ LORA_SINGLE = ("recipes/lora_finetune_single_device.py", "configs/tiny/lora_sing
 FULL_DISTRIBUTED = ("recipes/full_finetune_distributed.py", "configs/tiny/full_distributed.yaml")
 LORA_DISTRIBUTED = ("recipes/lora_finetune_distributed.py", "configs/tiny/lora_distributed.yaml")
 
+# "cpu" under EXACTGA_GPU_DRY_RUN=1, the rehearsal of tests/gpu/conftest.py; else "cuda".
+DEVICE = "cpu" if os.environ.get("EXACTGA_GPU_DRY_RUN") == "1" else "cuda"
 TRAINED = "epoch_0/model-00001-of-00001.safetensors"
 INITIAL = "base_model/model.safetensors"
 LAUNCH_TIMEOUT_S = 900  # compile and flex attention compile kernels on first use
@@ -59,7 +62,7 @@ class Launch:
         """The command line after ``tune run``; an override whose value is None is passed
         bare (``~key`` deletes a key)."""
         recipe, config = self.recipe_config
-        merged = {"output_dir": output_dir, "device": "cuda", **self.overrides}
+        merged = {"output_dir": output_dir, "device": DEVICE, **self.overrides}
         overrides = [key if value is None else f"{key}={value}" for key, value in merged.items()]
         torchrun = [] if self.nproc is None else ["--nproc_per_node", str(self.nproc)]
         return [*torchrun, recipe, "--config", config, *overrides]
@@ -119,6 +122,7 @@ def all_finite(values: list[float]) -> bool:
 
 __all__ = [
     "BF16_CURVE_RTOL",
+    "DEVICE",
     "FULL_DISTRIBUTED",
     "FULL_SINGLE",
     "INITIAL",
