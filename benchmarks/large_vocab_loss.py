@@ -15,6 +15,13 @@ and backward through ``exactga.sft.loss.causal_lm_loss`` as a recipe's loss step
     .venv/bin/python benchmarks/large_vocab_loss.py                    # CPU, fp32
     .venv/bin/python benchmarks/large_vocab_loss.py --device cuda      # bf16 autocast
 
+``--architecture family`` builds the models themselves instead of a Llama stand-in of
+``--embed-dim``: exactga's Qwen3 8B and Gemma 3 4B builders at their released widths, heads and
+vocabularies (Qwen3's output untied, Gemma 3's tied to its 262,208-row embedding), cut to
+``--num-layers`` layers, so a micro-batch meets the real output projection and attention
+(Gemma 3's sliding window included). ``--json PATH`` also writes the table for
+tools/gpu_check.py; ``--device cuda`` without a CUDA device measures nothing and says so.
+
 Each variant runs in a process of its own, so one's allocations cannot inflate another's peak.
 The peak is what the measured steps need above the resident model and its (already allocated)
 gradients: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the process's peak resident set
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +50,10 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from exactga.accumulation.linear_cross_entropy import LinearCrossEntropyLoss
 from exactga.accumulation.loss_units import LOSS_POSITIONS, loss_positions, shift_labels
+from exactga.models.gemma3 import BUILDER_ARGUMENTS as GEMMA3_SIZES
+from exactga.models.gemma3 import gemma3
+from exactga.models.qwen3 import BUILDER_ARGUMENTS as QWEN3_SIZES
+from exactga.models.qwen3 import qwen3
 from exactga.runtime.precision import Precision
 from exactga.sft.loss import causal_lm_loss
 
@@ -49,6 +61,12 @@ MODELS = {  # name: (vocabulary, output tied to the embedding)
     "qwen3": (151_936, False),
     "gemma3": (262_144, True),
 }
+# --architecture family: name -> (its builder's arguments, the component builder).
+FAMILY_SIZES = {
+    "qwen3": (QWEN3_SIZES["qwen3_8b"], qwen3),
+    "gemma3": (GEMMA3_SIZES["gemma3_4b"], gemma3),
+}
+ARCHITECTURES = ("stand_in", "family")
 VARIANTS = ("materialised", "chunked", "fused", "torch")
 NUM_CHUNKS = 8
 MIB = 2**20
@@ -71,6 +89,8 @@ def parse_args() -> argparse.Namespace:
         help="bf16: autocast over fp32 weights (master_weights: fp32). Default: fp32 on CPU, "
         "bf16 on CUDA",
     )
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="stand_in")
+    parser.add_argument("--json", type=Path, help="also write the table here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one variant's JSON spec
     return parser.parse_args()
 
@@ -78,7 +98,25 @@ def parse_args() -> argparse.Namespace:
 # --- one variant, in its own process ------------------------------------------------------------
 
 
+def vocabulary(spec: dict[str, Any]) -> int:
+    if spec.get("architecture") == "family":
+        return FAMILY_SIZES[spec["model"]][0]["vocab_size"]
+    return MODELS[spec["model"]][0]
+
+
+def build_family_model(spec: dict[str, Any]) -> TransformerDecoder:
+    """The released size's shape, ``num_layers`` deep (the first layers' kinds: Gemma 3's
+    sliding-window layers come before its first global one, at layer 6)."""
+    arguments, builder = FAMILY_SIZES[spec["model"]]
+    arguments = {**arguments, "num_layers": spec["num_layers"], "max_seq_len": spec["seq_len"]}
+    torch.manual_seed(0)
+    with torch.device(spec["device"]):
+        return builder(**arguments)
+
+
 def build_model(spec: dict[str, Any]) -> TransformerDecoder:
+    if spec.get("architecture") == "family":
+        return build_family_model(spec)
     vocab, tied = MODELS[spec["model"]]
     torch.manual_seed(0)
     with torch.device(spec["device"]):
@@ -185,8 +223,7 @@ def peak_above_now(device: str) -> Iterator[dict[str, float]]:
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec)
-    vocab, _ = MODELS[spec["model"]]
-    batch = make_batch(spec, vocab)
+    batch = make_batch(spec, vocabulary(spec))
     loss_fn = loss_fn_for(spec["variant"], model)
     precision = None
     if spec["precision"] == "bf16":
@@ -214,6 +251,7 @@ def measure(args: argparse.Namespace, model: str, variant: str) -> dict[str, Any
         "variant": variant,
         "device": args.device,
         "precision": args.precision,
+        "architecture": args.architecture,
         **{key: getattr(args, key) for key in ("rows", "seq_len", "embed_dim", "num_layers")},
         "steps": args.steps,
     }
@@ -224,24 +262,24 @@ def measure(args: argparse.Namespace, model: str, variant: str) -> dict[str, Any
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def print_table(rows: list[tuple[str, str, dict[str, Any]]]) -> None:
+def table(rows: list[tuple[str, str, dict[str, Any]]], architecture: str) -> list[str]:
     columns = ["model", "vocab", "loss", "peak above model (MiB)", "x materialised"]
     columns += ["step (s)", "x materialised", "loss value"]
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     baselines = {model: result for model, variant, result in rows if variant == "materialised"}
     for model, variant, result in rows:
-        vocab = f"{MODELS[model][0]:,}"
+        vocab = f"{vocabulary({'model': model, 'architecture': architecture}):,}"
         if "error" in result:
-            print(f"| {model} | {vocab} | {variant} | {result['error']} |||||")
+            lines.append(f"| {model} | {vocab} | {variant} | {result['error']} |||||")
             continue
         base = baselines.get(model, {})
         memory_ratio = _ratio(result["peak_mib"], base.get("peak_mib"))
         time_ratio = _ratio(result["step_s"], base.get("step_s"))
-        print(
+        lines.append(
             f"| {model} | {vocab} | {variant} | {result['peak_mib']:,.0f} | {memory_ratio} "
             f"| {result['step_s']:.2f} | {time_ratio} | {result['loss']:.6f} |"
         )
+    return lines
 
 
 def _ratio(value: float, base: float | None) -> str:
@@ -253,19 +291,40 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("large_vocab_loss: no CUDA device; nothing measured.")
+        write_json(args, {"markdown": "No CUDA device: nothing measured."})
+        return
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(
-        f"# {device_name}, torch {torch.__version__}, {args.precision}, {args.rows} x "
-        f"{args.seq_len} tokens, embed {args.embed_dim}, {args.num_layers} layers, "
-        f"{torch.get_num_threads()} threads, median of {args.steps} steps"
+    width = "the released widths" if args.architecture == "family" else f"embed {args.embed_dim}"
+    heading = (
+        f"{device_name}, torch {torch.__version__}, {args.precision}, {args.rows} x "
+        f"{args.seq_len} tokens, {args.architecture} models ({width}), {args.num_layers} "
+        f"layers, {torch.get_num_threads()} threads, median of {args.steps} steps"
     )
+    print(f"# {heading}")
     rows = []
     for model in args.models:
         for variant in args.variants:
             rows.append((model, variant, measure(args, model, variant)))
             print(f"# {model} {variant}: {rows[-1][2]}", file=sys.stderr, flush=True)
-    print_table(rows)
+    lines = table(rows, args.architecture)
+    print("\n".join(lines))
+    results = [{"model": m, "variant": v, **result} for m, v, result in rows]
+    write_json(
+        args,
+        {
+            "device": device_name,
+            "rows": results,
+            "markdown": "\n".join([f"Measured on {heading}.", "", *lines]),
+        },
+    )
+
+
+def write_json(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

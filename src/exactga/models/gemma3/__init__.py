@@ -5,6 +5,7 @@ released sizes with their LoRA and QLoRA twins, and the Hugging Face format
 from exactga.models.gemma3._component_builders import gemma3, lora_gemma3
 from exactga.models.gemma3._convert_weights import GEMMA3_FORMAT
 from exactga.models.gemma3._model_builders import (
+    BUILDER_ARGUMENTS,
     gemma3_1b,
     gemma3_4b,
     gemma3_12b,
@@ -21,6 +22,7 @@ from exactga.models.gemma3._model_builders import (
 from exactga.models.gemma3._tokenizer import Gemma3Tokenizer, gemma3_tokenizer
 
 __all__ = [
+    "BUILDER_ARGUMENTS",
     "GEMMA3_FORMAT",
     "Gemma3Tokenizer",
     "gemma3_tokenizer",

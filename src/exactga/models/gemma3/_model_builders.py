@@ -19,6 +19,7 @@ add a 417M vision encoder, not built here).
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
@@ -99,6 +100,15 @@ _SHARED = dict(
     local_rope_base=10_000.0,
     sliding_window_pattern=6,
 )
+
+# Each sized builder's component-builder arguments, as qwen3's BUILDER_ARGUMENTS: the shape of a
+# released size without building it (a benchmark cuts its depth, say).
+BUILDER_ARGUMENTS: dict[str, dict[str, Any]] = {
+    "gemma3_1b": {**_GEMMA3_1B, **_SHARED},
+    "gemma3_4b": {**_GEMMA3_4B, **_SHARED},
+    "gemma3_12b": {**_GEMMA3_12B, **_SHARED},
+    "gemma3_27b": {**_GEMMA3_27B, **_SHARED},
+}
 
 _QLORA_DOC = """
 Builder for the Gemma 3 {size} text decoder with QLoRA: the base weights of the attention and
