@@ -69,7 +69,7 @@ LLAMA_3_2_1B = {
     "intermediate_dim": 8192,
     "tie_word_embeddings": True,
 }
-MODES = ("stock", "fixed", "by_length", "token_budget")
+MODES = ("stock", "fixed", "by_length", "token_budget", "packed")
 # group -> (overrides of every run, environment of every run). Stock ignores exactga's keys.
 GROUPS = {
     "as_shipped": ([], {}),
@@ -109,9 +109,10 @@ class Row:
     rel_l2_to_fixed: float | None
 
 
-def model_overrides(max_seq_len: int) -> list[str]:
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """The 1B shape; its position table covers a packed row longer than one sample."""
     return [f"model.{key}={value}" for key, value in LLAMA_3_2_1B.items()] + [
-        f"model.max_seq_len={max_seq_len}"
+        f"model.max_seq_len={max(args.max_seq_len, args.packed_row)}"
     ]
 
 
@@ -124,13 +125,14 @@ def benchmark_args(args: argparse.Namespace, root: Path, extra: list[str]) -> ar
         "optimizer.fused=True",
         "clip_grad_norm=null",  # stock clips the scaled gradients too; both skip it here
         f"checkpointer.checkpoint_dir={root / 'base_model'}",  # one seeded 1B init, shared
-        *model_overrides(args.max_seq_len),
+        *model_overrides(args),
         *extra,
     ]
     return mb.parse_args(
         [
             "--batch-size", str(args.batch_size), "--ga", str(args.ga),
             "--micro-batch-tokens", str(args.micro_batch_tokens),
+            "--packed-row", str(args.packed_row),
             "--max-seq-len", str(args.max_seq_len), "--max-steps", str(args.steps),
             "--warmup-steps", str(args.warmup_steps), "--omp-threads", "4",
             *(item for s in sets for item in ("--set", s)),
@@ -151,10 +153,11 @@ def replay_windows(args: argparse.Namespace, mode: str) -> list[list[tuple[int, 
     dataset, tokenizer = bundled_data(args)
     budget = mode == "token_budget"
     batch_size = args.batch_size * args.ga if budget else args.batch_size
+    row_tokens = {"token_budget": args.micro_batch_tokens, "packed": args.packed_row}
     settings = MicroBatchingSettings(
         mode=MicroBatching("fixed" if mode == "stock" else mode),
         batch_size=batch_size,
-        micro_batch_tokens=args.micro_batch_tokens if budget else None,
+        micro_batch_tokens=row_tokens.get(mode),
     )
     loader = build_dataloader(
         dataset,
@@ -210,11 +213,28 @@ def step_flops(lengths: list[int]) -> float:
     return sum(6 * num_params * t + 12 * layers * width * t * t for t in lengths)
 
 
-def run_group(group: str, args: argparse.Namespace, root: Path, lengths, shapes) -> list[Row]:
+def selected_runs(args: argparse.Namespace) -> dict[str, list[str]]:
+    """group -> its modes, in order: ``--runs GROUP/MODE ...``, else every ``--modes`` of every
+    ``--groups``."""
+    if not args.runs:
+        return {group: list(args.modes) for group in args.groups}
+    chosen: dict[str, list[str]] = {}
+    for item in args.runs:
+        group, mode = item.split("/")
+        chosen.setdefault(group, []).append(mode)
+    return chosen
+
+
+def run_group(
+    group: str, modes: list[str], args: argparse.Namespace, root: Path, lengths, shapes
+) -> list[Row]:
     extra, env = GROUPS[group]
     bench = benchmark_args(args, root, extra)
     (root / group).mkdir(parents=True, exist_ok=True)
-    specs = [spec for spec in mb.run_specs(bench) if spec.name in args.modes]
+    specs = sorted(
+        (spec for spec in mb.run_specs(bench) if spec.name in modes),
+        key=lambda spec: modes.index(spec.name),
+    )
     results = {}
     saved_env = dict(os.environ)
     os.environ.update(env)
@@ -227,7 +247,7 @@ def run_group(group: str, args: argparse.Namespace, root: Path, lengths, shapes)
         os.environ.clear()
         os.environ.update(saved_env)
     gaps = {}
-    if group == args.groups[0] and "fixed" in results:
+    if group == next(iter(selected_runs(args))) and "fixed" in results:
         initial = mb.load_file(str(root / "base_model" / "model.safetensors"))
         fixed = mb.load_weights(results["fixed"].output_dir)
         for name, result in results.items():
@@ -300,6 +320,16 @@ def markdown(rows: list[Row], args: argparse.Namespace, device: str) -> str:
     return "\n".join(lines)
 
 
+def run_name(text: str) -> str:
+    """A ``--runs`` item: ``GROUP/MODE`` with a known group and mode."""
+    group, _, mode = text.partition("/")
+    if group not in GROUPS or mode not in MODES:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not GROUP/MODE with GROUP in {list(GROUPS)} and MODE in {list(MODES)}"
+        )
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # The default pair is what a user compares (as shipped) and the kernels held equal; about
@@ -311,7 +341,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--ga", type=int, default=8)
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=[],
+        type=run_name,
+        metavar="GROUP/MODE",
+        help="exactly these runs, in this order (instead of --groups x --modes); "
+        "e.g. as_shipped/stock as_shipped/packed compile/packed",
+    )
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    # A packed row is one sequence to the model (its position table is widened to fit): 4,096
+    # positions hold about 25 median samples, one shape for the whole run.
+    parser.add_argument("--packed-row", type=int, default=4096, help="packed's positions per row")
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=4)
@@ -328,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps({"markdown": "No CUDA device: nothing measured."}))
         return 0
     device = torch.cuda.get_device_name()
+    runs = selected_runs(args)
     lengths = sample_lengths(args)
-    shapes = {mode: replay_windows(args, mode) for mode in args.modes}
+    modes = {mode for group_modes in runs.values() for mode in group_modes}
+    shapes = {mode: replay_windows(args, mode) for mode in modes}
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="gpu_1b_", dir=args.out) as tmp:
         root = Path(tmp)
@@ -337,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = str(root / "site") + (os.pathsep + path if path else "")
-        for group in args.groups:
-            rows += run_group(group, args, root, lengths, shapes)
+        for group, group_modes in runs.items():
+            rows += run_group(group, group_modes, args, root, lengths, shapes)
             text = markdown(rows, args, device)
             print(text, flush=True)
             if args.json:  # after every group: a later group's failure keeps these
