@@ -62,6 +62,34 @@ BENCHMARKS = {
     "gpu_tiny_throughput": ["benchmarks/gpu_tiny_throughput.py"],
     "precision_table": ["benchmarks/precision_table.py", "--device", "cuda", "--jobs", "8"],
     "gpu_1b_variable_length": ["benchmarks/gpu_1b_variable_length.py"],
+    "large_vocab_loss": ["benchmarks/large_vocab_loss.py", "--device", "cuda"],
+    "hf_trainer_peer": ["benchmarks/hf_trainer_peer.py", "--splits"],
+}
+# [round three]
+# Issue #46's measurements in the order they are worth device minutes, as one command
+# (``--plan round_three``; docs/quickstart.md, "GPU check"). The tests come first (every GPU
+# test green is the floor), then the memory at real vocabularies (a minute), then the 1B step
+# pushed toward the hardware (the headline: stock, token_budget and packed rows as shipped,
+# then packed and token_budget compiled), then the Hugging Face Trainer on the same rows.
+# GRPO's generation and training tokens/s come with the tests (test_gpu_preference_rl.py
+# records the recipe's own throughput scalars). A session is lent a GPU for about 15 minutes, in
+# calls of at most 10: ``--deadline`` skips what would not finish (the report says which), and
+# a second call with ``--skip-tests --benchmarks ...`` measures the rest.
+PLANS = {
+    "round_three": {
+        "benchmarks": [
+            "large_vocab_loss",
+            "gpu_1b_variable_length",
+            "hf_trainer_peer",
+        ],
+        "benchmark_args": {
+            # A Qwen3-8B- and a Gemma-3-4B-shaped micro-batch of 8 x 1,024 tokens, 2 layers deep
+            "large_vocab_loss": "--architecture family --rows 8 --seq-len 1024 --num-layers 2",
+            "hf_trainer_peer": "--steps 8 --warmup-steps 3",  # as the 1B runs
+            "gpu_1b_variable_length": "--steps 8 --warmup-steps 3 --runs as_shipped/stock "
+            "as_shipped/token_budget as_shipped/packed compile/packed compile/token_budget",
+        },
+    },
 }
 DEFAULT_TORCH = "torch --index-url https://download.pytorch.org/whl/cu128"
 
@@ -296,7 +324,27 @@ def has_xdist(environment: Environment) -> bool:
     return subprocess.run(cmd, env=environment.env, capture_output=True).returncode == 0
 
 
-def run_tests(args: argparse.Namespace, environment: Environment, work: Path) -> dict:
+class Deadline:
+    """The seconds left of ``--deadline`` (None: no deadline), for the parts still to run."""
+
+    def __init__(self, seconds: float | None, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.end = None if seconds is None else clock() + seconds
+
+    def left(self) -> float | None:
+        return None if self.end is None else self.end - self.clock()
+
+    def timeout(self, limit: float) -> float:
+        """A part's timeout: its own limit, cut to what is left."""
+        left = self.left()
+        return limit if left is None else max(0.0, min(limit, left))
+
+    def allows(self, minimum: float) -> bool:
+        left = self.left()
+        return left is None or left >= minimum
+
+
+def run_tests(args: argparse.Namespace, environment: Environment, work: Path, deadline) -> dict:
     junit = work / "gpu_tests.xml"
     junit.unlink(missing_ok=True)
     cmd = [environment.python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-v", "-rA"]
@@ -304,7 +352,8 @@ def run_tests(args: argparse.Namespace, environment: Environment, work: Path) ->
     if args.test_workers > 1 and has_xdist(environment):
         cmd += ["-n", str(args.test_workers), "--dist", "loadgroup"]
     start = time.perf_counter()
-    status = run(cmd, work / "tests.log", env=environment.env, timeout=args.test_timeout)
+    timeout = deadline.timeout(args.test_timeout)
+    status = run(cmd, work / "tests.log", env=environment.env, timeout=timeout)
     wall_s = time.perf_counter() - start
     cases = parse_junit(junit) if junit.exists() else []
     command = "python -m pytest " + shlex.join(cmd[3:])
@@ -335,24 +384,27 @@ def parse_junit(path: Path) -> list[dict]:
     return cases
 
 
-def run_benchmarks(args: argparse.Namespace, environment: Environment, work: Path) -> list[dict]:
-    results = []
-    for name in args.benchmarks:
-        command = [*BENCHMARKS[name], *shlex.split(args.benchmark_args.get(name, ""))]
-        out = work / f"{name}.json"
-        out.unlink(missing_ok=True)
-        cmd = [environment.python, *command, "--json", str(out)]
-        start = time.perf_counter()
-        status = run(cmd, work / f"{name}.log", env=environment.env, timeout=args.bench_timeout)
-        result = {
-            "script": shlex.join(command),
-            "status": status,
-            "wall_s": time.perf_counter() - start,
-        }
-        if out.exists():
-            result.update(json.loads(out.read_text()))
-        results.append(result)
-    return results
+def run_benchmark(
+    name: str, args: argparse.Namespace, environment: Environment, work: Path, deadline: Deadline
+) -> dict:
+    """One benchmark, cut at the deadline; not started when less than ``--min-part-s`` is
+    left (a run killed at once measures nothing and its log says less than the report)."""
+    command = [*BENCHMARKS[name], *shlex.split(args.benchmark_args.get(name, ""))]
+    result = {"script": shlex.join(command), "status": None, "wall_s": 0.0}
+    if not deadline.allows(args.min_part_s):
+        result["skipped"] = f"not run: {deadline.left():.0f} s of --deadline were left"
+        log(f"{name}: {result['skipped']}")
+        return result
+    out = work / f"{name}.json"
+    out.unlink(missing_ok=True)
+    cmd = [environment.python, *command, "--json", str(out)]
+    start = time.perf_counter()
+    timeout = deadline.timeout(args.bench_timeout)
+    result["status"] = run(cmd, work / f"{name}.log", env=environment.env, timeout=timeout)
+    result["wall_s"] = time.perf_counter() - start
+    if out.exists():
+        result.update(json.loads(out.read_text()))
+    return result
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -428,12 +480,11 @@ def render_report(
     if benchmarks is None:
         lines.append("Not run (--skip-benchmarks).")
     for result in benchmarks or []:
-        lines += [
-            f"### `{result['script']}`",
-            "",
-            f"Exit status {result['status']}, {result['wall_s']:.0f} s of wall time.",
-            "",
-        ]
+        lines += [f"### `{result['script']}`", ""]
+        if "skipped" in result:
+            lines += [result["skipped"].capitalize() + ".", ""]
+            continue
+        lines += [f"Exit status {result['status']}, {result['wall_s']:.0f} s of wall time.", ""]
         if "markdown" in result:
             lines += [result["markdown"].rstrip(), ""]
         else:
@@ -451,6 +502,16 @@ def passed(tests: dict | None, benchmarks: list[dict] | None) -> bool:
     return ok
 
 
+def write_report(args, environment, info, tests, benchmarks, start: float) -> Path:
+    """Write the report as it stands; called after every part, so that a check stopped from
+    outside (a lease's end) still leaves what it measured."""
+    report = render_report(args, environment, info, tests, benchmarks, time.perf_counter() - start)
+    report_path = REPO_ROOT / args.report
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(report)
+    return report_path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", default=".venv-gpu", help="virtual environment to (re)use")
@@ -465,14 +526,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--test-workers", type=int, default=4, help="pytest-xdist processes")
     parser.add_argument("--test-timeout", type=float, default=1500, help="seconds")
     parser.add_argument("--bench-timeout", type=float, default=900, help="seconds per script")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds for the whole check, setup included: each part's timeout is cut to what "
+        "is left, and a benchmark is not started with less than --min-part-s left",
+    )
+    parser.add_argument("--min-part-s", type=float, default=60, help="see --deadline")
+    parser.add_argument(
+        "--plan",
+        choices=list(PLANS),
+        help="a preset order of benchmarks and their arguments (see [round three]); "
+        "--benchmarks and --benchmark-args given too take precedence",
+    )
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-benchmarks", action="store_true")
     parser.add_argument(
         "--benchmarks",
         nargs="+",
-        default=list(BENCHMARKS),
         choices=list(BENCHMARKS),
-        help="which benchmarks to run (default: all)",
+        help="which benchmarks to run, in this order (default: --plan's, else all)",
     )
     parser.add_argument(
         "--benchmark-args",
@@ -496,7 +569,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(extra) - set(BENCHMARKS))
     if unknown or len(extra) != len(args.benchmark_args):
         parser.error(f"--benchmark-args takes NAME=ARGS with NAME one of {list(BENCHMARKS)}")
-    args.benchmark_args = extra
+    plan = PLANS.get(args.plan, {})
+    args.benchmark_args = {**plan.get("benchmark_args", {}), **extra}
+    if args.benchmarks is None:
+        args.benchmarks = list(plan.get("benchmarks", BENCHMARKS))
     return args
 
 
@@ -510,12 +586,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"environment: {environment.how}; {json.dumps(info)}")
     if info is None or not info.get("cuda_available"):
         log("torch sees no CUDA device: the GPU tests will be skipped")
-    tests = None if args.skip_tests else run_tests(args, environment, work)
-    benchmarks = None if args.skip_benchmarks else run_benchmarks(args, environment, work)
-    report = render_report(args, environment, info, tests, benchmarks, time.perf_counter() - start)
-    report_path = REPO_ROOT / args.report
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    report_path.write_text(report)
+    deadline = Deadline(
+        None if args.deadline is None else args.deadline - (time.perf_counter() - start)
+    )
+    tests = None if args.skip_tests else run_tests(args, environment, work, deadline)
+    benchmarks = None if args.skip_benchmarks else []
+    report_path = write_report(args, environment, info, tests, benchmarks, start)
+    for name in [] if args.skip_benchmarks else args.benchmarks:
+        benchmarks.append(run_benchmark(name, args, environment, work, deadline))
+        report_path = write_report(args, environment, info, tests, benchmarks, start)
     ok = passed(tests, benchmarks)
     log(f"report written to {report_path}; {'all green' if ok else 'NOT all green'}")
     return 0 if ok else 1
