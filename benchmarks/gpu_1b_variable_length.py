@@ -28,14 +28,23 @@ the same sampler, seed and split), and, in the first group run, each run's train
 against the ``fixed`` run's (relative L2 over the update; bf16 rounding differs between splits,
 so this is the precision floor, not zero). Nothing is asserted.
 
+Modes: stock and exactga's ``fixed``, ``by_length`` and ``token_budget`` as above; ``packed``,
+the window's samples packed into rows of ``--packed-row`` positions (4,096) under a document
+mask (flex attention on CUDA); ``packed_window``, rows of ``--window-row`` positions (16,384), so
+that a whole window is one micro-batch (see [one row a window]). A packed run has one shape, which
+``compile`` compiles once. ``--runs GROUP/MODE ...`` picks runs across groups, in order (issue
+#46's plan in tools/gpu_check.py does); the JSON is rewritten after every run.
+
 Run from the repository root on a CUDA machine (about 90 s a run on an H100)::
 
     python benchmarks/gpu_1b_variable_length.py [--groups as_shipped no_cudnn] [--json out.json]
+    python benchmarks/gpu_1b_variable_length.py --runs as_shipped/packed compile/packed
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -43,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +79,7 @@ LLAMA_3_2_1B = {
     "intermediate_dim": 8192,
     "tie_word_embeddings": True,
 }
-MODES = ("stock", "fixed", "by_length", "token_budget", "packed")
+MODES = ("stock", "fixed", "by_length", "token_budget", "packed", "packed_window")
 # group -> (overrides of every run, environment of every run). Stock ignores exactga's keys.
 GROUPS = {
     "as_shipped": ([], {}),
@@ -112,7 +122,7 @@ class Row:
 def model_overrides(args: argparse.Namespace) -> list[str]:
     """The 1B shape; its position table covers a packed row longer than one sample."""
     return [f"model.{key}={value}" for key, value in LLAMA_3_2_1B.items()] + [
-        f"model.max_seq_len={max(args.max_seq_len, args.packed_row)}"
+        f"model.max_seq_len={max(args.max_seq_len, args.packed_row, args.window_row)}"
     ]
 
 
@@ -153,9 +163,14 @@ def replay_windows(args: argparse.Namespace, mode: str) -> list[list[tuple[int, 
     dataset, tokenizer = bundled_data(args)
     budget = mode == "token_budget"
     batch_size = args.batch_size * args.ga if budget else args.batch_size
-    row_tokens = {"token_budget": args.micro_batch_tokens, "packed": args.packed_row}
+    row_tokens = {
+        "token_budget": args.micro_batch_tokens,
+        "packed": args.packed_row,
+        "packed_window": args.window_row,
+    }
+    loader_mode = {"stock": "fixed", "packed_window": "packed"}.get(mode, mode)
     settings = MicroBatchingSettings(
-        mode=MicroBatching("fixed" if mode == "stock" else mode),
+        mode=MicroBatching(loader_mode),
         batch_size=batch_size,
         micro_batch_tokens=row_tokens.get(mode),
     )
@@ -225,14 +240,54 @@ def selected_runs(args: argparse.Namespace) -> dict[str, list[str]]:
     return chosen
 
 
+def run_specs(bench: argparse.Namespace, args: argparse.Namespace) -> list[mb.RunSpec]:
+    """The micro_batching benchmark's runs, and ``packed_window``: its packed run with rows of
+    ``--window-row`` positions."""
+    specs = mb.run_specs(bench)
+    packed = next(spec for spec in specs if spec.name == "packed")
+    row = f"micro_batch_tokens={args.window_row}"
+    overrides = tuple(row if o.startswith("micro_batch_tokens=") else o for o in packed.overrides)
+    return [*specs, dataclasses.replace(packed, name="packed_window", overrides=overrides)]
+
+
+def result_row(group: str, name: str, result: Any, lengths, shapes) -> Row:
+    """One run's figures (its gap to ``fixed`` is filled in when its group has one)."""
+    timed = len(result.step_ms)
+    timed_lengths = lengths[-timed:]  # the steps after warm-up
+    seconds = sum(result.step_ms) / 1e3
+    tokens = sum(sum(step) for step in timed_lengths)
+    flops = sum(step_flops(step) for step in timed_lengths)
+    peak = device_peak_flops(torch.device("cuda"))
+    return Row(
+        group=group,
+        mode=name,
+        ms_per_step=statistics.median(result.step_ms),
+        tokens_per_s=tokens / seconds,
+        mfu=flops / seconds / peak if peak else None,
+        padding=None if name == "stock" or not result.padding else result.padding[0],
+        peak_gib=result.gpu_peak_gib,
+        shapes=len({shape for step in shapes[name] for shape in step}),
+        rel_l2_to_fixed=None,
+    )
+
+
 def run_group(
-    group: str, modes: list[str], args: argparse.Namespace, root: Path, lengths, shapes
-) -> list[Row]:
+    group: str,
+    modes: list[str],
+    args: argparse.Namespace,
+    root: Path,
+    data: tuple[Any, Any],
+    rows: list[Row],
+    publish: Callable[[], None],
+) -> None:
+    """Run ``modes`` of ``group``, appending each run's row to ``rows`` and publishing them as
+    it ends, so that a benchmark stopped from outside keeps what it measured."""
+    lengths, shapes = data
     extra, env = GROUPS[group]
     bench = benchmark_args(args, root, extra)
     (root / group).mkdir(parents=True, exist_ok=True)
     specs = sorted(
-        (spec for spec in mb.run_specs(bench) if spec.name in modes),
+        (spec for spec in run_specs(bench, args) if spec.name in modes),
         key=lambda spec: modes.index(spec.name),
     )
     results = {}
@@ -243,39 +298,22 @@ def run_group(
             start = time.perf_counter()
             results[spec.name] = mb.measure(spec, 0, bench, root / group)
             print(f"{group}/{spec.name}: {time.perf_counter() - start:.0f} s", flush=True)
+            rows.append(result_row(group, spec.name, results[spec.name], lengths, shapes))
+            publish()
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
-    gaps = {}
     if group == next(iter(selected_runs(args))) and "fixed" in results:
         initial = mb.load_file(str(root / "base_model" / "model.safetensors"))
         fixed = mb.load_weights(results["fixed"].output_dir)
-        for name, result in results.items():
-            if name != "fixed":
-                gaps[name] = relative_l2(mb.load_weights(result.output_dir), fixed, initial)
-    peak = device_peak_flops(torch.device("cuda"))
-    rows = []
-    for name, result in results.items():
-        timed = len(result.step_ms)
-        timed_lengths = lengths[-timed:]  # the steps after warm-up
-        seconds = sum(result.step_ms) / 1e3
-        tokens = sum(sum(step) for step in timed_lengths)
-        flops = sum(step_flops(step) for step in timed_lengths)
-        rows.append(
-            Row(
-                group=group,
-                mode=name,
-                ms_per_step=statistics.median(result.step_ms),
-                tokens_per_s=tokens / seconds,
-                mfu=flops / seconds / peak if peak else None,
-                padding=None if name == "stock" or not result.padding else result.padding[0],
-                peak_gib=result.gpu_peak_gib,
-                shapes=len({shape for step in shapes[name] for shape in step}),
-                rel_l2_to_fixed=gaps.get(name),
-            )
-        )
+        for index, row in enumerate(rows):
+            if row.group == group and row.mode != "fixed":
+                trained = mb.load_weights(results[row.mode].output_dir)
+                gap = relative_l2(trained, fixed, initial)
+                rows[index] = dataclasses.replace(row, rel_l2_to_fixed=gap)
+        publish()
+    for result in results.values():
         shutil.rmtree(result.output_dir, ignore_errors=True)  # 1B checkpoints fill the disk
-    return rows
 
 
 def markdown(rows: list[Row], args: argparse.Namespace, device: str) -> str:
@@ -354,6 +392,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # A packed row is one sequence to the model (its position table is widened to fit): 4,096
     # positions hold about 25 median samples, one shape for the whole run.
     parser.add_argument("--packed-row", type=int, default=4096, help="packed's positions per row")
+    # [one row a window]
+    # A window of 8 x 8 samples holds about 12,000 tokens (median 134 a sample, up to 1,024):
+    # rows of 16,384 take it in one micro-batch of one shape, so the step pays the host's cost
+    # of launching a forward and backward once, not once per micro-batch (round two measured
+    # about 110 ms of host time per micro-batch at this size against 28 ms of GPU time, which
+    # is what held MFU at 15.5%). A window that overflows the row gets a second one.
+    parser.add_argument(
+        "--window-row", type=int, default=16_384, help="packed_window's positions per row"
+    )
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=4)
@@ -381,13 +428,16 @@ def main(argv: list[str] | None = None) -> int:
         (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = str(root / "site") + (os.pathsep + path if path else "")
-        for group, group_modes in runs.items():
-            rows += run_group(group, group_modes, args, root, lengths, shapes)
+
+        def publish() -> None:  # after every run: a later run's failure keeps these
             text = markdown(rows, args, device)
             print(text, flush=True)
-            if args.json:  # after every group: a later group's failure keeps these
+            if args.json:
                 payload = {"device": device, "rows": [vars(r) for r in rows], "markdown": text}
                 args.json.write_text(json.dumps(payload, indent=1))
+
+        for group, group_modes in runs.items():
+            run_group(group, group_modes, args, root, (lengths, shapes), rows, publish)
     return 0
 
 

@@ -58,8 +58,8 @@ def test_the_1b_runs_of_the_plan_parse_as_the_benchmark_reads_them() -> None:
     extra = gpu_check.PLANS["round_three"]["benchmark_args"]["gpu_1b_variable_length"]
     runs = bench.selected_runs(bench.parse_args(extra.split()))
     assert runs == {
-        "as_shipped": ["stock", "token_budget", "packed"],
-        "compile": ["packed", "token_budget"],
+        "as_shipped": ["stock", "token_budget", "packed_window", "packed"],
+        "compile": ["packed_window", "packed"],
     }
     with pytest.raises(SystemExit):
         bench.parse_args(["--runs", "as_shipped/packd"])

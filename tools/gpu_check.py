@@ -69,8 +69,9 @@ BENCHMARKS = {
 # Issue #46's measurements in the order they are worth device minutes, as one command
 # (``--plan round_three``; docs/quickstart.md, "GPU check"). The tests come first (every GPU
 # test green is the floor), then the memory at real vocabularies (a minute), then the 1B step
-# pushed toward the hardware (the headline: stock, token_budget and packed rows as shipped,
-# then packed and token_budget compiled), then the Hugging Face Trainer on the same rows.
+# pushed toward the hardware (the headline: stock and token_budget as shipped, then a window
+# packed into one row, eager and compiled, then rows of 4,096, eager and compiled), then the
+# Hugging Face Trainer on the same rows.
 # GRPO's generation and training tokens/s come with the tests (test_gpu_preference_rl.py
 # records the recipe's own throughput scalars). A session is lent a GPU for about 15 minutes, in
 # calls of at most 10: ``--deadline`` skips what would not finish (the report says which), and
@@ -87,7 +88,8 @@ PLANS = {
             "large_vocab_loss": "--architecture family --rows 8 --seq-len 1024 --num-layers 2",
             "hf_trainer_peer": "--steps 8 --warmup-steps 3",  # as the 1B runs
             "gpu_1b_variable_length": "--steps 8 --warmup-steps 3 --runs as_shipped/stock "
-            "as_shipped/token_budget as_shipped/packed compile/packed compile/token_budget",
+            "as_shipped/token_budget as_shipped/packed_window compile/packed_window "
+            "as_shipped/packed compile/packed",
         },
     },
 }
