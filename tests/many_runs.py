@@ -166,6 +166,14 @@ def _finish(folder: Path, output: str, status: int) -> None:
     (folder / "returncode").write_text(str(status))
 
 
+def _write_status(folder: Path, rank: int, status: int) -> None:
+    """Atomically: torchrun stops a rank whose peer failed, which may land between a plain
+    write's truncation and its text, and an empty status file is no status at all."""
+    partial = folder / f".exit{rank}.partial"
+    partial.write_text(str(status))
+    os.replace(partial, folder / f"exit{rank}")
+
+
 def _read_status(folder: Path, rank: int) -> int | None:
     path = folder / f"exit{rank}"
     return int(path.read_text()) if path.exists() else None
@@ -195,7 +203,7 @@ def _main() -> None:
                 del os.environ[key]
             else:
                 os.environ[key] = value
-        (Path(folder) / f"exit{rank}").write_text(str(status))
+        _write_status(Path(folder), rank, status)
         if status != 0 and not go_on:
             os._exit(status)  # torchrun ends the peer, which may wait in a collective
 
