@@ -64,14 +64,16 @@ BENCHMARKS = {
     "gpu_1b_variable_length": ["benchmarks/gpu_1b_variable_length.py"],
     "large_vocab_loss": ["benchmarks/large_vocab_loss.py", "--device", "cuda"],
     "hf_trainer_peer": ["benchmarks/hf_trainer_peer.py", "--splits"],
+    # The same benchmark again, so that a plan can put other work between its runs.
+    "gpu_1b_packed_rows": ["benchmarks/gpu_1b_variable_length.py"],
 }
 # [round three]
 # Issue #46's measurements in the order they are worth device minutes, as one command
 # (``--plan round_three``; docs/quickstart.md, "GPU check"). The tests come first (every GPU
 # test green is the floor), then the memory at real vocabularies (a minute), then the 1B step
 # pushed toward the hardware (the headline: stock and token_budget as shipped, then a window
-# packed into one row, eager and compiled, then rows of 4,096, eager and compiled), then the
-# Hugging Face Trainer on the same rows.
+# packed into one row, eager and compiled), then the Hugging Face Trainer on the same rows
+# (the README's figure needs its row), then packed rows of 4,096, eager and compiled.
 # GRPO's generation and training tokens/s come with the tests (test_gpu_preference_rl.py
 # records the recipe's own throughput scalars). A session is lent a GPU for about 15 minutes, in
 # calls of at most 10: ``--deadline`` skips what would not finish (the report says which), and
@@ -82,14 +84,16 @@ PLANS = {
             "large_vocab_loss",
             "gpu_1b_variable_length",
             "hf_trainer_peer",
+            "gpu_1b_packed_rows",
         ],
         "benchmark_args": {
             # A Qwen3-8B- and a Gemma-3-4B-shaped micro-batch of 8 x 1,024 tokens, 2 layers deep
             "large_vocab_loss": "--architecture family --rows 8 --seq-len 1024 --num-layers 2",
             "hf_trainer_peer": "--steps 8 --warmup-steps 3",  # as the 1B runs
             "gpu_1b_variable_length": "--steps 8 --warmup-steps 3 --runs as_shipped/stock "
-            "as_shipped/token_budget as_shipped/packed_window compile/packed_window "
-            "as_shipped/packed compile/packed",
+            "as_shipped/token_budget as_shipped/packed_window compile/packed_window",
+            "gpu_1b_packed_rows": "--steps 8 --warmup-steps 3 --runs as_shipped/packed "
+            "compile/packed",
         },
     },
 }
