@@ -217,15 +217,20 @@ def sample_lengths(args: argparse.Namespace) -> list[list[int]]:
     return lengths
 
 
+def samples_flops(lengths: list[int], num_params: int, layers: int, width: int) -> float:
+    """Model FLOPs of samples of these lengths: ``6 N T + 12 L d T^2`` each (PaLM, appendix B);
+    per sample, as attention sees one document (hf_trainer_peer.py counts its runs with it)."""
+    return sum(6 * num_params * t + 12 * layers * width * t * t for t in lengths)
+
+
 def step_flops(lengths: list[int]) -> float:
-    """Model FLOPs of one step's samples: ``6 N T + 12 L d T^2`` each (PaLM, appendix B)."""
+    """Model FLOPs of one step's samples on the 1B shape."""
     with torch.device("meta"):
         from torchtune.models.llama3_2 import llama3_2
 
         model = llama3_2(**LLAMA_3_2_1B, max_seq_len=1)
     num_params = sum(p.numel() for p in model.parameters())  # tied: the projection once
-    layers, width = LLAMA_3_2_1B["num_layers"], LLAMA_3_2_1B["embed_dim"]
-    return sum(6 * num_params * t + 12 * layers * width * t * t for t in lengths)
+    return samples_flops(lengths, num_params, LLAMA_3_2_1B["num_layers"], LLAMA_3_2_1B["embed_dim"])
 
 
 def selected_runs(args: argparse.Namespace) -> dict[str, list[str]]:

@@ -415,10 +415,10 @@ def train(
 
 
 def step_flops(lengths: list[int], model: torch.nn.Module) -> float:
-    """gpu_1b_variable_length's FLOPs of one step's samples, ``6 N T + 12 L d T^2`` each."""
+    """gpu_1b_variable_length's FLOPs of one step's samples, for the model the Trainer ran."""
     num_params = sum(p.numel() for p in model.parameters())  # tied: the projection once
-    layers, width = model.config.num_hidden_layers, model.config.hidden_size
-    return sum(6 * num_params * t + 12 * layers * width * t * t for t in lengths)
+    config = model.config
+    return gpu_1b.samples_flops(lengths, num_params, config.num_hidden_layers, config.hidden_size)
 
 
 def measure(

@@ -98,10 +98,10 @@ def parse_args() -> argparse.Namespace:
 # --- one variant, in its own process ------------------------------------------------------------
 
 
-def vocabulary(spec: dict[str, Any]) -> int:
-    if spec.get("architecture") == "family":
-        return FAMILY_SIZES[spec["model"]][0]["vocab_size"]
-    return MODELS[spec["model"]][0]
+def vocabulary(model: str, architecture: str) -> int:
+    if architecture == "family":
+        return FAMILY_SIZES[model][0]["vocab_size"]
+    return MODELS[model][0]
 
 
 def build_family_model(spec: dict[str, Any]) -> TransformerDecoder:
@@ -115,7 +115,7 @@ def build_family_model(spec: dict[str, Any]) -> TransformerDecoder:
 
 
 def build_model(spec: dict[str, Any]) -> TransformerDecoder:
-    if spec.get("architecture") == "family":
+    if spec["architecture"] == "family":
         return build_family_model(spec)
     vocab, tied = MODELS[spec["model"]]
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def peak_above_now(device: str) -> Iterator[dict[str, float]]:
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec)
-    batch = make_batch(spec, vocabulary(spec))
+    batch = make_batch(spec, vocabulary(spec["model"], spec["architecture"]))
     loss_fn = loss_fn_for(spec["variant"], model)
     precision = None
     if spec["precision"] == "bf16":
@@ -268,7 +268,7 @@ def table(rows: list[tuple[str, str, dict[str, Any]]], architecture: str) -> lis
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     baselines = {model: result for model, variant, result in rows if variant == "materialised"}
     for model, variant, result in rows:
-        vocab = f"{vocabulary({'model': model, 'architecture': architecture}):,}"
+        vocab = f"{vocabulary(model, architecture):,}"
         if "error" in result:
             lines.append(f"| {model} | {vocab} | {variant} | {result['error']} |||||")
             continue

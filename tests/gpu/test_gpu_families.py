@@ -10,7 +10,8 @@ transformers in fp32. Their helpers build the same models here, on ``cuda_runs.D
   long) and Qwen3 MoE (a dense layer and expert layers) against transformers' own model of the
   same files, in fp32 (see [fp32 bound]) and bf16 (see [bf16 bound]); transformers runs eager
   attention and, for the MoE, eager experts: the definitions, not its own fast kernels.
-- Gemma 3 under flex attention (compiled on CUDA, as the recipes run packed rows): documents
+- Gemma 3 under flex attention (compiled on CUDA, as the recipes run packed rows, with the
+  mask their collation builds, ``exactga.data.packing.document_mask``): documents
   packed in one row get the logits they get alone, and one document's ``BlockMask`` gives
   transformers' sliding-window logits, on a row long enough for the window to leave whole
   128-token blocks full, partial and empty.
@@ -22,7 +23,8 @@ transformers in fp32. Their helpers build the same models here, on ``cuda_runs.D
   path that ran recorded.
 
 ``EXACTGA_GPU_DRY_RUN=1`` rehearses all of it on the CPU; the two tests that measure CUDA
-itself (the grouped path chosen, peak GPU memory) skip there.
+itself (the grouped path chosen, peak GPU memory) skip there, and packed rows carry the dense
+mask the recipes give SDPA on a CPU instead of a ``BlockMask``.
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ import torch
 import torch.nn.functional as F
 from cuda_runs import DEVICE
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 from torchtune import training
 
 from exactga.accumulation.linear_cross_entropy import LinearCrossEntropyLoss
 from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.data.packing import document_mask, uses_flex_attention
 from exactga.models.gemma3 import gemma3
 from exactga.models.moe import (
     GroupedExperts,
@@ -66,8 +69,6 @@ transformers = pytest.importorskip("transformers")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.xdist_group("gpu_families"),
-    # Uncompiled on the CPU rehearsal, as the CPU tests run it.
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
 ]
 
 ON_CPU = DEVICE == "cpu"
@@ -284,16 +285,11 @@ def long_gemma3(state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module
     return ours_on_device(partial(gemma3, **{**gemma3_cpu.TINY, **LONG}), state, dtype)
 
 
-def document_block_mask(lengths: list[int]) -> BlockMask:
-    """Block-causal attention within each document of a packed row, as a flex ``BlockMask``
-    on DEVICE (the window is the model's to add)."""
-    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(DEVICE)
-
-    def block_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (document[q_idx] == document[kv_idx])
-
-    total = sum(lengths)
-    return create_block_mask(block_causal, 1, None, total, total, device=DEVICE)
+def document_block_mask(lengths: list[int]) -> BlockMask | torch.Tensor:
+    """The mask a packed row of these documents carries in the recipes (the window is the
+    model's to add): on CUDA flex attention's ``BlockMask``, on the CPU rehearsal the dense
+    block-causal mask that SDPA takes there."""
+    return document_mask(lengths, flex=uses_flex_attention(DEVICE))
 
 
 def test_gemma3_packed_documents_get_their_own_logits_under_flex(tmp_path, record_property):
