@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -223,14 +224,20 @@ def samples_flops(lengths: list[int], num_params: int, layers: int, width: int) 
     return sum(6 * num_params * t + 12 * layers * width * t * t for t in lengths)
 
 
-def step_flops(lengths: list[int]) -> float:
-    """Model FLOPs of one step's samples on the 1B shape."""
+@functools.cache  # one meta build, not one per timed step
+def llama_1b_parameters() -> int:
+    """The 1B shape's parameter count (tied: the projection once)."""
     with torch.device("meta"):
         from torchtune.models.llama3_2 import llama3_2
 
         model = llama3_2(**LLAMA_3_2_1B, max_seq_len=1)
-    num_params = sum(p.numel() for p in model.parameters())  # tied: the projection once
-    return samples_flops(lengths, num_params, LLAMA_3_2_1B["num_layers"], LLAMA_3_2_1B["embed_dim"])
+    return sum(p.numel() for p in model.parameters())
+
+
+def step_flops(lengths: list[int]) -> float:
+    """Model FLOPs of one step's samples on the 1B shape."""
+    layers, width = LLAMA_3_2_1B["num_layers"], LLAMA_3_2_1B["embed_dim"]
+    return samples_flops(lengths, llama_1b_parameters(), layers, width)
 
 
 def selected_runs(args: argparse.Namespace) -> dict[str, list[str]]:

@@ -120,10 +120,6 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     return launch_all(launches, tmp_path_factory.mktemp("gpu_preference_rl"))
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def after_warm_up(values: list[float]) -> list[float]:
     """A run's per-step figures without its first step, which pays for allocator growth and
     kernel selection (and, with flex attention, compilation)."""
@@ -179,13 +175,13 @@ def test_grpo_logs_generation_and_training_speed_apart(runs, record_property):
     training = after_warm_up(scalars["throughput/training_tokens_per_second"])
     assert all_finite(generation) and min(generation) > 0
     assert all_finite(training) and min(training) > 0
-    record_property("generated_tokens_per_step", f"{mean(generated):.0f}")
+    record_property("generated_tokens_per_step", f"{statistics.mean(generated):.0f}")
     record_property("generation_tokens_per_second", f"{statistics.median(generation):.0f}")
     record_property("training_tokens_per_second", f"{statistics.median(training):.0f}")
     record_property(
-        "generate_ms_per_step", f"{mean(after_warm_up(scalars['time/generate_ms'])):.1f}"
+        "generate_ms_per_step", f"{statistics.mean(after_warm_up(scalars['time/generate_ms'])):.1f}"
     )
-    record_property("step_ms", f"{mean(after_warm_up(scalars['time/step_ms'])):.1f}")
+    record_property("step_ms", f"{statistics.mean(after_warm_up(scalars['time/step_ms'])):.1f}")
 
 
 def test_grpo_generation_decodes_from_a_bf16_kv_cache(record_property):
@@ -280,7 +276,7 @@ def test_packed_rows_padding_and_shapes(runs, record_property):
         scalars = runs[name].scalars()
         padding = scalars["throughput/padding_fraction"]
         assert len(padding) == PACKED_STEPS and all(0.0 <= p < 1.0 for p in padding), padding
-        record_property(f"{name}_padding_fraction", f"{mean(padding):.3f}")
+        record_property(f"{name}_padding_fraction", f"{statistics.mean(padding):.3f}")
         shapes = max(scalars["throughput/micro_batch_shapes"])
         record_property(f"{name}_micro_batch_shapes", f"{shapes:.0f}")
     # Rows of micro_batch_tokens positions, without pad_to_multiple_of: one shape, so flex
