@@ -452,7 +452,8 @@ def measure(
         for step in range(args.warmup_steps, args.steps)
     ]
     seconds = sum(timed)
-    flops = sum(step_flops(lengths, outcome.model) for lengths in timed_lengths)
+    # The FLOPs are a sum over samples: one call counts the model's parameters once, not per step.
+    flops = step_flops(list(itertools.chain.from_iterable(timed_lengths)), outcome.model)
     peak = device_peak_flops(device)
     row = Row(
         run=f"hf_{collation}",

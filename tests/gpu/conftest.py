@@ -5,13 +5,13 @@ They carry the ``gpu`` marker (pyproject.toml), so ``pytest -m gpu tests/gpu`` s
 (tools/gpu_check.py) runs them and writes docs/gpu_report.md.
 
 ``EXACTGA_GPU_DRY_RUN=1`` runs them on the CPU instead (``cuda_runs.DEVICE``): a rehearsal that
-finds a broken launch, key or import before a GPU machine's minutes are spent on it. Assertions
-about CUDA itself (peak GPU memory, NCCL, kernels) fail there; that is expected of a rehearsal.
+finds a broken launch, key or import before a GPU machine's minutes are spent on it. A test of
+CUDA itself (peak GPU memory, NCCL, kernels) marked ``cuda_runs.cuda_only`` skips there; round
+two's modules mark none, and their CUDA assertions fail there, as a rehearsal expects.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import recipe_utils  # noqa: E402
+from cuda_runs import DRY_RUN  # noqa: E402
 
 if not recipe_utils.TUNE.exists() and shutil.which("tune"):
     # An install without a virtual environment (tools/gpu_check.py --no-venv: packages under
@@ -31,7 +32,6 @@ if not recipe_utils.TUNE.exists() and shutil.which("tune"):
     recipe_utils.TUNE = Path(shutil.which("tune"))
 
 CUDA_AVAILABLE = torch.cuda.is_available()
-DRY_RUN = os.environ.get("EXACTGA_GPU_DRY_RUN") == "1"  # the same switch as cuda_runs.DEVICE
 HERE = Path(__file__).resolve().parent
 
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from recipe_utils import load_weights, output_of, read_scalars, relative_l2, run_tune
 
 FULL_SINGLE = ("recipes/full_finetune_single_device.py", "configs/tiny/full_single_device.yaml")
@@ -23,8 +24,13 @@ LORA_SINGLE = ("recipes/lora_finetune_single_device.py", "configs/tiny/lora_sing
 FULL_DISTRIBUTED = ("recipes/full_finetune_distributed.py", "configs/tiny/full_distributed.yaml")
 LORA_DISTRIBUTED = ("recipes/lora_finetune_distributed.py", "configs/tiny/lora_distributed.yaml")
 
-# "cpu" under EXACTGA_GPU_DRY_RUN=1, the rehearsal of tests/gpu/conftest.py; else "cuda".
-DEVICE = "cpu" if os.environ.get("EXACTGA_GPU_DRY_RUN") == "1" else "cuda"
+# EXACTGA_GPU_DRY_RUN=1: the rehearsal of tests/gpu/conftest.py, these tests on the CPU.
+DRY_RUN = os.environ.get("EXACTGA_GPU_DRY_RUN") == "1"
+DEVICE = "cpu" if DRY_RUN else "cuda"
+# A test of CUDA itself (its kernels, memory, NCCL): nothing to check on the rehearsal.
+cuda_only = pytest.mark.skipif(
+    DRY_RUN, reason="rehearsal on the CPU (EXACTGA_GPU_DRY_RUN=1): no CUDA to check"
+)
 TRAINED = "epoch_0/model-00001-of-00001.safetensors"
 INITIAL = "base_model/model.safetensors"
 LAUNCH_TIMEOUT_S = 900  # compile and flex attention compile kernels on first use
@@ -123,6 +129,7 @@ def all_finite(values: list[float]) -> bool:
 __all__ = [
     "BF16_CURVE_RTOL",
     "DEVICE",
+    "DRY_RUN",
     "FULL_DISTRIBUTED",
     "FULL_SINGLE",
     "INITIAL",
@@ -132,6 +139,7 @@ __all__ = [
     "Launch",
     "Run",
     "all_finite",
+    "cuda_only",
     "launch_all",
     "max_relative_difference",
     "relative_l2",

@@ -44,7 +44,7 @@ import test_models_qwen3 as qwen3_cpu
 import test_models_qwen3_moe as moe_cpu
 import torch
 import torch.nn.functional as F
-from cuda_runs import DEVICE
+from cuda_runs import DEVICE, DRY_RUN, cuda_only
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from torchtune import training
@@ -70,11 +70,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.xdist_group("gpu_families"),
 ]
-
-ON_CPU = DEVICE == "cpu"
-measures_cuda = pytest.mark.skipif(
-    ON_CPU, reason="measures CUDA itself: nothing to measure on the CPU rehearsal"
-)
 
 # [fp32 bound]
 # The CPU tests' bound, relative L2 of the logits. fp32 matrix products on CUDA run in IEEE
@@ -377,7 +372,7 @@ def lce_loss_gradients_peak(
     hidden, weight, labels = lce_inputs(param_dtype)
     hidden.requires_grad_()
     weight.requires_grad_()
-    if not ON_CPU:
+    if not DRY_RUN:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -389,7 +384,7 @@ def lce_loss_gradients_peak(
             loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX)
     loss.backward()
     peak = None
-    if not ON_CPU:
+    if not DRY_RUN:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     return {"loss": loss.detach(), "hidden.grad": hidden.grad, "weight.grad": weight.grad}, peak
@@ -417,7 +412,7 @@ def test_fused_loss_at_qwen3_vocab_is_materialised_logits(precision, record_prop
     assert fused["weight.grad"].dtype == PRECISIONS[precision][0]
 
 
-@measures_cuda
+@cuda_only
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_fused_loss_peaks_below_materialised_logits_on_cuda(precision, record_property):
     _, fused_peak = lce_loss_gradients_peak(precision, fused=True)
@@ -555,7 +550,7 @@ def test_auto_expert_path_agrees_with_loop_and_naive(lora, record_property):
         assert results["w2.weight"][IDLE_EXPERT].abs().max() == 0
 
 
-@measures_cuda
+@cuda_only
 def test_auto_expert_path_is_grouped_mm_on_cuda_in_bf16(record_property):
     capability = torch.cuda.get_device_capability()
     record_property("compute_capability", f"{capability[0]}.{capability[1]}")

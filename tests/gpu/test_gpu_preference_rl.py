@@ -27,6 +27,7 @@ from cuda_runs import (
     Launch,
     Run,
     all_finite,
+    cuda_only,
     launch_all,
     max_relative_difference,
 )
@@ -35,10 +36,6 @@ from recipe_utils import REPO_ROOT, load_weights, relative_l2
 from exactga.parity.scoring import PRECISION_FLOOR_FACTOR
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.xdist_group("gpu_preference_rl")]
-
-cuda_only = pytest.mark.skipif(
-    DEVICE == "cpu", reason="rehearsal on the CPU (EXACTGA_GPU_DRY_RUN=1): no CUDA to check"
-)
 
 LORA_DPO_SINGLE = ("recipes/lora_dpo_single_device.py", "configs/tiny/lora_dpo_single_device.yaml")
 LORA_DPO_DISTRIBUTED = (
