@@ -94,22 +94,17 @@ def test_a_benchmark_the_deadline_cannot_fit_is_reported_not_run(tmp_path: Path)
     assert f"### `{result['script']}`\n\nNot run: 59 s of --deadline were left." in report
 
 
-def test_a_finished_benchmarks_figures_reach_the_report(tmp_path: Path) -> None:
+def test_a_finished_benchmarks_figures_reach_the_report(tmp_path: Path, monkeypatch) -> None:
     script = tmp_path / "fake_benchmark.py"
     script.write_text(
         "import json, sys\n"
         "path = sys.argv[sys.argv.index('--json') + 1]\n"
         "json.dump({'markdown': '| a | b |\\n|---|---|\\n| 1 | 2 |'}, open(path, 'w'))\n"
     )
-    gpu_check.BENCHMARKS["fake"] = [str(script)]
-    try:
-        args = gpu_check.parse_args(["--benchmarks", "fake"])
-        environment = gpu_check.Environment(sys.executable, None, "this interpreter")
-        result = gpu_check.run_benchmark(
-            "fake", args, environment, tmp_path, gpu_check.Deadline(None)
-        )
-    finally:
-        del gpu_check.BENCHMARKS["fake"]
+    monkeypatch.setitem(gpu_check.BENCHMARKS, "fake", [str(script)])
+    args = gpu_check.parse_args(["--benchmarks", "fake"])
+    environment = gpu_check.Environment(sys.executable, None, "this interpreter")
+    result = gpu_check.run_benchmark("fake", args, environment, tmp_path, gpu_check.Deadline(None))
     assert result["status"] == 0 and gpu_check.passed(None, [result])
     assert json.loads((tmp_path / "fake.json").read_text())["markdown"].startswith("| a | b |")
     report = gpu_check.render_report(args, environment, None, None, [result], 1.0)
