@@ -85,6 +85,7 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import SequentialSampler
+from torchtune.data import padded_collate_sft
 from transformers import (
     DataCollatorWithFlattening,
     LlamaConfig,
@@ -262,17 +263,17 @@ def ordered_samples(seq_len: int, count: int) -> tuple[list[dict[str, list[int]]
 
 
 def padded_collate(features: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pads a micro-batch to its longest sample, as torchtune's ``padded_collate_sft``."""
-    longest = max(len(f["input_ids"]) for f in features)
-
-    def pad(values: list[int], fill: int) -> list[int]:
-        return values + [fill] * (longest - len(values))
-
+    """A micro-batch right-padded to its longest sample by torchtune's ``padded_collate_sft``,
+    the collator of our stock runs, in the Trainer's keys."""
+    pairs = [{"tokens": f["input_ids"], "labels": f["labels"]} for f in features]
+    batch = padded_collate_sft(pairs, padding_idx=pad_id, ignore_idx=IGNORE_INDEX)
+    lengths = torch.tensor([len(f["input_ids"]) for f in features])
+    positions = torch.arange(batch["tokens"].shape[1])
     return {
-        "input_ids": torch.tensor([pad(f["input_ids"], pad_id) for f in features]),
-        "labels": torch.tensor([pad(f["labels"], IGNORE_INDEX) for f in features]),
+        "input_ids": batch["tokens"],
+        "labels": batch["labels"],
         # What a user's collator passes; it also keeps SDPA off its mask-free kernel.
-        "attention_mask": torch.tensor([pad([1] * len(f["input_ids"]), 0) for f in features]),
+        "attention_mask": (positions < lengths[:, None]).long(),
     }
 
 
@@ -415,7 +416,8 @@ def train(
 
 
 def step_flops(lengths: list[int], model: torch.nn.Module) -> float:
-    """gpu_1b_variable_length's FLOPs of one step's samples, for the model the Trainer ran."""
+    """gpu_1b_variable_length's FLOPs of samples of these lengths (a step's, or several steps'
+    chained: the count is a sum over samples) for the model the Trainer ran."""
     num_params = sum(p.numel() for p in model.parameters())  # tied: the projection once
     config = model.config
     return gpu_1b.samples_flops(lengths, num_params, config.num_hidden_layers, config.hidden_size)
