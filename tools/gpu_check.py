@@ -350,7 +350,9 @@ class Deadline:
         return left is None or left >= minimum
 
 
-def run_tests(args: argparse.Namespace, environment: Environment, work: Path, deadline) -> dict:
+def run_tests(
+    args: argparse.Namespace, environment: Environment, work: Path, deadline: Deadline
+) -> dict:
     junit = work / "gpu_tests.xml"
     junit.unlink(missing_ok=True)
     cmd = [environment.python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-v", "-rA"]
@@ -508,7 +510,14 @@ def passed(tests: dict | None, benchmarks: list[dict] | None) -> bool:
     return ok
 
 
-def write_report(args, environment, info, tests, benchmarks, start: float) -> Path:
+def write_report(
+    args: argparse.Namespace,
+    environment: Environment,
+    info: dict | None,
+    tests: dict | None,
+    benchmarks: list[dict] | None,
+    start: float,
+) -> Path:
     """Write the report as it stands; called after every part, so that a check stopped from
     outside (a lease's end) still leaves what it measured."""
     report = render_report(args, environment, info, tests, benchmarks, time.perf_counter() - start)
