@@ -15,19 +15,27 @@ import contextlib
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtune import config, modules, training
+from torchtune.config._utils import _get_component_from_path
 from torchtune.modules import TiedLinear
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.training import FullModelHFCheckpointer
 from torchtune.training.activations import apply_selective_activation_checkpointing
 
+from exactga.models.hf_config import (
+    CONFIG_JSON,
+    missing_arguments_message,
+    resolve_model_section,
+)
 from exactga.models.moe import moe_blocks, router_recording_context_fn
 from exactga.run.resume import ResumePoint, checkpointer_source
 from exactga.runtime import distributed
@@ -35,6 +43,67 @@ from exactga.runtime.precision import Precision
 from exactga.setup.lora import LoraSettings, load_lora_weights
 from exactga.setup.model_state import load_model_state
 from exactga.setup.qat import prepare_for_qat
+
+# Each model section and the checkpointers that read its weights; the first fills what the
+# section leaves out, every one is compared (a DPO reference, a PPO value model).
+MODEL_SECTIONS = (
+    ("model", ("checkpointer", "ref_checkpointer")),
+    ("teacher_model", ("teacher_checkpointer",)),
+    ("policy_model", ("checkpointer", "ref_policy_checkpointer")),
+    ("reward_and_value_model", ("reward_checkpointer", "value_checkpointer")),
+)
+
+
+def models_from_folders(cfg: DictConfig) -> DictConfig:
+    """Each model section of ``cfg`` checked against its Hugging Face checkpointer's
+    ``config.json`` and completed from it, before anything is built or written (see
+    ``exactga.models.hf_config``): what a section leaves out is the folder's, what it gives
+    must be the folder's. The filled arguments are written into ``cfg`` (so
+    ``resolved_config.yaml`` shows the model that trains) and logged.
+
+    Raises:
+        ValueError: a value the section builds otherwise than the folder's ``config.json``
+            (naming the key, both values and the fix), or a builder argument nobody gives.
+    """
+    for name, checkpointer_keys in MODEL_SECTIONS:
+        if "_component_" not in (cfg.get(name) or {}):
+            continue
+        model = OmegaConf.to_container(cfg[name], resolve=True)
+        without_config = None
+        for index, key in enumerate(checkpointer_keys):
+            folder = _hf_checkpoint_dir(cfg.get(key))
+            if folder is None:
+                continue
+            if not (folder / CONFIG_JSON).is_file():
+                without_config = without_config or str(folder)
+                continue
+            model, filled = resolve_model_section(name, model, folder, fill=index == 0)
+            if filled:
+                with open_dict(cfg[name]):
+                    for arg, value in filled.items():
+                        cfg[name][arg] = value
+                shown = ", ".join(f"{arg}={value}" for arg, value in filled.items())
+                distributed.log_rank_zero(f"{name}: from {folder / CONFIG_JSON}: {shown}")
+        message = missing_arguments_message(name, model, without_config)
+        if message is not None:
+            raise ValueError(message)
+    return cfg
+
+
+def _hf_checkpoint_dir(cfg_checkpointer: DictConfig | None) -> Path | None:
+    """The folder a Hugging Face checkpointer reads (``None`` for another checkpointer, such
+    as the tiny configs' seeded one, which writes its folder from the model section)."""
+    if not cfg_checkpointer or "_component_" not in cfg_checkpointer:
+        return None
+    try:
+        component = _get_component_from_path(cfg_checkpointer._component_)
+    except Exception:  # noqa: BLE001 - instantiating the checkpointer names the bad path
+        return None
+    if not (isinstance(component, type) and issubclass(component, FullModelHFCheckpointer)):
+        return None
+    if cfg_checkpointer.get("checkpoint_dir") is None:
+        return None
+    return Path(cfg_checkpointer.checkpoint_dir)
 
 
 @dataclass(frozen=True)

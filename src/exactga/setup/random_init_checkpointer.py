@@ -146,7 +146,7 @@ def _hf_config(model_cfg: DictConfig, model: torch.nn.Module, model_type: str) -
     attn = model.layers[0].attn
     architecture, hf_model_type = _HF_ARCHITECTURES[model_type]
     arguments = _builder_arguments(model_cfg)  # the builder's own defaults, not guesses here
-    return {
+    config = {
         "architectures": [architecture],
         "model_type": hf_model_type,
         "vocab_size": model.tok_embeddings.num_embeddings,
@@ -163,6 +163,15 @@ def _hf_config(model_cfg: DictConfig, model: torch.nn.Module, model_type: str) -
         "tie_word_embeddings": isinstance(model.output, TiedLinear),
         "torch_dtype": "float32",
     }
+    if "scale_factor" in arguments:  # torchtune's llama3_1/llama3_2: Llama 3's RoPE scaling
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(arguments["scale_factor"]),
+            "low_freq_factor": 1.0,  # what torchtune's Llama3ScaledRoPE fixes
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    return config
 
 
 def _tune_to_hf(

@@ -51,7 +51,14 @@ from exactga.runtime.precision import Precision
 from exactga.setup.checkpoints import RunCheckpoints
 from exactga.setup.frozen import build_frozen_model, freeze_model
 from exactga.setup.lora import LoraSettings
-from exactga.setup.model import AdapterWeights, FullWeights, ModelSettings, Parallelism, build_model
+from exactga.setup.model import (
+    AdapterWeights,
+    FullWeights,
+    ModelSettings,
+    Parallelism,
+    build_model,
+    models_from_folders,
+)
 from exactga.setup.qat import quantizer_from_config
 
 log = utils.get_logger("INFO")
@@ -66,6 +73,7 @@ def validated_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictCon
         ValueError: naming the key or file at fault.
     """
     cfg = validate_run_config(cfg, schema, recipe_name)
+    cfg = models_from_folders(cfg)  # config.json is the truth of a Hugging Face folder
     log_config_summary(recipe_name, cfg)  # the whole config: <output_dir>/resolved_config.yaml
     return cfg
 
