@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torchtune.config._utils import _get_component_from_path
 from torchtune.models import llama3, llama3_1, llama3_2, qwen2
 from torchtune.models.llama3._model_utils import scale_hidden_dim_for_mlp
@@ -78,7 +79,10 @@ class FolderConfig:
     @classmethod
     def read(cls, folder: Path | str, defaults: Mapping[str, Any]) -> FolderConfig:
         path = Path(folder) / CONFIG_JSON
-        values = json.loads(path.read_text())
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not JSON ({err}): the folder's model is unknown") from err
         model_type = values.get("model_type")
         if isinstance(values.get("text_config"), dict) and "num_hidden_layers" not in values:
             return cls(path, values["text_config"], defaults, "text_config.", model_type)
@@ -681,7 +685,8 @@ def _sized_builder_call(
 
     try:
         namespace.update({name: recorder(value) for name, value in swapped.items()})
-        func(**keywords)
+        with torch.device("meta"):  # a builder that calls none of them builds nothing real
+            func(**keywords)
     except _Captured as call:
         return call.builder, dict(call.arguments)
     except Exception:  # noqa: BLE001 - instantiating the section names what is wrong
