@@ -10,8 +10,8 @@ This module is imported at interpreter start-up by ``exactga_recipes_path.pth`` 
 finder in front of the import system. It answers for exactly one name, ``recipes``, and only
 when the working directory has a ``recipes/`` folder; every other import, and every launch from
 a directory without one, is untouched. A second finder, :class:`TorchtuneCliPatcher`, adds
-exactga's recipes to ``tune ls``/``cp``/``run`` and quiets the launcher's traceback after a user
-error under torchrun. Kept free of heavy imports: it runs in
+exactga's recipes to ``tune ls``/``cp``/``run``, quiets the launcher's traceback after a user
+error under torchrun and refuses launch mix-ups. Kept free of heavy imports: it runs in
 every interpreter of the environment. See docs/launching.md.
 """
 
@@ -46,14 +46,15 @@ class TorchtuneCliPatcher:
       under an ``exactga/`` prefix, for ``tune ls``, ``tune cp`` and ``tune run``
       (``exactga.launch.registry.add_to_torchtune_registry``);
     - ``torchtune._cli.run``: its torchrun path prints a user error's one message and no
-      launcher traceback (``exactga.launch.cli.quiet_user_errors_under_torchrun``; see [user
-      errors]).
+      launcher traceback (see [user errors]), and ``tune run`` refuses a launch that would run
+      something other than asked, or runs a recipe path it could not import by its path
+      (``exactga.launch.cli.patch_tune_run``; see [launch mix-ups]).
     """
 
     # module imported -> (exactga module, its function that patches it)
     _PATCHES = {
         "torchtune._recipe_registry": ("exactga.launch.registry", "add_to_torchtune_registry"),
-        "torchtune._cli.run": ("exactga.launch.cli", "quiet_user_errors_under_torchrun"),
+        "torchtune._cli.run": ("exactga.launch.cli", "patch_tune_run"),
     }
 
     @classmethod

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from exactga.launch.mixups import path_only_recipe, single_device_problem, tune_run_problem
 from exactga.launch.stopping import (
     LAUNCH_COMMAND_ENV,
     LAUNCHER_STOP_FILE_ENV,
@@ -60,8 +62,16 @@ def run_recipe(recipe_main: Callable[[], Any]) -> int:
 
     See [user errors].
     """
-    # torchtune's parser would fail on either with a traceback (25 to 72 lines)
-    problem = _missing_config(sys.argv) or _command_line_problem(sys.argv)
+    # below torchtune's ``config.parse``: the recipe file's own function and module
+    recipe_function = inspect.unwrap(recipe_main)
+    recipe_file = Path(recipe_function.__code__.co_filename).resolve()
+    # A single-device recipe under torchrun (see [launch mix-ups] in exactga.launch.mixups),
+    # and what torchtune's parser would fail on with a traceback (25 to 72 lines).
+    problem = (
+        single_device_problem(recipe_file, recipe_function.__globals__)
+        or _missing_config(sys.argv)
+        or _command_line_problem(sys.argv)
+    )
     if problem is not None:
         _print_user_error(problem)
         return 1
@@ -69,7 +79,6 @@ def run_recipe(recipe_main: Callable[[], Any]) -> int:
         with stopping_on_signals():  # see [stop at a step boundary]
             recipe_main()
     except ValueError as err:
-        recipe_file = Path(recipe_main.__code__.co_filename).resolve()
         if os.environ.get(TRACEBACK_ENV) or not _raised_by(err.__traceback__, recipe_file):
             raise
         _print_user_error(str(err))
@@ -259,6 +268,72 @@ def _raised_by(tb: TracebackType | None, recipe_file: Path) -> bool:
         tb = tb.tb_next
     path = Path(tb.tb_frame.f_code.co_filename).resolve()
     return path == recipe_file or _PACKAGE_DIR in path.parents
+
+
+def patch_tune_run(run_module: Any) -> None:
+    """Patch ``torchtune._cli.run`` (the start-up hook ``_exactga_recipes_hook`` calls this as
+    ``tune`` imports it): the quiet end of a launch after user errors or a stop
+    (:func:`quiet_user_errors_under_torchrun`), and the launch mix-ups refused or run as meant
+    (:func:`refuse_launch_mixups`)."""
+    quiet_user_errors_under_torchrun(run_module)
+    refuse_launch_mixups(run_module)
+
+
+def refuse_launch_mixups(run_module: Any) -> None:
+    """Wrap ``torchtune._cli.run.Run`` so that ``tune run`` refuses, in one message and with
+    status 1, a launch that would run something other than asked, and runs a recipe given by a
+    path that is no module name by its path; see [launch mix-ups] in exactga.launch.mixups."""
+    run_class = run_module.Run
+    if getattr(run_class._run_cmd, "_exactga_checked", False):
+        return
+    run_cmd, get_recipe = run_class._run_cmd, run_class._get_recipe
+
+    @functools.wraps(get_recipe)
+    def get_recipe_or_file(self: Any, recipe_str: str) -> Any:
+        recipe = get_recipe(self, recipe_str)
+        path = path_only_recipe(recipe_str) if recipe is None else None
+        if path is None:
+            return recipe
+        # Run by its path, as torchtune runs its own recipes (an absolute path survives its
+        # join onto its folder); under torchrun the recipe itself refuses to run on several
+        # processes where it is a single-device one. Its folder goes first on sys.path, where
+        # ``python <file>`` (torchrun's form) puts it.
+        sys.path.insert(0, str(path.parent))
+        return run_module.Recipe(
+            name=recipe_str, file_path=str(path), configs=[], supports_distributed=True
+        )
+
+    @functools.wraps(run_cmd)
+    def checked_run_cmd(self: Any, args: Any) -> Any:
+        listed = {
+            recipe.name: recipe.supports_distributed for recipe in run_module.get_all_recipes()
+        }
+        problem = tune_run_problem(
+            args.recipe,
+            _config_file(self, args, run_module),
+            self._is_distributed_args(args),
+            listed,
+        )
+        if problem is not None:
+            print(f"\nexactga: {problem}", file=sys.stderr)
+            raise SystemExit(1)
+        return run_cmd(self, args)
+
+    checked_run_cmd._exactga_checked = True  # type: ignore[attr-defined]
+    run_class._get_recipe = get_recipe_or_file
+    run_class._run_cmd = checked_run_cmd
+
+
+def _config_file(run: Any, args: Any, run_module: Any) -> str | None:
+    """``--config``'s file as ``tune run`` resolves it (a listed config name to its file), or
+    None where it is not given (torchtune says so itself)."""
+    if "--config" not in args.recipe_args[:-1]:
+        return None
+    config_str = args.recipe_args[args.recipe_args.index("--config") + 1]
+    config = run._get_config(config_str, run._get_recipe(args.recipe))
+    if config is None:
+        return config_str
+    return str(run_module.ROOT / "recipes" / "configs" / config.file_path)
 
 
 # Note [torchrun and a stop]

@@ -171,6 +171,58 @@ RECIPES = (
 )
 
 
+# Top-level config keys that exactga's recipes read and torchtune 0.6.1's do not (none of its
+# recipes reads one, none of its configs sets one): a config that sets any of them is written
+# for exactga, and torchtune's own recipe of the same name would train without it, without a
+# word (see [launch mix-ups] in exactga.launch.cli). tests/test_launch_mixups.py derives the set
+# from the schemas and torchtune's recipes and configs and checks it is this one.
+EXACTGA_ONLY_KEYS = frozenset(
+    {
+        "cpu_threads",
+        "cudnn_attention",
+        "drop_partial_window",
+        "dynamic_sampling",
+        "gradient_sync",
+        "keep_last_n_checkpoints",
+        "log_timings",
+        "loss_aggregation",
+        "loss_normalization",
+        "master_weights",
+        "max_sampling_rounds",
+        "micro_batch_tokens",
+        "micro_batching",
+        "nonfinite_loss",
+        "overlong_buffer",
+        "overlong_penalty_factor",
+        "pad_to_multiple_of",
+        "peak_flops",
+        "precompute_reference_logprobs",
+        "rank_balancing",
+        "resume_allow_changed_keys",
+        "router_aux_loss_coef",
+        "router_balance",
+        "rpo_alpha",
+        "save_every_n_steps",
+        "saved_latency_every_n_steps",
+        "sequence_log_prob",
+    }
+)
+
+
+def recipe_entry(name: str) -> RecipeEntry | None:
+    """exactga's recipe of that name (without the prefix), or None."""
+    return next((entry for entry in RECIPES if entry.name == name), None)
+
+
+def distributed_twin(name: str) -> str | None:
+    """The distributed recipe that trains what the single-device recipe ``name`` trains
+    (``full_finetune_single_device`` -> ``full_finetune_distributed``), or None where there is
+    none (PPO)."""
+    twin = name.replace("_single_device", "_distributed")
+    entry = recipe_entry(twin)
+    return twin if twin != name and entry is not None and entry.supports_distributed else None
+
+
 def files_root() -> Path:
     """The folder holding exactga's ``recipes/`` and ``configs/``: the checkout of an
     editable install (so edits there are what runs), else the wheel's bundled copy."""

@@ -17,6 +17,7 @@ user's copy) can neither skip it nor do it in another order.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -119,6 +120,14 @@ class Runtime:
     @classmethod
     def single_device(cls, cfg: DictConfig) -> Runtime:
         """One device: no process group, no sharding."""
+        # Launched as one of several processes, each would train the whole run into the same
+        # folder (a copy that skips run_recipe's check: [launch mix-ups] in exactga.launch.mixups).
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(
+                "this recipe trains on one device, but was launched as one of "
+                f"{os.environ['WORLD_SIZE']} processes (--nproc_per_node, --nnodes); run it "
+                "without torchrun options, or a distributed recipe (exactga/<name>_distributed)."
+            )
         device = utils.get_device(device=cfg.device)
         dtype = training.get_dtype(cfg.dtype, device=device)
         notes = (

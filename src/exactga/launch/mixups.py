@@ -1,0 +1,263 @@
+"""Launches that would run something other than what was asked, refused in one message.
+
+Note [launch mix-ups]
+``tune run`` resolves its recipe argument one of three ways: a name ``tune ls`` lists (a file of
+torchtune's, or exactga's under ``exactga/``: see exactga.launch.registry), else a path turned
+into a dotted module name and imported. Several ordinary commands then train something other
+than asked, with exit status 0, or end in a traceback that does not say what to type instead:
+
+- a single-device recipe by path (or a user's copy of one) under ``--nproc_per_node N``:
+  torchtune refuses single-device recipes it knows by name, but a path is imported under
+  torchrun as any script, so N processes each train the whole run into one output folder.
+  The recipe refuses it itself, before anything is written: ``run_recipe`` asks
+  :func:`single_device_problem`, which reads the recipe's ``RECIPE_NAME`` (a copy keeps it) or
+  its source (a copy that renamed it still calls ``Runtime.single_device``);
+  ``Runtime.single_device`` refuses too, for a copy that skips ``run_recipe``;
+- a stock recipe name with a config written for exactga (``tune run lora_finetune_single_device
+  --config configs/qwen3/0.6B_lora_single_device.yaml``): torchtune's own recipe runs and ignores
+  exactga's keys (:data:`~exactga.launch.registry.EXACTGA_ONLY_KEYS`). Refused by the launcher
+  (:func:`tune_run_problem`) where exactga has a recipe of that name, with the command that runs
+  it; a stock config carries none of those keys, so stock runs are untouched;
+- a recipe by a path that is no dotted module name (``/abs/recipes/x.py``, ``./x.py``,
+  ``../x.py``, ``my-recipe.py``): torchtune's ``python -m`` form fails in runpy or torchrun. The
+  launcher runs such a file by its path instead, as torchtune runs its own recipes
+  (:func:`path_only_recipe`);
+- a recipe that is neither a listed name, nor a file, nor a module (a typo in
+  ``exactga/full_finetune_single_devic``, ``recipes/x.py`` from a folder without ``recipes/``):
+  one message naming the nearest names instead of runpy's traceback;
+- an exactga single-device recipe by name under torchrun: torchtune's own refusal, with its
+  distributed twin named.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from exactga.launch.registry import (
+    EXACTGA_ONLY_KEYS,
+    PREFIX,
+    distributed_twin,
+    recipe_entry,
+)
+from exactga.launch.stopping import LAUNCH_COMMAND_ENV
+
+# --- in the recipe: a single-device recipe under torchrun ----------------------------------
+
+
+def single_device_problem(recipe_file: Path, recipe_globals: Mapping[str, Any]) -> str | None:
+    """The message refusing a single-device recipe launched as one of several processes
+    (``WORLD_SIZE`` above 1: ``--nproc_per_node``, ``--nnodes``), else None. See
+    [launch mix-ups]."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return None
+    name = recipe_globals.get("RECIPE_NAME")
+    entry = recipe_entry(name) if isinstance(name, str) else None
+    if entry is not None and entry.supports_distributed:
+        return None
+    if entry is None and not _calls_single_device_runtime(recipe_file):
+        return None
+    label = recipe_file.name
+    if entry is not None and recipe_file.stem != name:
+        label += f" (a copy of {name})"
+    command = _launch_command()
+    typed = _typed_recipe(command, recipe_file) if command else None
+    twin = distributed_twin(name) if entry is not None else None
+    suggestion = _with_recipe(command, typed, PREFIX + twin) if typed and twin else None
+    return single_device_refusal(label, twin, world_size, suggestion, known=entry is not None)
+
+
+def single_device_refusal(
+    recipe: str,
+    twin: str | None,
+    world_size: int | None,
+    suggestion: str | None,
+    known: bool = True,
+) -> str:
+    """The one message for a single-device recipe under torchrun: what would go wrong and the
+    command to type instead (``suggestion``: the launch as typed, with the twin); ``known``:
+    whether the recipe is exactga's or a copy that kept its ``RECIPE_NAME``."""
+    if world_size:
+        what = (
+            f"{recipe} trains on one device, but this launch starts {world_size} processes "
+            "(--nproc_per_node, --nnodes): each would train the whole run on its own, into "
+            "the same output folder."
+        )
+    else:  # by name: refused before any process starts, as torchtune refuses its own
+        what = f"{recipe} trains on one device and takes no torchrun options (--nproc_per_node)."
+    if twin is None and known:
+        return f"{what} exactga has no distributed version of it: run it without torchrun options."
+    if twin is None:
+        return (
+            f"{what} Run it without torchrun options, or run a distributed recipe "
+            f"('tune ls' lists exactga's: {PREFIX}<name>_distributed)."
+        )
+    if suggestion is None:
+        suggestion = f"tune run --nproc_per_node N {PREFIX}{twin} --config <config> ..."
+    return (
+        f"{what} Run its distributed twin, {twin} (recipes/{twin}.py in exactga's folder): "
+        f"{suggestion}; or run this one without torchrun options."
+    )
+
+
+def _calls_single_device_runtime(recipe_file: Path) -> bool:
+    """Whether a recipe's source sets up a one-device run (``Runtime.single_device``) and no
+    distributed one: a copy whose ``RECIPE_NAME`` was renamed or dropped."""
+    try:
+        source = recipe_file.read_text()
+    except OSError:
+        return False
+    return "Runtime.single_device(" in source and "Runtime.distributed(" not in source
+
+
+def _launch_command() -> list[str] | None:
+    """The ``tune run`` command line the launcher was given (see [torchrun and a stop] in
+    exactga.launch.cli), or None under a plain torchrun."""
+    typed = os.environ.get(LAUNCH_COMMAND_ENV)
+    if not typed:
+        return None
+    try:
+        command = json.loads(typed)
+    except json.JSONDecodeError:
+        return None
+    return command if isinstance(command, list) and "run" in command else None
+
+
+def _with_recipe(command: Sequence[str], typed: str, recipe: str) -> str | None:
+    """``tune run ...`` as typed in ``command``, with its recipe argument ``typed`` replaced by
+    ``recipe``; None where ``typed`` is not among its arguments."""
+    args = list(command)
+    if "run" not in args:
+        return None
+    args = args[args.index("run") + 1 :]
+    if typed not in args:
+        return None
+    args[args.index(typed)] = recipe
+    return shlex.join(["tune", "run", *args])
+
+
+def _typed_recipe(command: Sequence[str], recipe_file: Path) -> str | None:
+    """The argument of ``tune run`` that named ``recipe_file`` (the ranks share the
+    launcher's working directory)."""
+    for arg in list(command)[list(command).index("run") + 1 :]:
+        if arg.endswith(".py") and Path(arg).resolve() == recipe_file.resolve():
+            return arg
+    return None
+
+
+# --- in the launcher: tune run's recipe argument -------------------------------------------
+
+
+def path_only_recipe(recipe: str) -> Path | None:
+    """The file a recipe argument names where torchtune's ``python -m`` form cannot import it
+    (its path is no dotted module name: absolute, ``./``, ``../``, a ``-`` in a name), else
+    None: such a file is run by its path (see [launch mix-ups])."""
+    path = Path(recipe)
+    if path.suffix != ".py" or not path.is_file():
+        return None
+    dotted = os.path.splitext(recipe)[0].replace("/", ".")
+    if all(part.isidentifier() for part in dotted.split(".")):
+        return None
+    return path.resolve()
+
+
+def tune_run_problem(
+    recipe: str,
+    config_file: str | None,
+    distributed: bool,
+    listed: Mapping[str, bool],
+) -> str | None:
+    """The message refusing a ``tune run`` launch that would run something other than asked,
+    else None. ``recipe`` is the argument as typed, ``config_file`` ``--config``'s file (a
+    listed name already turned into its path), ``distributed`` whether torchrun options were
+    given, ``listed`` every name ``tune ls`` lists, each with whether it supports torchrun."""
+    if recipe.startswith(PREFIX) and recipe in listed:
+        entry = recipe_entry(recipe.removeprefix(PREFIX))
+        if distributed and entry is not None and not entry.supports_distributed:
+            twin = distributed_twin(entry.name)
+            suggestion = _with_recipe(_typed_command(), recipe, PREFIX + twin) if twin else None
+            return single_device_refusal(recipe, twin, None, suggestion)
+        return None
+    if recipe in listed:
+        return _stock_recipe_with_exactga_config(recipe, config_file)
+    if path_only_recipe(recipe) is None and not _importable(recipe):
+        return _no_such_recipe(recipe, listed)
+    return None
+
+
+def _typed_command() -> list[str]:
+    return ["tune", *sys.argv[1:]]
+
+
+def _stock_recipe_with_exactga_config(recipe: str, config_file: str | None) -> str | None:
+    """Where ``recipe`` is torchtune's and exactga has a recipe of that name, the message
+    refusing a config that carries exactga's keys; else None."""
+    if recipe_entry(recipe) is None or config_file is None:
+        return None
+    keys = sorted(EXACTGA_ONLY_KEYS & _top_level_keys(config_file))
+    if not keys:
+        return None
+    shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+    command = _with_recipe(_typed_command(), recipe, PREFIX + recipe) or shlex.join(
+        ["tune", "run", PREFIX + recipe, "--config", config_file]
+    )
+    return (
+        f"'{recipe}' is torchtune's own recipe, which does not read this config's exactga keys "
+        f"({shown}) and would train without them, without a word. Run exactga's recipe: "
+        f"{command} (or recipes/{recipe}.py in exactga's folder). For torchtune's own, give "
+        "it a config without exactga's keys."
+    )
+
+
+def _top_level_keys(config_file: str) -> set[str]:
+    """The config file's top-level keys, or none where it cannot be read (the recipe then
+    names the problem itself)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(config_file).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return set()
+    return {str(key) for key in loaded} if isinstance(loaded, dict) else set()
+
+
+def _importable(recipe: str) -> bool:
+    """Whether torchtune's module form of an unlisted recipe argument (``a/b.py`` ->
+    ``a.b``) finds a module, as its runpy or torchrun's ``python -m`` would."""
+    dotted = os.path.splitext(recipe)[0].replace("/", ".")
+    if not all(part.isidentifier() for part in dotted.split(".")):
+        return False
+    # torchtune appends the working directory to sys.path before it imports the recipe
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.append(os.getcwd())
+    try:
+        return importlib.util.find_spec(dotted) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
+def _no_such_recipe(recipe: str, listed: Mapping[str, bool]) -> str:
+    stem = Path(recipe).stem
+    candidates = list(listed)
+    if recipe_entry(stem) is not None:
+        nearest = [PREFIX + stem]
+    else:
+        nearest = difflib.get_close_matches(recipe, candidates, n=1, cutoff=0.6)
+    hint = f" Did you mean '{nearest[0]}'?" if nearest else ""
+    return (
+        f"tune run {recipe}: no such recipe: not a name 'tune ls' lists, nor a file or module "
+        f"found from the working directory {Path.cwd()}.{hint} exactga's recipes run from any "
+        f"folder by name ({PREFIX}<recipe>)."
+    )

@@ -1,0 +1,253 @@
+"""Launch mix-ups (see [launch mix-ups] in exactga.launch.mixups): a command that would train
+something other than asked is refused in one message naming the command that runs it, before
+anything is written; a recipe given by a path that is no module name runs.
+
+The refusals of ``tune run`` itself are checked in-process through torchtune's own parser (the
+start-up hook patched it in this interpreter as in any other); what needs a launch (the
+recipe's own refusal under torchrun, the hook in a fresh ``tune``, a run by absolute path) is
+launched, each launch to its refusal or one tiny step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torchtune
+import yaml
+from recipe_utils import (
+    INITIAL,
+    RECIPE,
+    REPO_ROOT,
+    TINY_CONFIG,
+    TRAINED,
+    output_of,
+    run_tune,
+    tiny_args,
+)
+from zygote import REAL_LAUNCH
+
+from exactga.launch import mixups, registry
+
+TORCHTUNE_RECIPES = Path(torchtune.__file__).resolve().parents[1] / "recipes"
+SCHEMA_MODULES = (
+    "exactga.config.schemas",
+    "exactga.kd.schema",
+    "exactga.dpo.schema",
+    "exactga.grpo.schema",
+    "exactga.ppo.schema",
+)
+STOCK_RECIPES = [entry.name for entry in registry.RECIPES if entry.name != "ga_parity"]
+
+
+def _tune_run(monkeypatch, *args: str) -> tuple[int, str]:
+    """``tune run <args>`` in-process through torchtune's parser: its exit status and stderr.
+    Only for commands refused before a recipe runs."""
+    from torchtune._cli.tune import TuneCLIParser
+
+    monkeypatch.setattr("sys.argv", ["tune", "run", *args])  # tune run reads it for torchrun
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # tune run appends the cwd
+    parser = TuneCLIParser()
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed), pytest.raises(SystemExit) as exit_info:
+        parser.run(parser._parser.parse_args(["run", *args]))
+    return exit_info.value.code, printed.getvalue()
+
+
+def _schema_keys() -> set[str]:
+    keys: set[str] = set()
+    for name in SCHEMA_MODULES:
+        module = importlib.import_module(name)
+        for _, schema in inspect.getmembers(module, dataclasses.is_dataclass):
+            if isinstance(schema, type) and schema.__module__ == name:
+                keys |= {field.name for field in dataclasses.fields(schema)}
+    return keys
+
+
+def _stock_config_keys() -> set[str]:
+    keys: set[str] = set()
+    for path in (TORCHTUNE_RECIPES / "configs").rglob("*.yaml"):
+        loaded = yaml.safe_load(path.read_text())
+        keys |= set(loaded) if isinstance(loaded, dict) else set()
+    return keys
+
+
+def test_exactgas_own_keys_are_the_schemas_keys_no_torchtune_recipe_or_config_knows() -> None:
+    stock_sources = " ".join(p.read_text() for p in TORCHTUNE_RECIPES.rglob("*.py"))
+    derived = {
+        key
+        for key in _schema_keys() - _stock_config_keys()
+        if not re.search(rf"\b{key}\b", stock_sources)  # read by a stock recipe: not ours
+    }
+    assert derived == registry.EXACTGA_ONLY_KEYS
+
+
+@pytest.mark.parametrize("recipe", STOCK_RECIPES)
+def test_every_shipped_config_of_a_recipe_torchtune_also_has_is_refused_under_the_stock_name(
+    recipe: str,
+) -> None:
+    listed = {recipe: False}
+    for config in registry.recipe_entry(recipe).configs:
+        problem = mixups.tune_run_problem(recipe, str(registry.config_path(config)), False, listed)
+        assert problem is not None and f"exactga/{recipe}" in problem, config
+
+
+def test_no_stock_config_is_refused_under_its_stock_recipe() -> None:
+    import torchtune._recipe_registry as torchtune_registry
+
+    listed = {r.name: r.supports_distributed for r in torchtune_registry.get_all_recipes()}
+    stock = [r for r in torchtune_registry.get_all_recipes() if not r.name.startswith("exactga/")]
+    for recipe in stock:
+        for config in recipe.configs:
+            path = TORCHTUNE_RECIPES / "configs" / config.file_path
+            assert mixups.tune_run_problem(recipe.name, str(path), False, listed) is None, path
+
+
+def test_a_stock_recipe_name_with_an_exactga_config_names_the_command_that_runs_it(
+    monkeypatch,
+) -> None:
+    config = "configs/qwen3/0.6B_lora_single_device.yaml"
+    monkeypatch.chdir(REPO_ROOT)
+    status, printed = _tune_run(monkeypatch, "lora_finetune_single_device", "--config", config)
+    assert status == 1
+    assert printed.count("exactga: ") == 1 and "Traceback" not in printed
+    assert f"tune run exactga/lora_finetune_single_device --config {config}" in printed
+    assert "loss_normalization" in printed and "master_weights" in printed
+
+
+@pytest.mark.parametrize(
+    ("recipe", "suggested"),
+    [
+        ("exactga/full_finetune_single_devic", "exactga/full_finetune_single_device"),
+        ("full_finetune_single_devic", "full_finetune_single_device"),
+        ("recipes/lora_finetune_single_device.py", "exactga/lora_finetune_single_device"),
+    ],
+)
+def test_a_recipe_that_is_no_name_file_or_module_is_one_message_with_the_nearest_name(
+    monkeypatch, tmp_path, recipe: str, suggested: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no recipes/ folder here
+    status, printed = _tune_run(monkeypatch, recipe, "--config", "exactga/tiny/full_single_device")
+    assert status == 1 and "Traceback" not in printed
+    assert f"Did you mean '{suggested}'?" in printed
+
+
+def test_an_exactga_single_device_name_under_torchrun_names_its_distributed_twin(
+    monkeypatch,
+) -> None:
+    args = ["--nproc_per_node", "2", "exactga/lora_dpo_single_device", "--config", "x.yaml"]
+    status, printed = _tune_run(monkeypatch, *args)
+    assert status == 1
+    assert "tune run --nproc_per_node 2 exactga/lora_dpo_distributed --config x.yaml" in printed
+
+
+@pytest.mark.parametrize(
+    ("recipe", "by_path"),
+    [
+        ("recipes/full_finetune_single_device.py", False),  # imported as recipes.<name>
+        (str(REPO_ROOT / RECIPE), True),
+        ("./recipes/full_finetune_single_device.py", True),
+        ("recipes/../recipes/full_finetune_single_device.py", True),
+        ("recipes/no_such_recipe.py", False),
+    ],
+)
+def test_a_recipe_path_that_is_no_module_name_runs_by_its_path(
+    monkeypatch, recipe: str, by_path: bool
+) -> None:
+    monkeypatch.chdir(REPO_ROOT)
+    found = mixups.path_only_recipe(recipe)
+    assert (found == REPO_ROOT / RECIPE) if by_path else found is None
+
+
+def _single_device_check(monkeypatch, world_size: str, recipe_file: Path, **globals_: str):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    monkeypatch.delenv(mixups.LAUNCH_COMMAND_ENV, raising=False)
+    return mixups.single_device_problem(recipe_file, globals_)
+
+
+def test_a_single_device_recipe_or_its_copy_refuses_several_processes(monkeypatch, tmp_path):
+    shipped = REPO_ROOT / RECIPE
+    problem = _single_device_check(
+        monkeypatch, "2", shipped, RECIPE_NAME="full_finetune_single_device"
+    )
+    assert problem is not None and "exactga/full_finetune_distributed" in problem
+    copy = tmp_path / "my_recipe.py"  # a copy that renamed RECIPE_NAME: its source tells
+    copy.write_text(shipped.read_text().replace('"full_finetune_single_device"', '"mine"'))
+    problem = _single_device_check(monkeypatch, "2", copy, RECIPE_NAME="mine")
+    assert problem is not None and "my_recipe.py trains on one device" in problem
+    ppo = REPO_ROOT / "recipes/ppo_full_finetune_single_device.py"
+    problem = _single_device_check(
+        monkeypatch, "4", ppo, RECIPE_NAME="ppo_full_finetune_single_device"
+    )
+    assert problem is not None and "no distributed version" in problem
+    # one process, or a recipe that takes several: nothing to refuse
+    assert (
+        _single_device_check(monkeypatch, "1", shipped, RECIPE_NAME="full_finetune_single_device")
+        is None
+    )
+    distributed = REPO_ROOT / "recipes/full_finetune_distributed.py"
+    assert (
+        _single_device_check(monkeypatch, "2", distributed, RECIPE_NAME="full_finetune_distributed")
+        is None
+    )
+
+
+def test_the_single_device_runtime_refuses_several_processes(monkeypatch) -> None:
+    """For a copy that calls its recipe_main without run_recipe."""
+    from exactga.setup.run_start import Runtime
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="launched as one of 2 processes"):
+        Runtime.single_device(None)
+
+
+# --- launches -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("copy", [False, True], ids=["shipped", "tune_cp_copy"])
+def test_a_single_device_recipe_by_path_under_torchrun_is_refused_before_anything_is_written(
+    tmp_path: Path, copy: bool
+) -> None:
+    out = tmp_path / "out"
+    args = tiny_args(out, max_steps_per_epoch=1)
+    cwd = REPO_ROOT
+    if copy:  # the user's copy, as docs/launching.md makes it
+        cwd = tmp_path / "project"
+        cwd.mkdir()
+        (cwd / "my_recipe.py").write_text((REPO_ROOT / RECIPE).read_text())
+        args[:3] = ["my_recipe.py", "--config", str(REPO_ROOT / TINY_CONFIG)]
+    proc = run_tune(["--nproc_per_node", "2", *args], cwd=cwd)
+    output = output_of(proc)
+    assert proc.returncode == 1, output[-4000:]
+    assert output.count("exactga: ") == 1 and "Traceback" not in output, output[-4000:]
+    assert "trains on one device, but this launch starts 2 processes" in output
+    assert "tune run --nproc_per_node 2 exactga/full_finetune_distributed --config" in output
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.slow
+def test_the_stock_name_refusal_is_installed_in_a_fresh_tune(tmp_path: Path) -> None:
+    config = "configs/qwen3/0.6B_lora_single_device.yaml"
+    proc = run_tune(
+        ["lora_finetune_single_device", "--config", config], extra_env={REAL_LAUNCH: "1"}
+    )
+    output = output_of(proc)
+    assert proc.returncode == 1, output[-4000:]
+    assert f"tune run exactga/lora_finetune_single_device --config {config}" in output
+
+
+@pytest.mark.slow
+def test_a_recipe_by_absolute_path_runs_from_another_folder(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = tiny_args(out, max_steps_per_epoch=1)
+    args[:3] = [str(REPO_ROOT / RECIPE), "--config", str(REPO_ROOT / TINY_CONFIG)]
+    proc = run_tune(args, cwd=tmp_path)
+    assert proc.returncode == 0, output_of(proc)[-4000:]
+    assert (out / INITIAL).is_file() and (out / TRAINED).is_file()
