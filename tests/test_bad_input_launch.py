@@ -196,6 +196,19 @@ CONFIG_CASES = [
         {"parity__splits": "[1x8,2x3]"},
         ["config key 'parity.splits'"],
     ),
+    # A misspelt key inside a component section (issue #62: exactga.config.components).
+    (
+        "component_key_misspelt",
+        None,
+        {"optimizer__lrr": 0.001},
+        ["config key 'optimizer.lrr': not an argument of", "Did you mean 'optimizer.lr'?"],
+    ),
+    (
+        "dataset_key_misspelt",
+        None,
+        {"dataset__data_file": "data.json"},
+        ["config key 'dataset.data_file'", "Did you mean 'dataset.data_files'?"],
+    ),
     (
         "required_section_nulled_on_the_command_line",
         None,
@@ -255,6 +268,8 @@ def test_a_bad_command_line_is_one_message_before_the_config_is_printed(shared_l
 def test_config_error_is_one_message_before_the_config_is_printed(shared_launch, case, names):
     proc, tmp_path = shared_launch[case]
     assert_fails_naming(proc, tmp_path / "out", names)
+    if "key_misspelt" in case:  # issue #62: nothing written, not even the resolved config
+        assert_nothing_written(tmp_path / "out")
 
 
 # A recipe whose rank 1 fails at once on its own input while rank 0 is still starting: the
@@ -591,7 +606,8 @@ def row_case_args(tmp_path: Path, rows: list[dict], overrides: dict) -> list[str
 
 
 # A data file datasets cannot read or that holds no rows (see [data file faults] in
-# exactga.data.files): (id, the file's text, names). Found where the dataset is built.
+# exactga.data.files): (id, the file's text, names). Found at start-up, before anything is
+# written ([data files at start-up]); a ``csv`` id is a CSV file.
 DATA_FILE_CASES = [
     (
         "data_file_not_valid_json",
@@ -599,14 +615,28 @@ DATA_FILE_CASES = [
         ["config key 'dataset.data_files': ", "is not valid JSON (line 2, column 2: Expecting"],
     ),
     ("data_file_empty", "", ["config key 'dataset.data_files': ", "is empty (0 bytes)"]),
+    (
+        "data_file_csv_with_a_broken_row",
+        'instruction,input,output\nSay hi.,,Hi.\n"Say hi.,,Hi.\nSay hi.,,Hi.\n',
+        ["config key 'dataset.data_files': ", "is not valid CSV (the row on line 3: "],
+    ),
 ]
 
 
-def data_file_case_args(tmp_path: Path, text: str) -> list[str]:
+def data_file_name(case: str) -> str:
+    return "train.csv" if "csv" in case else "train.json"
+
+
+def data_file_case_args(tmp_path: Path, case: str, text: str) -> list[str]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    data = tmp_path / "train.json"
+    data = tmp_path / data_file_name(case)
     data.write_text(text)
-    return tiny_args(tmp_path / "out", dataset__data_files=data, max_steps_per_epoch=2)
+    return tiny_args(
+        tmp_path / "out",
+        dataset__data_files=data,
+        dataset__source="csv" if "csv" in case else "json",
+        max_steps_per_epoch=2,
+    )
 
 
 @pytest.mark.xdist_group("bad_input_shared")
@@ -617,8 +647,15 @@ def data_file_case_args(tmp_path: Path, text: str) -> list[str]:
 )
 def test_a_bad_data_file_is_one_message_naming_it(shared_launch, case, names):
     proc, tmp_path = shared_launch[case]
-    message = assert_fails_naming(proc, tmp_path / "out", names, before_config=False)
-    assert str(tmp_path / "train.json") in message
+    message = assert_fails_naming(proc, tmp_path / "out", names)
+    assert str(tmp_path / data_file_name(case)) in message
+    assert_nothing_written(tmp_path / "out")
+
+
+def assert_nothing_written(out_dir: Path) -> None:
+    """Issue #62: a start-up check fails before the output folder gets its first file."""
+    written = sorted(out_dir.rglob("*")) if out_dir.exists() else []
+    assert not written, f"written before the check failed: {written}"
 
 
 @pytest.mark.xdist_group("bad_input_shared")
@@ -646,7 +683,9 @@ def shared_launch(tmp_path_factory) -> dict[str, Launched]:
         name: [*config_case_args(root / name, None, {}), *extra]
         for name, extra, _ in COMMAND_LINE_CASES
     }
-    args_of |= {name: data_file_case_args(root / name, text) for name, text, _ in DATA_FILE_CASES}
+    args_of |= {
+        name: data_file_case_args(root / name, name, text) for name, text, _ in DATA_FILE_CASES
+    }
     launched = launch_together(root, args_of)
     # The row cases fail after the config is printed and the model built, so a run in a shared
     # launch prints both as one of its own would: the config cases' checks that neither is in

@@ -130,7 +130,13 @@ FORMAT_CASES = [
         "bad.csv",
         "csv",
         "instruction,input,output\nSay hi.,,Hi.\nSay hi.,,Hi.,extra,fields\n",
-        "is not valid CSV (line 3: 5 fields, the header has 3)",
+        "is not valid CSV (the row on line 3: 5 fields, the header has 3)",
+    ),
+    (  # pandas' "EOF inside string": Python's csv reads it only in strict mode
+        "open_quote.csv",
+        "csv",
+        'instruction,input,output\nSay hi.,,Hi.\n"Say hi.,,Hi.\nSay hi.,,Hi.\n',
+        "is not valid CSV (the row on line 3: unexpected end of data; a quote left open?)",
     ),
     ("header.csv", "csv", "instruction,input,output\n", "holds a header and no rows"),
     (

@@ -27,6 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from exactga.config.components import check_component_keys
 from exactga.config.options import Option, as_option, bad_value
 
 
@@ -69,11 +70,20 @@ def validate_config(
     _check_minimums(merged)
     if hasattr(schema, "check_flags"):
         schema.check_flags(merged)
+    check_component_keys(merged, skip=_sections_checked_elsewhere(schema))
     if check_files:
         check_input_files(merged)
     # Sections are handed to torchtune, which may add keys (e.g. the profiler's _component_).
     OmegaConf.set_struct(merged, False)
     return merged
+
+
+def _sections_checked_elsewhere(schema: type) -> tuple[str, ...]:
+    """The sections the schema types itself (``profiler``, ``parity``) or names in
+    ``checks_own_components`` (GRPO's ``loss``): their keys are not a component's arguments."""
+    hints = typing.get_type_hints(schema)
+    typed = [f.name for f in dataclasses.fields(schema) if _dataclass_of(hints[f.name])]
+    return (*typed, *getattr(schema, "checks_own_components", ()))
 
 
 def _nulled_sections(cfg: DictConfig, schema: type) -> DictConfig:

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import inspect
 import io
 import json
 import logging
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +42,8 @@ Built = TypeVar("Built")
 LOCAL_SOURCES = ("json", "csv", "parquet", "text", "arrow")
 # A file this small is read whole to see whether it holds only whitespace.
 _SMALL_FILE_BYTES = 1 << 16
+# A CSV file's last bytes read for a last row cut off.
+_TAIL_BYTES = 1 << 16
 
 
 def read_data_files(build: Callable[[], Built], section: Any, key: str = "dataset") -> Built:
@@ -67,6 +71,54 @@ def read_data_files(build: Callable[[], Built], section: Any, key: str = "datase
                 if problem is not None:
                     raise ValueError(_message(key, path, problem)) from err
             raise
+
+
+def check_data_files(cfg: Any) -> None:
+    """Read every local data file the config's ``dataset`` sections name (one section or a
+    list) as their builders will, before the run writes anything: a file that is empty, cut
+    off, not valid in its format, or without rows fails here as one ``ValueError`` naming the
+    key and the file (see [data files at start-up]).
+
+    Raises:
+        ValueError: as :func:`read_data_files`.
+    """
+    cfg_dataset = _get(cfg, "dataset")
+    if cfg_dataset is None:
+        return
+    listed = OmegaConf.is_list(cfg_dataset)
+    for index, section in enumerate(cfg_dataset if listed else [cfg_dataset]):
+        key = f"dataset[{index}]" if listed else "dataset"
+        if local_data_files(_get(section, "source"), _get(section, "data_files")):
+            read_data_files(partial(_load_as_the_builder_does, section), section, key)
+
+
+# Note [data files at start-up]
+# A data file is read before the output folder gets its first file by ``datasets.load_dataset``
+# called as the section's builder will call it (torchtune's builders and exactga's prompt
+# dataset pass their ``**load_dataset_kwargs`` and ``split`` on unchanged), so a good file, of
+# any size, is parsed once: ``datasets`` writes its Arrow cache here, and the builder's own call
+# when the recipe builds the dataset finds it (a memory-mapped read, no second parse). A builder
+# that calls ``load_dataset`` otherwise costs a second parse, never another result. Only where
+# the load fails is the file read again, whole, to say where (see [data file faults]). A CSV row
+# with fewer fields than the header reads as empty fields, so a CSV file cut off in a row
+# passes the load: its last line is read from the end (a few kilobytes) before it.
+
+
+def _load_as_the_builder_does(section: Any) -> Any:
+    """``datasets.load_dataset`` with the arguments the section's builder gives it: the section's
+    keys the builder does not name (its ``**load_dataset_kwargs``) and its ``split``."""
+    import datasets
+    from torchtune.config._utils import _get_component_from_path
+
+    kwargs = OmegaConf.to_container(section, resolve=True)
+    assert isinstance(kwargs, dict)
+    builder = _get_component_from_path(kwargs.pop("_component_"))
+    parameters = inspect.signature(builder).parameters
+    load_kwargs = {k: v for k, v in kwargs.items() if k not in parameters}
+    split = kwargs.get("split", parameters["split"].default if "split" in parameters else None)
+    if split is not None:
+        load_kwargs["split"] = split
+    return datasets.load_dataset(kwargs["source"], **load_kwargs)
 
 
 def local_data_files(source: Any, data_files: Any) -> list[Path]:
@@ -112,6 +164,31 @@ def _problem_before_loading(source: str, path: Path) -> str | None:
     small_text = source in ("json", "csv", "text") and size <= _SMALL_FILE_BYTES
     if small_text and not path.read_bytes().strip():
         return "holds only whitespace, no rows"
+    if source == "csv":
+        return _csv_cut_in_a_row(path, size)
+    return None
+
+
+def _csv_cut_in_a_row(path: Path, size: int) -> str | None:
+    """A CSV file that ends without a newline in a row with fewer fields than its header: cut
+    off (pandas would read the missing fields as empty). Reads the header and the last bytes."""
+    with path.open("rb") as f:
+        header = f.readline()
+        f.seek(max(0, size - _TAIL_BYTES))
+        tail = f.read()
+    if tail.endswith((b"\n", b"\r")) or b"\n" not in tail or b'"' in tail:
+        return None  # ends a line; or the last line is long, or quoted: left to the load
+    last_line = tail.rsplit(b"\n", 1)[1]
+    try:
+        header_fields = next(csv.reader([header.decode("utf-8")]), [])
+        last_fields = next(csv.reader([last_line.decode("utf-8")]), [])
+    except (UnicodeDecodeError, csv.Error):
+        return None  # the load names what is wrong
+    if 0 < len(last_fields) < len(header_fields):
+        return (
+            f"ends in the middle of a row (its last line has {len(last_fields)} fields, the "
+            f"header {len(header_fields)}; cut off?)"
+        )
     return None
 
 
@@ -126,10 +203,24 @@ def _parquet_problem(path: Path) -> str | None:
     return "holds no rows" if metadata.num_rows == 0 else None
 
 
+def _parquet_body_problem(path: Path) -> str | None:
+    """A Parquet file whose footer reads but whose data does not (a damaged page)."""
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        pyarrow.parquet.read_table(path)
+    except (pyarrow.ArrowException, OSError) as err:
+        return f"is a damaged Parquet file ({_first_line(err)})"
+    return None
+
+
 def _problem_when_read(source: str, path: Path) -> str | None:
     """What is wrong with a file ``datasets`` failed on, read whole; None if nothing is."""
+    if source == "parquet":
+        return _parquet_body_problem(path)
     if source not in ("json", "csv", "text"):
-        return None  # binary: Parquet's footer was read before the load; Arrow is not read
+        return None  # Arrow is not read
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -175,22 +266,25 @@ def _json_problem(text: str) -> str | None:
 
 
 def _csv_problem(text: str) -> str | None:
-    """No header, no rows, or the first row with more fields than the header."""
-    rows = csv.reader(io.StringIO(text))
-    header = next(rows, None)
-    if not header:
-        return "has no header line"
-    num_rows = 0
+    """No header, no rows, a quote left open, or the first row with more fields than the
+    header (pandas' "Error tokenizing data"), by the line its row starts on."""
+    rows = csv.reader(io.StringIO(text), strict=True)  # strict: a quote left open is an error
+    num_rows, row_start = 0, 1
     try:
+        header = next(rows, None)
+        if not header:
+            return "has no header line"
+        row_start = rows.line_num + 1
         for row in rows:
             num_rows += 1
             if len(row) > len(header):
                 return (
-                    f"is not valid CSV (line {rows.line_num}: {len(row)} fields, the header "
-                    f"has {len(header)})"
+                    f"is not valid CSV (the row on line {row_start}: {len(row)} fields, the "
+                    f"header has {len(header)})"
                 )
+            row_start = rows.line_num + 1
     except csv.Error as err:
-        return f"is not valid CSV (line {rows.line_num}: {err})"
+        return f"is not valid CSV (the row on line {row_start}: {err}; a quote left open?)"
     return "holds a header and no rows" if num_rows == 0 else None
 
 

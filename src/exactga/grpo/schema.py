@@ -71,6 +71,10 @@ class RolloutKeys:
     """The keys of a GRPO step's rollouts and policy loss, which the recipe and the GA parity
     report read alike."""
 
+    # ``loss`` is checked by check_loss_section (stock's names do not import), not as a
+    # component's arguments (exactga.config.components).
+    checks_own_components: ClassVar[tuple[str, ...]] = ("loss",)
+
     ref_checkpointer: Any = MISSING
     rewards: Any = MISSING  # a list of reward components (exactga.grpo.rewards)
     grpo_samples: int = MISSING
@@ -218,9 +222,14 @@ def check_loss_section(loss: Any, key: str) -> None:
         accepted = POLICY_LOSS_KEYS[component]
     unknown = sorted(set(loss) - {"_component_", *accepted})
     if unknown:
+        # Most often a swap of the shipped loss: its PPO-clip ``epsilon`` stays in the section.
+        removal = " ".join(f"~{key}.{name}" for name in unknown)
         raise ValueError(
-            f"config key '{key}.{unknown[0]}': {component or 'the GRPO loss'} takes "
-            f"{', '.join(accepted)} (exactga.grpo.losses; see docs/grpo.md)."
+            f"config key{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(f'{key}.{name}') for name in unknown)}: "
+            f"{component or 'the GRPO loss'} takes {', '.join(accepted)}. Drop "
+            f"{'them' if len(unknown) > 1 else 'it'} on the command line with {removal} "
+            "(exactga.grpo.losses; see docs/grpo.md for a command per policy loss)."
         )
     if loss.get("kl_estimator") is not None:
         as_option(KLEstimator, loss.kl_estimator, f"{key}.kl_estimator")

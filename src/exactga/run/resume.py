@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
 
 from exactga.config.validation import validate_config
+from exactga.data.files import check_data_files
 from exactga.run.checkpointing import (
     MODEL_FILE,
     StepCheckpoint,
@@ -233,9 +234,11 @@ def _hint_at_a_checkpoint_of_this_run(
 
 
 def validate_run_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictConfig:
-    """A recipe's start-up check of its config, before anything is printed or built:
-    ``validate_config`` with the local files checked, and with ``resume_from_checkpoint``
-    something there to resume from. ``resume_from_checkpoint: auto`` comes back as True where
+    """A recipe's start-up check of its config, before anything is printed, built or written:
+    ``validate_config`` (every component section's keys too) with the local files checked,
+    the data files read as their builders will read them
+    (``exactga.data.files.check_data_files``), and with ``resume_from_checkpoint`` something
+    there to resume from. ``resume_from_checkpoint: auto`` comes back as True where
     there is a checkpoint to go on from (as True would find it), else as False.
 
     Raises:
@@ -246,6 +249,7 @@ def validate_run_config(cfg: DictConfig, schema: type, recipe_name: str) -> Dict
         cfg.resume_from_checkpoint = has_something_to_resume(cfg)
     elif cfg.get("resume_from_checkpoint"):
         check_something_to_resume(cfg)
+    check_data_files(cfg)  # last: it reads the files whole, into datasets' cache
     return cfg
 
 

@@ -31,8 +31,10 @@ GPU to two starts from the same adapters and writes the same files. See [adapter
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,11 @@ from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 
 from exactga.config.schemas import check_lora_model
 from exactga.models.moe.experts import LoRAStackedLinear
-from exactga.run.checkpointing import move_peft_adapter_to_own_folder
+from exactga.run.checkpointing import (
+    ADAPTER_SUBDIR,
+    PEFT_ADAPTER_FILES,
+    move_peft_adapter_to_own_folder,
+)
 from exactga.setup.model_state import load_model_state, state_dict_name, state_dict_shapes
 
 # How a state dict reaches the model: ``nn.Module.load_state_dict(strict=False)`` on one
@@ -258,13 +264,14 @@ def save_epoch_checkpoint(
     use_dora = ckpt_dict[training.ADAPTER_CONFIG].get("use_dora", False)
     if training_state is not None:
         ckpt_dict.update(training_state)
-    checkpointer.save_checkpoint(
-        ckpt_dict,
-        epoch=epoch,
-        intermediate_checkpoint=training_state is not None,
-        adapter_only=adapter_only,
-    )
     epoch_dir = Path(checkpointer._output_dir) / f"epoch_{epoch}"
+    with _adapter_logged_where_it_ends(epoch_dir):
+        checkpointer.save_checkpoint(
+            ckpt_dict,
+            epoch=epoch,
+            intermediate_checkpoint=training_state is not None,
+            adapter_only=adapter_only,
+        )
     # An exactga family's format writes PEFT's order itself; only torchtune's file is fixed.
     if getattr(checkpointer, "hf_format", None) is None:
         hf_config = getattr(checkpointer, "_config", None)
@@ -273,6 +280,29 @@ def save_epoch_checkpoint(
         elif use_dora:
             _rewrite_peft_adapter(epoch_dir, hf_config, peft_magnitudes_in_hf_order)
     move_peft_adapter_to_own_folder(epoch_dir, base_model_of(checkpointer))
+
+
+@contextlib.contextmanager
+def _adapter_logged_where_it_ends(epoch_dir: Path) -> Iterator[None]:
+    """torchtune logs the PEFT files it writes as ``epoch_N/adapter_model.safetensors``; they
+    move to ``epoch_N/adapter/`` right after (see [adapter folder]), so its lines name that."""
+    logger = logging.getLogger("torchtune.utils._logging")  # every torchtune module's logger
+    moved = {
+        str(epoch_dir / name): str(epoch_dir / ADAPTER_SUBDIR / name) for name in PEFT_ADAPTER_FILES
+    }
+
+    def rewrite(record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            for written, final in moved.items():
+                if record.msg.endswith(written):
+                    record.msg = record.msg[: -len(written)] + final
+        return True
+
+    logger.addFilter(rewrite)
+    try:
+        yield
+    finally:
+        logger.removeFilter(rewrite)
 
 
 # Note [Qwen2 adapters in PEFT]
