@@ -261,6 +261,38 @@ def _steady_scaling_pass():
         saved_latency.time_scaling_pass = real
 
 
+# A run whose env sets this to N gets a SIGTERM from itself once step N ends, as a scheduler's
+# preemption would send it: the real handler records it and the run stops at the step boundary
+# after step N with its step checkpoint and stop line (see [stop at a step boundary] in
+# exactga.launch.stopping), at a step a test can name, which a signal sent from outside cannot.
+STOP_AFTER_STEP = "EXACTGA_TESTS_STOP_AFTER_STEP"
+
+
+@contextlib.contextmanager
+def _stop_after_step():
+    if not os.environ.get(STOP_AFTER_STEP):
+        yield
+        return
+    import signal
+
+    from exactga.run.steps import StepBook
+
+    stop_after = int(os.environ[STOP_AFTER_STEP])
+    real = StepBook.end_step
+
+    def end_step(self, *args, **kwargs):
+        report = real(self, *args, **kwargs)
+        if self.progress.global_step == stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return report
+
+    StepBook.end_step = end_step
+    try:
+        yield
+    finally:
+        StepBook.end_step = real
+
+
 def _run(recipe: str, args: list[str], log_path: Path) -> int:
     """``python -m recipes.<name> *args`` in this interpreter; the exit status."""
     from torchtune.utils._logging import log_once
@@ -277,7 +309,7 @@ def _run(recipe: str, args: list[str], log_path: Path) -> int:
         os.dup2(log.fileno(), 2)
         try:
             sys.argv = [recipe, *args]
-            with warnings.catch_warnings(), _steady_scaling_pass():
+            with warnings.catch_warnings(), _steady_scaling_pass(), _stop_after_step():
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             status = 0
         except SystemExit as exit_:

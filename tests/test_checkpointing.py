@@ -405,7 +405,7 @@ def test_allowed_changes_only_warn_and_the_rest_are_still_refused() -> None:
 def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_path: Path) -> None:
     cfg = run_config()
     fingerprint = run_fingerprint(cfg, world_size=1)
-    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    checkpointer = StepCheckpointer(tmp_path / "step_checkpoints", keep_last_n=2)
     model = tiny_model()
     checkpointer.save(
         3,
@@ -420,8 +420,6 @@ def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_pat
         found = find_resume_point(cfg, checkpointer, run_fingerprint(cfg, world_size=1))
     assert found.source is ResumeFrom.STEP_CHECKPOINT and found.step_checkpoint.step == 3
 
-    resume_off = run_config(resume_from_checkpoint=False)
-    assert find_resume_point(resume_off, checkpointer, {}).source is ResumeFrom.START
     no_step_checkpoints = StepCheckpointer(tmp_path / "none", keep_last_n=2)
     epoch_run = tmp_path / "epoch_run"
     (epoch_run / "recipe_state").mkdir(parents=True)
@@ -432,6 +430,8 @@ def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_pat
     changed = run_config(gradient_accumulation_steps=8)
     with pytest.raises(ValueError, match="'gradient_accumulation_steps': 4 in the checkpoint"):
         find_resume_point(changed, checkpointer, run_fingerprint(changed, world_size=1))
+    resume_off = run_config(resume_from_checkpoint=False)  # starts over: moves step 3 aside
+    assert find_resume_point(resume_off, checkpointer, {}).source is ResumeFrom.START
 
 
 def test_nothing_to_resume_names_both_folders_and_the_keys_that_write_one(tmp_path) -> None:
@@ -532,14 +532,15 @@ def test_missing_weights_are_named() -> None:
 def test_a_launch_that_starts_over_beside_a_checkpoint_of_its_run_says_how_to_go_on(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """One line, naming the checkpoint and the key; none for another run's checkpoint."""
+    """One line, naming the checkpoint, where it went and the key; see also
+    tests/test_resume_lineage.py for another run's checkpoints."""
     from exactga.run import resume
 
     lines: list[str] = []
     monkeypatch.setattr(resume.log, "info", lines.append)
     cfg = run_config(resume_from_checkpoint=False)
     fingerprint = run_fingerprint(cfg, world_size=1)
-    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    checkpointer = StepCheckpointer(tmp_path / "step_checkpoints", keep_last_n=2)
     checkpointer.save(
         5,
         model_state=tiny_model().state_dict(),
@@ -548,8 +549,9 @@ def test_a_launch_that_starts_over_beside_a_checkpoint_of_its_run_says_how_to_go
         rank_state={"rng": capture_rng_state(CPU)},
     )
     assert find_resume_point(cfg, checkpointer, fingerprint).source is ResumeFrom.START
-    assert len(lines) == 1 and str(tmp_path / "step_000005") in lines[0]
+    (retired,) = (tmp_path / "retired_step_checkpoints").iterdir()
+    assert len(lines) == 1 and str(tmp_path / "step_checkpoints") in lines[0]
+    assert "(the newest, step_000005, is a step checkpoint of this run)" in lines[0]
+    assert f"to {retired}" in lines[0]
     assert "this launch starts over" in lines[0] and "resume_from_checkpoint=True" in lines[0]
-    other = run_config(resume_from_checkpoint=False, gradient_accumulation_steps=8)
-    find_resume_point(other, checkpointer, run_fingerprint(other, world_size=1))
-    assert len(lines) == 1  # another run's checkpoint: no hint
+    assert checkpointer.list_steps() == [] and (retired / "step_000005").is_dir()

@@ -13,14 +13,21 @@ replays them.
 
 Launches: the kills, one each (what they show needs a process killed with SIGKILL); every other
 run shares a launch per rank count (tests/many_runs.py): the uninterrupted runs with the runs that
-must fail on a finished run, and the resumed runs.
+must fail on a finished run and the resume lineage's three runs, and the resumed runs.
+
+The resume lineage (issue #62; [retired step checkpoints] in exactga.run.checkpointing): launch A
+stops after step 9; launch B, the same command, starts over in the same folder (A's step
+checkpoints are moved aside, with a note) and stops after step 5; B's printed command resumes
+B's step 5, ends bit-identical to the uninterrupted run and logs into B's TensorBoard run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import shlex
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from many_runs import launch_runs, run_of
+from many_runs import STOP_AFTER_STEP, launch_runs, run_of
 from recipe_utils import (
     LORA_RECIPE,
     LORA_TINY_CONFIG,
@@ -162,6 +169,36 @@ def _failing_runs(root: Path) -> dict[str, list[str]]:
     }
 
 
+# The resume lineage: A stops after LINEAGE_A_STOP, B (starting over) after LINEAGE_B_STOP, then
+# B's printed command runs. Each stop is a SIGTERM the run sends itself after that step
+# (tests/many_runs.py), and the command line a launch would print is set as tune's launcher sets
+# it for its ranks (many_runs runs the recipes under its own command line).
+LINEAGE_A_STOP, LINEAGE_B_STOP = 9, 5
+LAUNCH_COMMAND_ENV = "EXACTGA_LAUNCH_COMMAND"  # exactga.launch.stopping's
+LINEAGE_STOP = re.compile(
+    r"exactga: stopped by SIGTERM after step (\d+) of 12 \(epoch \d of 2\); "
+    r"step checkpoint in (\S+)\. To go on: (.+)$",
+    re.M,
+)
+
+
+def _lineage_runs(root: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The resume lineage's runs in launch order, each with its environment: all three train
+    into ``root / "lineage" / "run"``."""
+    out = root / "lineage" / "run"
+    command = _args("full", out)
+    resume = [*command, "resume_from_checkpoint=True"]  # what B's stop line must print
+    return {
+        "lineage_a": (command, {STOP_AFTER_STEP: str(LINEAGE_A_STOP)}),
+        "lineage_b": (command, {STOP_AFTER_STEP: str(LINEAGE_B_STOP)}),
+        "lineage_b_resumed": (resume, {}),
+    }
+
+
+def _with_launch_command(args: list[str], env: dict[str, str]) -> dict[str, str]:
+    return {**env, LAUNCH_COMMAND_ENV: json.dumps(["tune", "run", *args])}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(run_once):
     """Each scenario's run without interruption, made on first use, once per session (under
@@ -179,6 +216,10 @@ def uninterrupted(run_once):
             nproc, run = run_of(args, root / name / "launch")
             assert nproc == 0
             by_ranks[0].append(run)
+        for name, (args, env) in _lineage_runs(root).items():
+            nproc, run = run_of(args, root / name / "launch")
+            assert nproc == 0
+            by_ranks[0].append(run._replace(env=_with_launch_command(args, env)))
         for nproc, runs in by_ranks.items():
             launch_runs(runs, nproc=nproc, go_on_after_failure=nproc == 0)
         for scenario in SCENARIOS:
@@ -371,3 +412,77 @@ def test_checkpoint_of_another_model_is_named(uninterrupted):
         f"checkpointer.checkpoint_dir ({small / 'base_model'}) does not fit config key" in message
     )
     assert "has shape (2048, 64) in the checkpoint and (2048, 256) in the model" in message
+
+
+# --- the resume lineage ----------------------------------------------------------------------
+
+
+def _lineage_stop(root: Path, name: str, expected_status: int = 143) -> re.Match:
+    status, output = _launched(root, name)
+    assert status == expected_status, output[-4000:]
+    stops = LINEAGE_STOP.findall(output)
+    assert len(stops) == 1, output[-4000:]
+    found = LINEAGE_STOP.search(output)
+    assert found is not None
+    return found
+
+
+def test_a_launch_that_starts_over_retires_the_earlier_launchs_checkpoints(uninterrupted):
+    """B starts over where A stopped after step 9: A's step checkpoints (8 and 9) are moved,
+    intact, into one retired folder, and B's log says where, and that they are of this run."""
+    root = uninterrupted("full").parent
+    out = root / "lineage" / "run"
+    stopped_a = _lineage_stop(root, "lineage_a")
+    assert int(stopped_a.group(1)) == LINEAGE_A_STOP
+    (retired,) = (out / "retired_step_checkpoints").iterdir()  # one launch started over
+    assert sorted(p.name for p in retired.iterdir()) == ["step_000008", "step_000009"]
+    manifest = json.loads((retired / "step_000009" / "trainer_state.json").read_text())
+    assert manifest["step"] == 9 and manifest["trainer_state"]["global_step"] == 9
+    _, output = _launched(root, "lineage_b")
+    notes = [line for line in output.splitlines() if "this launch starts over" in line]
+    assert len(notes) == 1, output[-4000:]
+    note = notes[0]
+    print(note)
+    assert f"in {out / 'step_checkpoints'} " in note and f"to {retired}" in note
+    assert "step_000009, is a step checkpoint of this run" in note
+    assert "resume_from_checkpoint=True" in note
+
+
+def test_the_stop_message_names_the_checkpoint_its_command_resumes(uninterrupted):
+    """B stops after step 5 < A's 9; its line names B's step 5 and the command that goes on,
+    which resumes exactly that checkpoint and ends bit-identical to the uninterrupted run."""
+    root = uninterrupted("full").parent
+    out = root / "lineage" / "run"
+    stopped_b = _lineage_stop(root, "lineage_b")
+    step, checkpoint, command = int(stopped_b.group(1)), stopped_b.group(2), stopped_b.group(3)
+    assert step == LINEAGE_B_STOP
+    assert checkpoint == str(out / "step_checkpoints" / f"step_{LINEAGE_B_STOP:06d}")
+    resumed_args = _lineage_runs(root)["lineage_b_resumed"][0]
+    assert shlex.split(command) == ["tune", "run", *resumed_args]  # the command that ran next
+    status, output = _launched(root, "lineage_b_resumed")
+    assert status == 0, output[-4000:]
+    assert f"Resuming from step checkpoint {checkpoint}\n" in output + "\n", output[-4000:]
+    final, reference = load_weights(out / FINAL), load_weights(uninterrupted("full") / FINAL)
+    assert final.keys() == reference.keys()
+    assert all(torch.equal(final[key], reference[key]) for key in reference)  # bit for bit
+
+
+def test_the_resumed_launch_goes_on_in_its_own_tensorboard_run(uninterrupted):
+    """Two runs in the folder's logs: A's, steps 1 to 9 as A logged them, and B's, steps 1 to
+    12 each once with the uninterrupted run's loss (B's 1 to 5, its resume's 6 to 12)."""
+    root = uninterrupted("full").parent
+    logs = root / "lineage" / "run" / "logs"
+    runs = sorted(logs.glob("run_*"), key=lambda run: _record(run)["started"])
+    assert len(runs) == 2, runs
+    run_a, run_b = runs
+    expected = logged_steps(uninterrupted("full") / "logs")
+    for run, last in ((run_a, LINEAGE_A_STOP), (run_b, 12)):
+        steps = logged_steps(run)
+        assert list(steps) == list(range(1, last + 1)), (run.name, list(steps))
+        for step, loss in steps.items():
+            assert loss == pytest.approx(expected[step], rel=1e-6), (run.name, step)
+
+
+def _record(run: Path) -> dict:
+    """A TensorBoard run folder's record (exactga.run.metric_logging's ``RUN_RECORD``)."""
+    return json.loads((run / "exactga_run.json").read_text())

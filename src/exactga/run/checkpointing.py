@@ -18,6 +18,9 @@ Layout, under ``<output_dir>/step_checkpoints/``::
 
 Nothing here unpickles code: weights are safetensors and the rest loads with
 ``torch.load(weights_only=True)``.
+
+Step checkpoints that are not this run's line are moved aside, never deleted, into
+``<output_dir>/retired_step_checkpoints/<date>_<time>/`` (see [retired step checkpoints]).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 import zlib
 from collections.abc import Mapping
@@ -41,6 +45,7 @@ MANIFEST_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STEP_CHECKPOINT_SUBDIR = "step_checkpoints"
+RETIRED_SUBDIR = "retired_step_checkpoints"  # beside it; see [retired step checkpoints]
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK_BYTES = 16 << 20
 _MANIFEST_KEYS = ("step", "world_size", "trainer_state", "files")
@@ -55,7 +60,27 @@ _MANIFEST_KEYS = ("step", "world_size", "trainer_state", "files")
 # flips bytes later, a copy cut short) is caught on load: a checkpoint whose files do not match
 # the manifest is skipped with a warning naming the file, and the one before it is used. This is
 # why ``keep_last_n_checkpoints`` must be at least 2.
-#
+
+# Note [retired step checkpoints]
+# The step checkpoints of an output folder are one line of launches: the launch that started
+# the run and the launches that resumed it. A launch that starts over (no
+# ``resume_from_checkpoint``) into a folder holding an earlier launch's step checkpoints used to
+# share the folder with them: pruning, which keeps the highest steps, deleted the new launch's
+# own checkpoints (the one its stop message had just named among them), and
+# ``resume_from_checkpoint=True`` went on from the earlier launch's newest step (issue #62). So
+# such a launch first moves them aside, whole and never deleted: rank 0 claims the new folder
+# ``retired_step_checkpoints/<date>_<time>`` (``mkdir``, atomic: a second launch in the same
+# second gets ``_2``) and renames ``step_checkpoints`` over it (one rename, atomic on POSIX;
+# the parents are then fsynced), while the other ranks wait at a barrier; one log line says
+# where they went, why, and how to go on from them instead (put the folder back as
+# ``step_checkpoints``, add the key). A crash leaves them in one place or the other, never
+# split. Likewise a save first moves aside any checkpoint of a later step than its own: one
+# the resumed launch skipped as damaged (or one put there by hand), which pruning would
+# otherwise keep in place of an intact one, and which would stand newest. So the newest step
+# in the folder is always the checkpoint its line wrote last: the one a stop message names is
+# the one the printed command (``resume_from_checkpoint=True``) goes on from.
+
+
 @dataclass(frozen=True)
 class StepCheckpoint:
     """A step checkpoint read back from disk, validated against its manifest."""
@@ -125,10 +150,43 @@ class StepCheckpointer:
         _barrier()
         if self.rank == 0:
             _write_manifest(staging, step, trainer_state, self.world_size)
+            self._retire_later_steps_than(step)
             _replace_dir(staging, final)
             self._prune()
         _barrier()
         return final
+
+    def retire_all(self) -> Path | None:
+        """Move every checkpoint here aside, for a launch that starts over; every rank calls
+        this (rank 0 moves, the others wait). The folder they went to, on rank 0; ``None`` on
+        the other ranks or when there was none. See [retired step checkpoints]."""
+        retired = None
+        if self.rank == 0 and self.list_steps():
+            retired = _claim_retired_folder(self.root.parent / RETIRED_SUBDIR)
+            os.rename(self.root, retired)  # over the claimed empty folder: atomic
+            _fsync(retired.parent)
+            _fsync(self.root.parent)
+        _barrier()
+        return retired
+
+    def _retire_later_steps_than(self, step: int) -> None:
+        """Before saving ``step``: move aside the checkpoints of later steps (rank 0); see
+        [retired step checkpoints]."""
+        later = [self.root / _step_dir_name(s) for s in self.list_steps() if s > step]
+        if not later:
+            return
+        retired = _claim_retired_folder(self.root.parent / RETIRED_SUBDIR)
+        for path in later:
+            os.rename(path, retired / path.name)
+        _fsync(retired)
+        _fsync(self.root)
+        warnings.warn(
+            f"moved step checkpoint {', '.join(p.name for p in later)} to {retired}: of a "
+            f"later step than the step {step} this run saves now, so not of its line (skipped "
+            "as damaged when it resumed, or put there by hand); a resume goes on from step "
+            f"{step}.",
+            stacklevel=3,
+        )
 
     def load_latest(self) -> StepCheckpoint | None:
         """The newest checkpoint whose files match its manifest, or ``None`` if there is none.
@@ -346,6 +404,21 @@ def _replace_dir(staging: Path, final: Path) -> None:
     else:
         os.rename(staging, final)
     _fsync(final.parent)
+
+
+def _claim_retired_folder(parent: Path) -> Path:
+    """A new empty ``<parent>/<date>_<time>`` folder (``_2``, ``_3`` ... when taken), made
+    with ``mkdir`` so two launches never claim one; see [retired step checkpoints]."""
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for attempt in range(1, 1000):
+        folder = parent / (stamp if attempt == 1 else f"{stamp}_{attempt}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise RuntimeError(f"no free folder name for {stamp} in {parent}")
 
 
 def _remove_stale_staging(root: Path) -> None:

@@ -9,8 +9,11 @@ is cut off before its end. A launch here writes into ``<log_dir>/run_<date>_<tim
 took the name), on rank 0, the only rank that logs. Beside its event files the folder holds
 ``exactga_run.json`` (TensorBoard reads only files whose name holds ``tfevents``): the output
 folder the launch trained into, when it started, and the identity (the manifest's CRC32) of
-every step checkpoint it wrote, recorded each time one is written (:func:`flush_metric_logger`
-runs with each step checkpoint).
+every step checkpoint of its line in that folder, recorded each time one is written
+(:func:`flush_metric_logger` runs with each step checkpoint): all those there, not only the
+newest by step, so one skipped as damaged cannot stand for the one just written. They are all
+of its line, since a launch that starts over first moves an earlier launch's aside (see
+[retired step checkpoints] in exactga.run.checkpointing).
 
 Note [resumed TensorBoard run]
 A run killed and resumed used to show as two runs in TensorBoard, its curves cut in two, and
@@ -20,7 +23,12 @@ started there in between (a fresh rerun into the same output folder, say). A res
 (``resume_from_checkpoint`` that found something to resume) therefore writes into the run
 folder that *recorded the step checkpoint it resumes from* (see [one TensorBoard run per
 launch]): the newest step checkpoint of ``<output_dir>/step_checkpoints`` that a run folder
-recorded (the newest one itself unless a kill came between writing it and recording it);
+recorded (the newest one itself unless a kill came between writing it and recording it), and
+of the run folders that recorded it, the one whose launch started last. Two launches of one
+config write bit-identical checkpoints, so one identity may be in the records of an earlier
+launch and of the launch that started over after it; the checkpoints in the folder are the
+later one's, the earlier one's having been moved aside, so the later launch's run is the one
+that goes on (issue #62);
 without step checkpoints (an epoch resume), the newest run folder recorded for the same output
 folder; and a run of its own when no folder qualifies (logs written before these records, or a
 resumed launch given another ``log_dir``), never another launch's. At its first scalar it drops
@@ -226,7 +234,7 @@ def flush_metric_logger(metric_logger: Any | None) -> None:
     if writer is not None and hasattr(writer, "flush"):
         writer.flush()
     if isinstance(metric_logger, RunLogger):
-        metric_logger.record_newest_step_checkpoint()
+        metric_logger.record_step_checkpoints()
 
 
 def new_run_folder(log_dir: Path) -> Path:
@@ -255,15 +263,24 @@ def resumed_run_folder(log_dir: Path, output_dir: str | None) -> Path | None:
         except (OSError, ValueError):
             continue  # a damaged record names no run
     for checkpoint_id in step_checkpoint_ids(output_dir):  # newest first
-        for folder, record in records.items():
-            if checkpoint_id in record.get("step_checkpoints", []):
-                return folder
+        recorded_it = [
+            folder
+            for folder, record in records.items()
+            if checkpoint_id in record.get("step_checkpoints", [])
+        ]
+        if recorded_it:  # the launch that started last: the folder's line is its
+            return max(recorded_it, key=lambda folder: _started(records[folder]))
     same_output = [
         folder
         for folder, record in records.items()
         if record.get("output_dir") == os.path.abspath(output_dir)
     ]
-    return max(same_output, key=lambda folder: records[folder].get("started", 0.0), default=None)
+    return max(same_output, key=lambda folder: _started(records[folder]), default=None)
+
+
+def _started(record: dict[str, Any]) -> float:
+    started = record.get("started", 0.0)
+    return float(started) if isinstance(started, (int, float)) else 0.0
 
 
 def step_checkpoint_ids(output_dir: str) -> list[int]:
@@ -316,13 +333,16 @@ class RunLogger(TensorBoardLogger):
         }
         super().log_dict({**payload, **overview}, step)
 
-    def record_newest_step_checkpoint(self) -> None:
-        """Add the newest step checkpoint of the run's output folder to its record."""
+    def record_step_checkpoints(self) -> None:
+        """Add the step checkpoints of the run's output folder (all of its line: see [one
+        TensorBoard run per launch]) to its record."""
         output_dir = self._record["output_dir"]
         ids = step_checkpoint_ids(output_dir) if output_dir else []
-        if self._writer is None or not ids or ids[0] in self._record["step_checkpoints"]:
+        recorded = self._record["step_checkpoints"]
+        new = [checkpoint_id for checkpoint_id in reversed(ids) if checkpoint_id not in recorded]
+        if self._writer is None or not new:
             return
-        self._record["step_checkpoints"].append(ids[0])
+        recorded.extend(new)
         self._write_record()
 
     def _read_record(self) -> dict[str, Any]:

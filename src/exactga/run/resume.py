@@ -13,7 +13,9 @@ A run with ``resume_from_checkpoint: True`` goes on from, in this order:
 :func:`find_resume_point` answers that once, and the :class:`ResumePoint` it returns hands
 every recipe the weights, optimizer state, loader position and RNG states to start from, so
 every recipe resumes the same way. See [what a resume may change] and [loader position at
-epoch ends].
+epoch ends]. A launch that starts over moves an earlier launch's step checkpoints aside first
+(:func:`retire_an_earlier_launch`), so the checkpoint a stop names is the one a resume finds:
+see [retired step checkpoints] in exactga.run.checkpointing.
 """
 
 from __future__ import annotations
@@ -199,8 +201,7 @@ def find_resume_point(
             (see [what a resume may change]), or step checkpoints exist and none is usable.
     """
     if not cfg.resume_from_checkpoint:
-        if checkpointer.rank == 0:
-            _hint_at_a_checkpoint_of_this_run(checkpointer, fingerprint)
+        retire_an_earlier_launch(checkpointer, fingerprint)
         return ResumePoint(ResumeFrom.START)
     found = checkpointer.load_latest()
     if found is None:
@@ -217,18 +218,41 @@ def find_resume_point(
     return ResumePoint(ResumeFrom.STEP_CHECKPOINT, found)
 
 
-def _hint_at_a_checkpoint_of_this_run(
+def retire_an_earlier_launch(
     checkpointer: StepCheckpointer, fingerprint: Mapping[str, Any]
-) -> None:
-    """One line when a launch that starts over finds a step checkpoint of the same run (same
-    fingerprint) in its folder: likely a stopped run launched again without its resume key."""
-    latest = checkpointer.latest_trainer_state()
-    if latest is None or latest[1].get("fingerprint") != dict(fingerprint):
-        return
-    path, state = latest
-    log.info(
-        f"exactga: {path} is a step checkpoint of this run (step {state.get('global_step')}); "
-        "this launch starts over. To go on from it, add resume_from_checkpoint=True (or "
+) -> Path | None:
+    """For a launch that starts over: move the step checkpoints an earlier launch left in its
+    folder aside, with one line saying where and how to go on from them instead (see
+    [retired step checkpoints] in exactga.run.checkpointing). Every rank calls this; rank 0
+    moves and logs and gets the folder they went to."""
+    newest = checkpointer.latest_trainer_state() if checkpointer.rank == 0 else None
+    retired = checkpointer.retire_all()
+    if retired is not None:
+        log.info(retired_note(checkpointer.root, retired, newest, fingerprint))
+    return retired
+
+
+def retired_note(
+    root: Path,
+    retired: Path,
+    newest: tuple[Path, Mapping[str, Any]] | None,
+    fingerprint: Mapping[str, Any],
+) -> str:
+    """The line :func:`retire_an_earlier_launch` logs. ``newest``: the newest retired
+    checkpoint and its trainer state, as it was in ``root``; the line says whether it is of this
+    run (the same fingerprint: likely a stopped run launched again without its resume key)."""
+    if newest is None:
+        which = "none of them readable"
+    else:
+        path, state = newest
+        same = state.get("fingerprint") == dict(fingerprint)
+        whose = "this run" if same else "a run with another config"
+        which = f"the newest, {path.name}, is a step checkpoint of {whose}"
+    return (
+        f"exactga: this launch starts over (resume_from_checkpoint is off), so it moved the "
+        f"step checkpoints an earlier launch left in {root} ({which}) to {retired}, to keep "
+        f"a resume of this launch from going on from them. To go on from them instead, stop "
+        f"this launch, put {retired} back as {root}, and add resume_from_checkpoint=True (or "
         "resume_from_checkpoint=auto: go on where there is a checkpoint, else start)."
     )
 
