@@ -251,3 +251,22 @@ def test_a_recipe_by_absolute_path_runs_from_another_folder(tmp_path: Path) -> N
     proc = run_tune(args, cwd=tmp_path)
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert (out / INITIAL).is_file() and (out / TRAINED).is_file()
+
+
+def test_a_torchrun_option_after_the_recipe_is_refused_with_it_moved_before(monkeypatch) -> None:
+    args = ["exactga/full_finetune_distributed", "--config", "x.yaml", "--nproc_per_node", "2"]
+    status, printed = _tune_run(monkeypatch, *args)
+    assert status == 1
+    moved = "tune run --nproc_per_node 2 exactga/full_finetune_distributed --config x.yaml"
+    assert moved in printed
+    standalone = ["r.py", "--standalone", "--config", "x.yaml", "epochs=1"]
+    status, printed = _tune_run(monkeypatch, *standalone)
+    assert status == 1 and "tune run --standalone r.py --config x.yaml epochs=1" in printed
+
+
+def test_a_stock_name_with_another_recipes_exactga_config_says_whose_config_it_is() -> None:
+    config = str(registry.config_path("tiny/lora_single_device"))
+    listed = {"full_finetune_single_device": False}
+    problem = mixups.tune_run_problem("full_finetune_single_device", config, False, listed)
+    assert problem is not None
+    assert "this config is written for exactga/lora_finetune_single_device" in problem

@@ -41,7 +41,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from exactga.launch.mixups import path_only_recipe, single_device_problem, tune_run_problem
+from exactga.launch.mixups import (
+    misplaced_torchrun_options,
+    path_only_recipe,
+    single_device_problem,
+    tune_run_problem,
+)
 from exactga.launch.stopping import (
     LAUNCH_COMMAND_ENV,
     LAUNCHER_STOP_FILE_ENV,
@@ -308,7 +313,9 @@ def refuse_launch_mixups(run_module: Any) -> None:
         listed = {
             recipe.name: recipe.supports_distributed for recipe in run_module.get_all_recipes()
         }
-        problem = tune_run_problem(
+        problem = misplaced_torchrun_options(
+            args.recipe, args.recipe_args, _torchrun_options(run_module)
+        ) or tune_run_problem(
             args.recipe,
             _config_file(self, args, run_module),
             self._is_distributed_args(args),
@@ -322,6 +329,17 @@ def refuse_launch_mixups(run_module: Any) -> None:
     checked_run_cmd._exactga_checked = True  # type: ignore[attr-defined]
     run_class._get_recipe = get_recipe_or_file
     run_class._run_cmd = checked_run_cmd
+
+
+def _torchrun_options(run_module: Any) -> dict[str, bool]:
+    """torchrun's options (``--nproc_per_node``, ``-m``, ...), each with whether it takes a
+    value, as ``tune run`` takes them before the recipe."""
+    return {
+        option: action.nargs != 0
+        for action in run_module.get_torchrun_args_parser()._actions
+        if action.dest not in ("training_script", "training_script_args", "help", "recipe")
+        for option in action.option_strings
+    }
 
 
 def _config_file(run: Any, args: Any, run_module: Any) -> str | None:

@@ -26,7 +26,9 @@ than asked, with exit status 0, or end in a traceback that does not say what to 
   ``exactga/full_finetune_single_devic``, ``recipes/x.py`` from a folder without ``recipes/``):
   one message naming the nearest names instead of runpy's traceback;
 - an exactga single-device recipe by name under torchrun: torchtune's own refusal, with its
-  distributed twin named.
+  distributed twin named;
+- a torchrun option after the recipe (``tune run <recipe> --nproc_per_node 2 ...``): ``tune run``
+  hands it to the recipe and starts one process (:func:`misplaced_torchrun_options`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from exactga.launch.registry import (
     PREFIX,
     distributed_twin,
     recipe_entry,
+    recipe_of_config,
 )
 from exactga.launch.stopping import LAUNCH_COMMAND_ENV
 
@@ -193,6 +196,37 @@ def tune_run_problem(
     return None
 
 
+def misplaced_torchrun_options(
+    recipe: str, recipe_args: Sequence[str], options: Mapping[str, bool]
+) -> str | None:
+    """The message refusing torchrun options given after the recipe (``tune run <recipe>
+    --nproc_per_node 2 ...``), which ``tune run`` hands to the recipe, so the launch would run
+    one process; else None. ``options`` maps each torchrun option to whether it takes a value."""
+    moved: list[str] = []
+    kept: list[str] = []
+    position = 0
+    while position < len(recipe_args):
+        arg = recipe_args[position]
+        option = arg.split("=")[0]
+        if option not in options or arg == "--config":
+            kept.append(arg)
+        elif options[option] and "=" not in arg and position + 1 < len(recipe_args):
+            moved += [arg, recipe_args[position + 1]]
+            position += 1
+        else:
+            moved.append(arg)
+        position += 1
+    if not moved:
+        return None
+    typed = _typed_command()
+    before = typed[2 : typed.index(recipe)] if recipe in typed[2:] else []
+    command = shlex.join(["tune", "run", *before, *moved, recipe, *kept])
+    return (
+        f"{shlex.join(moved)}: a torchrun option after the recipe, where tune run hands it to "
+        f"the recipe (and starts one process). Give it before the recipe: {command}"
+    )
+
+
 def _typed_command() -> list[str]:
     return ["tune", *sys.argv[1:]]
 
@@ -209,11 +243,15 @@ def _stock_recipe_with_exactga_config(recipe: str, config_file: str | None) -> s
     command = _with_recipe(_typed_command(), recipe, PREFIX + recipe) or shlex.join(
         ["tune", "run", PREFIX + recipe, "--config", config_file]
     )
+    owner = recipe_of_config(config_file)
+    written_for = (
+        f" (this config is written for {PREFIX}{owner})" if owner not in (None, recipe) else ""
+    )
     return (
         f"'{recipe}' is torchtune's own recipe, which does not read this config's exactga keys "
         f"({shown}) and would train without them, without a word. Run exactga's recipe: "
-        f"{command} (or recipes/{recipe}.py in exactga's folder). For torchtune's own, give "
-        "it a config without exactga's keys."
+        f"{command} (or recipes/{recipe}.py in exactga's folder){written_for}. For torchtune's "
+        "own, give it a config without exactga's keys."
     )
 
 

@@ -223,6 +223,16 @@ def distributed_twin(name: str) -> str | None:
     return twin if twin != name and entry is not None and entry.supports_distributed else None
 
 
+def recipe_of_config(config_file: str | Path) -> str | None:
+    """The exactga recipe a shipped config file is listed under (its header launches it), or
+    None for any other file."""
+    target = Path(config_file).resolve()
+    for entry in RECIPES:
+        if any(config_path(config).resolve() == target for config in entry.configs):
+            return entry.name
+    return None
+
+
 def files_root() -> Path:
     """The folder holding exactga's ``recipes/`` and ``configs/``: the checkout of an
     editable install (so edits there are what runs), else the wheel's bundled copy."""
