@@ -270,3 +270,59 @@ def test_a_stock_name_with_another_recipes_exactga_config_says_whose_config_it_i
     problem = mixups.tune_run_problem("full_finetune_single_device", config, False, listed)
     assert problem is not None
     assert "this config is written for exactga/lora_finetune_single_device" in problem
+
+
+def _loss_of(config_file: Path) -> object:
+    loss = yaml.safe_load(config_file.read_text()).get("loss")
+    return loss.get("_component_") if isinstance(loss, dict) else None
+
+
+def test_no_recipe_refuses_the_loss_of_its_own_or_its_stock_namesakes_configs() -> None:
+    import torchtune._recipe_registry as torchtune_registry
+
+    stock = {r.name: r for r in torchtune_registry.get_all_recipes()}
+    for entry in registry.RECIPES:
+        files = [registry.config_path(config) for config in entry.configs]
+        if entry.name in stock:  # exactga's recipes run torchtune's configs unchanged
+            files += [
+                TORCHTUNE_RECIPES / "configs" / c.file_path for c in stock[entry.name].configs
+            ]
+        for path in files:
+            assert mixups.recipe_family_problem(entry.name, _loss_of(path), []) is None, path
+
+
+FINE_TUNING = ("full_finetune_distributed", "lora_finetune_single_device", "qat_distributed")
+PREFERENCE = ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "configs_of"), [(r, p) for r in FINE_TUNING for p in PREFERENCE]
+)
+def test_a_fine_tuning_recipe_refuses_a_dpo_config_and_back(recipe: str, configs_of: str) -> None:
+    for given, configs in [(recipe, configs_of), (configs_of, recipe)]:
+        for config in registry.recipe_entry(configs).configs:
+            loss = _loss_of(registry.config_path(config))
+            problem = mixups.recipe_family_problem(given, loss, ["--config", "c.yaml"])
+            assert problem is not None and "tune run exactga/" in problem, (given, config)
+
+
+def _model_of(config_file: Path) -> object:
+    model = yaml.safe_load(config_file.read_text()).get("model")
+    return model.get("_component_") if isinstance(model, dict) else None
+
+
+def test_a_recipe_that_trains_every_weight_refuses_a_lora_model_and_only_that() -> None:
+    import torchtune._recipe_registry as torchtune_registry
+
+    stock = {r.name: r for r in torchtune_registry.get_all_recipes()}
+    every_config = [registry.config_path(c) for e in registry.RECIPES for c in e.configs]
+    for recipe in ("full_finetune_single_device", "full_finetune_distributed", "qat_distributed"):
+        own = [registry.config_path(c) for c in registry.recipe_entry(recipe).configs]
+        own += [TORCHTUNE_RECIPES / "configs" / c.file_path for c in stock[recipe].configs]
+        for path in own:
+            assert mixups.lora_model_problem(recipe, _model_of(path), []) is None, path
+        lora = [p for p in every_config if "lora_" in str(_model_of(p)).rsplit(".", 1)[-1]]
+        assert len(lora) > 20
+        for path in lora:
+            problem = mixups.lora_model_problem(recipe, _model_of(path), ["--config", "c.yaml"])
+            assert problem is not None and "tune run exactga/" in problem, path

@@ -42,8 +42,10 @@ from types import TracebackType
 from typing import Any
 
 from exactga.launch.mixups import (
+    lora_model_problem,
     misplaced_torchrun_options,
     path_only_recipe,
+    recipe_family_problem,
     single_device_problem,
     tune_run_problem,
 )
@@ -76,6 +78,7 @@ def run_recipe(recipe_main: Callable[[], Any]) -> int:
         single_device_problem(recipe_file, recipe_function.__globals__)
         or _missing_config(sys.argv)
         or _command_line_problem(sys.argv)
+        or _mixed_up_config(recipe_function.__globals__.get("RECIPE_NAME"), sys.argv)
     )
     if problem is not None:
         _print_user_error(problem)
@@ -171,6 +174,29 @@ def _config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
             overrides.append(arg)
         position += 1
     return config_path, overrides
+
+
+def _mixed_up_config(recipe_name: object, argv: list[str]) -> str | None:
+    """A config of another recipe family (its loss or its model), refused before anything is
+    written; see [launch mix-ups] in exactga.launch.mixups."""
+    return recipe_family_problem(
+        recipe_name, _component_of(argv, "loss"), argv[1:]
+    ) or lora_model_problem(recipe_name, _component_of(argv, "model"), argv[1:])
+
+
+def _component_of(argv: list[str], section: str) -> str | None:
+    """``<section>._component_`` as the config file and the overrides set it (the last
+    override wins, as in torchtune's parser); None where neither does."""
+    config_path, overrides = _config_and_overrides(argv[1:])
+    for arg in reversed(overrides):
+        key, _, value = arg.partition("=")
+        if key == f"{section}._component_":
+            return value
+    if config_path is None:
+        return None
+    yaml_args, problem = _read_config_file(config_path)
+    component = yaml_args.get(section) if problem is None else None
+    return component.get("_component_") if isinstance(component, dict) else None
 
 
 def _override_form_problem(arg: str, following: list[str]) -> str | None:

@@ -27,6 +27,10 @@ than asked, with exit status 0, or end in a traceback that does not say what to 
   one message naming the nearest names instead of runpy's traceback;
 - an exactga single-device recipe by name under torchrun: torchtune's own refusal, with its
   distributed twin named;
+- a config whose ``loss`` is another recipe family's (a DPO config given to a fine-tuning recipe,
+  or back): a traceback at the first batch, or start-up; refused by ``run_recipe``
+  (:func:`recipe_family_problem`) with the recipe that trains it; likewise a LoRA model given to
+  a recipe that trains every weight (:func:`lora_model_problem`);
 - a torchrun option after the recipe (``tune run <recipe> --nproc_per_node 2 ...``): ``tune run``
   hands it to the recipe and starts one process (:func:`misplaced_torchrun_options`).
 """
@@ -154,6 +158,121 @@ def _typed_recipe(command: Sequence[str], recipe_file: Path) -> str | None:
         if arg.endswith(".py") and Path(arg).resolve() == recipe_file.resolve():
             return arg
     return None
+
+
+# --- in the recipe: a config of another recipe family ---------------------------------------
+
+# Each fine-tuning recipe and the preference recipe that takes the same model and split, and
+# back (None: no such recipe; a config is then pointed to the family's recipes in general).
+_PREFERENCE_RECIPE_OF = {
+    "full_finetune_single_device": None,
+    "full_finetune_distributed": "full_dpo_distributed",
+    "lora_finetune_single_device": "lora_dpo_single_device",
+    "lora_finetune_distributed": "lora_dpo_distributed",
+    "qat_distributed": None,
+    "qat_lora_finetune_distributed": None,
+}
+_FINE_TUNING_RECIPE_OF = {
+    "full_dpo_distributed": "full_finetune_distributed",
+    "lora_dpo_single_device": "lora_finetune_single_device",
+    "lora_dpo_distributed": "lora_finetune_distributed",
+}
+# ``loss._component_`` values by the objective they train (a prefix each; a user's own loss
+# matches none and is left alone).
+_PREFERENCE_LOSSES = (
+    "torchtune.rlhf.loss.DPOLoss",
+    "torchtune.rlhf.loss.RSOLoss",
+    "torchtune.rlhf.loss.dpo.",
+    "exactga.dpo.",
+)
+_POLICY_LOSSES = (
+    "torchtune.rlhf.loss.PPOLoss",
+    "torchtune.rlhf.loss.ppo.",
+    "torchtune.dev.grpo.",
+    "exactga.grpo.",
+)
+_TOKEN_LOSSES = (
+    "torchtune.modules.loss.CEWithChunkedOutputLoss",
+    "torchtune.modules.loss.ce_chunked_output_loss.",
+    "exactga.accumulation.linear_cross_entropy.",
+    "torch.nn.CrossEntropyLoss",
+    "torch.nn.modules.loss.CrossEntropyLoss",
+)
+
+
+def recipe_family_problem(
+    recipe_name: object, loss_component: object, recipe_args: Sequence[str]
+) -> str | None:
+    """The message refusing a config whose ``loss`` trains another recipe family's objective (a
+    DPO config given to a fine-tuning recipe, or back), else None: such a run ends in a
+    traceback at its first batch, or trains the wrong objective. ``recipe_args``: the recipe's
+    own command-line arguments (``--config`` and the overrides), for the command to type."""
+    if not isinstance(recipe_name, str) or not isinstance(loss_component, str):
+        return None
+    key = f"config key 'loss._component_' ({loss_component})"
+    if recipe_name in _PREFERENCE_RECIPE_OF and loss_component.startswith(_PREFERENCE_LOSSES):
+        twin = _PREFERENCE_RECIPE_OF[recipe_name] or "lora_dpo_single_device"
+        return (
+            f"{key} is a preference loss, for a DPO recipe; {recipe_name} trains on "
+            f"next-token cross-entropy. Run a DPO recipe with this config: "
+            f"{_launch_with(PREFIX + twin, recipe_args)}"
+        )
+    if recipe_name in _PREFERENCE_RECIPE_OF and loss_component.startswith(_POLICY_LOSSES):
+        return (
+            f"{key} is a policy-gradient loss, for {PREFIX}grpo_full_finetune_distributed or "
+            f"{PREFIX}ppo_full_finetune_single_device; {recipe_name} trains on next-token "
+            "cross-entropy. Give it a fine-tuning config, or run one of those."
+        )
+    if recipe_name in _FINE_TUNING_RECIPE_OF and loss_component.startswith(_TOKEN_LOSSES):
+        twin = _FINE_TUNING_RECIPE_OF[recipe_name]
+        return (
+            f"{key} is a next-token cross-entropy, for a fine-tuning recipe; {recipe_name} "
+            f"trains on preference pairs. Run a fine-tuning recipe with this config: "
+            f"{_launch_with(PREFIX + twin, recipe_args)}"
+        )
+    return None
+
+
+# Each recipe that trains every weight and its LoRA counterpart.
+_LORA_RECIPE_OF = {
+    "full_finetune_single_device": "lora_finetune_single_device",
+    "full_finetune_distributed": "lora_finetune_distributed",
+    "qat_distributed": "qat_lora_finetune_distributed",
+    "full_dpo_distributed": "lora_dpo_distributed",
+}
+
+
+def lora_model_problem(
+    recipe_name: object, model_component: object, recipe_args: Sequence[str]
+) -> str | None:
+    """The message refusing a LoRA model (a ``lora_``/``qlora_`` builder) given to a recipe that
+    trains every weight, else None: its checkpoint holds no adapter weights, and the run would
+    end on a long list of missing keys after writing its first files."""
+    if recipe_name not in _LORA_RECIPE_OF or not isinstance(model_component, str):
+        return None
+    builder = model_component.rsplit(".", 1)[-1]
+    if not builder.startswith(("lora_", "qlora_")):
+        return None
+    twin = _LORA_RECIPE_OF[str(recipe_name)]
+    return (
+        f"config key 'model._component_' ({model_component}) builds a LoRA model; "
+        f"{recipe_name} trains every weight of a plain one. Run its LoRA recipe with this "
+        f"config: {_launch_with(PREFIX + twin, recipe_args)}"
+    )
+
+
+def _launch_with(recipe: str, recipe_args: Sequence[str]) -> str:
+    """``tune run`` of ``recipe`` with the launch's torchrun options (as the launcher was
+    given them, where known) and the recipe's arguments."""
+    command = _launch_command()
+    torchrun_options: list[str] = []
+    if command is not None:
+        args = command[command.index("run") + 1 :]
+        first_recipe_arg = next(
+            (i for i, arg in enumerate(args) if i > 0 and arg == "--config"), len(args)
+        )
+        torchrun_options = args[: max(first_recipe_arg - 1, 0)]
+    return shlex.join(["tune", "run", *torchrun_options, recipe, *recipe_args])
 
 
 # --- in the launcher: tune run's recipe argument -------------------------------------------
