@@ -163,7 +163,7 @@ def _typed_recipe(command: Sequence[str], recipe_file: Path) -> str | None:
 # --- in the recipe: a config of another recipe family ---------------------------------------
 
 # Each fine-tuning recipe and the preference recipe that takes the same model and split, and
-# back (None: no such recipe; a config is then pointed to the family's recipes in general).
+# back (None: there is none; a DPO config is then pointed to lora_dpo_single_device).
 _PREFERENCE_RECIPE_OF = {
     "full_finetune_single_device": None,
     "full_finetune_distributed": "full_dpo_distributed",
