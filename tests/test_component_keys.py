@@ -95,11 +95,22 @@ def test_a_good_config_starts_and_writes_its_resolved_config(tmp_path):
             "config key 'optimizer._component_': torch.optim has no 'AdamWW'. "
             "Did you mean 'torch.optim.AdamW'",
         ),
-        ("optimizer._component_=torch.optimm.AdamW", "no module 'torch.optimm'"),
+        (
+            "optimizer._component_=torch.optimm.AdamW",
+            "torch has no 'optimm'. Did you mean 'torch.optim'",
+        ),
     ],
 )
 def test_a_misspelt_component_key_is_named_before_anything_is_written(tmp_path, override, expected):
     assert_matches(refused(tmp_path, [override]), expected)
+
+
+def test_a_component_of_a_package_not_installed_is_left_to_instantiation():
+    """torchtune's QLoRA configs name bitsandbytes' optimizers, an optional package: whether
+    it is installed is instantiation's to say, not a misspelt path."""
+    cfg = tiny_config("full_single_device")
+    cfg.optimizer = {"_component_": "not_installed_package.optim.PagedAdamW", "lr": 1e-3}
+    validate_config(cfg, FullFinetuneSingleDeviceConfig, "full_single_device")
 
 
 def test_a_dpo_loss_typo_is_named(tmp_path):

@@ -17,7 +17,11 @@ A component that takes ``**kwargs`` takes any key, except torchtune's dataset bu
 exactga's) ``**load_dataset_kwargs``, which reach ``datasets.load_dataset``: they may be its
 named parameters or the settings of the ``datasets`` builder that reads the ``source`` (``json``:
 ``field``; ``csv``: ``sep``, ...; for a Hub ``source`` the settings of any of ``datasets``'
-file builders, since which one reads it is decided at download).
+file builders, since which one reads it is decided at download). A torchtune or exactga
+component whose body never reads its ``**kwargs`` takes none (torchtune's ``DiskLogger`` would
+drop ``log_dirr`` silently); a class that passes them to ``super().__init__`` takes its
+parent's (exactga's ``FullModelHFCheckpointer``). A component of the user's own that takes
+``**kwargs`` takes any key.
 
 Sections a schema types itself (``profiler``, ``parity``) and those a schema names in
 ``checks_own_components`` (GRPO's ``loss``, whose stock names do not import) are not read here.
@@ -63,6 +67,8 @@ _FORWARDED_TO = {
     ),
 }
 _SHOWN_ARGUMENTS = 12
+# Where a **kwargs the body never reads is a key dropped silently, not a choice.
+_OWN_LIBRARIES = ("torchtune.", "exactga.")
 
 
 def check_component_keys(cfg: DictConfig, skip: tuple[str, ...] = ()) -> None:
@@ -117,43 +123,52 @@ def _check_section(path: str, section: DictConfig, top: bool) -> None:
 
 
 def _import_component(key: str, name: str) -> Callable[..., Any] | None:
-    """The object ``name`` names, as torchtune imports it; None when it needs a package that is
-    not installed (an optional dependency: instantiation then says which).
+    """The object ``name`` names, found as torchtune finds it (a module's attribute, or an
+    attribute's: ``module.Class.from_config``); None when its top package or a package its
+    module needs is not installed, or its module fails on import (instantiation says why).
 
     Raises:
-        ValueError: naming ``key``, for a module or a name in it that does not exist.
+        ValueError: naming ``key``, for a path that names nothing, with the closest name.
     """
-    module_name, _, attribute = name.rpartition(".")
-    top_package = name.split(".")[0]
-    if importlib.util.find_spec(top_package) is None:
-        return None
-    module = _import_module(key, name, module_name)
-    if module is None:
-        return None
-    if not hasattr(module, attribute):
-        names = [n for n in dir(module) if not n.startswith("_")]
-        close = difflib.get_close_matches(attribute, names, n=1)
-        hint = f" Did you mean '{module_name}.{close[0]}'?" if close else ""
-        raise ValueError(f"config key '{key}': {module_name} has no '{attribute}'.{hint}")
-    return getattr(module, attribute)
+    from torchtune.config._errors import InstantiationError
+    from torchtune.config._utils import _get_component_from_path
 
-
-def _import_module(key: str, name: str, module_name: str) -> Any:
-    """The component's module; None when it needs a package that is not installed.
-
-    Raises:
-        ValueError: naming ``key``, when the path itself names no module.
-    """
+    if importlib.util.find_spec(name.split(".")[0]) is None:
+        return None  # an optional package (bitsandbytes): instantiation names it
     try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and module_name.startswith(err.name):  # the path itself, not a dependency
-            raise ValueError(
-                f"config key '{key}': no module '{err.name}' (from '{name}'); check the path."
-            ) from None
-        return None
+        return _get_component_from_path(name)
+    except InstantiationError as err:
+        cause = err.__cause__
+        missing = isinstance(cause, ModuleNotFoundError) and cause.name
+        if not isinstance(cause, AttributeError) and not (missing and name.startswith(missing)):
+            return None  # a dependency of the module, or the module's own error
+    except ValueError:
+        pass  # an empty part: "torch..AdamW"
+    raise ValueError(_unresolved_message(key, name))
+
+
+def _unresolved_message(key: str, name: str) -> str:
+    """Where ``name`` stops naming something, with the closest name there."""
+    parts = name.split(".")
+    try:
+        found: Any = importlib.import_module(parts[0])
     except ImportError:
-        return None
+        return f"config key '{key}': no module '{parts[0]}' (from '{name}'); check the path."
+    for index, part in enumerate(parts[1:], start=1):
+        parent = ".".join(parts[:index])
+        if hasattr(found, part):
+            found = getattr(found, part)
+            continue
+        try:
+            found = importlib.import_module(f"{parent}.{part}")
+            continue
+        except ImportError:
+            pass
+        names = [n for n in dir(found) if not n.startswith("_")]
+        close = difflib.get_close_matches(part, names, n=1)
+        hint = f" Did you mean '{parent}.{close[0]}'?" if close else ""
+        return f"config key '{key}': {parent} has no '{part}'.{hint}"
+    return f"config key '{key}': '{name}' names nothing importable; check the path."
 
 
 def _accepted_keys(
@@ -221,8 +236,11 @@ def _passes_to_super(component: type, var_keyword: str) -> bool:
 
 @functools.cache
 def _ignores(component: Callable[..., Any], var_keyword: str) -> bool:
-    """Whether the body of ``component`` (a class's ``__init__``) never reads its
-    ``**var_keyword``: then a key it gets there is dropped without a word."""
+    """Whether ``component``, torchtune's or exactga's, never reads its ``**var_keyword`` in
+    its body (a class's ``__init__``): then a key it gets there is dropped without a word. A
+    component of the user's own that takes ``**kwargs`` and drops them means to."""
+    if not str(component.__module__).startswith(_OWN_LIBRARIES):
+        return False
     body = _function_body(component)
     if body is None:
         return False  # no source to read: count the keys as taken

@@ -88,8 +88,25 @@ def check_data_files(cfg: Any) -> None:
     listed = OmegaConf.is_list(cfg_dataset)
     for index, section in enumerate(cfg_dataset if listed else [cfg_dataset]):
         key = f"dataset[{index}]" if listed else "dataset"
-        if local_data_files(_get(section, "source"), _get(section, "data_files")):
+        files = local_data_files(_get(section, "source"), _get(section, "data_files"))
+        if files and _passes_its_keys_to_load_dataset(section):
             read_data_files(partial(_load_as_the_builder_does, section), section, key)
+
+
+def _passes_its_keys_to_load_dataset(section: Any) -> bool:
+    """Whether the section's builder hands the keys it does not name to
+    ``datasets.load_dataset`` (torchtune's ``**load_dataset_kwargs``, exactga's prompt dataset
+    too); a builder of the user's own reads its files its own way, so only when it builds."""
+    from torchtune.config._utils import _get_component_from_path
+
+    component = _get(section, "_component_")
+    if not isinstance(component, str):
+        return False
+    try:
+        parameters = inspect.signature(_get_component_from_path(component)).parameters
+    except Exception:  # not importable, or no signature: instantiation says what is wrong
+        return False
+    return "load_dataset_kwargs" in parameters and "source" in parameters
 
 
 # Note [data files at start-up]
@@ -99,7 +116,9 @@ def check_data_files(cfg: Any) -> None:
 # any size, is parsed once: ``datasets`` writes its Arrow cache here, and the builder's own call
 # when the recipe builds the dataset finds it (a memory-mapped read, no second parse). A builder
 # that calls ``load_dataset`` otherwise costs a second parse, never another result. Only where
-# the load fails is the file read again, whole, to say where (see [data file faults]). A CSV row
+# the load fails is the file read again, whole, to say where (see [data file faults]). A builder
+# without ``**load_dataset_kwargs`` (the user's own) is not called this way: its files are
+# checked when it builds (exactga.data.loader wraps every builder in read_data_files). A CSV row
 # with fewer fields than the header reads as empty fields, so a CSV file cut off in a row
 # passes the load: its last line is read from the end (a few kilobytes) before it.
 
