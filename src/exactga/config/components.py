@@ -65,6 +65,7 @@ _FORWARDED_TO = {
     "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer": (
         "exactga.models.checkpointer.FullModelHFCheckpointer"
     ),
+    "exactga.dpo.kto.kto_dataset": "exactga.dpo.kto.KtoDataset",
 }
 _SHOWN_ARGUMENTS = 12
 # Where a **kwargs the body never reads is a key dropped silently, not a choice.
