@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import io
@@ -31,7 +32,6 @@ from recipe_utils import (
     run_tune,
     tiny_args,
 )
-from zygote import REAL_LAUNCH
 
 from exactga.launch import mixups, registry
 
@@ -233,13 +233,14 @@ def test_a_single_device_recipe_by_path_under_torchrun_is_refused_before_anythin
 
 
 @pytest.mark.slow
-def test_the_stock_name_refusal_is_installed_in_a_fresh_tune(tmp_path: Path) -> None:
+def test_the_stock_name_refusal_through_tune(tmp_path: Path) -> None:
+    """Through the tests' launch server: this interpreter shows the start-up hook installs the
+    check (the in-process tests above run through it)."""
     config = "configs/qwen3/0.6B_lora_single_device.yaml"
-    proc = run_tune(
-        ["lora_finetune_single_device", "--config", config], extra_env={REAL_LAUNCH: "1"}
-    )
+    proc = run_tune(["lora_finetune_single_device", "--config", config])
     output = output_of(proc)
     assert proc.returncode == 1, output[-4000:]
+    assert output.count("exactga: ") == 1 and "Traceback" not in output, output[-4000:]
     assert f"tune run exactga/lora_finetune_single_device --config {config}" in output
 
 
@@ -272,9 +273,15 @@ def test_a_stock_name_with_another_recipes_exactga_config_says_whose_config_it_i
     assert "this config is written for exactga/lora_finetune_single_device" in problem
 
 
+@functools.cache
+def _component_of(config_file: Path, section: str) -> object:
+    """``<section>._component_`` of a config file (each file read once for the module)."""
+    value = yaml.safe_load(config_file.read_text()).get(section)
+    return value.get("_component_") if isinstance(value, dict) else None
+
+
 def _loss_of(config_file: Path) -> object:
-    loss = yaml.safe_load(config_file.read_text()).get("loss")
-    return loss.get("_component_") if isinstance(loss, dict) else None
+    return _component_of(config_file, "loss")
 
 
 def test_no_recipe_refuses_the_loss_of_its_own_or_its_stock_namesakes_configs() -> None:
@@ -307,8 +314,7 @@ def test_a_fine_tuning_recipe_refuses_a_dpo_config_and_back(recipe: str, configs
 
 
 def _model_of(config_file: Path) -> object:
-    model = yaml.safe_load(config_file.read_text()).get("model")
-    return model.get("_component_") if isinstance(model, dict) else None
+    return _component_of(config_file, "model")
 
 
 def test_a_recipe_that_trains_every_weight_refuses_a_lora_model_and_only_that() -> None:
@@ -316,13 +322,13 @@ def test_a_recipe_that_trains_every_weight_refuses_a_lora_model_and_only_that() 
 
     stock = {r.name: r for r in torchtune_registry.get_all_recipes()}
     every_config = [registry.config_path(c) for e in registry.RECIPES for c in e.configs]
+    lora = [p for p in every_config if "lora_" in str(_model_of(p)).rsplit(".", 1)[-1]]
+    assert len(lora) > 20
     for recipe in ("full_finetune_single_device", "full_finetune_distributed", "qat_distributed"):
         own = [registry.config_path(c) for c in registry.recipe_entry(recipe).configs]
         own += [TORCHTUNE_RECIPES / "configs" / c.file_path for c in stock[recipe].configs]
         for path in own:
             assert mixups.lora_model_problem(recipe, _model_of(path), []) is None, path
-        lora = [p for p in every_config if "lora_" in str(_model_of(p)).rsplit(".", 1)[-1]]
-        assert len(lora) > 20
         for path in lora:
             problem = mixups.lora_model_problem(recipe, _model_of(path), ["--config", "c.yaml"])
             assert problem is not None and "tune run exactga/" in problem, path
