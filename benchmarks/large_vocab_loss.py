@@ -188,7 +188,7 @@ def step(model, loss_fn, batch, precision: Precision | None) -> float:
         with autocast:
             loss = loss_fn.loss(model, batch)
     else:
-        loss = causal_lm_loss(model, loss_fn, batch, precision=precision)
+        loss = causal_lm_loss(model, loss_fn, batch, precision=precision).main
     loss.backward()
     return loss.item()
 

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.config.schemas import FullFinetuneDistributedConfig
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -106,12 +106,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
         self._router = RouterBalance.from_config(cfg, self._model, self._runtime)
         # Loss tokens are counted over every data-parallel rank: one all-reduce per window.
-        normalizer = LossNormalizer(
-            self._loss_fn,
-            mode=cfg.loss_normalization,
-            dp_group=self._runtime.dp_group,
-            units=self._router.units(self._loss_fn),
-        )
+        normalizer = start.normalizer(self._loss_fn, units=self._router.units(self._loss_fn))
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         dataloader = start.dataloader(
@@ -127,7 +122,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             track=self._router.track,
         )
 
-    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """Forward and mean loss of one micro-batch already on the device."""
         return causal_lm_loss(
             self._model,

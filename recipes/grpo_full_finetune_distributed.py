@@ -31,7 +31,8 @@ from omegaconf import DictConfig
 from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.accumulation.normalization import LossNormalizer, Window
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
+from exactga.accumulation.normalization import Window
 from exactga.grpo.losses import build_policy_loss
 from exactga.grpo.policy import PolicyMetrics, grpo_loss_step, loss_units_for
 from exactga.grpo.prompts import checked_prompt_loader
@@ -125,12 +126,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         # The policy loss is a mean over completion tokens or completions; the normaliser
         # weighs micro-batches by those units on every rank.
-        self._normalizer = LossNormalizer(
-            None,
-            mode=cfg.loss_normalization,
-            dp_group=self._runtime.dp_group,
-            units=loss_units_for(self._loss_aggregation),
-        )
+        self._normalizer = start.normalizer(None, units=loss_units_for(self._loss_aggregation))
         self._policy_metrics = PolicyMetrics(self._runtime.device)
         self._rollouts: StepRollouts | None = None  # the current step's, for its metrics
         # Prompts: batch_size per rank per step, dealt out of one shuffled order, so the
@@ -181,7 +177,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             dp_group=self._runtime.dp_group,
         )
 
-    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """The policy's log-probs at completion positions, and the micro-batch's mean loss
         over its units."""
         return grpo_loss_step(

@@ -29,7 +29,6 @@ from omegaconf import DictConfig
 from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.accumulation.normalization import LossNormalizer
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.kd.distillation import (
     KD_FINGERPRINT_KEYS,
@@ -112,9 +111,7 @@ class KDRecipeDistributed(FTRecipeInterface):
             activations_ctx=start.activations_ctx,
         )
         # Loss tokens are counted over every data-parallel rank: one all-reduce per window.
-        normalizer = LossNormalizer(
-            loss_fn, mode=cfg.loss_normalization, dp_group=self._runtime.dp_group
-        )
+        normalizer = start.normalizer(loss_fn)
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         dataloader = start.dataloader(

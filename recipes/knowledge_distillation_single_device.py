@@ -27,7 +27,6 @@ from omegaconf import DictConfig
 from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.accumulation.normalization import LossNormalizer
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.kd.distillation import (
     KD_FINGERPRINT_KEYS,
@@ -113,7 +112,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             device=self._runtime.device,
             activations_ctx=start.activations_ctx,
         )
-        normalizer = LossNormalizer(loss_fn, mode=cfg.loss_normalization)
+        normalizer = start.normalizer(loss_fn)
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         dataloader = start.dataloader(

@@ -24,6 +24,7 @@ from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.dpo.preference import (
     DpoTerms,
@@ -144,7 +145,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             track=self._metrics.track,
         )
 
-    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """Reference and policy log-probs, and the mean DPO loss over the micro-batch's pairs."""
         return dpo_loss_step(
             self._model,

@@ -31,7 +31,8 @@ from omegaconf import DictConfig
 from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.accumulation.normalization import LossNormalizer, Window
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
+from exactga.accumulation.normalization import Window
 from exactga.launch.cli import run_recipe
 from exactga.ppo.loss import PpoMetrics, ResponseTokens, collate_trajectories, ppo_loss_step
 from exactga.ppo.models import PolicyAndValue
@@ -129,7 +130,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             cfg.optimizer, self._model, in_backward=cfg.optimizer_in_bwd
         )
         # Two terms, each a mean over its own units across the PPO batch's micro-batches.
-        self._normalizer = LossNormalizer(None, mode=cfg.loss_normalization, units=ResponseTokens())
+        self._normalizer = start.normalizer(None, units=ResponseTokens())
         self._ppo_metrics = PpoMetrics()
         self._trajectories: StepTrajectories | None = None  # the current step's, for its metrics
         self._dataloader = prompt_loader(
@@ -175,7 +176,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             collate=lambda rows: collate_trajectories(rows, self._settings.pad_id),
         )
 
-    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """The policy's log-probs at the response tokens, the value model's values at the
         value positions, and the micro-batch's two term means."""
         return ppo_loss_step(
@@ -205,8 +206,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     for window in steps.training(self._windows(trajectories, step)):
                         self._ppo_metrics.clear()  # this PPO batch's statistics
                         for batch in window:  # the PPO batch's micro-batches, on the device
-                            loss = self._loss_step(batch)  # the two term means: edit here
-                            window.backward(loss)  # each term weighed by its exact share
+                            loss = self._loss_step(batch)  # forward and mean loss: edit here
+                            window.backward(loss)  # weighed by its exact share, then backward
                         outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                         steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
                 next(prompt_batches, None)  # lets the loader see its end (its epoch position)

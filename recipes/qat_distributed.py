@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from exactga.accumulation.normalization import LossNormalizer
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.config.schemas import QatDistributedConfig
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
@@ -108,9 +108,7 @@ class QATRecipeDistributed(FTRecipeInterface):
         )
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
         # Loss tokens are counted over every data-parallel rank: one all-reduce per window.
-        normalizer = LossNormalizer(
-            self._loss_fn, mode=cfg.loss_normalization, dp_group=self._runtime.dp_group
-        )
+        normalizer = start.normalizer(self._loss_fn)
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
         dataloader = start.dataloader(
@@ -119,7 +117,7 @@ class QATRecipeDistributed(FTRecipeInterface):
         # Checkpoints, scheduler, profiler, logs: the bookkeeping of every step, set up last.
         self._run = start.training_run(self._model, self._optimizer, dataloader, normalizer)
 
-    def _loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """Forward and mean loss of one micro-batch already on the device."""
         return causal_lm_loss(
             self._model, self._loss_fn, batch, self._activations_ctx, self._runtime.precision

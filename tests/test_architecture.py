@@ -77,6 +77,7 @@ SETUP_ONLY_NAMES = {
     "RunCheckpoints": "the checkpoints (exactga.setup.run_start.RunStart.training_run)",
     "StepBook": "the step bookkeeping (exactga.setup.run_start.RunStart.training_run)",
     "restore_rng": "the RNG states of a resume (RunStart.training_run)",
+    "LossNormalizer": "the normaliser's ranks (exactga.setup.run_start.RunStart.normalizer)",
 }
 
 

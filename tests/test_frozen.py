@@ -102,7 +102,7 @@ def _sharded_kd_worker(rank: int, tied: bool) -> dict:
         device=torch.device("cpu"),
     )
     batch = prompt_masked_batch(VOCAB)
-    loss = distiller.loss_step(dict(batch))
+    loss = distiller.loss_step(dict(batch)).main
     loss.backward()
     with frozen_forward():
         sharded = torch.cat(distiller.teacher_logits({"tokens": batch["tokens"]}), dim=1)

@@ -181,7 +181,7 @@ def _loss_and_gradients(distiller: Distiller, with_positions: bool):
     batch = prompt_masked_batch(VOCAB)
     if with_positions:
         batch[LOSS_POSITIONS] = loss_positions(batch["labels"])
-    loss = distiller.loss_step(batch)
+    loss = distiller.loss_step(batch).main
     loss.backward()
     grads = torch.cat([p.grad.reshape(-1) for p in distiller.student.parameters()])
     parts = torch.stack(distiller._parts[-1]).double()  # (class loss, kd loss)

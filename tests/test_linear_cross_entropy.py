@@ -158,7 +158,7 @@ def loss_and_grads(model, loss_fn, batch, *, positions: bool, precision=None):
     batch = {key: value.clone() for key, value in batch.items()}
     if positions:
         batch[LOSS_POSITIONS] = loss_positions(batch["labels"])
-    loss = causal_lm_loss(model, loss_fn, batch, precision=precision)
+    loss = causal_lm_loss(model, loss_fn, batch, precision=precision).main
     loss.backward()
     grads = {
         name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None

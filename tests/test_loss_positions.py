@@ -44,7 +44,7 @@ def loss_and_gradients(model, loss_fn, batch, with_positions: bool):
     batch = {key: value.clone() for key, value in batch.items()}
     if with_positions:
         batch[LOSS_POSITIONS] = loss_positions(batch["labels"])
-    loss = causal_lm_loss(model, loss_fn, batch)
+    loss = causal_lm_loss(model, loss_fn, batch).main
     loss.backward()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     return loss.detach().double(), grads.double()
@@ -122,10 +122,10 @@ def test_other_models_take_the_full_projection_with_the_same_loss():
     decoder = tiny_decoder(tied=True)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
     batch = prompt_masked_batch(VOCAB)
-    expected = causal_lm_loss(decoder, loss_fn, dict(batch))
+    expected = causal_lm_loss(decoder, loss_fn, dict(batch)).main
 
     wrapped = causal_lm_loss(
         Wrapped(decoder), loss_fn, {**batch, LOSS_POSITIONS: loss_positions(batch["labels"])}
     )
 
-    assert wrapped.item() == expected.item()  # the same computation, bit for bit
+    assert wrapped.main.item() == expected.item()  # the same computation, bit for bit

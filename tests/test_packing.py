@@ -153,7 +153,7 @@ def test_a_packed_row_under_bf16_over_fp32_master_weights_is_the_padded_micro_ba
     for batch in (pack_samples(samples, capacity=ROW), _lists(samples)):
         model = tiny_model()
         loss_fn = torch.nn.CrossEntropyLoss()
-        loss = causal_lm_loss(model, loss_fn, dict(batch), precision=precision)
+        loss = causal_lm_loss(model, loss_fn, dict(batch), precision=precision).main
         loss.backward()
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))

@@ -488,7 +488,7 @@ def test_an_emptied_micro_batch_has_no_unit_a_finite_loss_and_a_zero_gradient(un
         sample_window = SampleWindow([batch, emptied], 6, 0, 0, False, True)
         (window,) = LossNormalizer(None, units=units).windows([sample_window])
         case.model.zero_grad(set_to_none=True)
-        loss = case.loss_step(prepared)
+        loss = case.loss_step(prepared).main
         assert torch.isfinite(loss) and EMPTY not in prepared and LOSS_POSITIONS not in prepared
         window.scale(loss, window.micro_batches[1]).backward()
         grads = [p.grad for p in trainable(case.model)]
@@ -562,7 +562,7 @@ def test_without_old_log_probs_the_old_policy_is_the_current_one() -> None:
 
     def loss_and_grads(batch):
         model.zero_grad()
-        loss = grpo_loss_step(model, dict(batch), aggregation="token_mean", loss=PPOClipLoss())
+        loss = grpo_loss_step(model, dict(batch), aggregation="token_mean", loss=PPOClipLoss()).main
         loss.backward()
         return float(loss.detach()), flat([p.grad for p in model.parameters()])
 
@@ -594,7 +594,9 @@ def test_the_projection_sees_only_completion_positions(monkeypatch: pytest.Monke
 
     def loss_and_grads():
         model.zero_grad()
-        loss = grpo_loss_step(model, dict(batch), aggregation="sequence_mean", loss=PPOClipLoss())
+        loss = grpo_loss_step(
+            model, dict(batch), aggregation="sequence_mean", loss=PPOClipLoss()
+        ).main
         loss.backward()
         return float(loss.detach()), flat([p.grad for p in model.parameters()])
 

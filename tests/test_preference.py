@@ -398,7 +398,9 @@ def test_an_emptied_micro_batch_holds_no_pair_and_a_finite_loss() -> None:
         assert units.count(emptied) == 0 and emptied["tokens"].size(0) == 2
         prepared = units.prepare(emptied, 0, runs_empty=True)
         metrics = PreferenceMetrics()
-        loss = dpo_loss_step(case.model, case.loss_fn, prepared, case.reference(), metrics=metrics)
+        loss = dpo_loss_step(
+            case.model, case.loss_fn, prepared, case.reference(), metrics=metrics
+        ).main
         assert torch.isfinite(loss) and metrics._sums is None
         assert EMPTY not in prepared and LOSS_POSITIONS not in prepared  # the step popped them
 
@@ -425,7 +427,7 @@ def test_the_projection_sees_only_response_positions_and_the_loss_is_the_full_lo
 
     def loss_and_grads(batch):
         model.zero_grad()
-        loss = dpo_loss_step(model, loss_fn, dict(batch), reference)
+        loss = dpo_loss_step(model, loss_fn, dict(batch), reference).main
         loss.backward()
         return float(loss.detach()), flat([p.grad for p in model.parameters()])
 

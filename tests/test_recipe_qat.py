@@ -188,7 +188,7 @@ def _forward(run: Path, step: int, window: list[dict[str, torch.Tensor]]) -> tup
         with torch.no_grad():
             for batch in window:
                 count = int((batch["labels"][:, 1:] != loss_fn.ignore_index).sum())
-                total += float(causal_lm_loss(model, loss_fn, dict(batch))) * count
+                total += float(causal_lm_loss(model, loss_fn, dict(batch)).main) * count
                 tokens += count
     finally:
         for hook in hooks:

@@ -63,7 +63,7 @@ def loss_gradients_peak(model, batch, with_positions: bool):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    loss = causal_lm_loss(model, loss_fn, batch)
+    loss = causal_lm_loss(model, loss_fn, batch).main
     loss.backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before

@@ -62,6 +62,7 @@ zero. Nothing else reads the planted label.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -276,3 +277,41 @@ class ShiftedTokens:
 
     def emptied(self, batch: Batch) -> Batch:
         return masked_labels(batch, self.ignore_index)
+
+
+class FurtherUnits:
+    """``base``'s units, and one further term's: what a copy declares to add a term over units
+    of its own (``loss.with_term(name, mean)``; see [one return type for every loss step] in
+    exactga.accumulation.micro_batch_loss and [loss terms over their own units]).
+
+    Args:
+        base: the units the recipe's normaliser counts (its first unit, and any further ones).
+        name: the further term's units, as ``with_term`` and the metrics name them.
+        count: the term's units in a host batch; it must give 0 on an emptied batch (every
+            label ignored), as a count over labels does.
+    """
+
+    def __init__(self, base: LossUnits, name: str, count: Callable[[Batch], int]) -> None:
+        self.base = base
+        self.name = base.name
+        self.term_names = (*term_names(base), name)
+        self._count_term = count
+
+    def count(self, batch: Batch) -> int:
+        return self.base.count(batch)
+
+    def count_terms(self, batch: Batch) -> tuple[int, ...]:
+        return (*count_terms(self.base, batch), int(self._count_term(batch)))
+
+    def prepare(self, batch: Batch, num_units: int, runs_empty: bool) -> Batch:
+        return self.base.prepare(batch, num_units, runs_empty)
+
+    def emptied(self, batch: Batch) -> Batch:
+        return self.base.emptied(batch)
+
+
+def with_further_units(base: LossUnits, name: str, count: Callable[[Batch], int]) -> FurtherUnits:
+    """``base`` and a further term's units ``name``, counted on each host batch by ``count``:
+    hand it to the normaliser as its ``units``, and add the term with
+    ``loss.with_term(name, mean)``. See :class:`FurtherUnits`."""
+    return FurtherUnits(base, name, count)

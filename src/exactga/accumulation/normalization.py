@@ -50,6 +50,7 @@ from torch import nn
 from torchtune.training import scale_grads
 
 from exactga.accumulation.loss_units import LossUnits, ShiftedTokens, count_terms, term_names
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.window_statistics import WindowStatistic
 from exactga.config.options import NormMode, as_option
 from exactga.data.micro_batching import SampleWindow, WindowWork, filler_micro_batch
@@ -276,13 +277,17 @@ class Window:
         for _ in range(num_fillers):  # a fresh dict each: a loss step pops its labels
             yield replace(self.filler, batch=dict(self.filler.batch))
 
-    def scale(self, loss: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
+    def scale(self, loss: torch.Tensor | MicroBatchLoss, micro_batch: MicroBatch) -> torch.Tensor:
         """The micro-batch's mean loss weighted for backward; see [loss scaled before backward].
 
         Also keeps a detached reference to the loss for :meth:`local_mean_loss`; nothing is
-        read back to the host here. Under units with further terms ``loss`` is the vector of
-        the term means, handed to :meth:`scale_terms`.
+        read back to the host here. ``loss`` is what a loss step returns, a
+        :class:`MicroBatchLoss` (see [one return type for every loss step]), or its mean as a
+        tensor; under units with further terms, the vector of the term means, handed to
+        :meth:`scale_terms`.
         """
+        if isinstance(loss, MicroBatchLoss):
+            loss = loss.term_means(self.term_names)
         if self.term_names:
             return self.scale_terms(loss, micro_batch)
         self._losses.append(loss.detach())

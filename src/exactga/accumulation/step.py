@@ -19,12 +19,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torchtune import utils
 
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import MicroBatch, Window, warn_skipped_step
 from exactga.accumulation.optimizers import steps_in_backward
 from exactga.accumulation.window_statistics import compute_window_statistics
 
 T = TypeVar("T")
-LossStep = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+LossStep = Callable[[dict[str, torch.Tensor]], "MicroBatchLoss | torch.Tensor"]
 MicroBatchContext = Callable[[bool], contextlib.AbstractContextManager[Any]]
 
 
@@ -91,7 +92,7 @@ class TrainingWindow:
     """One optimizer step as a recipe's loop runs it::
 
         for batch in window:          # this rank's micro-batches, on the device
-            loss = loss_step(batch)   # forward and mean loss over the micro-batch's units
+            loss = loss_step(batch)   # a MicroBatchLoss: the mean over the micro-batch's units
             window.backward(loss)     # scaled by its exact share of the window, then backward
         outcome = window.step(optimizer, clip_grad_norm=max_norm)
 
@@ -141,14 +142,17 @@ class TrainingWindow:
                     raise RuntimeError(_ONE_BACKWARD_EACH)
         self._ran_all = True
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Weigh the current micro-batch's mean loss by its share of the window over every rank
-        and backpropagate it: see [loss scaled before backward], no gradient pass follows.
-        ``loss`` is the loss step's mean over the micro-batch's units (the vector of term means
-        for units with further terms; see [loss terms over their own units])."""
+    def backward(self, loss: MicroBatchLoss | torch.Tensor) -> None:
+        """Weigh the current micro-batch's loss by its share of the window over every rank and
+        backpropagate it: see [loss scaled before backward], no gradient pass follows.
+        ``loss`` is what the loss step returned, a :class:`MicroBatchLoss` (its main term a mean
+        over the micro-batch's units, each further term weighed by its own units; see [one
+        return type for every loss step]), or a 0-d mean tensor."""
         micro_batch = self._current
         if micro_batch is None:
             raise RuntimeError(_ONE_BACKWARD_EACH)
+        if isinstance(loss, MicroBatchLoss):  # the term means in the normaliser's order
+            loss = loss.term_means(self.window.term_names)
         self._finite = _and_finite(self._finite, loss)  # on the device; see [non-finite loss]
         self._forward_phase.close()
         with self.context.profiler.phase("backward"):

@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message
 
 from exactga.accumulation.loss_units import LOSS_POSITIONS, Batch, shift_labels
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
 from exactga.data.packing import PACKED_SEQUENCES
 from exactga.dpo.preference import (
@@ -338,7 +339,7 @@ def kto_loss_step(
     reference_point: KtoReferencePoint,
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
-) -> torch.Tensor:
+) -> MicroBatchLoss:
     """The mean KTO loss over the examples of one micro-batch already on the device, against
     the window's reference point (computed before the first backward); see [kto reference
     point]. The policy's graph runs on the example rows only."""
@@ -359,4 +360,4 @@ def kto_loss_step(
             f"loss {type(loss_fn).__name__} returned losses of shape {tuple(losses.shape)} for "
             f"{policy.numel()} examples; exactga averages one loss per example itself."
         )
-    return losses.mean()
+    return MicroBatchLoss(losses.mean())

@@ -93,6 +93,7 @@ from exactga.accumulation.loss_units import (
     loss_positions,
     shift_labels,
 )
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import LossNormalizer, Window
 from exactga.config.options import SequenceLogProb, as_option
 from exactga.data.packing import PACKED_SEQUENCES
@@ -387,12 +388,12 @@ def dpo_loss_step(
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
     reference_point: Any = None,
-) -> torch.Tensor:
+) -> MicroBatchLoss:
     """The mean loss over the pairs of one micro-batch already on the device, for
-    ``Window.scale`` (which weighs it by its pairs); see [pairs as loss units]. With an NLL
-    term (``terms.rpo_alpha``) the two term means instead, ``[mean DPO loss over the pairs,
-    rpo_alpha * mean NLL over the chosen tokens]``, which ``Window.scale`` weighs by the pairs
-    and the chosen tokens (units from ``terms.units()``); see [chosen tokens as the NLL's units].
+    ``window.backward`` (which weighs it by its pairs); see [pairs as loss units]. With an NLL
+    term (``terms.rpo_alpha``) a further term, ``rpo_alpha * mean NLL over the chosen tokens``
+    (``chosen_tokens``), which ``window.backward`` weighs by the chosen tokens (units from
+    ``terms.units()``); see [chosen tokens as the NLL's units].
 
     ``loss_fn`` is torchtune's ``DPOLoss`` or ``RSOLoss``, or one of exactga.dpo.losses (any
     loss with their signature that returns one loss per pair). The reference runs first, so its
@@ -459,13 +460,14 @@ def dpo_loss_step(
     if metrics is not None and not is_empty:
         metrics.record(chosen_rewards, rejected_rewards, chosen, rejected)
     if not terms.has_nll:
-        return losses.mean()
+        return MicroBatchLoss(losses.mean())
     # See [chosen tokens as the NLL's units]: the chosen rows' sums, before any length mean.
     chosen_nll_sum = -split_pairs(policy)[0].sum()
     num_chosen_tokens = split_pairs(response_lengths({**batch, "labels": labels}))[0].sum()
     if metrics is not None and not is_empty:
         metrics.record_terms(losses, chosen_nll_sum)
-    return torch.stack([losses.mean(), terms.rpo_alpha * (chosen_nll_sum / num_chosen_tokens)])
+    nll = terms.rpo_alpha * (chosen_nll_sum / num_chosen_tokens)
+    return MicroBatchLoss(losses.mean(), {PairsAndChosenTokens.term_names[0]: nll})
 
 
 def response_lengths(batch: Batch, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

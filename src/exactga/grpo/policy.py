@@ -82,6 +82,7 @@ from exactga.accumulation.loss_units import (
     loss_positions,
     shift_labels,
 )
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.config.options import KLEstimator, LossAggregation, as_option
 from exactga.grpo.losses import PolicyLoss, PolicyTokens, kl_estimate, row_of
 from exactga.runtime.precision import Precision
@@ -327,9 +328,9 @@ def grpo_loss_step(
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
     metrics: PolicyMetrics | None = None,
-) -> torch.Tensor:
+) -> MicroBatchLoss:
     """The mean policy loss over the units of one rollout micro-batch already on the device,
-    for ``Window.scale``; see [policy aggregations]. ``loss`` gives each completion token's
+    for ``window.backward``; see [policy aggregations]. ``loss`` gives each completion token's
     loss (exactga.grpo.losses); ``metrics`` records the KL and clipping of the completion
     tokens (an emptied micro-batch records nothing).
 
@@ -370,12 +371,14 @@ def grpo_loss_step(
     losses, clipped = loss.token_losses(tokens)
     if metrics is not None and not is_empty:
         metrics.record(tokens, clipped, loss.kl_estimator)
-    return aggregate(
-        losses,
-        tokens,
-        aggregation,
-        max_generated_tokens=max_generated_tokens,
-        num_completions=num_completions,
+    return MicroBatchLoss(
+        aggregate(
+            losses,
+            tokens,
+            aggregation,
+            max_generated_tokens=max_generated_tokens,
+            num_completions=num_completions,
+        )
     )
 
 

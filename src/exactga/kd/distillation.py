@@ -66,6 +66,7 @@ from exactga.accumulation.loss_units import (
     loss_ignore_index,
     shift_labels,
 )
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
 from exactga.runtime.distributed import is_rank_zero
 from exactga.runtime.precision import Precision
@@ -291,9 +292,9 @@ class Distiller:
         with frozen_forward(), self.precision.autocast():
             return self.teacher(**batch)
 
-    def loss_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """Forward both models on one micro-batch already on the device; its mean combined
-        loss, for ``Window.scale``. See [two token-normalised losses]; both models project
+        loss, for ``window.backward``. See [two token-normalised losses]; both models project
         only the scored positions when the batch carries their index, see [kd logits at loss
         positions]."""
         labels = batch.pop("labels")
@@ -326,7 +327,7 @@ class Distiller:
         class_loss = self.loss_fn(logits, labels)
         del logits, teacher_logits  # the largest activations, before backward
         self._parts.append((class_loss.detach(), kd_loss.detach()))
-        return (1.0 - self.kd_ratio) * class_loss + self.kd_ratio * kd_loss
+        return MicroBatchLoss((1.0 - self.kd_ratio) * class_loss + self.kd_ratio * kd_loss)
 
     def track(self, windows: Iterable[Window]) -> Iterator[Window]:
         """The windows, with the KD loss's denominator checked on the first micro-batch with a

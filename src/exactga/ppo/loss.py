@@ -49,6 +49,7 @@ from exactga.accumulation.loss_units import (
     loss_positions,
     shift_labels,
 )
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.runtime.precision import Precision
 
 OLD_LOG_PROBS = "old_log_probs"  # per response token, at its position
@@ -149,9 +150,10 @@ def ppo_loss_step(
     precision: Precision | None = None,
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
     metrics: PpoMetrics | None = None,
-) -> torch.Tensor:
-    """The micro-batch's two term means, ``(policy loss mean, value_coeff x value loss
-    mean)``, for ``Window.scale``; see [policy and value terms]. ``metrics`` records the
+) -> MicroBatchLoss:
+    """The micro-batch's two term means, the policy loss's over the response tokens (the main
+    term) and ``value_coeff`` x the value loss's over the value positions (``value_positions``),
+    for ``window.backward``; see [policy and value terms]. ``metrics`` records the
     micro-batch's sums."""
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS)
@@ -178,7 +180,8 @@ def ppo_loss_step(
     if metrics is not None:
         approx_kl = 0.5 * (log_probs.detach() - at(OLD_LOG_PROBS, positions)) ** 2
         metrics.record(policy_losses, value_losses, ratios, clipped, approx_kl)
-    return torch.stack([policy_losses.mean(), value_coeff * value_losses.mean()])
+    value_term = value_coeff * value_losses.mean()
+    return MicroBatchLoss(policy_losses.mean(), {ResponseTokens.term_names[0]: value_term})
 
 
 class PpoMetrics:

@@ -8,6 +8,7 @@ A training recipe reads, top to bottom::
     self._model = start.build_model(cfg.model, start.full_weights())
     self._optimizer = start.build_optimizer(cfg.optimizer, self._model)
     ...                                                 # its loss and data, its own way
+    normalizer = start.normalizer(loss_fn)              # over the runtime's ranks
     self._run = start.training_run(self._model, self._optimizer, dataloader, normalizer)
 
 and trains inside ``with self._run as steps:``. Each call here is one thing that changes a
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
@@ -32,8 +34,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtune import config, training, utils
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
+from exactga.accumulation.loss_units import LossUnits
+from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
+from exactga.accumulation.window_statistics import WindowStatistic
 from exactga.data.loader import dataloader_from_config
 from exactga.profiling import profiler_from_config
 from exactga.run.metric_logging import (
@@ -432,6 +437,26 @@ class RunStart:
         return self.resume.dataloader_state(self.ckpt_dict)
 
     # -- the loop's bookkeeping ------------------------------------------------------------
+    def normalizer(
+        self,
+        loss_fn: nn.Module | None,
+        *,
+        units: LossUnits | None = None,
+        statistics: Sequence[WindowStatistic] = (),
+    ) -> LossNormalizer:
+        """The loss normaliser, in the config's ``loss_normalization``, counting each window's
+        units over the runtime's data-parallel ranks: a recipe never hands it a group, so a copy
+        cannot count over fewer ranks than it trains on (an inexact step, and a hang under
+        ``token_budget``). See ``exactga.accumulation.normalization.LossNormalizer`` for
+        ``units`` and ``statistics``."""
+        return LossNormalizer(
+            loss_fn,
+            mode=self.cfg.loss_normalization,
+            dp_group=self.runtime.dp_group,
+            units=units,
+            statistics=statistics,
+        )
+
     def training_run(
         self,
         model: nn.Module,
@@ -457,6 +482,7 @@ class RunStart:
             step_book_extras: ``window_metrics``, ``track``: see ``StepBook``.
         """
         cfg, runtime, progress = self.cfg, self.runtime, self.progress
+        _check_normalizer_ranks(normalizer, runtime)
         if total_epochs is not None:
             progress.total_epochs = total_epochs
         progress.start(
@@ -492,6 +518,18 @@ class RunStart:
         self.resume.restore_rng(runtime.device)  # last: the setup above draws from the RNGs
         outputs = "Adapters and checkpoints" if lora is not None else "Checkpoints"
         return TrainingRun(steps, runtime, cfg.checkpointer.output_dir, outputs, cfg.compile)
+
+
+def _check_normalizer_ranks(normalizer: Any, runtime: Runtime) -> None:
+    """Refuse a normaliser built over other ranks than the run's (a copy's own
+    ``LossNormalizer(...)`` without the runtime's group counts one rank's units)."""
+    dp_size = getattr(normalizer, "dp_size", runtime.dp_size)
+    if dp_size != runtime.dp_size:
+        raise ValueError(
+            f"the loss normaliser counts units over {dp_size} data-parallel rank(s), the run "
+            f"trains on {runtime.dp_size}: build it with start.normalizer(loss_fn, units=...), "
+            "which counts over the runtime's ranks."
+        )
 
 
 def _part_state(state: dict[str, Any], part: str) -> dict[str, Any]:

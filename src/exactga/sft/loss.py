@@ -11,6 +11,7 @@ from torch import nn
 from exactga.accumulation.forward import can_fuse_output, projecting_into_loss, projecting_only
 from exactga.accumulation.linear_cross_entropy import fusable_loss
 from exactga.accumulation.loss_units import LOSS_POSITIONS, shift_labels
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.runtime.precision import Precision
 from exactga.sft.router_balance import RouterBalance
 
@@ -22,8 +23,10 @@ def causal_lm_loss(
     activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
     precision: Precision | None = None,
     router: RouterBalance | None = None,
-) -> torch.Tensor:
-    """Forward and mean loss of one micro-batch already on the device.
+) -> MicroBatchLoss:
+    """Forward and mean loss of one micro-batch already on the device, as the
+    :class:`MicroBatchLoss` that ``window.backward`` weighs (see [one return type for every
+    loss step] in exactga.accumulation.micro_batch_loss).
 
     See [shifted token count] in ``exactga.accumulation.loss_units``: the count that weights this
     loss was taken on exactly these shifted labels. ``precision`` runs the forward under its
@@ -37,8 +40,20 @@ def causal_lm_loss(
     """
     if router is not None and router.on:
         with router.recording(model, batch["labels"]):
-            token_loss = causal_lm_loss(model, loss_fn, batch, activations_ctx, precision)
+            token_loss = mean_token_loss(model, loss_fn, batch, activations_ctx, precision)
         return router.with_term(token_loss)
+    return MicroBatchLoss(mean_token_loss(model, loss_fn, batch, activations_ctx, precision))
+
+
+def mean_token_loss(
+    model: nn.Module,
+    loss_fn: nn.Module,
+    batch: dict[str, torch.Tensor],
+    activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+    precision: Precision | None = None,
+) -> torch.Tensor:
+    """:func:`causal_lm_loss`'s token loss, the mean over the micro-batch's loss tokens, as a
+    0-d tensor."""
     labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     autocast = precision.autocast() if precision is not None else contextlib.nullcontext()

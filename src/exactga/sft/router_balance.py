@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from exactga.accumulation.loss_units import Batch, ShiftedTokens, loss_ignore_index
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
 from exactga.config.options import RouterBalanceObjective, as_option
 from exactga.models.moe.block import MoEBlock, moe_blocks, recording_router_stats
@@ -141,17 +142,19 @@ class RouterBalance:
         with recording_router_stats(model, token_mask=mask):
             yield
 
-    def with_term(self, token_loss: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's term means for the normaliser: the token loss, and the weighted
-        balance term of the forward just recorded; ``token_loss`` alone when off."""
+    def with_term(self, token_loss: torch.Tensor) -> MicroBatchLoss:
+        """The micro-batch's loss for the normaliser: the token loss, and the weighted balance
+        term of the forward just recorded over its units (``router_micro_batches``);
+        ``token_loss`` alone when off."""
         if not self.on:
-            return token_loss
+            return MicroBatchLoss(token_loss)
         per_layer = [block.last_router_stats for block in self.blocks]
         assert all(stats is not None for stats in per_layer), "record the forward first"
         self._add_to_window(per_layer)
         term = self.coef * self._balance_term(sum_router_stats(per_layer))
         self._terms.append(term.detach())
-        return torch.stack([token_loss.float().reshape(()), term.float()])
+        main = token_loss.float().reshape(())
+        return MicroBatchLoss(main, {RouterMicroBatches.term_names[0]: term.float()})
 
     def _balance_term(self, pooled: RouterStats) -> torch.Tensor:
         """This rank's share of the micro-batch's LB; see [router balance as a loss term]."""
