@@ -23,10 +23,12 @@ Copy this file to change the loop; the numerics stay in ``exactga``.
 
 import sys
 
+import torch
 from omegaconf import DictConfig
 from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
+from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.kd.distillation import (
     KD_FINGERPRINT_KEYS,
@@ -129,12 +131,17 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             track=self._distiller.track,
         )
 
+    def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
+        """The teacher's and the student's forwards on one micro-batch already on the device,
+        and its mean combined loss."""
+        return self._distiller.loss_step(batch)
+
     def train(self) -> None:
         with self._run as steps:  # the profiler, the progress bar and the closing report
             for curr_epoch in steps.epochs():
                 for window in steps.windows(curr_epoch):
                     for batch in window:  # this rank's micro-batches, on the device
-                        loss = self._distiller.loss_step(batch)  # teacher, student, both losses
+                        loss = self._loss_step(batch)  # forward and mean loss: edit here
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints

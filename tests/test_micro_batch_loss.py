@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from recipe_utils import REPO_ROOT
 from torch import nn
 from torch.nn.functional import pad
 
@@ -200,3 +201,22 @@ def test_the_run_refuses_a_normaliser_over_other_ranks_than_its_own() -> None:
     _check_normalizer_ranks(normalizer, SimpleNamespace(dp_size=1))
     with pytest.raises(ValueError, match=r"over 1 data-parallel rank\(s\), the run trains on 2"):
         _check_normalizer_ranks(normalizer, SimpleNamespace(dp_size=2))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [p for p in sorted((REPO_ROOT / "recipes").glob("*.py")) if p.stem != "ga_parity"],
+    ids=lambda p: p.stem,
+)
+def test_every_training_recipe_has_the_lines_the_documented_edits_replace(recipe) -> None:
+    """docs/editing_recipes.md's edits apply unchanged to every training recipe: the loop's
+    lines they replace are there (tests/test_editing_recipes.py runs them on SFT, MoE with the
+    router term and DPO with rpo_alpha), and ``_loss_step`` returns a ``MicroBatchLoss``."""
+    from test_editing_recipes import END_STEP_LINE, LOSS_LINE, STEP_LINE, TRAIN_DEF
+
+    source = recipe.read_text()
+    for line in (LOSS_LINE, STEP_LINE, END_STEP_LINE, TRAIN_DEF):
+        assert source.count(line) == 1, f"{recipe.name} lacks {line!r}"
+    assert "def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:" in source
+    assert "LossNormalizer" not in source  # the normaliser over the runtime's ranks:
+    assert "start.normalizer(" in source or "preference_run(" in source
