@@ -28,13 +28,11 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.data.loader import load_dataset, model_vocab_size
-from exactga.dpo.preference import (
-    DpoTerms,
-    dpo_loss_step,
-    frozen_model_reference,
-    preference_run,
-)
+from exactga.dpo.log_probs import frozen_model_reference
+from exactga.dpo.loss import dpo_loss_step
 from exactga.dpo.schema import FULL_DPO_FINGERPRINT_KEYS, FullDpoDistributedConfig
+from exactga.dpo.terms import DpoTerms
+from exactga.dpo.wiring import preference_run
 from exactga.launch.cli import run_recipe
 from exactga.setup.run_start import RunStart, Runtime, validated_config
 
@@ -88,19 +86,19 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         ValueError: bad values and impossible combinations of config keys, at start-up.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: FullDpoDistributedConfig) -> None:
         # Device, process group, data-parallel mesh (stock's DPO has no tensor parallelism),
         # precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: FullDpoDistributedConfig) -> None:
         # Resume point, metric logger, torchtune's checkpoint client and the weights it read.
         start = RunStart(cfg, self._runtime, FULL_DPO_FINGERPRINT_KEYS)
         self._model = start.build_model(cfg.model, start.full_weights())
         self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
         # One loss per pair (with rpo_alpha or ORPO also an NLL over the chosen tokens), and
-        # what it needs of the step: see exactga.dpo.preference.DpoTerms.
+        # what it needs of the step: see exactga.dpo.terms.DpoTerms.
         self._loss_fn = config.instantiate(cfg.loss)
         self._dpo_terms = DpoTerms.for_loss(
             self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob

@@ -85,7 +85,7 @@ from exactga.accumulation.step import train_window
 from exactga.data.loader import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.data.packing import uses_flex_attention
-from exactga.dpo.preference import DpoTerms
+from exactga.dpo.terms import DpoTerms
 from exactga.kd.distillation import Distiller, check_kd_losses, check_vocabularies
 from exactga.launch.cli import run_recipe
 from exactga.parity.grpo import GrpoParity

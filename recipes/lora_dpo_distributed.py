@@ -28,13 +28,11 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.data.loader import load_dataset, model_vocab_size
-from exactga.dpo.preference import (
-    DpoTerms,
-    dpo_loss_step,
-    lora_reference,
-    preference_run,
-)
+from exactga.dpo.log_probs import lora_reference
+from exactga.dpo.loss import dpo_loss_step
 from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoDistributedConfig
+from exactga.dpo.terms import DpoTerms
+from exactga.dpo.wiring import preference_run
 from exactga.launch.cli import run_recipe
 from exactga.setup.lora import LoraSettings
 from exactga.setup.run_start import RunStart, Runtime, validated_config
@@ -89,14 +87,14 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
         ValueError: bad values and impossible combinations of config keys, at start-up.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: LoraDpoDistributedConfig) -> None:
         # Device, process group, data-parallel mesh, precision policy, kernels, threads and
         # the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: LoraDpoDistributedConfig) -> None:
         # Resume point, metric logger, torchtune's checkpointer and the frozen base it read.
         start = RunStart(cfg, self._runtime, DPO_FINGERPRINT_KEYS)
         self._model = start.build_model(cfg.model, start.adapter_weights(self._lora))
@@ -104,7 +102,7 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
         # One loss per pair (with rpo_alpha or ORPO also an NLL over the chosen tokens), and
-        # what it needs of the step: see exactga.dpo.preference.DpoTerms.
+        # what it needs of the step: see exactga.dpo.terms.DpoTerms.
         self._loss_fn = config.instantiate(cfg.loss)
         self._dpo_terms = DpoTerms.for_loss(
             self._loss_fn, rpo_alpha=cfg.rpo_alpha, sequence_log_prob=cfg.sequence_log_prob

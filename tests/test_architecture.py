@@ -73,7 +73,7 @@ SETUP_ONLY_NAMES = {
     "build_frozen_model": "frozen models (exactga.setup.run_start.RunStart.frozen_model)",
     "shard_model": "sharding (exactga.setup.run_start.RunStart.build_model)",
     "restore_progress": "the counters of a resume (RunStart.build_optimizer)",
-    "dataloader_from_config": "the loader (exactga.setup.run_start.RunStart.dataloader)",
+    "dataloader_from_settings": "the loader (exactga.setup.run_start.RunStart.dataloader)",
     "RunCheckpoints": "the checkpoints (exactga.setup.run_start.RunStart.training_run)",
     "StepBook": "the step bookkeeping (exactga.setup.run_start.RunStart.training_run)",
     "restore_rng": "the RNG states of a resume (RunStart.training_run)",
@@ -274,6 +274,55 @@ def test_the_package_graph_has_no_cycle() -> None:
 
     for package in sorted(graph):
         visit(package)
+
+
+def _module_name(path: Path) -> str:
+    """``src/exactga/dpo/loss.py`` -> ``exactga.dpo.loss`` (a package's ``__init__``: its name)."""
+    parts = path.relative_to(REPO / "src").with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """module -> the exactga modules it imports anywhere in its file: at the top, inside a
+    function, or under ``TYPE_CHECKING`` (``from exactga.x import y`` names ``exactga.x.y``
+    where ``y`` is a module, else ``exactga.x``)."""
+    modules = {_module_name(path): path for path in LIBRARY}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    targets.add(submodule if submodule in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {target for target in targets if target in modules} - {name}
+    return graph
+
+
+def test_the_module_graph_has_no_cycle() -> None:
+    """No two modules import each other, even through others, and even where an import is
+    local to a function or under ``TYPE_CHECKING``: hiding a circle is still a circle."""
+    graph = _module_imports()
+    assert "exactga.dpo.loss" in graph and graph["exactga.dpo.loss"], "has the layout changed?"
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        if module in visiting:
+            cycle = visiting[visiting.index(module) :] + [module]
+            pytest.fail(f"import cycle between modules: {' -> '.join(cycle)}")
+        if module in done:
+            return
+        visiting.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
 
 
 @pytest.mark.parametrize("family", ["kd", "dpo", "grpo"])

@@ -62,18 +62,12 @@ from exactga.config.options import SequenceLogProb
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
 from exactga.data.packing import pack_pairs
-from exactga.dpo.preference import (
-    DPO,
-    DpoTerms,
-    PairsAndChosenTokens,
-    PreferenceMetrics,
-    PreferencePairs,
-    collate_pairs,
-    dpo_loss_step,
-    frozen_model_reference,
-    lora_reference,
-)
+from exactga.dpo.log_probs import frozen_model_reference, lora_reference
+from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.metrics import PreferenceMetrics
+from exactga.dpo.preference import PairsAndChosenTokens, PreferencePairs, collate_pairs
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
+from exactga.dpo.terms import DPO, DpoTerms
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 from exactga.setup.frozen import freeze_model

@@ -37,8 +37,11 @@ from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
 from exactga.dpo.kto import KtoDataset, KtoExamples, KTOLoss, KtoReferencePoint, mismatched_rows
-from exactga.dpo.preference import DpoTerms, collate_pairs, dpo_loss_step, frozen_model_reference
+from exactga.dpo.log_probs import frozen_model_reference
+from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.preference import collate_pairs
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
+from exactga.dpo.terms import DpoTerms
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 from exactga.setup.frozen import freeze_model

@@ -36,15 +36,10 @@ from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS
 from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.data.micro_batching import SampleWindow, first_fit_decreasing, sample_positions
 from exactga.data.packing import pack_pairs
-from exactga.dpo.preference import (
-    EMPTY,
-    PreferenceMetrics,
-    PreferencePairs,
-    collate_pairs,
-    dpo_loss_step,
-    frozen_model_reference,
-    lora_reference,
-)
+from exactga.dpo.log_probs import frozen_model_reference, lora_reference
+from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.metrics import PreferenceMetrics
+from exactga.dpo.preference import EMPTY, PreferencePairs, collate_pairs
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 from exactga.setup.frozen import freeze_model

@@ -35,17 +35,12 @@ from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.config.options import SequenceLogProb
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
+from exactga.dpo.log_probs import frozen_model_reference, lora_reference
+from exactga.dpo.loss import dpo_loss_step
 from exactga.dpo.losses import IPOLoss, ORPOLoss, SimPOLoss
-from exactga.dpo.preference import (
-    DpoTerms,
-    PairsAndChosenTokens,
-    PreferencePairs,
-    collate_pairs,
-    dpo_loss_step,
-    frozen_model_reference,
-    lora_reference,
-)
+from exactga.dpo.preference import PairsAndChosenTokens, PreferencePairs, collate_pairs
 from exactga.dpo.schema import FullDpoDistributedConfig
+from exactga.dpo.terms import DpoTerms
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.setup.frozen import freeze_model
 

@@ -13,7 +13,8 @@ from test_preference import PAIRS, Case, _is_layer
 from torchtune.training import shard_model
 from unit_utils import run_on_ranks
 
-from exactga.dpo.preference import PreferencePairs, collate_pairs, dpo_loss_step
+from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.preference import PreferencePairs, collate_pairs
 from exactga.dpo.reference_logprobs import (
     PAIR_INDEX,
     IndexedPairs,

@@ -132,7 +132,7 @@ def token_log_probs(
 ) -> torch.Tensor:
     """``log p(target)`` at each of ``positions`` (flat indices into the ``(B, L)`` batch after
     the shift), in fp32 at least: the per-token log-probs of the preference and policy losses
-    (``exactga.dpo.preference.sequence_log_probs`` sums them per row). The projection runs only at
+    (``exactga.dpo.log_probs.sequence_log_probs`` sums them per row). The projection runs only at
     ``positions`` where the model allows it; see [logits only at loss positions]. PPO scores
     tokens under the sampling distribution, the logits over ``temperature`` (stock's
     ``rlhf.logits_to_logprobs``); 1 leaves them as they are."""

@@ -26,8 +26,8 @@ micro-batch, and nothing at all for a loss that declares no statistic.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,23 @@ from torchtune import utils
 
 from exactga.accumulation.loss_units import Batch
 
-if TYPE_CHECKING:
-    from exactga.accumulation.normalization import Window
+
+class Window(Protocol):
+    """What a statistic and its pass read of a window: exactga.accumulation.normalization's
+    ``Window``, named here by its parts because that module imports this one."""
+
+    dp_group: dist.ProcessGroup | None
+    dp_size: int
+
+    @property
+    def num_global_units(self) -> int: ...
+
+    def micro_batches_to_run(self) -> Iterable[_MicroBatch]: ...
+
+
+class _MicroBatch(Protocol):
+    batch: Batch
+    num_units: int
 
 
 class WindowStatistic(Protocol):

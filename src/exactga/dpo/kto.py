@@ -45,13 +45,8 @@ from exactga.accumulation.loss_units import LOSS_POSITIONS, Batch, shift_labels
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
 from exactga.data.packing import PACKED_SEQUENCES
-from exactga.dpo.preference import (
-    DESIRABLE,
-    EMPTY,
-    PreferencePairs,
-    Reference,
-    sequence_log_probs,
-)
+from exactga.dpo.log_probs import Reference, sequence_log_probs
+from exactga.dpo.preference import DESIRABLE, EMPTY, PreferencePairs
 from exactga.dpo.reference_logprobs import PAIR_INDEX, ReferenceTable
 from exactga.runtime.precision import Precision
 

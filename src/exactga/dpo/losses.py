@@ -5,7 +5,7 @@ average them over the window's pairs themselves; see [pairs as loss units] in
 exactga.dpo.preference). Their keys are the ones users know: torchtune 0.4's ``SimPOLoss``
 (``beta``, ``gamma``, ``label_smoothing``) and ``IPOLoss`` (``tau``), and TRL's ORPO ``beta``.
 What each loss needs of the step beyond its keys it declares as class attributes, read by
-:meth:`exactga.dpo.preference.DpoTerms.for_loss`:
+:meth:`exactga.dpo.terms.DpoTerms.for_loss`:
 
 - ``reference_free``: the loss takes the policy's two log-probs only, and the recipes build and
   run no reference model at all (SimPO, ORPO);

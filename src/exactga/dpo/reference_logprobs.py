@@ -61,8 +61,8 @@ class IndexedPairs(Dataset):
 class ReferenceTable:
     """Every pair's reference log-probs, ``(N, 2)`` fp64 (chosen, rejected), on the device.
 
-    Stands in for a ``Reference`` of exactga.dpo.preference:
-    :func:`exactga.dpo.preference.dpo_loss_step` looks a micro-batch's pairs up by their
+    Stands in for a ``Reference`` of exactga.dpo.log_probs:
+    :func:`exactga.dpo.loss.dpo_loss_step` looks a micro-batch's pairs up by their
     :data:`PAIR_INDEX`.
     """
 
@@ -104,7 +104,7 @@ def precompute_reference(
     """The reference log-probs of every pair of ``dataset``; see [precomputed reference].
 
     Args:
-        reference: a ``Reference`` of exactga.dpo.preference (the model with its adapters off, or
+        reference: a ``Reference`` of exactga.dpo.log_probs (the model with its adapters off, or
             the frozen reference model), called on micro-batches on ``device``.
         dataset: the recipe's checked dataset of pairs (each rank holds the same one).
         collate: the config's pair collate with its padding arguments bound.

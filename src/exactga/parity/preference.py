@@ -3,8 +3,8 @@
 A config whose ``loss`` weighs pairs (torchtune's ``DPOLoss`` or ``RSOLoss``; see
 ``GaParityConfig.is_preference``) trains every run as the DPO recipes do: windows of preference
 pairs collated by ``exactga.dpo.preference.collate_pairs``, counted in pairs by ``PreferencePairs``
-through the one normaliser, and the loss step ``exactga.dpo.preference.dpo_loss_step`` (see [pairs
-as loss units] there). LoRA DPO's reference is each run's policy with its adapters off; full
+through the one normaliser, and the loss step ``exactga.dpo.loss.dpo_loss_step`` (see [pairs
+as loss units] in exactga.dpo.preference). LoRA DPO's reference is each run's policy with its adapters off; full
 DPO's is a frozen copy of ``model`` with the weights of ``ref_checkpointer``, built once in
 ``dtype`` on one device and once sharded like the policy for the ``BxGxN`` runs
 (``exactga.parity.runs.FrozenModels``), so every run
@@ -42,14 +42,11 @@ from torch import nn
 from exactga.accumulation.loss_units import Batch
 from exactga.config.schemas import TrainingRunConfig
 from exactga.data.rows import is_preference_sample
-from exactga.dpo.preference import (
-    DpoTerms,
-    dpo_loss_step,
-    frozen_model_reference,
-    lora_reference,
-    reference_point_for,
-)
+from exactga.dpo.log_probs import frozen_model_reference, lora_reference
+from exactga.dpo.loss import dpo_loss_step
 from exactga.dpo.schema import PAIR_COLLATE, loss_is_reference_free
+from exactga.dpo.terms import DpoTerms
+from exactga.dpo.wiring import reference_point_for
 from exactga.parity.scoring import ParityRun, RunSummary, sorted_runs
 from exactga.runtime.distributed import is_rank_zero
 from exactga.runtime.precision import Precision
