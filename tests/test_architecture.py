@@ -206,13 +206,17 @@ ALLOWED_IMPORTS = {
     "models": {"config", "runtime"},
     # Setup assembles a recipe's run (exactga.setup.run_start): the loader and the profiler too.
     "setup": {"config", "runtime", "data", "accumulation", "run", "models", "profiling"},
+    # Sampling what the policy generates, below the families that train on it (GRPO, PPO).
+    "generation": {"accumulation", "setup"},
     **{
         family: {"config", "runtime", "data", "accumulation", "setup", "models"}
         for family in FAMILIES
     },
     "profiling": {"config", "runtime", "data", "accumulation"},
-    "parity": {*LAYERS, *FAMILIES, "models", "profiling"} - {"launch"},
+    "parity": {*LAYERS, *FAMILIES, "generation", "models", "profiling"} - {"launch"},
 }
+ALLOWED_IMPORTS["grpo"].add("generation")
+ALLOWED_IMPORTS["ppo"].add("generation")
 
 
 def _package_of(path: Path) -> str:

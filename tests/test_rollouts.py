@@ -1,4 +1,4 @@
-"""Rollouts that do not depend on the rank layout (exactga.setup.rollouts).
+"""Rollouts that do not depend on the rank layout (exactga.generation.sampling).
 
 A group's completions must be a function of (seed, step, prompt index, sample index) and the
 weights: the same whether the group is generated alone, after others or in another order, with
@@ -19,14 +19,14 @@ from torchtune.training import shard_model
 from unit_utils import run_on_ranks, tiny_model
 
 from exactga.accumulation.loss_units import IGNORE_INDEX, shift_labels
-from exactga.grpo.policy import collate_rollouts
-from exactga.setup.rollouts import (
+from exactga.generation.sampling import (
     RolloutGroup,
     SamplingSettings,
     check_prompt,
     generate_group,
     rollout_seed,
 )
+from exactga.grpo.policy import collate_rollouts
 
 CPU = torch.device("cpu")
 SEED, NUM_SAMPLES, MAX_GENERATED = 7, 4, 12

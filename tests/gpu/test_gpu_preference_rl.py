@@ -190,9 +190,9 @@ def test_grpo_generation_decodes_from_a_bf16_kv_cache(record_property):
     from omegaconf import OmegaConf
     from torchtune import config, training
 
+    from exactga.generation.sampling import SamplingSettings
     from exactga.grpo.step import generate_rollouts
     from exactga.runtime.precision import Precision
-    from exactga.setup.rollouts import SamplingSettings
 
     device = torch.device(DEVICE)
     with training.set_default_dtype(torch.bfloat16), device:

@@ -35,7 +35,7 @@ from torchtune import config
 
 from exactga.data.files import read_data_files
 from exactga.data.loader import build_prompt_loader
-from exactga.setup.rollouts import check_prompt
+from exactga.generation.sampling import check_prompt
 
 QUESTION = "question"
 ANSWER = "answer"

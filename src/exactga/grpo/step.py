@@ -1,17 +1,17 @@
 """One GRPO step on this rank: prompts in, rollouts out, then windows for the one normaliser.
 
 ``recipes/grpo_full_finetune_distributed.py`` keeps its loop in sight and calls this module for
-what decides numbers: which completions are generated (``exactga.setup.rollouts``), how they are
-scored (``exactga.grpo.rewards``), their advantages and recorded log-probs, how the step's rollouts
-are cut into micro-batches, and what is logged about them. See [a GRPO step].
+what decides numbers: which completions are generated (``exactga.generation.sampling``), how
+they are scored (``exactga.grpo.rewards``), their advantages and recorded log-probs, how the
+step's rollouts are cut into micro-batches, and what is logged about them. See [a GRPO step].
 
 Note [a GRPO step]
 A step takes ``batch_size`` prompts on each data-parallel rank (the global batch is the same
 prompts whatever the layout: the sampler deals the shuffled indices out to the ranks) and
 generates ``grpo_samples`` completions of each, with randomness that depends only on (seed,
-step, prompt index, sample index) (see exactga.setup.rollouts), so 1 rank and 4 ranks hold the same
-completions. Rewards and group-relative advantages are per prompt, and a prompt's group never
-leaves its rank, so no collective is needed for them. The reference's per-token log-probs, and
+step, prompt index, sample index) (see exactga.generation.sampling), so 1 rank and 4 ranks hold
+the same completions. Rewards and group-relative advantages are per prompt, and a prompt's group
+never leaves its rank, so no collective is needed for them. The reference's per-token log-probs, and
 with ``ppo_epochs > 1`` the generating policy's, are recorded once, under no_grad, in chunks of
 ``forward_batch_size`` rollouts (as many chunks on every rank, so FSDP's collectives pair up).
 Then each of the ``ppo_epochs`` passes over the rollouts is one optimizer step: a window of
@@ -44,6 +44,7 @@ from exactga.data.micro_batching import (
     plan_micro_batches,
     sample_length,
 )
+from exactga.generation.sampling import SamplingSettings, generate_group
 from exactga.grpo.losses import PolicyLoss
 from exactga.grpo.policy import OLD_LOG_PROBS, REF_LOG_PROBS, collate_rollouts, group_advantages
 from exactga.grpo.rewards import score_completions, successes
@@ -56,7 +57,6 @@ from exactga.grpo.shaping import (
     round_is_enough,
 )
 from exactga.runtime.precision import Precision
-from exactga.setup.rollouts import SamplingSettings, generate_group
 
 if TYPE_CHECKING:
     from exactga.accumulation.normalization import LossNormalizer, Window

@@ -49,6 +49,7 @@ from exactga.config.options import (
     as_option,
 )
 from exactga.data.loader import build_prompt_loader
+from exactga.generation.sampling import SamplingSettings, check_prompt
 from exactga.grpo.losses import PolicyLoss, build_policy_loss
 from exactga.grpo.policy import grpo_loss_step, loss_units_for
 from exactga.grpo.rewards import build_rewards, reward_name
@@ -78,7 +79,6 @@ from exactga.parity.scoring import (
 from exactga.profiling import setup_profiler
 from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
-from exactga.setup.rollouts import SamplingSettings, check_prompt
 
 log = utils.get_logger("INFO")
 

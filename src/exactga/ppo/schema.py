@@ -141,7 +141,7 @@ def check_ppo_keys(cfg: DictConfig) -> None:
     if not cfg.enable_kv_cache and int(os.environ.get("RANK", "0")) == 0:
         warnings.warn(
             "config key 'enable_kv_cache' is ignored: generation always runs with a KV cache "
-            "here (exactga.setup.rollouts), which changes no number.",
+            "here (exactga.generation.sampling), which changes no number.",
             stacklevel=2,
         )
     loss = cfg.loss if isinstance(cfg.loss, DictConfig) else {}

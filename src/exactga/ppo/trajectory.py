@@ -3,7 +3,7 @@ into PPO batches for the one normaliser. See [a PPO step].
 
 Note [a PPO step]
 A step takes ``batch_size`` prompts and generates one response to each through the generation
-path GRPO uses (``exactga.setup.rollouts.generate_group``: one prompt per ``generate`` call, no
+path GRPO uses (``exactga.generation.sampling.generate_group``: one prompt per ``generate`` call, no
 padding, randomness from (seed, step, prompt's place in the step) only, the response cut after
 its first stop token). Then, under no_grad, in chunks of ``forward_batch_size`` trajectories,
 the policy's log-probs of its response tokens (at ``temperature``, as stock scores them), the
@@ -38,10 +38,10 @@ from exactga.accumulation.loss_units import IGNORE_INDEX, loss_positions, shift_
 from exactga.config.options import MicroBatching
 from exactga.data.loader import build_prompt_loader, load_dataset
 from exactga.data.micro_batching import MicroBatchingSettings, WindowCollator
+from exactga.generation.sampling import SamplingSettings, check_prompt, generate_group
 from exactga.ppo.loss import ADVANTAGES, OLD_LOG_PROBS, OLD_VALUES, RETURNS
 from exactga.runtime.precision import Precision
 from exactga.setup.frozen import frozen_forward
-from exactga.setup.rollouts import SamplingSettings, check_prompt, generate_group
 
 if TYPE_CHECKING:
     from exactga.accumulation.normalization import LossNormalizer, Window

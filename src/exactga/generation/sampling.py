@@ -1,7 +1,8 @@
 """Rollouts: one prompt's group of sampled completions, the same on any rank layout.
 
 GRPO samples a group of completions per prompt, PPO one; both generate here, so both families
-share the one generation path (a family never imports another, so it sits in this layer).
+share the one generation path (a family never imports another, so it sits in a package below
+them).
 
 :func:`generate_group` samples ``num_samples`` completions of one prompt with torchtune's
 ``generate`` and a KV cache, and returns them as rollouts for
