@@ -10,8 +10,8 @@ micro-batches whose step is exactly the full-batch step for the chosen ``loss_ag
 (completion tokens or completions counted over every micro-batch and rank by the one
 normaliser; stock has no accumulation and FSDP averages ranks with equal weight), and the
 completions do not depend on the rank layout, so 1 rank and 4 ranks train the same step.
-See [a GRPO step] in ``exactga.grpo.step``, [policy aggregations] in ``exactga.grpo.policy``
-and docs/grpo.md.
+See [a GRPO step] in ``exactga.grpo.rollout_step``, [policy aggregations] in
+``exactga.grpo.policy`` and docs/grpo.md.
 
 Launch from the repository root::
 
@@ -37,14 +37,11 @@ from exactga.grpo.losses import build_policy_loss
 from exactga.grpo.policy import PolicyMetrics, grpo_loss_step, loss_units_for
 from exactga.grpo.prompts import checked_prompt_loader
 from exactga.grpo.rewards import build_rewards
+from exactga.grpo.rollout_metrics import rollout_metrics
+from exactga.grpo.rollout_step import StepSettings, make_rollouts
+from exactga.grpo.rollouts import StepRollouts
 from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig
-from exactga.grpo.step import (
-    StepRollouts,
-    StepSettings,
-    make_rollouts,
-    ppo_windows,
-    rollout_metrics,
-)
+from exactga.grpo.windows import ppo_windows
 from exactga.launch.cli import run_recipe
 from exactga.run.steps import StepBookSettings
 from exactga.setup.run_start import RunStart, Runtime, validated_config
@@ -159,7 +156,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     ) -> StepRollouts:
         """Generate, score and record log-probs for one step's prompts on this rank (with
         dynamic sampling, further prompts from ``more_prompts``); see [a GRPO step] in
-        exactga.grpo.step."""
+        exactga.grpo.rollout_step."""
         return make_rollouts(
             self._model,
             self._ref_model,
@@ -167,14 +164,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             settings=self._step_settings,
             reward_components=self._rewards,
             tokenizer=self._tokenizer,
-            seed=self._runtime.progress.seed,
             step=rollout_step,
-            device=self._runtime.device,
-            run_full_length=self._runtime.dp_size > 1,  # every rank runs as many forwards
-            precision=self._runtime.precision,
+            runtime=self._runtime,  # the seed, device, precision and ranks, as one
             phase=self._run.profiler.phase,
             more_prompts=more_prompts,
-            dp_group=self._runtime.dp_group,
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:

@@ -1,11 +1,12 @@
-"""How one GRPO step's rollouts become a window (exactga.grpo.step), in-process."""
+"""How one GRPO step's rollouts become a window (exactga.grpo.windows), in-process."""
 
 from __future__ import annotations
 
 import pytest
 
 from exactga.config.options import MicroBatching
-from exactga.grpo.step import micro_batching_for_rollouts, rollout_window
+from exactga.grpo.rollout_step import micro_batching_for_rollouts
+from exactga.grpo.windows import rollout_window
 
 
 def _rollouts(num: int) -> list[dict]:

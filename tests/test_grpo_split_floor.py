@@ -47,6 +47,7 @@ from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.config.options import MicroBatching
+from exactga.grpo.log_probs import record_reference_and_old
 from exactga.grpo.losses import CISPOLoss, PPOClipLoss
 from exactga.grpo.policy import (
     OLD_LOG_PROBS,
@@ -55,12 +56,9 @@ from exactga.grpo.policy import (
     grpo_loss_step,
     loss_units_for,
 )
+from exactga.grpo.rollout_step import micro_batching_for_rollouts
 from exactga.grpo.shaping import kl_reward_penalties
-from exactga.grpo.step import (
-    micro_batching_for_rollouts,
-    record_reference_and_old,
-    rollout_window,
-)
+from exactga.grpo.windows import rollout_window
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 
@@ -164,7 +162,7 @@ def recorded(
 
 
 def first_step_k1_penalties(rollouts: list[dict]) -> torch.Tensor:
-    """What ``kl_in_reward`` with k1 takes off each reward (exactga.grpo.step's call)."""
+    """What ``kl_in_reward`` with k1 takes off each reward (exactga.grpo.rollout_step's call)."""
     return kl_reward_penalties(
         rollouts, OLD_LOG_PROBS, REF_LOG_PROBS, kl_coeff=0.01, estimator="k1"
     )

@@ -42,6 +42,7 @@ from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS
 from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.data.micro_batching import SampleWindow
 from exactga.grpo import losses, policy
+from exactga.grpo.dynamic_sampling import dynamic_sampling
 from exactga.grpo.losses import (
     CISPOLoss,
     GSPOLoss,
@@ -61,6 +62,7 @@ from exactga.grpo.policy import (
     grpo_loss_step,
     loss_units_for,
 )
+from exactga.grpo.rollouts import StepRollouts, assign_advantages
 from exactga.grpo.schema import POLICY_LOSS_KEYS, STOCK_LOSSES, check_loss_section
 from exactga.grpo.shaping import (
     OverlongShaping,
@@ -68,7 +70,6 @@ from exactga.grpo.shaping import (
     kept_groups,
     kl_reward_penalties,
 )
-from exactga.grpo.step import StepRollouts, assign_advantages, dynamic_sampling
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 

@@ -191,7 +191,7 @@ def test_grpo_generation_decodes_from_a_bf16_kv_cache(record_property):
     from torchtune import config, training
 
     from exactga.generation.sampling import SamplingSettings
-    from exactga.grpo.step import generate_rollouts
+    from exactga.grpo.rollouts import generate_rollouts
     from exactga.runtime.precision import Precision
 
     device = torch.device(DEVICE)

@@ -10,9 +10,9 @@ which the pip package lacks, stand for :class:`PPOClipLoss`; see :func:`build_po
 
 Each adds ``kl_coeff`` times a KL estimator to the reference (``kl_estimator``: k1, k2, k3)
 to every token's loss, or with ``kl_in_reward`` leaves it out of the loss: the step then takes
-it off each completion's reward before the advantages (exactga.grpo.step). What a loss returns
-is a loss per completion token; the aggregation over tokens and completions, and with it the
-units the normaliser counts, is ``loss_aggregation``'s (see [policy aggregations] in
+it off each completion's reward before the advantages (exactga.grpo.rollout_step). What a loss
+returns is a loss per completion token; the aggregation over tokens and completions, and with it
+the units the normaliser counts, is ``loss_aggregation``'s (see [policy aggregations] in
 exactga.grpo.policy). See [policy losses are local to a completion].
 
 Note [policy losses are local to a completion]

@@ -5,7 +5,7 @@ layout and any split (see [dynamic sampling on any layout]).
 Overlong shaping and the KL penalty are functions of one completion (its length; its recorded
 log-probs), so they cannot depend on the split. Dynamic sampling decides which prompts a step
 trains on, which could: this module decides it from the global prompt order alone, and
-exactga.grpo.step gathers and deals the kept groups.
+exactga.grpo.dynamic_sampling gathers and deals the kept groups.
 
 Note [dynamic sampling on any layout]
 DAPO drops the groups whose rewards are all equal (their advantages are all 0: they teach

@@ -2,12 +2,13 @@
 split.
 
 ``recipes/ga_parity.py`` hands a config that sets ``grpo_samples`` to :class:`GrpoParity`, which
-trains it as recipes/grpo_full_finetune_distributed.py does (the one step of exactga.grpo.step:
-``make_rollouts``, ``ppo_windows``, ``exactga.grpo.policy.grpo_loss_step`` and the recipes'
-``train_window``), once per listed loss (``parity.losses``, or the config's ``loss``) and
-``loss_aggregation`` as the full batch on one device and then under every split and mode, and
-scores and reports each as its own objective with the fine-tuning report's tables, verdict and
-figure (exactga.parity.report). See [grpo parity].
+trains it as recipes/grpo_full_finetune_distributed.py does
+(``exactga.grpo.rollout_step.make_rollouts``, ``exactga.grpo.windows.ppo_windows``,
+``exactga.grpo.policy.grpo_loss_step`` and the recipes' ``train_window``), once per listed
+loss (``parity.losses``, or the config's ``loss``) and ``loss_aggregation`` as the full batch on
+one device and then under every split and mode, and scores and reports each as its own
+objective with the fine-tuning report's tables, verdict and figure (exactga.parity.report). See
+[grpo parity].
 
 Note [grpo parity]
 A split ``BxGxN`` counts completions: ``B`` per micro-batch, ``G`` micro-batches, ``N`` ranks;
@@ -30,6 +31,7 @@ not train: they run ``fixed`` only, as in the fine-tuning report).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,8 @@ from exactga.generation.sampling import SamplingSettings, check_prompt
 from exactga.grpo.losses import PolicyLoss, build_policy_loss
 from exactga.grpo.policy import grpo_loss_step, loss_units_for
 from exactga.grpo.rewards import build_rewards, reward_name
-from exactga.grpo.step import ShapingKeys, StepSettings, make_rollouts, ppo_windows
+from exactga.grpo.rollout_step import ShapingKeys, StepSettings, make_rollouts
+from exactga.grpo.windows import ppo_windows
 from exactga.parity.grpo_report import PolicyObjective, grpo_splits, write_index
 from exactga.parity.grpo_schema import GrpoParityConfig
 from exactga.parity.report import markdown_table, write_report
@@ -77,10 +80,27 @@ from exactga.parity.scoring import (
     verdict,
 )
 from exactga.profiling import setup_profiler
+from exactga.run.progress import TrainingProgress
 from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
 
 log = utils.get_logger("INFO")
+
+
+@dataclass(frozen=True)
+class SplitRuntime:
+    """What one split's run hands ``make_rollouts`` of itself (a recipe hands its ``Runtime``;
+    see exactga.grpo.rollout_step.RolloutRuntime): the rollouts' seed, device, precision and
+    data-parallel group."""
+
+    device: torch.device
+    precision: Precision
+    progress: TrainingProgress
+    dp_group: Any = None
+
+    @property
+    def dp_size(self) -> int:
+        return torch.distributed.get_world_size(self.dp_group) if self.dp_group is not None else 1
 
 
 class GrpoParity:
@@ -280,6 +300,8 @@ class GrpoParity:
                 num_training_steps=self._num_steps * self._cfg.ppo_epochs,
             )
         dp_group = distributed.dp_group(self._mesh) if sharded else None
+        progress = TrainingProgress(self._seed, total_epochs=1, max_steps_per_epoch=None)
+        runtime = SplitRuntime(self._device, precision, progress, dp_group)  # the rollouts'
         normalizer = LossNormalizer(
             None, mode=mode, dp_group=dp_group, units=loss_units_for(aggregation)
         )
@@ -326,13 +348,9 @@ class GrpoParity:
                 settings=settings,
                 reward_components=self._rewards,
                 tokenizer=self._tokenizer,
-                seed=self._seed,
                 step=rollout_step,
-                device=self._device,
-                run_full_length=sharded,
-                precision=precision,
+                runtime=runtime,
                 more_prompts=partial(next, prompt_batches, None),
-                dp_group=dp_group,
             )
             for window in ppo_windows(rollouts, settings, normalizer):
                 train_window(
