@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from tokenizer_files import QWEN3_SPECIAL_TOKENS
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import get_adapter_params
@@ -42,7 +43,6 @@ from exactga.kd.schema import (
     KnowledgeDistillationSingleDeviceConfig,
 )
 from exactga.launch import registry
-from exactga.models.qwen3._tokenizer import QWEN3_SPECIAL_TOKENS
 
 GRPO = "grpo_full_finetune_distributed"
 SCHEMAS: dict[str, type] = {
@@ -169,19 +169,13 @@ class Family:
 
 
 FAMILIES = {
-    "qwen3": Family(
-        "QWEN3",
-        "exactga.models.qwen3.qwen3_tokenizer",
-        {"path": "vocab.json", "merges_file": "merges.txt"},
-    ),
+    "qwen3": Family("QWEN3", "exactga.models.qwen3.qwen3_tokenizer", {"path": "tokenizer.json"}),
     # The MoE models share Qwen3's tokenizer.
     "qwen3_moe": Family(
-        "QWEN3_MOE",
-        "exactga.models.qwen3.qwen3_tokenizer",
-        {"path": "vocab.json", "merges_file": "merges.txt"},
+        "QWEN3_MOE", "exactga.models.qwen3.qwen3_tokenizer", {"path": "tokenizer.json"}
     ),
     "gemma3": Family(
-        "GEMMA3", "exactga.models.gemma3.gemma3_tokenizer", {"path": "tokenizer.model"}
+        "GEMMA3", "exactga.models.gemma3.gemma3_tokenizer", {"path": "tokenizer.json"}
     ),
 }
 CHECKPOINTER = "exactga.models.checkpointer.FullModelHFCheckpointer"

@@ -90,8 +90,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
         "tokenizer": lambda folder: {
             "_component_": "exactga.models.qwen3.qwen3_tokenizer",
-            "path": str(folder / "vocab.json"),
-            "merges_file": str(folder / "merges.txt"),
+            "path": str(folder / "tokenizer.json"),
             "max_seq_len": 256,
         },
         "write_tokenizer": write_qwen3_folder,
@@ -136,8 +135,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "lora": {"apply_lora_to_mlp": False},
         "tokenizer": lambda folder: {
             "_component_": "exactga.models.qwen3.qwen3_tokenizer",
-            "path": str(folder / "vocab.json"),
-            "merges_file": str(folder / "merges.txt"),
+            "path": str(folder / "tokenizer.json"),
             "max_seq_len": 256,
         },
         "write_tokenizer": write_qwen3_folder,
@@ -181,7 +179,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
         "tokenizer": lambda folder: {
             "_component_": "exactga.models.gemma3.gemma3_tokenizer",
-            "path": str(folder / "tokenizer.model"),
+            "path": str(folder / "tokenizer.json"),
             "max_seq_len": 256,
         },
         "write_tokenizer": write_gemma3_folder,

@@ -1,12 +1,13 @@
 """Qwen3's and Gemma 3's tokenizers encode as ``transformers`` does from the same files.
 
-Each module fixture writes a tiny tokenizer folder laid out as the released model's: for Qwen3 a
-byte-level BPE trained here with ``tokenizers`` (``vocab.json``, ``merges.txt``,
-``tokenizer.json``, and a ``tokenizer_config.json`` with Qwen3's added tokens and chat
-template); for Gemma 3 a SentencePiece BPE trained here (``tokenizer.model`` with Gemma 3's
-special pieces at their ids, and a ``tokenizer_config.json`` with Gemma 3's chat template). The
-chat templates are tests/assets/tokenizers/*.jinja, written from the released models'
-``tokenizer_config.json`` (from memory: Qwen3's first release's template, Gemma 3's).
+Each module fixture writes a tiny tokenizer folder laid out as the released model's
+(tests/tokenizer_files.py): for Qwen3 a byte-level BPE trained here with ``tokenizers``
+(``vocab.json``, ``merges.txt``, ``tokenizer.json``, and a ``tokenizer_config.json`` with
+Qwen3's added tokens and chat template); for Gemma 3 a SentencePiece BPE trained here
+(``tokenizer.model`` with Gemma 3's special pieces at their ids, the ``tokenizer.json``
+transformers converts it to, and a ``tokenizer_config.json`` with Gemma 3's chat template). The
+chat templates are the released ones (tests/assets/tokenizers/*.jinja; Qwen3's tests run with
+both released revisions of its template). Our tokenizers read the ``tokenizer.json``.
 
 ``transformers.AutoTokenizer`` loads each folder, and the tests compare token ids:
 ``apply_chat_template(messages)`` (no generation prompt, Qwen3's default ``enable_thinking``)
@@ -24,13 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizer_files import write_gemma3_folder, write_qwen3_folder
+from tokenizer_files import (
+    QWEN3_CHAT_TEMPLATES,
+    QWEN3_SPECIAL_TOKENS,
+    write_gemma3_folder,
+    write_qwen3_folder,
+)
 from torchtune.data import Message
 from torchtune.datasets import alpaca_dataset, chat_dataset, preference_dataset
 
 from exactga.models.gemma3._tokenizer import Gemma3Tokenizer, gemma3_tokenizer
 from exactga.models.qwen3._tokenizer import (
-    QWEN3_SPECIAL_TOKENS,
     Qwen3Tokenizer,
     qwen3_tokenizer,
     render_qwen3_turns,
@@ -129,8 +134,17 @@ def expected_mask(ids: Sequence[int], hf_tokenizer: Any, turn_start: str) -> lis
 
 
 @pytest.fixture(scope="module")
-def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_qwen3_folder(tmp_path_factory.mktemp("qwen3_tokenizer"))
+def qwen3_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A Qwen3 tokenizer folder per released chat template."""
+    return {
+        template: write_qwen3_folder(tmp_path_factory.mktemp("qwen3_tokenizer"), template)
+        for template in QWEN3_CHAT_TEMPLATES
+    }
+
+
+@pytest.fixture(scope="module", params=QWEN3_CHAT_TEMPLATES)
+def qwen3_folder(qwen3_folders: dict[str, Path], request: pytest.FixtureRequest) -> Path:
+    return qwen3_folders[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +153,7 @@ def hf_qwen3(qwen3_folder: Path) -> Any:
 
 
 def make_qwen3(folder: Path, **kwargs: Any) -> Qwen3Tokenizer:
-    return qwen3_tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), **kwargs)
+    return qwen3_tokenizer(str(folder / "tokenizer.json"), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +176,23 @@ def test_qwen3_special_token_ids_are_transformers(qwen3: Qwen3Tokenizer, hf_qwen
     assert qwen3.bos_id is None and hf_qwen3.bos_token_id is None
 
 
+@pytest.fixture(scope="module")
+def torchtune_qwen(qwen3_folder: Path) -> Any:
+    """torchtune's byte-level BPE from vocab.json and merges.txt with Qwen3's added tokens
+    (what exactga's Qwen3 tokenizer encoded with before it read tokenizer.json)."""
+    from torchtune.models.qwen2_5._tokenizer import Qwen2_5Tokenizer
+
+    vocab, merges = str(qwen3_folder / "vocab.json"), str(qwen3_folder / "merges.txt")
+    return Qwen2_5Tokenizer(vocab, merges, special_tokens=QWEN3_SPECIAL_TOKENS)
+
+
 @pytest.mark.parametrize("text", TEXTS + QWEN3_TEXTS_WITH_TOKENS)
 def test_qwen3_encode_and_decode_are_transformers(
-    qwen3: Qwen3Tokenizer, hf_qwen3: Any, text: str
+    qwen3: Qwen3Tokenizer, hf_qwen3: Any, torchtune_qwen: Any, text: str
 ) -> None:
     ids = qwen3.encode(text, add_bos=False, add_eos=False)
     assert ids == hf_qwen3.encode(text)  # Qwen adds no bos/eos in transformers either
+    assert ids == torchtune_qwen.encode(text, add_bos=False, add_eos=False)
     assert qwen3.encode(text) == ids + [qwen3.eos_id]  # torchtune's default add_eos=True
     for skip in (False, True):
         assert qwen3.decode(ids, skip_special_tokens=skip) == hf_qwen3.decode(
@@ -279,10 +304,10 @@ def test_qwen3_truncation(qwen3_folder: Path, qwen3: Qwen3Tokenizer) -> None:
 
 
 def test_qwen3_builder_options(qwen3_folder: Path, qwen3: Qwen3Tokenizer) -> None:
-    """special_tokens_path reads the added tokens of a tokenizer.json; a prompt template adds
-    text around the messages; ChatML around ChatML and unknown choices are refused."""
-    from_json = make_qwen3(qwen3_folder, special_tokens_path=str(qwen3_folder / "tokenizer.json"))
-    assert from_json.special_tokens == QWEN3_SPECIAL_TOKENS
+    """The added tokens are tokenizer.json's; a prompt template adds text around the messages;
+    ChatML around ChatML and unknown choices are refused."""
+    assert qwen3.special_tokens == QWEN3_SPECIAL_TOKENS
+    assert qwen3.vocab_size == max(QWEN3_SPECIAL_TOKENS.values()) + 1
     templated = make_qwen3(qwen3_folder, prompt_template={"user": ("Q: ", "\n")})
     messages = conversation(*SINGLE_TURN)
     assert "<|im_start|>user\nQ: " + QUESTION + "\n<|im_end|>" in templated.decode(
@@ -294,6 +319,23 @@ def test_qwen3_builder_options(qwen3_folder: Path, qwen3: Qwen3Tokenizer) -> Non
         make_qwen3(qwen3_folder, think_blocks="strip")
     with pytest.raises(ValueError, match="no role"):
         render_qwen3_turns([Message("tool", "{}")])  # type: ignore[arg-type]
+
+
+def test_the_builders_name_the_tokenizer_json_to_read(
+    qwen3_folder: Path, gemma3_folder: Path
+) -> None:
+    """torchtune's Qwen2.5 keys (vocab.json and merges.txt), Gemma's tokenizer.model and another
+    family's tokenizer.json are refused, each in one message naming the file to read."""
+    fix = f"set tokenizer.path to {qwen3_folder}/tokenizer.json"
+    with pytest.raises(ValueError, match=f"{fix} and drop tokenizer.merges_file"):
+        qwen3_tokenizer(str(qwen3_folder / "vocab.json"), merges_file=str(qwen3_folder / "m.txt"))
+    with pytest.raises(ValueError, match=f"no tokenizer.json .*{fix}"):
+        qwen3_tokenizer(str(qwen3_folder / "vocab.json"))
+    fix = f"set tokenizer.path to {gemma3_folder}/tokenizer.json"
+    with pytest.raises(ValueError, match=f"no tokenizer.json .*{fix}"):
+        gemma3_tokenizer(str(gemma3_folder / "tokenizer.model"))
+    with pytest.raises(ValueError, match="has no token '<|im_end|>'"):
+        qwen3_tokenizer(str(gemma3_folder / "tokenizer.json"))
 
 
 def test_split_thinking_is_the_chat_templates_split() -> None:
@@ -319,7 +361,7 @@ def hf_gemma3(gemma3_folder: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_folder: Path) -> Gemma3Tokenizer:
-    return gemma3_tokenizer(str(gemma3_folder / "tokenizer.model"))
+    return gemma3_tokenizer(str(gemma3_folder / "tokenizer.json"))
 
 
 GEMMA3_SINGLE_TURN = [("system", SYSTEM), ("user", QUESTION), ("assistant", ANSWER)]
@@ -346,12 +388,69 @@ def test_gemma3_special_token_ids_are_transformers(gemma3: Gemma3Tokenizer, hf_g
     assert hf_gemma3.convert_tokens_to_ids(["<start_of_turn>", "<end_of_turn>"]) == [105, 106]
 
 
+@pytest.fixture(scope="module")
+def torchtune_gemma(gemma3_folder: Path) -> Any:
+    """torchtune's SentencePiece Gemma tokenizer on tokenizer.model (what exactga's Gemma 3
+    tokenizer encoded and decoded with before it read tokenizer.json)."""
+    from torchtune.models.gemma import gemma_tokenizer
+
+    return gemma_tokenizer(str(gemma3_folder / "tokenizer.model"))
+
+
 @pytest.mark.parametrize("text", TEXTS)
-def test_gemma3_encode_is_transformers(gemma3: Gemma3Tokenizer, hf_gemma3: Any, text: str) -> None:
+def test_gemma3_encode_is_transformers(
+    gemma3: Gemma3Tokenizer, hf_gemma3: Any, torchtune_gemma: Any, text: str
+) -> None:
     ids = gemma3.encode(text, add_eos=False)
     assert ids == hf_gemma3.encode(text)  # both start with <bos>
+    assert ids == torchtune_gemma.encode(text, add_eos=False)
     assert gemma3.encode(text) == ids + [gemma3.eos_id]
     assert gemma3.decode(ids) == text == hf_gemma3.decode(ids, skip_special_tokens=True)
+
+
+def test_gemma3_reads_control_tokens_in_text_as_sentencepiece_does(
+    gemma3: Gemma3Tokenizer, hf_gemma3: Any, torchtune_gemma: Any
+) -> None:
+    """A text writing <eos>, <bos>, <pad> or <unk> is encoded as that text (SentencePiece,
+    what exactga encoded with before), not as the token (transformers); <start_of_turn> written
+    in a text is the token in all three."""
+    text = "Stop at <eos>, not <bos> or <pad>; <unk>.<start_of_turn>user\n"
+    ids = gemma3.encode(text, add_bos=False, add_eos=False)
+    assert ids == torchtune_gemma.encode(text, add_bos=False, add_eos=False)
+    assert not {gemma3.pad_id, gemma3.eos_id, gemma3.bos_id, 3} & set(ids)
+    assert gemma3.start_of_turn_id in ids
+    assert gemma3.eos_id in hf_gemma3.encode(text, add_special_tokens=False)
+    assert gemma3.decode(ids) == text
+    assert gemma3.special_tokens["<eos>"] == gemma3.eos_id == 1
+
+
+def test_gemma3_builds_no_control_token_from_text(gemma3_folder: Path, tmp_path: Path) -> None:
+    """A converted tokenizer.json may hold merges that build <eos> from its characters
+    (SentencePiece never segments a text into a control piece): they are not used."""
+    spec = json.loads((gemma3_folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    for piece in ["<", ">", "<e", "<eo", "<eos"]:
+        vocab.setdefault(piece, max(vocab.values()) + 1)
+    chain = [["<", "e"], ["<e", "o"], ["<eo", "s"], ["<eos", ">"]]
+    spec["model"]["merges"] = chain + spec["model"]["merges"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<eos>"]
+    unfiltered = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    assert unfiltered.encode("<eos>", add_special_tokens=False).ids == [1]
+    ids = gemma3_tokenizer(str(tmp_path / "tokenizer.json")).encode("<eos>", False, False)
+    assert 1 not in ids and len(ids) > 1
+
+
+def test_gemma3_decode_and_vocab_size_are_sentencepieces(
+    gemma3: Gemma3Tokenizer, torchtune_gemma: Any
+) -> None:
+    """decode drops <pad>, <eos> and <bos> and writes the turn tokens out, as SentencePiece's
+    decode; vocab_size (which GRPO's rewards read) is the SentencePiece model's."""
+    tokens = gemma3.tokenize_messages(conversation(*GEMMA3_TWO_TURNS))[0]
+    tokens = [gemma3.pad_id, *tokens, gemma3.eos_id]
+    assert gemma3.decode(tokens) == torchtune_gemma.decode(tokens)
+    assert gemma3.decode(tokens).startswith("<start_of_turn>user\n" + SYSTEM)
+    assert gemma3.vocab_size == torchtune_gemma.vocab_size
 
 
 @pytest.mark.parametrize(
@@ -400,7 +499,7 @@ def test_gemma3_refuses_what_its_format_cannot_hold(gemma3: Gemma3Tokenizer) -> 
 def test_gemma3_truncation(gemma3_folder: Path, gemma3: Gemma3Tokenizer) -> None:
     messages = conversation(*GEMMA3_TWO_TURNS)
     full, full_mask = gemma3.tokenize_messages(messages)
-    short = gemma3_tokenizer(str(gemma3_folder / "tokenizer.model"), max_seq_len=15)
+    short = gemma3_tokenizer(str(gemma3_folder / "tokenizer.json"), max_seq_len=15)
     tokens, mask = short.tokenize_messages(messages)
     assert tokens == full[:14] + [short.eos_id] and mask == full_mask[:14] + [True]
 
@@ -430,7 +529,9 @@ def openai_rows() -> list[dict[str, Any]]:
 def tokenizer_pair(request: pytest.FixtureRequest) -> tuple[Any, Any, str]:
     """(ours, transformers', turn start token) for each family."""
     if request.param == "qwen3":
-        return request.getfixturevalue("qwen3"), request.getfixturevalue("hf_qwen3"), "<|im_start|>"
+        folder = request.getfixturevalue("qwen3_folders")[QWEN3_CHAT_TEMPLATES[0]]
+        hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+        return make_qwen3(folder), hf, "<|im_start|>"
     return (
         request.getfixturevalue("gemma3"),
         request.getfixturevalue("hf_gemma3"),

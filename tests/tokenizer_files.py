@@ -7,8 +7,22 @@ with their own tokenizers). Nothing here is a test.
 For Qwen3 a byte-level BPE trained here with ``tokenizers`` (``vocab.json``, ``merges.txt``,
 ``tokenizer.json``, and a ``tokenizer_config.json`` with Qwen3's added tokens and chat template);
 for Gemma 3 a SentencePiece BPE trained here (``tokenizer.model`` with Gemma 3's special pieces
-at their ids, and a ``tokenizer_config.json`` with Gemma 3's chat template). The chat templates
-are tests/assets/tokenizers/*.jinja.
+at their ids), the ``tokenizer.json`` transformers converts it to (as Gemma 3's release ships
+both), and a ``tokenizer_config.json`` with Gemma 3's chat template. exactga's tokenizers read
+the ``tokenizer.json``; transformers reads the folder.
+
+The chat templates in tests/assets/tokenizers/ are the released ones, copied byte for byte:
+
+- ``qwen3_chat_template.jinja``: Qwen3's first release (``Qwen/Qwen3-0.6B``'s
+  ``tokenizer_config.json``, as huggingface/huggingface.js's packages/jinja/test/e2e.test.js
+  holds it at fe42e68).
+- ``qwen3_chat_template_2.jinja``: Qwen3's later revision, which reads non-string contents as
+  empty (``Qwen/Qwen3-8B``'s ``tokenizer_config.json`` on main, as guidance-ai/guidance's
+  guidance/chat.py holds it at 5413339); it renders text conversations as the first.
+- ``gemma3_chat_template.jinja``: Gemma 3's (``_CHAT_TEMPLATE`` of transformers'
+  models/gemma3/convert_gemma3_weights.py, which wrote the released ``tokenizer_config.json``;
+  the same as the ``google/gemma-3-270m-it`` template huggingface.js's
+  packages/ollama-utils/src/chat-template-automap.ts holds at fe42e68).
 """
 
 from __future__ import annotations
@@ -18,9 +32,46 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exactga.models.qwen3._tokenizer import QWEN3_SPECIAL_TOKENS, QWEN3_TEXT_MARKER_TOKENS
-
 ASSETS = Path(__file__).parent / "assets" / "tokenizers"
+QWEN3_CHAT_TEMPLATES = ("qwen3_chat_template.jinja", "qwen3_chat_template_2.jinja")
+
+# Qwen3's added tokens and their ids (its tokenizer_config.json's added_tokens_decoder).
+QWEN3_SPECIAL_TOKENS: dict[str, int] = {
+    content: 151643 + index
+    for index, content in enumerate(
+        [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|object_ref_start|>",
+            "<|object_ref_end|>",
+            "<|box_start|>",
+            "<|box_end|>",
+            "<|quad_start|>",
+            "<|quad_end|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|vision_pad|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<|fim_prefix|>",
+            "<|fim_middle|>",
+            "<|fim_suffix|>",
+            "<|fim_pad|>",
+            "<|repo_name|>",
+            "<|file_sep|>",
+            "<tool_response>",
+            "</tool_response>",
+            "<think>",
+            "</think>",
+        ]
+    )
+}
+# The added tokens Qwen3 marks ``"special": false`` (from <tool_call> on): text markers that
+# transformers' decode keeps even with skip_special_tokens=True.
+QWEN3_TEXT_MARKER_TOKENS = frozenset(list(QWEN3_SPECIAL_TOKENS)[14:])
 
 # Training text for the tiny tokenizers: the chat words, so they get merges, and unicode.
 CORPUS = (
@@ -70,9 +121,10 @@ def train_byte_level_bpe(text: str) -> Any:
     return tokenizer
 
 
-def write_qwen3_folder(folder: Path) -> Path:
-    """Qwen3's tokenizer files for a tiny BPE: vocab.json and merges.txt (what our tokenizer
-    reads), tokenizer.json and tokenizer_config.json (what transformers reads)."""
+def write_qwen3_folder(folder: Path, chat_template: str = QWEN3_CHAT_TEMPLATES[0]) -> Path:
+    """Qwen3's tokenizer files for a tiny BPE: vocab.json and merges.txt, tokenizer.json (what
+    our tokenizer reads) and tokenizer_config.json (transformers reads the last two), its chat
+    template the asset ``chat_template``."""
     bpe = train_byte_level_bpe(CORPUS)
     bpe.model.save(str(folder))  # vocab.json, merges.txt
     added = qwen3_added_tokens()
@@ -87,7 +139,7 @@ def write_qwen3_folder(folder: Path) -> Path:
         "add_prefix_space": False,
         "added_tokens_decoder": {str(i): entry for i, entry in added.items()},
         "bos_token": None,
-        "chat_template": (ASSETS / "qwen3_chat_template.jinja").read_text(),
+        "chat_template": (ASSETS / chat_template).read_text(),
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
@@ -149,8 +201,9 @@ def train_sentencepiece_bpe(text: str) -> bytes:
 
 
 def write_gemma3_folder(folder: Path) -> Path:
-    """Gemma 3's tokenizer files for a tiny model: tokenizer.model and tokenizer_config.json
-    (transformers converts the SentencePiece model to its own BPE when it loads the folder)."""
+    """Gemma 3's tokenizer files for a tiny model: tokenizer.model, tokenizer_config.json, and
+    the tokenizer.json transformers converts the SentencePiece model to (what our tokenizer
+    reads; transformers then reads it too, as from Gemma 3's release)."""
     (folder / "tokenizer.model").write_bytes(train_sentencepiece_bpe(CORPUS))
     special = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>"}
     special |= {105: "<start_of_turn>", 106: "<end_of_turn>"}
@@ -179,4 +232,8 @@ def write_gemma3_folder(folder: Path) -> Path:
         "tokenizer_class": "GemmaTokenizer",
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    from transformers import AutoTokenizer
+
+    converted = AutoTokenizer.from_pretrained(str(folder))
+    converted.backend_tokenizer.save(str(folder / "tokenizer.json"))
     return folder

@@ -1,10 +1,18 @@
 """Gemma 3's tokenizer and chat format, token for token what ``transformers`` makes of Gemma 3's
 files.
 
-The SentencePiece model (``tokenizer.model``), ``encode`` and ``decode`` are torchtune 0.6.1's
-:class:`~torchtune.models.gemma._tokenizer.GemmaTokenizer`. Gemma 3's ids: ``<pad>`` 0, ``<eos>``
-1, ``<bos>`` 2, ``<unk>`` 3, ``<start_of_turn>`` 105, ``<end_of_turn>`` 106 (Gemma 1 and 2 had
-the turn tokens at 106 and 107); the tokenizer reads the turn tokens' ids from the model file.
+Gemma 3's ``tokenizer.json`` is read by Hugging Face's ``tokenizers`` as the release ships it
+behind torchtune's tokenizer interface (:class:`~exactga.models.hf_tokenizer.HFModelTokenizer`).
+Gemma 3's ids: ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, ``<unk>`` 3, ``<start_of_turn>`` 105,
+``<end_of_turn>`` 106 (Gemma 1 and 2 had the turn tokens at 106 and 107); the tokenizer reads
+them from the file. Encoding and decoding are SentencePiece's on Gemma's ``tokenizer.model``
+(torchtune's Gemma tokenizer, which exactga's read before): a text that writes ``<pad>``,
+``<eos>``, ``<bos>`` or ``<unk>`` (SentencePiece's control tokens) is encoded as that text, not
+as the token (transformers encodes the token there: a dataset quoting ``<eos>`` would train an
+end of sequence mid-answer); the other added tokens (``<start_of_turn>``, ...) written in a text
+are the token, in both. ``decode`` drops ``<pad>``, ``<eos>`` and ``<bos>`` and writes every
+other token out; ``skip_special_tokens=True`` also drops the tokens the file marks special, as
+transformers. (SentencePiece decodes ``<unk>`` as `` ⁇ ``, this decode as ``<unk>``.)
 The chat format is Gemma 3's ``chat_template``::
 
     <bos><start_of_turn>user\\n{system}\\n\\n{user}<end_of_turn>\\n
@@ -16,6 +24,9 @@ The chat format is Gemma 3's ``chat_template``::
 - User and assistant contents are stripped of surrounding whitespace, as the template's
   ``| trim`` does; the system text is not.
 - Gemma 3 has no tool role: ``ipython`` messages are refused.
+
+tests/test_tokenizers_qwen3_gemma3.py holds the ids to ``apply_chat_template``'s with Gemma 3's
+released template.
 
 Masks follow torchtune: every token of a turn (``<start_of_turn>role\\n``, the content,
 ``<end_of_turn>\\n``) carries its message's ``masked``, ``<bos>`` the first message's; in the
@@ -29,13 +40,18 @@ with ``add_end_tokens=False`` (inference) a final model message is left open, so
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from torchtune.data import Message, PromptTemplateInterface
 from torchtune.data._prompt_templates import _get_prompt_template, _TemplateType
-from torchtune.models.gemma._tokenizer import GemmaTokenizer
 
+from exactga.models.hf_tokenizer import HFModelTokenizer, message_text
+
+BOS = "<bos>"
+EOS = "<eos>"
+PAD = "<pad>"
+# SentencePiece's control and unknown pieces: text that writes them is encoded as text.
+CONTROL_TOKENS = (PAD, EOS, BOS, "<unk>")
 START_OF_TURN = "<start_of_turn>"
 END_OF_TURN = "<end_of_turn>"
 # Gemma 3's names for torchtune's roles; the system role has none (it is folded, see above).
@@ -46,18 +62,18 @@ SYSTEM_SEPARATOR = "\n\n"
 Turn = tuple[list[int], list[bool]]
 
 
-class Gemma3Tokenizer(GemmaTokenizer):
-    """Gemma 3's tokenizer: torchtune's Gemma SentencePiece tokenizer with Gemma 3's turns.
+class Gemma3Tokenizer(HFModelTokenizer):
+    """Gemma 3's tokenizer: its ``tokenizer.json`` with Gemma 3's turns.
 
     Args:
-        path: ``tokenizer.model``.
+        path: ``tokenizer.json`` of a Gemma 3 release.
         max_seq_len: truncate ``tokenize_messages``' output to its first this many tokens (the
             last kept token replaced by ``eos_id`` and masked, as torchtune does); None: never.
         prompt_template: a torchtune prompt template applied to the messages first (adds plain
             text around them).
 
     Raises:
-        ValueError: the model file has no ``<start_of_turn>``/``<end_of_turn>`` piece.
+        ValueError: the file is not a ``tokenizer.json`` with Gemma 3's tokens.
     """
 
     def __init__(
@@ -66,11 +82,33 @@ class Gemma3Tokenizer(GemmaTokenizer):
         max_seq_len: int | None = None,
         prompt_template: PromptTemplateInterface | None = None,
     ) -> None:
-        super().__init__(path=path, max_seq_len=max_seq_len, prompt_template=prompt_template)
-        self.start_of_turn_id = self._piece_id(START_OF_TURN)
-        self.end_of_turn_id = self._piece_id(END_OF_TURN)
         # A chat model ends its turn with <end_of_turn>; <eos> ends a document.
-        self.stop_tokens = [self.eos_id, self.end_of_turn_id]
+        super().__init__(
+            path,
+            builder="gemma3_tokenizer",
+            bos_token=BOS,
+            eos_token=EOS,
+            pad_token=PAD,
+            stop_tokens=[EOS, END_OF_TURN],
+            max_seq_len=max_seq_len,
+            prompt_template=prompt_template,
+            tokens_read_as_text=CONTROL_TOKENS,
+        )
+        self.start_of_turn_id = self.token_id(START_OF_TURN)
+        self.end_of_turn_id = self.token_id(END_OF_TURN)
+        self._control_ids = {self.pad_id, self.eos_id, self.bos_id}
+
+    @property
+    def vocab_size(self) -> int:
+        """The SentencePiece vocabulary's size, as torchtune's Gemma tokenizer: the tokens the
+        file adds beyond it (the multimodal ``<image_soft_token>``) are no text piece."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=False)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Token ids to text: without ``<pad>``, ``<eos>`` and ``<bos>``, other tokens written
+        out (SentencePiece's decode); ``skip_special_tokens`` drops every special token."""
+        kept = [t for t in token_ids if t not in self._control_ids]
+        return super().decode(kept, skip_special_tokens=skip_special_tokens)
 
     def tokenize_messages(
         self, messages: Sequence[Message], *, add_end_tokens: bool = True
@@ -104,27 +142,9 @@ class Gemma3Tokenizer(GemmaTokenizer):
             )
             tokens.extend(turn_tokens)
             mask.extend(turn_mask)
-            if self.max_seq_len is not None and len(tokens) >= self.max_seq_len:
+            if self.reached_right_truncation(len(tokens)):
                 break  # the rest would be cut off anyway
-        return self._truncate(tokens, mask, add_end_tokens)
-
-    def __call__(
-        self, sample: MutableMapping[str, Any], inference: bool = False
-    ) -> MutableMapping[str, Any]:
-        """torchtune's model transform: the sample's ``messages`` to ``tokens`` and ``mask``.
-
-        Args:
-            sample: a mapping with a ``messages`` list (removed from it).
-            inference: leave a final assistant message open (no end tokens).
-
-        Returns:
-            The sample with ``tokens`` and ``mask``.
-        """
-        messages = sample.pop("messages")
-        tokens, mask = self.tokenize_messages(messages, add_end_tokens=not inference)
-        sample["tokens"] = tokens
-        sample["mask"] = mask
-        return sample
+        return self.truncate(tokens, mask, add_end_tokens)
 
     def _turn(self, message: Message, *, system: Message | None, close: bool) -> Turn:
         header = TURN_ROLES[message.role] + "\n"
@@ -145,25 +165,6 @@ class Gemma3Tokenizer(GemmaTokenizer):
 
     def _encode_text(self, text: str) -> list[int]:
         return self.encode(text, add_bos=False, add_eos=False)
-
-    def _piece_id(self, piece: str) -> int:
-        model = self._spm_model.spm_model
-        piece_id = model.piece_to_id(piece)
-        if piece_id == model.unk_id() or model.id_to_piece(piece_id) != piece:
-            raise ValueError(f"{piece} is not a piece of this SentencePiece model.")
-        return piece_id
-
-    def _truncate(
-        self, tokens: list[int], mask: list[bool], add_end_tokens: bool
-    ) -> tuple[list[int], list[bool]]:
-        if self.max_seq_len is None or len(tokens) <= self.max_seq_len:
-            return tokens, mask
-        tokens, mask = tokens[: self.max_seq_len], mask[: self.max_seq_len]
-        if add_end_tokens:
-            # As torchtune's truncate: a cut sequence still ends in eos, masked because the
-            # data does not end there and the model must not learn to stop mid-answer.
-            tokens[-1], mask[-1] = self.eos_id, True
-        return tokens, mask
 
 
 def split_system_message(messages: Sequence[Message]) -> tuple[Message | None, list[Message]]:
@@ -189,21 +190,6 @@ def split_system_message(messages: Sequence[Message]) -> tuple[Message | None, l
     return system, turns
 
 
-def message_text(message: Message) -> str:
-    """A message's text.
-
-    Raises:
-        RuntimeError: the message holds non-text content (images), which this text tokenizer
-            cannot encode.
-    """
-    parts = []
-    for item in message.content:
-        if item["type"] != "text":
-            raise RuntimeError(f"Unsupported message content type: {item['type']}")
-        parts.append(item["content"])
-    return "".join(parts)
-
-
 def gemma3_tokenizer(
     path: str,
     max_seq_len: int | None = None,
@@ -212,16 +198,20 @@ def gemma3_tokenizer(
     """Gemma 3's tokenizer, for configs.
 
     Args:
-        path: ``tokenizer.model``.
+        path: ``tokenizer.json`` of a Gemma 3 release (``tune download`` puts it next to
+            ``tokenizer.model``, which is refused: ``tokenizers`` reads the former).
         max_seq_len: truncate tokenized conversations to this many tokens; None: never.
         prompt_template: a dotpath of a torchtune prompt template class, or a role to
             ``(prepend, append)`` mapping; None: none.
 
     Returns:
         The tokenizer.
+
+    Raises:
+        ValueError: ``path`` is not a Gemma 3 ``tokenizer.json``.
     """
     return Gemma3Tokenizer(
-        path=path,
+        path,
         max_seq_len=max_seq_len,
         prompt_template=None if prompt_template is None else _get_prompt_template(prompt_template),
     )

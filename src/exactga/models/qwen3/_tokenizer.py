@@ -1,8 +1,8 @@
 """Qwen3's tokenizer and chat format, token for token what ``transformers`` makes of Qwen3's files.
 
-The byte-level BPE (``vocab.json``/``merges.txt``), ``encode`` and ``decode`` are torchtune
-0.6.1's :class:`~torchtune.models.qwen2_5.Qwen2_5Tokenizer`, extended with the four added tokens
-Qwen3 has beyond Qwen2.5 (``<tool_response>``, ``</tool_response>``, ``<think>``, ``</think>``).
+Qwen3's ``tokenizer.json`` is read by Hugging Face's ``tokenizers`` as the release ships it (the
+byte-level BPE and the added tokens, ``<think>``/``</think>`` and the tool tokens included)
+behind torchtune's tokenizer interface (:class:`~exactga.models.hf_tokenizer.HFModelTokenizer`).
 The chat format is ChatML as Qwen3's ``chat_template`` renders it::
 
     <|im_start|>system\\n{system}<|im_end|>\\n
@@ -15,6 +15,8 @@ assistant tool call (``Message(ipython=True)``, its content the call's JSON) is 
 ``<tool_call>\\n{call}\\n</tool_call>``. Each message is rendered to its text, special tokens
 written out, and encoded in one piece, as ``apply_chat_template`` encodes its rendered string,
 so a boundary between a role header and the content never splits differently than there.
+tests/test_tokenizers_qwen3_gemma3.py holds the ids to ``apply_chat_template``'s with both
+released revisions of Qwen3's template.
 
 Masks follow torchtune: every token of a message (its header, content and end tokens) carries
 the message's ``masked``; with ``train_on_input=False`` exactly the assistant turns
@@ -46,48 +48,23 @@ tokens differ from the dataset the user wrote; ``"chat_template"`` is the explic
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any, Literal, get_args
+import os
+from collections.abc import Sequence
+from typing import Literal
 
 from torchtune.data import ChatMLTemplate, Message, PromptTemplateInterface
 from torchtune.data._prompt_templates import _get_prompt_template, _TemplateType
-from torchtune.models.qwen2._tokenizer import (
-    DEFAULT_QWEN2_TOKENIZER_BPE_CACHE_SIZE,
-    ENDOFTEXT,
-    IM_END,
-    IM_START,
-)
-from torchtune.models.qwen2_5._tokenizer import QWEN2_5_SPECIAL_TOKENS, Qwen2_5Tokenizer
-from torchtune.modules.transforms.tokenizers import parse_hf_tokenizer_json
 
-# Qwen3's added tokens: Qwen2.5's, then four more (tokenizer_config.json's added_tokens_decoder).
-QWEN3_SPECIAL_TOKENS: dict[str, int] = {
-    **QWEN2_5_SPECIAL_TOKENS,
-    "<tool_response>": 151665,
-    "</tool_response>": 151666,
-    "<think>": 151667,
-    "</think>": 151668,
-}
-
-# The added tokens Qwen3 marks ``"special": false``: text markers that transformers' decode keeps
-# even with skip_special_tokens=True (encode splits them out like the special ones).
-QWEN3_TEXT_MARKER_TOKENS: frozenset[str] = frozenset(
-    {
-        "<tool_call>",
-        "</tool_call>",
-        "<|fim_prefix|>",
-        "<|fim_middle|>",
-        "<|fim_suffix|>",
-        "<|fim_pad|>",
-        "<|repo_name|>",
-        "<|file_sep|>",
-        "<tool_response>",
-        "</tool_response>",
-        "<think>",
-        "</think>",
-    }
+from exactga.models.hf_tokenizer import (
+    HFModelTokenizer,
+    TruncationType,
+    check_choice,
+    message_text,
 )
 
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+ENDOFTEXT = "<|endoftext|>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 TOOL_RESPONSE_START = "<tool_response>"
@@ -97,73 +74,53 @@ TOOL_CALL_END = "</tool_call>"
 NEWLINE = "\n"
 
 ThinkBlocks = Literal["verbatim", "chat_template"]
-TruncationType = Literal["right", "left"]
 
 
-class Qwen3Tokenizer(Qwen2_5Tokenizer):
-    """Qwen3's tokenizer: torchtune's Qwen2.5 BPE with Qwen3's added tokens and chat format.
+class Qwen3Tokenizer(HFModelTokenizer):
+    """Qwen3's tokenizer: its ``tokenizer.json`` with Qwen3's chat format.
 
     Args:
-        path: ``vocab.json``.
-        merges_file: ``merges.txt``.
-        special_tokens: added token to id; default Qwen3's (:data:`QWEN3_SPECIAL_TOKENS`).
+        path: ``tokenizer.json`` of a Qwen3 release.
         max_seq_len: truncate ``tokenize_messages``' output to this many tokens; None: never.
         prompt_template: a torchtune prompt template applied to the messages first (adds plain
             text around them); ChatML is refused, the chat format already is ChatML.
         truncation_type: ``"right"`` keeps the start (the last kept token replaced by ``eos_id``,
             masked, as torchtune does) or ``"left"`` keeps the end of a too long sequence.
         think_blocks: ``"verbatim"`` or ``"chat_template"``: see the module's docstring.
-        errors, unk_token, bos_token, eos_token, pad_token, bpe_cache_size: as torchtune's
-            :class:`~torchtune.models.qwen2_5.Qwen2_5Tokenizer`; ``eos_id`` is ``<|im_end|>``
-            (the instruct models' end of turn), ``pad_id`` ``<|endoftext|>``.
+
+    ``eos_id`` is ``<|im_end|>`` (the instruct models' end of turn), ``pad_id``
+    ``<|endoftext|>``, ``bos_id`` None; generation stops at either of the first two.
+    ``decode(skip_special_tokens=True)`` drops the control tokens and keeps the text markers
+    (``<think>``, ``<tool_call>``, ...), which Qwen3's file marks not special, as transformers.
     """
 
     def __init__(
         self,
         path: str,
-        merges_file: str,
-        special_tokens: Mapping[str, int] = QWEN3_SPECIAL_TOKENS,
         max_seq_len: int | None = None,
         *,
         prompt_template: PromptTemplateInterface | None = None,
         truncation_type: TruncationType = "right",
         think_blocks: ThinkBlocks = "verbatim",
-        errors: str = "replace",
-        unk_token: str | None = None,
-        bos_token: str | None = None,
-        eos_token: str = IM_END,
-        pad_token: str | None = ENDOFTEXT,
-        bpe_cache_size: int = DEFAULT_QWEN2_TOKENIZER_BPE_CACHE_SIZE,
     ) -> None:
-        _check_choice("truncation_type", truncation_type, TruncationType)
-        _check_choice("think_blocks", think_blocks, ThinkBlocks)
+        check_choice("think_blocks", think_blocks, ThinkBlocks)
         if isinstance(prompt_template, ChatMLTemplate):
             # ChatML around ChatML would wrap every message in two <|im_start|>...<|im_end|>.
             raise ValueError("Qwen3's chat format is ChatML already: use no ChatMLTemplate.")
         super().__init__(
-            path=path,
-            merges_file=merges_file,
-            special_tokens=dict(special_tokens),
+            path,
+            builder="qwen3_tokenizer",
+            bos_token=None,
+            eos_token=IM_END,
+            pad_token=ENDOFTEXT,
+            stop_tokens=[IM_END, ENDOFTEXT],
             max_seq_len=max_seq_len,
             prompt_template=prompt_template,
-            errors=errors,
-            unk_token=unk_token,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            pad_token=pad_token,
-            bpe_cache_size=bpe_cache_size,
+            truncation_type=truncation_type,
         )
-        self.truncation_type: TruncationType = truncation_type
         self.think_blocks: ThinkBlocks = think_blocks
-        self.think_start_id = self.special_tokens[THINK_START]
-        self.think_end_id = self.special_tokens[THINK_END]
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Token ids to text. ``skip_special_tokens`` drops the control tokens only and keeps
-        the text markers (``<think>``, ``<tool_call>``, ...), as transformers does for Qwen3."""
-        if skip_special_tokens:
-            token_ids = [t for t in token_ids if not self._is_control_token(t)]
-        return super().decode(list(token_ids), skip_special_tokens=False)
+        self.think_start_id = self.token_id(THINK_START)
+        self.think_end_id = self.token_id(THINK_END)
 
     def tokenize_messages(
         self, messages: Sequence[Message], *, add_end_tokens: bool = True
@@ -194,52 +151,9 @@ class Qwen3Tokenizer(Qwen2_5Tokenizer):
             ids = self.encode(text, add_bos=False, add_eos=False)
             tokens.extend(ids)
             mask.extend([message.masked] * len(ids))
-            if self._reached_right_truncation(len(tokens)):
+            if self.reached_right_truncation(len(tokens)):
                 break  # the rest would be cut off anyway
-        return self._truncate(tokens, mask, add_end_tokens)
-
-    def __call__(
-        self, sample: MutableMapping[str, Any], inference: bool = False
-    ) -> MutableMapping[str, Any]:
-        """torchtune's model transform: the sample's ``messages`` to ``tokens`` and ``mask``.
-
-        Args:
-            sample: a mapping with a ``messages`` list (removed from it).
-            inference: leave a final assistant message open (no end tokens).
-
-        Returns:
-            The sample with ``tokens`` and ``mask``.
-        """
-        messages = sample.pop("messages")
-        tokens, mask = self.tokenize_messages(messages, add_end_tokens=not inference)
-        sample["tokens"] = tokens
-        sample["mask"] = mask
-        return sample
-
-    def _is_control_token(self, token_id: int) -> bool:
-        token = self._special_tokens_reversed.get(token_id)
-        return token is not None and token not in QWEN3_TEXT_MARKER_TOKENS
-
-    def _reached_right_truncation(self, length: int) -> bool:
-        return (
-            self.max_seq_len is not None
-            and self.truncation_type == "right"
-            and length >= self.max_seq_len
-        )
-
-    def _truncate(
-        self, tokens: list[int], mask: list[bool], add_end_tokens: bool
-    ) -> tuple[list[int], list[bool]]:
-        if self.max_seq_len is None or len(tokens) <= self.max_seq_len:
-            return tokens, mask
-        if self.truncation_type == "left":
-            return tokens[-self.max_seq_len :], mask[-self.max_seq_len :]
-        tokens, mask = tokens[: self.max_seq_len], mask[: self.max_seq_len]
-        if add_end_tokens:
-            # As torchtune's truncate: a cut sequence still ends in eos, masked because the
-            # data does not end there and the model must not learn to stop mid-answer.
-            tokens[-1], mask[-1] = self.eos_id, True
-        return tokens, mask
+        return self.truncate(tokens, mask, add_end_tokens)
 
 
 def render_qwen3_turns(
@@ -259,7 +173,7 @@ def render_qwen3_turns(
     Returns:
         One string per message, in order.
     """
-    _check_choice("think_blocks", think_blocks, ThinkBlocks)
+    check_choice("think_blocks", think_blocks, ThinkBlocks)
     last_query = last_user_query_index(messages)
     texts = []
     for index, message in enumerate(messages):
@@ -307,56 +221,47 @@ def split_thinking(content: str) -> tuple[str, str]:
     return reasoning, answer
 
 
-def message_text(message: Message) -> str:
-    """A message's text.
-
-    Raises:
-        RuntimeError: the message holds non-text content (images), which Qwen3 text models
-            cannot take.
-    """
-    parts = []
-    for item in message.content:
-        if item["type"] != "text":
-            raise RuntimeError(f"Unsupported message content type: {item['type']}")
-        parts.append(item["content"])
-    return "".join(parts)
-
-
 def qwen3_tokenizer(
     path: str,
-    merges_file: str,
-    special_tokens_path: str | None = None,
     max_seq_len: int | None = None,
     prompt_template: _TemplateType | None = None,
     truncation_type: TruncationType = "right",
     think_blocks: ThinkBlocks = "verbatim",
+    merges_file: str | None = None,
+    special_tokens_path: str | None = None,
 ) -> Qwen3Tokenizer:
-    """Qwen3's tokenizer, for configs (torchtune's ``qwen2_5_tokenizer``'s arguments).
+    """Qwen3's tokenizer, for configs.
 
     Args:
-        path: ``vocab.json``.
-        merges_file: ``merges.txt``.
-        special_tokens_path: a Hugging Face ``tokenizer.json`` whose ``added_tokens`` replace
-            the built-in Qwen3 ones; None: :data:`QWEN3_SPECIAL_TOKENS`.
+        path: ``tokenizer.json`` of a Qwen3 release (``tune download`` puts it next to the
+            weights).
         max_seq_len: truncate tokenized conversations to this many tokens; None: never.
         prompt_template: a dotpath of a torchtune prompt template class, or a role to
             ``(prepend, append)`` mapping; None: none.
         truncation_type: ``"right"`` or ``"left"`` (see :class:`Qwen3Tokenizer`).
         think_blocks: ``"verbatim"`` (default) or ``"chat_template"``: see the module's
             docstring.
+        merges_file, special_tokens_path: torchtune's Qwen2.5 keys (``path`` then names
+            ``vocab.json``), refused: ``tokenizer.json`` holds the vocabulary, the merges and
+            the added tokens in one file.
 
     Returns:
         The tokenizer.
+
+    Raises:
+        ValueError: torchtune's vocab.json/merges.txt keys, or a ``path`` that is not a Qwen3
+            ``tokenizer.json``.
     """
-    special_tokens = (
-        QWEN3_SPECIAL_TOKENS
-        if special_tokens_path is None
-        else parse_hf_tokenizer_json(special_tokens_path)
-    )
+    if merges_file is not None or special_tokens_path is not None:
+        folder = os.path.dirname(path) or "."
+        raise ValueError(
+            "qwen3_tokenizer reads Qwen3's tokenizer.json (vocabulary, merges and added tokens "
+            f"in one file, next to vocab.json in the release): set tokenizer.path to "
+            f"{folder}/tokenizer.json and drop tokenizer.merges_file and "
+            "tokenizer.special_tokens_path."
+        )
     return Qwen3Tokenizer(
-        path=path,
-        merges_file=merges_file,
-        special_tokens=special_tokens,
+        path,
         max_seq_len=max_seq_len,
         prompt_template=None if prompt_template is None else _get_prompt_template(prompt_template),
         truncation_type=truncation_type,
@@ -401,9 +306,3 @@ def think_block(reasoning: str) -> str:
 
 def _is_wrapped_tool_response(text: str) -> bool:
     return text.startswith(TOOL_RESPONSE_START) and text.endswith(TOOL_RESPONSE_END)
-
-
-def _check_choice(name: str, value: str, choices: Any) -> None:
-    allowed = get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: one of {', '.join(map(repr, allowed))}.")
