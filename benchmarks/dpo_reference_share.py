@@ -3,7 +3,7 @@
 The tiny DPO configs' models (LoRA: the policy with its adapters off; full: a frozen copy) on the
 shipped preference pairs, sorted longest first and cut into micro-batches of ``--batch-size``
 pairs, each micro-batch's reference forward timed on its own, then the whole step (reference,
-policy forward, loss, backward) through ``exactga.dpo.loss.dpo_loss_step``. The first pass
+policy forward, loss, backward) through ``exactga.dpo.loss.dpo_micro_batch_loss``. The first pass
 over the micro-batches warms up and is not counted. Prints the reference's share of the step,
 which is what ``precompute_reference_logprobs`` saves from the second epoch on (see [precomputed
 reference] in exactga.dpo.reference_logprobs).
@@ -30,7 +30,7 @@ from torchtune.rlhf.loss import DPOLoss
 from exactga.accumulation.loss_units import LOSS_POSITIONS, loss_positions, shift_labels
 from exactga.data.micro_batching import sample_length
 from exactga.dpo.log_probs import frozen_model_reference, lora_reference
-from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.preference import collate_pairs
 from exactga.setup.frozen import freeze_model
 
@@ -69,7 +69,9 @@ def measure(kind: str, batches: list[dict[str, torch.Tensor]]) -> tuple[float, f
             start = time.perf_counter()
             reference({"tokens": batch["tokens"]}, positions, targets)
             after_reference = time.perf_counter()
-            loss = dpo_loss_step(model, loss_fn, {**batch, LOSS_POSITIONS: positions}, reference)
+            loss = dpo_micro_batch_loss(
+                model, loss_fn, {**batch, LOSS_POSITIONS: positions}, reference
+            )
             loss.backward()
             end = time.perf_counter()
             if counted:

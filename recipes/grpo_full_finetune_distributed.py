@@ -34,14 +34,14 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
 from exactga.grpo.losses import build_policy_loss
-from exactga.grpo.policy import PolicyMetrics, grpo_loss_step, loss_units_for
+from exactga.grpo.policy import PolicyMetrics, grpo_micro_batch_loss, loss_units_for
 from exactga.grpo.prompts import checked_prompt_loader
 from exactga.grpo.rewards import build_rewards
 from exactga.grpo.rollout_metrics import rollout_metrics
 from exactga.grpo.rollout_step import StepSettings, make_rollouts
 from exactga.grpo.rollouts import StepRollouts
 from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig
-from exactga.grpo.windows import ppo_windows
+from exactga.grpo.windows import ppo_epoch_windows
 from exactga.launch.cli import run_recipe
 from exactga.run.steps import StepBookSettings
 from exactga.setup.run_start import RunStart, Runtime, validated_config
@@ -173,7 +173,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """The policy's log-probs at completion positions, and the micro-batch's mean loss
         over its units."""
-        return grpo_loss_step(
+        return grpo_micro_batch_loss(
             self._model,
             batch,
             aggregation=self._loss_aggregation,
@@ -200,7 +200,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                     rollout_step = progress.global_step // self._ppo_epochs
                     rollouts = self._make_rollouts(prompts, rollout_step, more_prompts)
                     self._rollouts = rollouts  # read by _window_metrics on logged steps
-                    windows = ppo_windows(rollouts, self._step_settings, self._normalizer)
+                    windows = ppo_epoch_windows(rollouts, self._step_settings, self._normalizer)
                     for window in steps.training(windows):  # ppo_epochs passes over them
                         self._policy_metrics.clear()  # this pass's KL and clipping
                         for batch in window:  # this rank's micro-batches, on the device

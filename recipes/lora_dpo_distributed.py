@@ -29,7 +29,7 @@ from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.dpo.log_probs import lora_reference
-from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoDistributedConfig
 from exactga.dpo.terms import DpoTerms
 from exactga.dpo.wiring import preference_run
@@ -143,7 +143,7 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """Reference and policy log-probs, and the mean DPO loss over the micro-batch's pairs."""
-        return dpo_loss_step(
+        return dpo_micro_batch_loss(
             self._model,
             self._loss_fn,
             batch,

@@ -34,7 +34,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
 from exactga.launch.cli import run_recipe
-from exactga.ppo.loss import PpoMetrics, ResponseTokens, collate_trajectories, ppo_loss_step
+from exactga.ppo.loss import PpoMetrics, ResponseTokens, collate_trajectories, ppo_micro_batch_loss
 from exactga.ppo.models import PolicyAndValue
 from exactga.ppo.schema import (
     PPO_FINGERPRINT_KEYS,
@@ -46,7 +46,7 @@ from exactga.ppo.trajectory import (
     StepTrajectories,
     TrajectorySettings,
     make_trajectories,
-    ppo_windows,
+    ppo_batch_windows,
     prompt_loader,
     trajectory_metrics,
 )
@@ -167,7 +167,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _windows(self, trajectories: StepTrajectories, step: int) -> Any:
         """The step's optimizer steps: ``ppo_epochs`` shuffles cut into PPO batches."""
-        return ppo_windows(
+        return ppo_batch_windows(
             trajectories,
             self._settings,
             self._normalizer,
@@ -179,7 +179,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """The policy's log-probs at the response tokens, the value model's values at the
         value positions, and the micro-batch's two term means."""
-        return ppo_loss_step(
+        return ppo_micro_batch_loss(
             self._model.policy,
             self._model.value,
             batch,

@@ -10,8 +10,8 @@ compare with it directly. The pairs' chosen responses run from 1 to 30 tokens, s
 of them puts different numbers of chosen tokens in its micro-batches.
 
 The real path is the recipes' one: ``DpoTerms(...).units()`` through ``LossNormalizer``,
-``train_window`` with ``dpo_loss_step(terms=...)`` and ``Window.scale``, on one process and on 2
-gloo ranks under FSDP2 (5 and 3 pairs, one filler). And one ``tune run`` check on the tiny LoRA
+``train_window`` with ``dpo_micro_batch_loss(terms=...)`` and ``Window.scale``, on one process and
+on 2 gloo ranks under FSDP2 (5 and 3 pairs, one filler). And one ``tune run`` check on the tiny LoRA
 DPO config. See [loss terms over their own units] in exactga.accumulation.loss_units, [chosen
 tokens as the NLL's units] and [length-normalised log-probs are per pair] in exactga.dpo.preference.
 """
@@ -63,7 +63,7 @@ from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
 from exactga.data.packing import pack_pairs
 from exactga.dpo.log_probs import frozen_model_reference, lora_reference
-from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.metrics import PreferenceMetrics
 from exactga.dpo.preference import PairsAndChosenTokens, PreferencePairs, collate_pairs
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
@@ -198,7 +198,7 @@ def real_step(
     with _counting_all_reduces(num_reduces):
         (window,) = metrics.track(normalizer.windows([sample_window]))
     loss_step = functools.partial(
-        dpo_loss_step,
+        dpo_micro_batch_loss,
         case.model,
         case.loss_fn,
         reference=case.reference(),
@@ -346,8 +346,8 @@ def test_rpo_alpha_zero_is_stock_dpo_by_the_same_code() -> None:
     case = Case("full", DPO)
     batch = PreferencePairs().prepare(collate_pairs(PAIRS[:3]), 3, runs_empty=False)
     reference = case.reference()
-    with_terms = dpo_loss_step(case.model, case.loss_fn, dict(batch), reference, terms=DPO)
-    without = dpo_loss_step(case.model, case.loss_fn, dict(batch), reference)
+    with_terms = dpo_micro_batch_loss(case.model, case.loss_fn, dict(batch), reference, terms=DPO)
+    without = dpo_micro_batch_loss(case.model, case.loss_fn, dict(batch), reference)
     assert not with_terms.terms and torch.equal(with_terms.main, without.main)
 
 

@@ -15,8 +15,8 @@ docs/grpo.md, "Why token-sum at a large step lands further".
 
 Measured on the library's own step (``record_reference_and_old``'s pre-pass in chunks of a
 micro-batch, as the recipe's default ``forward_batch_size``; ``rollout_window``, the normaliser,
-``train_window`` with ``grpo_loss_step``; SGD), 4 prompts x 4 completions of 1 to 7 tokens sampled
-from a toy policy, full batch (1 micro-batch) against 1 rank x GA 4 and 2 ranks x GA 2 under
+``train_window`` with ``grpo_micro_batch_loss``; SGD), 4 prompts x 4 completions of 1 to 7 tokens
+sampled from a toy policy, full batch (1 micro-batch) against 1 rank x GA 4 and 2 ranks x GA 2 under
 FSDP2. The recorded log-probs are fp32, as generation records them, and data to the step. The
 checks fail on a real departure (a wrong weight or count, an advantage or log-prob that depends
 on the layout; one micro-batch of GA 4 weighed 1e-4 too much lands 5e-5 off and fails both
@@ -53,7 +53,7 @@ from exactga.grpo.policy import (
     OLD_LOG_PROBS,
     REF_LOG_PROBS,
     group_advantages,
-    grpo_loss_step,
+    grpo_micro_batch_loss,
     loss_units_for,
 )
 from exactga.grpo.rollout_step import micro_batching_for_rollouts
@@ -186,7 +186,7 @@ def sgd_steps(
         ProfilerSettings(log_timings=False, saved_latency_every_n_steps=0), CPU, model
     )
     loss_step = functools.partial(
-        grpo_loss_step,
+        grpo_micro_batch_loss,
         model,
         aggregation=objective.aggregation,
         loss=LOSSES[objective.loss](),

@@ -7,9 +7,9 @@ reference, ``z = max(0, mean_i [log pi(y'_i|x_i) - log ref(y'_i|x_i)])`` over *a
 mismatched sequences (detached), and the mean over the examples of ``1 - sigmoid(beta (r - z))``
 (desirable) or ``1 - sigmoid(beta (z - r))`` (undesirable). The real path is the recipes':
 ``DpoTerms.for_loss(KTOLoss())`` (examples as units), ``LossNormalizer`` with the
-``KtoReferencePoint`` window statistic, ``train_window`` with ``dpo_loss_step``. A wrong oracle
-(TRL's: ``z`` per micro-batch) must be missed. See [kto reference point] in exactga.dpo.kto and
-[window statistics] in exactga.accumulation.window_statistics.
+``KtoReferencePoint`` window statistic, ``train_window`` with ``dpo_micro_batch_loss``. A wrong
+oracle (TRL's: ``z`` per micro-batch) must be missed. See [kto reference point] in exactga.dpo.kto
+and [window statistics] in exactga.accumulation.window_statistics.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
 from exactga.dpo.kto import KtoDataset, KtoExamples, KTOLoss, KtoReferencePoint, mismatched_rows
 from exactga.dpo.log_probs import frozen_model_reference
-from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.preference import collate_pairs
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.dpo.terms import DpoTerms
@@ -173,7 +173,7 @@ def real_step(case: Case, groups: list[list[int]], by_budget: bool = False) -> d
     )
     (window,) = normalizer.windows([sample_window])
     loss_step = functools.partial(
-        dpo_loss_step,
+        dpo_micro_batch_loss,
         case.model,
         case.loss_fn,
         reference=reference,

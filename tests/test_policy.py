@@ -15,7 +15,7 @@ noise, so clipping bites on both sides. SGD without momentum makes the step ``w 
 compared with the trained weights directly, as in tests/test_preference.py.
 
 The real path is a recipe's: ``collate_rollouts``, ``LossNormalizer(units=loss_units_for(...))``,
-``train_window`` with ``grpo_loss_step`` (and ``Window.scale``), on one process and on 2 gloo
+``train_window`` with ``grpo_micro_batch_loss`` (and ``Window.scale``), on one process and on 2 gloo
 ranks under FSDP2. See [policy aggregations] in exactga.grpo.policy and [policy losses are local
 to a completion] in exactga.grpo.losses.
 """
@@ -59,7 +59,7 @@ from exactga.grpo.policy import (
     LossAggregation,
     collate_rollouts,
     group_advantages,
-    grpo_loss_step,
+    grpo_micro_batch_loss,
     loss_units_for,
 )
 from exactga.grpo.rollouts import StepRollouts, assign_advantages
@@ -270,7 +270,7 @@ class Case:
         return fp64() if self.dtype == torch.float64 else contextlib.nullcontext()
 
     def loss_step(self, batch: dict) -> torch.Tensor:
-        return grpo_loss_step(
+        return grpo_micro_batch_loss(
             self.model,
             batch,
             aggregation=self.aggregation,
@@ -538,9 +538,9 @@ def test_advantages_of_the_wrong_shape_are_named(units) -> None:
     with pytest.raises(ValueError, match=r"ref_log_probs of shape \(3, 5\)"):
         units.count({**batch, "ref_log_probs": torch.zeros(3, 5)})
     with pytest.raises(ValueError, match="loss_aggregation 'seq-mean-token-sum-norm' divides"):
-        grpo_loss_step(policy_model(), batch, aggregation="constant", loss=PPOClipLoss())
+        grpo_micro_batch_loss(policy_model(), batch, aggregation="constant", loss=PPOClipLoss())
     with pytest.raises(ValueError, match="loss_aggregation 'token-sum' needs num_completions"):
-        grpo_loss_step(policy_model(), batch, aggregation="token-sum", loss=PPOClipLoss())
+        grpo_micro_batch_loss(policy_model(), batch, aggregation="token-sum", loss=PPOClipLoss())
     with pytest.raises(ValueError, match="config key 'loss_aggregation'='mean': choose one of"):
         loss_units_for("mean")
 
@@ -563,7 +563,9 @@ def test_without_old_log_probs_the_old_policy_is_the_current_one() -> None:
 
     def loss_and_grads(batch):
         model.zero_grad()
-        loss = grpo_loss_step(model, dict(batch), aggregation="token_mean", loss=PPOClipLoss()).main
+        loss = grpo_micro_batch_loss(
+            model, dict(batch), aggregation="token_mean", loss=PPOClipLoss()
+        ).main
         loss.backward()
         return float(loss.detach()), flat([p.grad for p in model.parameters()])
 
@@ -595,7 +597,7 @@ def test_the_projection_sees_only_completion_positions(monkeypatch: pytest.Monke
 
     def loss_and_grads():
         model.zero_grad()
-        loss = grpo_loss_step(
+        loss = grpo_micro_batch_loss(
             model, dict(batch), aggregation="sequence_mean", loss=PPOClipLoss()
         ).main
         loss.backward()

@@ -1,10 +1,10 @@
 """PPO's step is the full-PPO-batch step under any split (exactga.ppo, docs/ppo.md).
 
 In process: a PPO batch of trajectories with responses and value positions of varied lengths,
-trained through the one normaliser and ``ppo_loss_step`` as the recipe trains it, split several
-ways, lands on the step of an fp64 oracle of stock's PPO loss written plainly below (the policy
-term a mean over the batch's response tokens, the value term over its value positions), at the
-fp32 floor; a wrong reference (stock's mean of micro-batch means) is far from it, and the
+trained through the one normaliser and ``ppo_micro_batch_loss`` as the recipe trains it, split
+several ways, lands on the step of an fp64 oracle of stock's PPO loss written plainly below (the
+policy term a mean over the batch's response tokens, the value term over its value positions), at
+the fp32 floor; a wrong reference (stock's mean of micro-batch means) is far from it, and the
 ``naive`` baseline lands on that wrong reference instead.
 
 Through the recipe (``tests/test_recipe_ppo.py``): the same through ``tune run``, kill -9 resume.
@@ -24,7 +24,7 @@ from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import train_window
 from exactga.config.options import MicroBatching, NormMode
 from exactga.data.micro_batching import MicroBatchingSettings, WindowCollator
-from exactga.ppo.loss import ResponseTokens, collate_trajectories, ppo_loss_step
+from exactga.ppo.loss import ResponseTokens, collate_trajectories, ppo_micro_batch_loss
 from exactga.ppo.models import PolicyAndValue
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 
@@ -145,7 +145,7 @@ def _trained(
     normalizer = LossNormalizer(None, mode=mode, units=ResponseTokens())
     (window,) = normalizer.windows([sample_window])
     loss_step = functools.partial(
-        ppo_loss_step, models.policy, models.value, temperature=TEMPERATURE, **LOSS
+        ppo_micro_batch_loss, models.policy, models.value, temperature=TEMPERATURE, **LOSS
     )
     settings = ProfilerSettings(log_timings=False, saved_latency_every_n_steps=0)
     train_window(

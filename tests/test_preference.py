@@ -10,8 +10,8 @@ The real step runs twice: in fp64 (under the same :func:`fp64` context), where e
 nothing but summation order, and in fp32, the precision a run trains in.
 
 The real path is the recipes' one: ``collate_pairs``, ``LossNormalizer(units=PreferencePairs())``,
-``train_window`` with ``dpo_loss_step`` (and ``Window.scale``), on one process and on 2 gloo ranks
-under FSDP2. See [pairs as loss units] in exactga.dpo.preference.
+``train_window`` with ``dpo_micro_batch_loss`` (and ``Window.scale``), on one process and on 2 gloo
+ranks under FSDP2. See [pairs as loss units] in exactga.dpo.preference.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.data.micro_batching import SampleWindow, first_fit_decreasing, sample_positions
 from exactga.data.packing import pack_pairs
 from exactga.dpo.log_probs import frozen_model_reference, lora_reference
-from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.metrics import PreferenceMetrics
 from exactga.dpo.preference import EMPTY, PreferencePairs, collate_pairs
 from exactga.profiling import ProfilerSettings, TrainingProfiler
@@ -216,7 +216,7 @@ def real_step(
     normalizer = LossNormalizer(case.loss_fn, mode=mode, dp_group=group, units=PreferencePairs())
     (window,) = metrics.track(normalizer.windows([sample_window]))
     loss_step = functools.partial(
-        dpo_loss_step, case.model, case.loss_fn, reference=case.reference(), metrics=metrics
+        dpo_micro_batch_loss, case.model, case.loss_fn, reference=case.reference(), metrics=metrics
     )
     settings = ProfilerSettings(log_timings=False, saved_latency_every_n_steps=0)
     with case.precision():
@@ -368,7 +368,9 @@ def test_a_loss_that_reduces_its_pairs_is_refused() -> None:
 
     batch = collate_pairs(PAIRS[:2])
     with pytest.raises(ValueError, match="must not reduce"):
-        dpo_loss_step(model, mean_loss, batch, frozen_model_reference(freeze_model(tiny_model())))
+        dpo_micro_batch_loss(
+            model, mean_loss, batch, frozen_model_reference(freeze_model(tiny_model()))
+        )
 
 
 # --- (d) metrics --------------------------------------------------------------------------------
@@ -393,7 +395,7 @@ def test_an_emptied_micro_batch_holds_no_pair_and_a_finite_loss() -> None:
         assert units.count(emptied) == 0 and emptied["tokens"].size(0) == 2
         prepared = units.prepare(emptied, 0, runs_empty=True)
         metrics = PreferenceMetrics()
-        loss = dpo_loss_step(
+        loss = dpo_micro_batch_loss(
             case.model, case.loss_fn, prepared, case.reference(), metrics=metrics
         ).main
         assert torch.isfinite(loss) and metrics._sums is None
@@ -422,7 +424,7 @@ def test_the_projection_sees_only_response_positions_and_the_loss_is_the_full_lo
 
     def loss_and_grads(batch):
         model.zero_grad()
-        loss = dpo_loss_step(model, loss_fn, dict(batch), reference).main
+        loss = dpo_micro_batch_loss(model, loss_fn, dict(batch), reference).main
         loss.backward()
         return float(loss.detach()), flat([p.grad for p in model.parameters()])
 

@@ -7,8 +7,8 @@ log-probs, means over the pairs; ORPO's odds-ratio term, a mean over the pairs, 
 mean over the window's chosen tokens. SGD without momentum makes the step ``w - lr * g``, so the
 trained weights compare with the oracle's gradient directly. The real path is the recipes':
 ``DpoTerms.for_loss`` (units, reference, NLL term), ``LossNormalizer``, ``train_window`` with
-``dpo_loss_step``. Each loss also meets a wrong oracle it must miss, so the comparison can fail.
-See [preference loss units] in exactga.dpo.losses.
+``dpo_micro_batch_loss``. Each loss also meets a wrong oracle it must miss, so the comparison can
+fail. See [preference loss units] in exactga.dpo.losses.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from exactga.config.options import SequenceLogProb
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
 from exactga.dpo.log_probs import frozen_model_reference, lora_reference
-from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.losses import IPOLoss, ORPOLoss, SimPOLoss
 from exactga.dpo.preference import PairsAndChosenTokens, PreferencePairs, collate_pairs
 from exactga.dpo.schema import FullDpoDistributedConfig
@@ -153,7 +153,7 @@ def real_step(case: Case, groups: list[list[int]], mode: NormMode = NormMode.EXA
     normalizer = LossNormalizer(case.loss_fn, mode=mode, dp_group=group, units=case.terms.units())
     (window,) = normalizer.windows([sample_window])
     loss_step = functools.partial(
-        dpo_loss_step, case.model, case.loss_fn, reference=case.reference(), terms=case.terms
+        dpo_micro_batch_loss, case.model, case.loss_fn, reference=case.reference(), terms=case.terms
     )
     settings = ProfilerSettings(log_timings=False, saved_latency_every_n_steps=0)
     precision = fp64() if case.dtype == torch.float64 else contextlib.nullcontext()

@@ -13,7 +13,7 @@ from test_preference import PAIRS, Case, _is_layer
 from torchtune.training import shard_model
 from unit_utils import run_on_ranks
 
-from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.preference import PreferencePairs, collate_pairs
 from exactga.dpo.reference_logprobs import (
     PAIR_INDEX,
@@ -67,8 +67,8 @@ def test_a_step_on_looked_up_log_probs_is_the_step_on_live_ones(cases, kind: str
     looked_up = collate_pairs([indexed[i] for i in group])
     assert looked_up[PAIR_INDEX].tolist() == group
     live = collate_pairs([PAIRS[i] for i in group])
-    loss_looked_up = dpo_loss_step(case.model, case.loss_fn, looked_up, table)
-    loss_live = dpo_loss_step(case.model, case.loss_fn, live, case.reference())
+    loss_looked_up = dpo_micro_batch_loss(case.model, case.loss_fn, looked_up, table)
+    loss_live = dpo_micro_batch_loss(case.model, case.loss_fn, live, case.reference())
     assert loss_looked_up.main.item() == pytest.approx(loss_live.main.item(), rel=1e-6)
     assert PAIR_INDEX not in looked_up  # popped before the policy's forward
 
@@ -80,14 +80,14 @@ def test_an_emptied_filler_looks_up_its_one_pair(cases) -> None:
     batch = collate_pairs([IndexedPairs(PAIRS)[i] for i in (2, 6)])
     emptied = units.emptied(batch)
     assert emptied[PAIR_INDEX].tolist() == [6] and units.count(emptied) == 0
-    loss = dpo_loss_step(case.model, case.loss_fn, units.prepare(emptied, 0, True), table)
+    loss = dpo_micro_batch_loss(case.model, case.loss_fn, units.prepare(emptied, 0, True), table)
     assert torch.isfinite(loss.main)
 
 
 def test_a_table_without_the_pairs_indices_is_refused(cases) -> None:
     case = cases["full"]
     with pytest.raises(ValueError, match="pairs' indices"):
-        dpo_loss_step(case.model, case.loss_fn, collate_pairs(PAIRS[:2]), _table(case, 8))
+        dpo_micro_batch_loss(case.model, case.loss_fn, collate_pairs(PAIRS[:2]), _table(case, 8))
 
 
 def _two_rank_worker(rank: int) -> dict:

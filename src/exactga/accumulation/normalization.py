@@ -10,8 +10,8 @@ what the loss averages over: a loss token after the shift by default, see
 terms over units of their own weighs each term by its own ([loss terms over their own units]).
 Windows come shaped by the recipes' loader (``exactga.data.loader`` reads
 ``gradient_accumulation_steps``, ``micro_batching``, ``drop_partial_window``) or, for GRPO, from a
-step's rollouts (``exactga.grpo.windows.ppo_windows``); this module counts and weighs what it is
-given and has no say in a window's size. The notes below are referred to from the code (and from
+step's rollouts (``exactga.grpo.windows.ppo_epoch_windows``); this module counts and weighs what it
+is given and has no say in a window's size. The notes below are referred to from the code (and from
 the recipes) by name.
 
 Note [loss scaled before backward]

@@ -325,7 +325,7 @@ class _KtoRows:
         return reference(self.inputs, self.positions, targets)
 
 
-def kto_loss_step(
+def kto_micro_batch_loss(
     model: nn.Module,
     loss_fn: nn.Module,
     batch: Batch,

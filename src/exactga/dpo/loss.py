@@ -13,7 +13,7 @@ from torch import nn
 from exactga.accumulation.loss_units import LOSS_POSITIONS, Batch, loss_positions, shift_labels
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.config.options import SequenceLogProb
-from exactga.dpo.kto import kto_loss_step
+from exactga.dpo.kto import kto_micro_batch_loss
 from exactga.dpo.log_probs import Reference, sequence_log_probs
 from exactga.dpo.metrics import PreferenceMetrics
 from exactga.dpo.preference import EMPTY, PairsAndChosenTokens, response_lengths, split_pairs
@@ -22,7 +22,7 @@ from exactga.dpo.terms import DPO, DpoTerms
 from exactga.runtime.precision import Precision
 
 
-def dpo_loss_step(
+def dpo_micro_batch_loss(
     model: nn.Module,
     loss_fn: nn.Module,
     batch: Batch,
@@ -48,11 +48,11 @@ def dpo_loss_step(
     alone and ``reference`` is None: nothing runs for it. ``metrics`` records the pairs'
     rewards and log-probs (and the terms, with an NLL term). An unpaired loss (KTO,
     ``terms.unpaired``) trains the micro-batch's examples against ``reference_point``, the
-    window's (exactga.dpo.kto.kto_loss_step).
+    window's (exactga.dpo.kto.kto_micro_batch_loss).
     """
     terms = DPO if terms is None else terms
     if terms.unpaired:
-        return kto_loss_step(
+        return kto_micro_batch_loss(
             model,
             loss_fn,
             batch,

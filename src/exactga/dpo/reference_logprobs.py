@@ -62,7 +62,7 @@ class ReferenceTable:
     """Every pair's reference log-probs, ``(N, 2)`` fp64 (chosen, rejected), on the device.
 
     Stands in for a ``Reference`` of exactga.dpo.log_probs:
-    :func:`exactga.dpo.loss.dpo_loss_step` looks a micro-batch's pairs up by their
+    :func:`exactga.dpo.loss.dpo_micro_batch_loss` looks a micro-batch's pairs up by their
     :data:`PAIR_INDEX`.
     """
 

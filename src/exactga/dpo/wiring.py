@@ -69,7 +69,7 @@ class PreferenceRun:
     """What a preference recipe's step reads, wired in one place (:func:`preference_run`):
     a recipe copy that rewires one of these by hand would train a different loss silently."""
 
-    reference: Any  # what dpo_loss_step reads reference log-probs from; None when reference-free
+    reference: Any  # what the loss reads reference log-probs from; None when reference-free
     reference_point: Any  # KTO's window statistic (exactga.dpo.kto), None for a loss over pairs
     normalizer: LossNormalizer  # each term weighed by its own units over the window and ranks
     metrics: PreferenceMetrics

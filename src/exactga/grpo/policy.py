@@ -7,9 +7,8 @@ positions that predict a completion token (see [shifted token count] in
 exactga.accumulation.loss_units); per-token ``old_log_probs`` and ``ref_log_probs``, aligned with
 ``tokens`` (entry ``t`` is the log-prob of token ``t`` given those before it, as generation records
 it; 0 elsewhere); and one ``advantages`` value per completion (:func:`group_advantages`, taken over
-the whole step's rollouts). :func:`grpo_loss_step` returns the micro-batch's mean over its units,
-which
-:class:`CompletionTokens` or :class:`Completions` count for the one normaliser of
+the whole step's rollouts). :func:`grpo_micro_batch_loss` returns the micro-batch's mean over its
+units, which :class:`CompletionTokens` or :class:`Completions` count for the one normaliser of
 ``exactga.accumulation.normalization`` (:func:`loss_units_for` picks them). See [policy
 aggregations].
 
@@ -317,7 +316,7 @@ def check_aggregation_settings(
     return aggregation
 
 
-def grpo_loss_step(
+def grpo_micro_batch_loss(
     model: nn.Module,
     batch: Batch,
     *,

@@ -26,7 +26,7 @@ def rollout_window(rollouts: Sequence[Rollout], settings: MicroBatchingSettings,
     return WindowCollator(settings, len(samples), collate)(samples)
 
 
-def ppo_windows(
+def ppo_epoch_windows(
     rollouts: StepRollouts, settings: StepSettings, normalizer: LossNormalizer
 ) -> Iterator[Window]:
     """``ppo_epochs`` windows over the same rollouts, each collated afresh and counted by

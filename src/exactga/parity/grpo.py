@@ -3,8 +3,8 @@ split.
 
 ``recipes/ga_parity.py`` hands a config that sets ``grpo_samples`` to :class:`GrpoParity`, which
 trains it as recipes/grpo_full_finetune_distributed.py does
-(``exactga.grpo.rollout_step.make_rollouts``, ``exactga.grpo.windows.ppo_windows``,
-``exactga.grpo.policy.grpo_loss_step`` and the recipes' ``train_window``), once per listed
+(``exactga.grpo.rollout_step.make_rollouts``, ``exactga.grpo.windows.ppo_epoch_windows``,
+``exactga.grpo.policy.grpo_micro_batch_loss`` and the recipes' ``train_window``), once per listed
 loss (``parity.losses``, or the config's ``loss``) and ``loss_aggregation`` as the full batch on
 one device and then under every split and mode, and scores and reports each as its own
 objective with the fine-tuning report's tables, verdict and figure (exactga.parity.report). See
@@ -53,10 +53,10 @@ from exactga.config.options import (
 from exactga.data.loader import build_prompt_loader
 from exactga.generation.sampling import SamplingSettings, check_prompt
 from exactga.grpo.losses import PolicyLoss, build_policy_loss
-from exactga.grpo.policy import grpo_loss_step, loss_units_for
+from exactga.grpo.policy import grpo_micro_batch_loss, loss_units_for
 from exactga.grpo.rewards import build_rewards, reward_name
 from exactga.grpo.rollout_step import ShapingKeys, StepSettings, make_rollouts
-from exactga.grpo.windows import ppo_windows
+from exactga.grpo.windows import ppo_epoch_windows
 from exactga.parity.grpo_report import PolicyObjective, grpo_splits, write_index
 from exactga.parity.grpo_schema import GrpoParityConfig
 from exactga.parity.report import markdown_table, write_report
@@ -314,7 +314,7 @@ class GrpoParity:
             log_timings=False,
         )
         loss_step = partial(
-            grpo_loss_step,
+            grpo_micro_batch_loss,
             model,
             aggregation=aggregation,
             loss=loss,
@@ -352,7 +352,7 @@ class GrpoParity:
                 runtime=runtime,
                 more_prompts=partial(next, prompt_batches, None),
             )
-            for window in ppo_windows(rollouts, settings, normalizer):
+            for window in ppo_epoch_windows(rollouts, settings, normalizer):
                 train_window(
                     window,
                     model=model,

@@ -2,7 +2,7 @@
 
 ``recipes/ga_parity.py`` hands a config that sets ``ppo_batch_size`` to :class:`PpoParity`,
 which trains it as recipes/ppo_full_finetune_single_device.py does (exactga.ppo's
-``make_trajectories``, ``ppo_windows`` and ``ppo_loss_step`` through the recipes'
+``make_trajectories``, ``ppo_batch_windows`` and ``ppo_micro_batch_loss`` through the recipes'
 ``train_window``), first as the full PPO batch (``ppo_batch_size x 1``), then under every split
 and mode, on one device, and scores the policy's and the value model's weights together with the
 fine-tuning report's tables, verdict and figure (exactga.parity.report). See [ppo parity].
@@ -48,10 +48,15 @@ from exactga.parity.scoring import (
     plan_runs,
     summarize,
 )
-from exactga.ppo.loss import ResponseTokens, collate_trajectories, ppo_loss_step
+from exactga.ppo.loss import ResponseTokens, collate_trajectories, ppo_micro_batch_loss
 from exactga.ppo.models import PolicyAndValue
 from exactga.ppo.schema import loss_settings
-from exactga.ppo.trajectory import StepModels, TrajectorySettings, make_trajectories, ppo_windows
+from exactga.ppo.trajectory import (
+    StepModels,
+    TrajectorySettings,
+    make_trajectories,
+    ppo_batch_windows,
+)
 from exactga.profiling import setup_profiler
 from exactga.runtime.precision import Precision
 
@@ -199,7 +204,7 @@ class PpoParity:
             log_timings=False,
         )
         loss_step = partial(
-            ppo_loss_step,
+            ppo_micro_batch_loss,
             policy,
             value,
             temperature=cfg.temperature,
@@ -220,7 +225,7 @@ class PpoParity:
                 device=self._device,
                 precision=precision,
             )
-            windows = ppo_windows(
+            windows = ppo_batch_windows(
                 trajectories, settings, normalizer, seed=self._seed, step=step, collate=collate
             )
             for window in windows:

@@ -3,10 +3,10 @@
 A config whose ``loss`` weighs pairs (torchtune's ``DPOLoss`` or ``RSOLoss``; see
 ``GaParityConfig.is_preference``) trains every run as the DPO recipes do: windows of preference
 pairs collated by ``exactga.dpo.preference.collate_pairs``, counted in pairs by ``PreferencePairs``
-through the one normaliser, and the loss step ``exactga.dpo.loss.dpo_loss_step`` (see [pairs
-as loss units] in exactga.dpo.preference). LoRA DPO's reference is each run's policy with its adapters off; full
-DPO's is a frozen copy of ``model`` with the weights of ``ref_checkpointer``, built once in
-``dtype`` on one device and once sharded like the policy for the ``BxGxN`` runs
+through the one normaliser, and the loss step ``exactga.dpo.loss.dpo_micro_batch_loss`` (see [pairs
+as loss units] in exactga.dpo.preference). LoRA DPO's reference is each run's policy with its
+adapters off; full DPO's is a frozen copy of ``model`` with the weights of ``ref_checkpointer``,
+built once in ``dtype`` on one device and once sharded like the policy for the ``BxGxN`` runs
 (``exactga.parity.runs.FrozenModels``), so every run
 (the fp32 full batch too, below fp32) scores its pairs against the same reference log-probs.
 
@@ -43,7 +43,7 @@ from exactga.accumulation.loss_units import Batch
 from exactga.config.schemas import TrainingRunConfig
 from exactga.data.rows import is_preference_sample
 from exactga.dpo.log_probs import frozen_model_reference, lora_reference
-from exactga.dpo.loss import dpo_loss_step
+from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.schema import PAIR_COLLATE, loss_is_reference_free
 from exactga.dpo.terms import DpoTerms
 from exactga.dpo.wiring import reference_point_for
@@ -141,7 +141,7 @@ def preference_loss_step(
         reference = frozen_model_reference(ref_model, precision)
     reference_point = None if terms is None else reference_point_for(terms, model, reference)
     loss_step = partial(
-        dpo_loss_step,
+        dpo_micro_batch_loss,
         model,
         loss_fn,
         reference=reference,

@@ -23,8 +23,8 @@ and old values come from the whole step's trajectories before any split (stock's
 whitening over the batch), and a row's forward does not see its padding (causal attention,
 right padding). So the two terms are loss terms over their own units ([loss terms over their own
 units] in exactga.accumulation.loss_units): :class:`ResponseTokens` counts both on the host,
-:func:`ppo_loss_step` returns the micro-batch's two means, and ``Window.scale`` weighs each by
-its own units over the PPO batch's. Stock divides each micro-batch's two means by
+:func:`ppo_micro_batch_loss` returns the micro-batch's two means, and ``Window.scale`` weighs each
+by its own units over the PPO batch's. Stock divides each micro-batch's two means by
 ``gradient_accumulation_steps`` (``naive`` here), which weighs a micro-batch of short responses
 as much as one of long ones, and a micro-batch's value positions as much as its response tokens:
 the step then depends on the split. Log-probs are taken in fp32 at least, only at the response
@@ -138,7 +138,7 @@ def value_token_losses(
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-def ppo_loss_step(
+def ppo_micro_batch_loss(
     policy: nn.Module,
     value_model: nn.Module,
     batch: Batch,

@@ -363,7 +363,7 @@ def ppo_batches(
             yield WindowCollator(settings.micro_batching, len(batch), collate)(batch)
 
 
-def ppo_windows(
+def ppo_batch_windows(
     trajectories: StepTrajectories,
     settings: TrajectorySettings,
     normalizer: LossNormalizer,
