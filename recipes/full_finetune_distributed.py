@@ -86,13 +86,13 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: FullFinetuneDistributedConfig) -> None:
         # Device, process group, ("dp", "tp") mesh, precision policy, kernels, threads and the
         # seed; see [setup order].
         self._runtime = Runtime.distributed(cfg, tensor_parallel=True)
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: FullFinetuneDistributedConfig) -> None:
         # Resume point, metric logger, torchtune's checkpoint client and the weights it read.
         start = RunStart(cfg, self._runtime)
         # Built on meta, cast, compiled, sharded (tensor-parallel first) and loaded.
@@ -104,7 +104,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
         # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
-        self._router = RouterBalance.from_config(cfg, self._model, self._runtime)
+        self._router = RouterBalance.from_settings(cfg, self._model, self._runtime)
         # Loss tokens are counted over every data-parallel rank: one all-reduce per window.
         normalizer = start.normalizer(self._loss_fn, units=self._router.units(self._loss_fn))
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.

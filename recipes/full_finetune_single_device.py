@@ -76,12 +76,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: FullFinetuneSingleDeviceConfig) -> None:
         # Device, precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.single_device(cfg)
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: FullFinetuneSingleDeviceConfig) -> None:
         # Resume point, metric logger, torchtune's checkpointer and the weights it read.
         start = RunStart(cfg, self._runtime)
         self._model = start.build_model(cfg.model, start.full_weights())
@@ -92,7 +92,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
         # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
-        self._router = RouterBalance.from_config(cfg, self._model, self._runtime)
+        self._router = RouterBalance.from_settings(cfg, self._model, self._runtime)
         normalizer = start.normalizer(self._loss_fn, units=self._router.units(self._loss_fn))
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))

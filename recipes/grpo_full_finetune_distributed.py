@@ -33,6 +33,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
+from exactga.config.validation import torchtune_config
 from exactga.grpo.losses import build_policy_loss
 from exactga.grpo.policy import PolicyMetrics, grpo_micro_batch_loss, loss_units_for
 from exactga.grpo.prompts import checked_prompt_loader
@@ -91,7 +92,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         ValueError: bad values and impossible combinations of config keys, at start-up.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: GrpoDistributedConfig) -> None:
         # Device, process group, data-parallel mesh, precision policy, kernels, threads and
         # the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
@@ -101,11 +102,11 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._max_generated_tokens = cfg.max_generated_tokens
         self._loss_aggregation = cfg.loss_aggregation
         # The policy loss component (PPO-clip, GSPO, CISPO; stock's names are PPO-clip).
-        self._loss = build_policy_loss(cfg.get("loss"))
+        self._loss = build_policy_loss(cfg.loss)
         # The step's completions over every rank: token-sum's C (see [policy aggregations]).
         self._num_completions = cfg.batch_size * cfg.grpo_samples * self._runtime.dp_size
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: GrpoDistributedConfig) -> None:
         # Resume point, metric logger, torchtune's checkpoint client and the weights it read.
         start = RunStart(cfg, self._runtime, GRPO_FINGERPRINT_KEYS)
         self._model = start.build_model(cfg.model, start.full_weights())
@@ -114,8 +115,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # stock), sharded like the policy.
         self._ref_model = start.frozen_model(cfg.model, cfg.ref_checkpointer, "Reference")
         self._tokenizer = config.instantiate(cfg.tokenizer)
+        # Reads its shaping keys with cfg.get (exactga.grpo.rollout_step): the validated config,
+        # until it takes the typed settings.
         self._step_settings = StepSettings.from_config(
-            cfg, pad_id=self._tokenizer.pad_id, eos_id=self._tokenizer.eos_id, loss=self._loss
+            torchtune_config(cfg),
+            pad_id=self._tokenizer.pad_id,
+            eos_id=self._tokenizer.eos_id,
+            loss=self._loss,
         )
         self._rewards = build_rewards(cfg.rewards)
         self._optimizer = start.build_optimizer(
@@ -139,7 +145,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # Checkpoints, scheduler, profiler, logs: set up last. An epoch is at most num_steps
         # rollout steps, each ppo_epochs optimizer steps; step checkpoints only fall between
         # rollout steps, since the rollouts themselves are not saved.
-        book_settings = StepBookSettings.from_config(cfg)
+        book_settings = StepBookSettings.from_settings(cfg)
         every = cfg.save_every_n_steps * cfg.ppo_epochs if cfg.save_every_n_steps else None
         self._run = start.training_run(
             self._model,

@@ -85,13 +85,13 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: KnowledgeDistillationSingleDeviceConfig) -> None:
         # Device, precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.single_device(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # the student's, as stock reads it
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: KnowledgeDistillationSingleDeviceConfig) -> None:
         # Resume point, metric logger, torchtune's checkpointer and the student's frozen base.
         start = RunStart(cfg, self._runtime, KD_FINGERPRINT_KEYS)
         self._model = start.build_model(cfg.model, start.adapter_weights(self._lora))

@@ -85,14 +85,14 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: LoraFinetuneDistributedConfig) -> None:
         # Device, process group, data-parallel mesh (stock LoRA has no tensor parallelism),
         # precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: LoraFinetuneDistributedConfig) -> None:
         # Resume point, metric logger, torchtune's checkpointer and the frozen base it read.
         start = RunStart(cfg, self._runtime)
         # Built on meta, adapters trainable, cast, compiled, sharded and loaded.
@@ -102,7 +102,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
         # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
-        self._router = RouterBalance.from_config(cfg, self._model, self._runtime)
+        self._router = RouterBalance.from_settings(cfg, self._model, self._runtime)
         # Loss tokens are counted over every data-parallel rank: one all-reduce per window.
         normalizer = start.normalizer(self._loss_fn, units=self._router.units(self._loss_fn))
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.

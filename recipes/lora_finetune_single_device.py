@@ -86,13 +86,13 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: LoraFinetuneSingleDeviceConfig) -> None:
         # Device, precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.single_device(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: LoraFinetuneSingleDeviceConfig) -> None:
         # Resume point, metric logger, torchtune's checkpointer and the frozen base it read.
         start = RunStart(cfg, self._runtime)
         self._model = start.build_model(cfg.model, start.adapter_weights(self._lora))
@@ -101,7 +101,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._optimizer = start.build_optimizer(cfg.optimizer, self._model)  # the adapters'
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
         # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
-        self._router = RouterBalance.from_config(cfg, self._model, self._runtime)
+        self._router = RouterBalance.from_settings(cfg, self._model, self._runtime)
         normalizer = start.normalizer(self._loss_fn, units=self._router.units(self._loss_fn))
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))

@@ -95,7 +95,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         ValueError: bad values and impossible combinations of config keys, at start-up.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: PpoFullFinetuneSingleDeviceConfig) -> None:
         # Device, precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.single_device(cfg)
         self._clip_grad_norm = cfg.clip_grad_norm
@@ -105,7 +105,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._steps_per_batch = cfg.ppo_epochs * (cfg.batch_size // cfg.ppo_batch_size)
         self._trajectory_steps = cfg.num_steps // cfg.batch_size
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: PpoFullFinetuneSingleDeviceConfig) -> None:
         # Resume point, metric logger, the policy's checkpointer and the weights it read.
         start = RunStart(cfg, self._runtime, PPO_FINGERPRINT_KEYS)
         policy = start.build_model(cfg.policy_model, start.full_weights(part="policy"))
@@ -139,7 +139,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Checkpoints, scheduler, profiler, logs: set up last. Step checkpoints only fall
         # between trajectory steps, since trajectories are not saved.
         steps_per_epoch = min(len(self._dataloader), self._trajectory_steps)
-        book_settings = StepBookSettings.from_config(cfg)
+        book_settings = StepBookSettings.from_settings(cfg)
         every = cfg.save_every_n_steps * self._steps_per_batch if cfg.save_every_n_steps else None
         self._run = start.training_run(
             self._model,

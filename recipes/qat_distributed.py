@@ -89,13 +89,13 @@ class QATRecipeDistributed(FTRecipeInterface):
             stock, ``compile: True`` and a quantizer that is not a QAT one.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: QatDistributedConfig) -> None:
         # Device, process group, data-parallel mesh (stock QAT has no tensor parallelism),
         # precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: QatDistributedConfig) -> None:
         # Resume point, metric logger, torchtune's checkpoint client and the weights it read.
         start = RunStart(cfg, self._runtime)
         # Built on meta, cast, fake-quantised by the quantizer, sharded and loaded.

@@ -87,14 +87,14 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
             stock, ``compile: True``, a quantizer that is not a QAT one, and DoRA.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: QatLoraFinetuneDistributedConfig) -> None:
         # Device, process group, data-parallel mesh (stock LoRA has no tensor parallelism),
         # precision policy, kernels, threads and the seed; see [setup order].
         self._runtime = Runtime.distributed(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: QatLoraFinetuneDistributedConfig) -> None:
         # Resume point, metric logger, torchtune's checkpointer and the frozen base it read.
         start = RunStart(cfg, self._runtime)
         # Built on meta, fake-quantised by the quantizer, adapters trainable, cast, sharded and

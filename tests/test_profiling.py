@@ -514,7 +514,7 @@ def _profiler_calls(path: Path) -> list[ast.Call]:
         node
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call)
-        and getattr(node.func, "id", None) in {"setup_profiler", "profiler_from_config"}
+        and getattr(node.func, "id", None) in {"setup_profiler", "profiler_from_settings"}
     ]
 
 
@@ -523,8 +523,8 @@ def _profiler_calls(path: Path) -> list[ast.Call]:
 )
 def test_recipes_hand_the_profiler_a_few_values_not_their_config(recipe: Path) -> None:
     """One profiler hook a run: a training recipe's comes from its run start (setup's last
-    call, ``RunStart.training_run``, through ``profiler_from_config``, which alone reads what the
-    hook takes from a validated config); the parity report builds its own, through
+    call, ``RunStart.training_run``, through ``profiler_from_settings``, which alone reads what
+    the hook takes from the typed settings); the parity report builds its own, through
     ``setup_profiler`` with named values, never a config or a copy edited for its rank, which
     would decide again what the hook reads."""
     calls = _profiler_calls(recipe)
@@ -532,11 +532,11 @@ def test_recipes_hand_the_profiler_a_few_values_not_their_config(recipe: Path) -
         assert not calls, f"{recipe.name} builds a profiler hook of its own"
         assert "start.training_run(" in recipe.read_text()
         run_start = REPO_ROOT / "src" / "exactga" / "setup" / "run_start.py"
-        assert [call.func.id for call in _profiler_calls(run_start)] == ["profiler_from_config"]
+        assert [call.func.id for call in _profiler_calls(run_start)] == ["profiler_from_settings"]
         return
     assert len(calls) == 1, f"{recipe.name} builds {len(calls)} profiler hooks"
     (call,) = calls
-    if call.func.id == "profiler_from_config":
+    if call.func.id == "profiler_from_settings":
         return
     for arg in [*call.args, *(keyword.value for keyword in call.keywords)]:
         assert not (isinstance(arg, ast.Name) and "cfg" in arg.id), (

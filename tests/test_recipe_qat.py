@@ -142,12 +142,19 @@ def _windows(reference: Path) -> list[list[dict[str, torch.Tensor]]]:
     read by the library's loader from its resolved config, as the recipe read them."""
     from torchtune import config
 
-    from exactga.data.loader import dataloader_from_config, load_dataset
+    from exactga.data.loader import dataloader_from_settings, load_dataset
+    from exactga.data.micro_batching import MicroBatchingSettings
 
     cfg = _config(reference)
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = load_dataset(cfg.dataset, tokenizer, cfg.model.vocab_size)
-    loader = dataloader_from_config(dataset, cfg, padding_idx=tokenizer.pad_id, ignore_idx=-100)
+    loader = dataloader_from_settings(
+        dataset,
+        cfg,  # the resolved config stands in for the settings: the same keys
+        MicroBatchingSettings.from_settings(cfg),
+        padding_idx=tokenizer.pad_id,
+        ignore_idx=-100,
+    )
     windows = []
     for window in loader:
         windows.append(window.micro_batches)

@@ -22,9 +22,9 @@ import os
 import typing
 import warnings
 import zipfile
-from typing import Any
+from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from exactga.config.components import check_component_keys
@@ -76,6 +76,55 @@ def validate_config(
     # Sections are handed to torchtune, which may add keys (e.g. the profiler's _component_).
     OmegaConf.set_struct(merged, False)
     return merged
+
+
+Settings = TypeVar("Settings")
+
+# Note [typed settings]
+# A recipe validates its DictConfig once (``validate_config``), then reads the rest of the run
+# from the schema's dataclass: ``typed_settings`` builds it from the validated config, each key
+# once, with its one default from the schema. Below the recipe every reader takes these settings
+# or a section of them (``ModelSettings.from_settings(settings, device)``, ...), never a
+# DictConfig; the only configs that travel are the ``_component_`` sections (typed ``Any`` in
+# the schemas), which stay DictConfig nodes of the validated config for ``config.instantiate``,
+# interpolations and all. Sections with a schema of their own (``profiler``, ``parity``) are
+# dataclasses too. torchtune's own code that takes a whole config (its ``CheckpointClient``, a
+# metric logger's ``log_config``) gets the validated DictConfig from ``torchtune_config``.
+# tests/test_typed_settings.py checks both halves.
+
+_TORCHTUNE_CONFIG = "_torchtune_config"
+
+
+def typed_settings(cfg: DictConfig, schema: type[Settings]) -> Settings:
+    """The validated ``cfg`` as an instance of ``schema`` (see [typed settings]): scalars and
+    enum members as they are, typed lists as lists, sections with a schema as their dataclass,
+    and the ``Any`` fields (the ``_component_`` sections) as the validated config's nodes."""
+    settings = schema(**_typed_values(cfg, schema))
+    settings.__dict__[_TORCHTUNE_CONFIG] = cfg  # for torchtune's own code only
+    return settings
+
+
+def _typed_values(cfg: DictConfig, schema: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(schema)
+    values = {}
+    for f in dataclasses.fields(schema):
+        if not f.init:
+            continue
+        value = cfg[f.name]  # every field is there: the config was merged onto the schema
+        section = _dataclass_of(hints[f.name])
+        if section is not None and isinstance(value, DictConfig):
+            value = section(**_typed_values(value, section))
+        elif hints[f.name] is not Any and isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        values[f.name] = value
+    return values
+
+
+def torchtune_config(settings: Any) -> DictConfig:
+    """The validated DictConfig that ``settings`` was read from, for torchtune's own code that
+    takes a whole config (``CheckpointClient``, a metric logger's ``log_config``); exactga's
+    readers take the settings (see [typed settings])."""
+    return settings.__dict__[_TORCHTUNE_CONFIG]
 
 
 def _sections_checked_elsewhere(schema: type) -> tuple[str, ...]:
@@ -222,7 +271,7 @@ def _dataclass_of(hint: Any) -> type | None:
     return None
 
 
-__all__ = ["validate_config", "ConfigKeyError"]
+__all__ = ["validate_config", "typed_settings", "torchtune_config", "ConfigKeyError"]
 
 
 # Dataset sources whose ``data_files`` are local files (Hugging Face ``load_dataset`` builders).

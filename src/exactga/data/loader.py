@@ -60,6 +60,7 @@ from torchtune.datasets import (
 )
 
 from exactga.config.options import RankBalancing
+from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.data.collation import micro_batch_collate
 from exactga.data.files import read_data_files
 from exactga.data.micro_batching import (
@@ -205,9 +206,10 @@ def build_dataloader(
     return loader
 
 
-def dataloader_from_config(
+def dataloader_from_settings(
     dataset: Dataset,
-    cfg: DictConfig,
+    settings: SingleDeviceRecipeConfig,
+    micro_batching: MicroBatchingSettings,
     *,
     padding_idx: int,
     ignore_idx: int,
@@ -216,25 +218,25 @@ def dataloader_from_config(
     rank_balancing: RankBalancing = RankBalancing.NONE,
     state_dict: Mapping[str, Any] | None = None,
 ) -> WindowLoader:
-    """:func:`build_dataloader` with the batching keys of a validated recipe config
-    (``batch_size``, ``gradient_accumulation_steps``, ``micro_batching``,
-    ``micro_batch_tokens``, ``pad_to_multiple_of``, ``drop_partial_window``, ``shuffle``,
-    ``collate_fn``, and ``device`` for a packed row's mask), read here once
-    for every training recipe so that no recipe can build its windows differently."""
+    """:func:`build_dataloader` with the batching keys of a recipe's typed settings
+    (``batch_size``, ``gradient_accumulation_steps``, ``drop_partial_window``, ``shuffle``,
+    ``collate_fn``, and ``device`` for a packed row's mask) and its ``micro_batching``
+    (``MicroBatchingSettings.from_settings``, read once: the profiler names it too), read here
+    once for every training recipe so that no recipe can build its windows differently."""
     return build_dataloader(
         dataset,
-        batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        micro_batching=MicroBatchingSettings.from_config(cfg),
-        drop_partial_window=cfg.drop_partial_window,
-        shuffle=cfg.shuffle,
-        collate_fn=cfg.collate_fn,
+        batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        micro_batching=micro_batching,
+        drop_partial_window=settings.drop_partial_window,
+        shuffle=settings.shuffle,
+        collate_fn=settings.collate_fn,
         padding_idx=padding_idx,
         ignore_idx=ignore_idx,
         num_replicas=num_replicas,
         rank=rank,
         state_dict=state_dict,
-        flex_attention=uses_flex_attention(cfg.device),
+        flex_attention=uses_flex_attention(settings.device),
         rank_balancing=rank_balancing,  # the distributed schemas' key; one rank has none
     )
 

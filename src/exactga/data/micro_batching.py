@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from exactga.config.options import MicroBatching, as_option
+from exactga.config.schemas import SingleDeviceRecipeConfig
 
 Sample = Mapping[str, Any]
 Collate = Callable[[list[Any]], dict[str, Any]]
@@ -80,14 +81,16 @@ class MicroBatchingSettings:
         return self.mode in (MicroBatching.TOKEN_BUDGET, MicroBatching.PACKED)
 
     @classmethod
-    def from_config(cls, cfg: Any, batch_size: int | None = None) -> MicroBatchingSettings:
-        """The settings of a validated config (``micro_batching``, ``micro_batch_tokens``,
-        ``pad_to_multiple_of``)."""
+    def from_settings(
+        cls, settings: SingleDeviceRecipeConfig, batch_size: int | None = None
+    ) -> MicroBatchingSettings:
+        """From a recipe's typed settings (``micro_batching``, ``micro_batch_tokens``,
+        ``pad_to_multiple_of``; ``batch_size`` unless given): the one reader of these keys."""
         return cls(
-            mode=as_option(MicroBatching, cfg.micro_batching, "micro_batching"),
-            batch_size=int(cfg.batch_size if batch_size is None else batch_size),
-            micro_batch_tokens=cfg.micro_batch_tokens,
-            pad_to_multiple_of=cfg.pad_to_multiple_of,
+            mode=as_option(MicroBatching, settings.micro_batching, "micro_batching"),
+            batch_size=int(settings.batch_size if batch_size is None else batch_size),
+            micro_batch_tokens=settings.micro_batch_tokens,
+            pad_to_multiple_of=settings.pad_to_multiple_of,
         )
 
 

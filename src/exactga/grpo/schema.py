@@ -184,13 +184,13 @@ def check_rollout_keys(cfg: DictConfig) -> None:
         raise ValueError(f"config key 'temperature'={cfg.temperature}: must be positive.")
     if cfg.forward_batch_size is not None and cfg.forward_batch_size < 1:
         raise ValueError("config key 'forward_batch_size' must be at least 1 (or null).")
-    buffer = cfg.get("overlong_buffer")
+    buffer = cfg.overlong_buffer
     if buffer is not None and not 0 < buffer <= cfg.max_generated_tokens:
         raise ValueError(
             f"config key 'overlong_buffer'={buffer}: must be between 1 and max_generated_tokens "
             f"({cfg.max_generated_tokens}), or null for no overlong shaping."
         )
-    if cfg.get("max_sampling_rounds", 1) < 1:
+    if cfg.max_sampling_rounds < 1:  # RolloutKeys' default (4) is the one default
         raise ValueError("config key 'max_sampling_rounds' must be at least 1.")
     check_loss_keys(cfg)
     if not isinstance(cfg.rewards, ListConfig) or not len(cfg.rewards):
@@ -202,7 +202,7 @@ def check_rollout_keys(cfg: DictConfig) -> None:
 
 def check_loss_keys(cfg: DictConfig) -> None:
     """The ``loss`` section; see :func:`check_loss_section`."""
-    check_loss_section(cfg.get("loss"), "loss")
+    check_loss_section(cfg.loss, "loss")
 
 
 def check_loss_section(loss: Any, key: str) -> None:

@@ -57,7 +57,7 @@ _HOMES = {
     "model_flops_per_token": "exactga.profiling.flops",
     "TrainingProfiler": "exactga.profiling.hook",
     "setup_profiler": "exactga.profiling.hook",
-    "profiler_from_config": "exactga.profiling.hook",
+    "profiler_from_settings": "exactga.profiling.hook",
     "PHASES": "exactga.profiling.phase_clock",
     "REPORT_CATEGORY": "exactga.profiling.report",
     "REPORT_RUN": "exactga.profiling.report",
@@ -97,7 +97,7 @@ __all__ = [
     "model_flops_per_token",
     "parse_settings",
     "sample_gradients",
-    "profiler_from_config",
+    "profiler_from_settings",
     "setup_profiler",
     "time_scaling_pass",
 ]

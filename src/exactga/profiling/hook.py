@@ -23,7 +23,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from exactga.config.profiler import ProfilerSection, ProfilerSettings, parse_settings
-from exactga.data.micro_batching import PaddingMeter, WindowWork
+from exactga.config.schemas import SingleDeviceRecipeConfig
+from exactga.data.micro_batching import MicroBatchingSettings, PaddingMeter, WindowWork
 from exactga.profiling.flops import device_peak_flops, model_flops_per_token
 from exactga.profiling.phase_clock import PHASES, PhaseClock
 from exactga.profiling.report import (
@@ -285,22 +286,27 @@ def setup_profiler(
     )
 
 
-def profiler_from_config(
-    cfg: DictConfig, device: torch.device, model: nn.Module, metric_logger: Any
+def profiler_from_settings(
+    settings: SingleDeviceRecipeConfig,
+    micro_batching: MicroBatchingSettings,
+    device: torch.device,
+    model: nn.Module,
+    metric_logger: Any,
 ) -> TrainingProfiler:
-    """:func:`setup_profiler` from a validated recipe config (its ``profiler`` section,
-    ``output_dir``, ``micro_batching``, ``log_timings``, ``saved_latency_every_n_steps``,
-    ``peak_flops``). Traces, memory snapshots and the report come from global rank 0 only;
-    every rank times its phases. ``metric_logger``: rank 0's (``None`` elsewhere)."""
+    """:func:`setup_profiler` from a recipe's typed settings (its ``profiler`` section,
+    ``output_dir``, ``log_timings``, ``saved_latency_every_n_steps``, ``peak_flops``) and the
+    run's parsed ``micro_batching`` (the loader's: read once, named in the padding line).
+    Traces, memory snapshots and the report come from global rank 0 only; every rank times its
+    phases. ``metric_logger``: rank 0's (``None`` elsewhere)."""
     return setup_profiler(
-        cfg.profiler,
+        settings.profiler,
         device,
         model,
-        output_dir=cfg.output_dir,
-        micro_batching=cfg.micro_batching,
-        log_timings=cfg.log_timings,
-        saved_latency_every_n_steps=cfg.saved_latency_every_n_steps,
-        peak_flops=cfg.peak_flops,
+        output_dir=settings.output_dir,
+        micro_batching=micro_batching.mode,
+        log_timings=settings.log_timings,
+        saved_latency_every_n_steps=settings.saved_latency_every_n_steps,
+        peak_flops=settings.peak_flops,
         rank=dist.get_rank() if dist.is_initialized() else 0,
         metric_logger=metric_logger,
     )

@@ -81,6 +81,8 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 from torchtune.training.metric_logging import TensorBoardLogger
 
+from exactga.config.schemas import SingleDeviceRecipeConfig
+from exactga.config.validation import torchtune_config
 from exactga.run.checkpointing import MANIFEST_FILE, STEP_CHECKPOINT_SUBDIR
 from exactga.runtime.distributed import is_rank_zero, log_rank_zero
 
@@ -122,15 +124,15 @@ def open_metric_logger(
     return RunLogger(run_folder, output_dir, appending=own_run is not None, **kwargs)
 
 
-def open_run_logger(cfg: DictConfig, resumed: bool) -> Any | None:
+def open_run_logger(settings: SingleDeviceRecipeConfig, resumed: bool) -> Any | None:
     """The run's metric logger with the config logged to it, on global rank 0; ``None`` on
     the other ranks, which write no metrics. See [resumed TensorBoard run] for ``resumed``."""
     if not is_rank_zero():
         return None
     metric_logger = open_metric_logger(
-        cfg.metric_logger, resumed=resumed, output_dir=cfg.get("output_dir")
+        settings.metric_logger, resumed=resumed, output_dir=settings.output_dir
     )
-    metric_logger.log_config(cfg)
+    metric_logger.log_config(torchtune_config(settings))  # torchtune's loggers take a config
     return metric_logger
 
 

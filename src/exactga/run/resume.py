@@ -34,6 +34,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
 
+from exactga.config.schemas import SingleDeviceRecipeConfig, TrainingRunConfig
 from exactga.config.validation import validate_config
 from exactga.data.files import check_data_files
 from exactga.run.checkpointing import (
@@ -178,21 +179,21 @@ def checkpointer_source(cfg_checkpointer: DictConfig) -> str:
 
 
 def start_run(
-    cfg: DictConfig, extra_keys: tuple[str, ...] = (), **extra: Any
+    settings: SingleDeviceRecipeConfig, extra_keys: tuple[str, ...] = (), **extra: Any
 ) -> tuple[StepCheckpointer, dict[str, Any], ResumePoint]:
     """A run's step checkpointer (this rank's, in ``output_dir``), its fingerprint (the config's
     values a resume must match, the world size, ``extra_keys`` and ``extra``: see
     :func:`run_fingerprint`) and where it goes on from (:func:`find_resume_point`)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     checkpointer = step_checkpointer_for(
-        cfg.output_dir, cfg.keep_last_n_checkpoints, rank, world_size
+        settings.output_dir, settings.keep_last_n_checkpoints, rank, world_size
     )
-    fingerprint = run_fingerprint(cfg, extra_keys, world_size=world_size, **extra)
-    return checkpointer, fingerprint, find_resume_point(cfg, checkpointer, fingerprint)
+    fingerprint = run_fingerprint(settings, extra_keys, world_size=world_size, **extra)
+    return checkpointer, fingerprint, find_resume_point(settings, checkpointer, fingerprint)
 
 
 def find_resume_point(
-    cfg: DictConfig, checkpointer: StepCheckpointer, fingerprint: Mapping[str, Any]
+    cfg: SingleDeviceRecipeConfig, checkpointer: StepCheckpointer, fingerprint: Mapping[str, Any]
 ) -> ResumePoint:
     """Where this run goes on from; see the module docstring.
 
@@ -269,9 +270,11 @@ def validate_run_config(cfg: DictConfig, schema: type, recipe_name: str) -> Dict
         ValueError: naming the key at fault (see ``exactga.config.validation.validate_config``).
     """
     cfg = validate_config(cfg, schema, recipe_name, check_files=True)
-    if cfg.get("resume_from_checkpoint") == "auto":
+    # The parity report's schema has no such key: it never resumes.
+    resume = cfg.resume_from_checkpoint if "resume_from_checkpoint" in cfg else False
+    if resume == "auto":
         cfg.resume_from_checkpoint = has_something_to_resume(cfg)
-    elif cfg.get("resume_from_checkpoint"):
+    elif resume:
         check_something_to_resume(cfg)
     check_data_files(cfg)  # last: it reads the files whole, into datasets' cache
     return cfg
@@ -378,13 +381,14 @@ def restore_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
 
 
 def run_fingerprint(
-    cfg: DictConfig, extra_keys: tuple[str, ...] = (), **extra: Any
+    settings: TrainingRunConfig, extra_keys: tuple[str, ...] = (), **extra: Any
 ) -> dict[str, Any]:
     """The resolved values of ``FINGERPRINT_KEYS`` and of a recipe's own ``extra_keys`` (e.g.
-    ``exactga.kd.distillation.KD_FINGERPRINT_KEYS``), plus ``extra`` (e.g. ``world_size``)."""
+    ``exactga.kd.distillation.KD_FINGERPRINT_KEYS``), plus ``extra`` (e.g. ``world_size``).
+    A key the recipe's schema lacks (``max_steps_per_epoch`` of the parity report) is null."""
     fingerprint = {}
     for key in (*FINGERPRINT_KEYS, *extra_keys):
-        value = cfg.get(key)
+        value = getattr(settings, key, None)
         if isinstance(value, DictConfig) or OmegaConf.is_list(value):
             value = OmegaConf.to_container(value, resolve=True)
         fingerprint[key] = value

@@ -40,6 +40,7 @@ from exactga.accumulation.normalization import Window
 from exactga.accumulation.optimizers import steps_in_backward
 from exactga.accumulation.step import StepContext, StepOutcome, TrainingWindow
 from exactga.config.options import NonFinitePolicy
+from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.launch.stopping import RunStopped, resume_command, stop_request
 from exactga.run.metric_logging import flush_metric_logger
 from exactga.run.progress import TrainingProgress
@@ -94,7 +95,7 @@ from exactga.runtime.distributed import host_group, is_rank_zero, log_rank_zero,
 
 @dataclass(frozen=True)
 class StepBookSettings:
-    """The config keys of a run's step bookkeeping, typed (``from_config``: after validation)."""
+    """The keys of a run's step bookkeeping, read once from the recipe's typed settings."""
 
     log_every_n_steps: int
     save_every_n_steps: int | None  # None: no step checkpoints
@@ -102,12 +103,12 @@ class StepBookSettings:
     log_peak_memory_stats: bool = False  # on a GPU; there is nothing to log on CPU
 
     @classmethod
-    def from_config(cls, cfg: Any) -> StepBookSettings:
+    def from_settings(cls, settings: SingleDeviceRecipeConfig) -> StepBookSettings:
         return cls(
-            cfg.log_every_n_steps,
-            cfg.save_every_n_steps,
-            cfg.nonfinite_loss,
-            cfg.log_peak_memory_stats,
+            settings.log_every_n_steps,
+            settings.save_every_n_steps,
+            settings.nonfinite_loss,
+            settings.log_peak_memory_stats,
         )
 
 

@@ -31,6 +31,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training import FullModelHFCheckpointer
 from torchtune.training.activations import apply_selective_activation_checkpointing
 
+from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.models.hf_config import (
     CONFIG_JSON,
     missing_arguments_message,
@@ -65,13 +66,15 @@ def models_from_folders(cfg: DictConfig) -> DictConfig:
         ValueError: a value the section builds otherwise than the folder's ``config.json``
             (naming the key, both values and the fix), or a builder argument nobody gives.
     """
+    # Runs inside validated_config, on the validated DictConfig; a section the recipe's schema
+    # lacks (``teacher_model`` outside KD) selects as None.
     for name, checkpointer_keys in MODEL_SECTIONS:
-        if "_component_" not in (cfg.get(name) or {}):
+        if "_component_" not in (OmegaConf.select(cfg, name) or {}):
             continue
         model = OmegaConf.to_container(cfg[name], resolve=True)
         without_config = None
         for index, key in enumerate(checkpointer_keys):
-            folder = _hf_checkpoint_dir(cfg.get(key))
+            folder = _hf_checkpoint_dir(OmegaConf.select(cfg, key))
             if folder is None:
                 continue
             if not (folder / CONFIG_JSON).is_file():
@@ -108,8 +111,8 @@ def _hf_checkpoint_dir(cfg_checkpointer: DictConfig | None) -> Path | None:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """The config keys that decide how the model is built; ``from_config`` reads them once,
-    after validation (a key a recipe's schema lacks reads as off)."""
+    """The keys that decide how the model is built; ``from_settings`` reads them once from the
+    recipe's typed settings (a key its schema lacks, a sharding key on one device, is off)."""
 
     compile: bool = False
     activation_checkpointing: bool = False
@@ -121,23 +124,32 @@ class ModelSettings:
     fsdp_reshard_after_forward: bool = True
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, device: torch.device) -> ModelSettings:
-        keys = cfg.keys()
+    def from_settings(
+        cls, settings: SingleDeviceRecipeConfig, device: torch.device
+    ) -> ModelSettings:
+        # The distributed schemas' keys: absent from a single-device recipe's settings.
+        sharding = {
+            name: getattr(settings, name)
+            for name in (
+                "ac_mode",
+                "ac_option",
+                "custom_sharded_layers",
+                "fsdp_cpu_offload",
+                "fsdp_reshard_after_forward",
+            )
+            if hasattr(settings, name)
+        }
         return cls(
-            compile=cfg.compile,
-            activation_checkpointing=cfg.enable_activation_checkpointing,
-            activation_offloading=cfg.enable_activation_offloading,
-            ac_mode=cfg.ac_mode if "ac_mode" in keys else None,
-            ac_option=cfg.ac_option if "ac_option" in keys else None,
-            custom_sharded_layers=cfg.custom_sharded_layers
-            if "custom_sharded_layers" in keys
-            else None,
+            compile=settings.compile,
+            activation_checkpointing=settings.enable_activation_checkpointing,
+            activation_offloading=settings.enable_activation_offloading,
+            ac_mode=sharding.get("ac_mode"),
+            ac_option=sharding.get("ac_option"),
+            custom_sharded_layers=sharding.get("custom_sharded_layers"),
             # Offloading parameters to the CPU is for a GPU's memory; on CPU it is ignored.
-            fsdp_cpu_offload="fsdp_cpu_offload" in keys
-            and bool(cfg.fsdp_cpu_offload)
-            and device.type != "cpu",
-            fsdp_reshard_after_forward="fsdp_reshard_after_forward" not in keys
-            or bool(cfg.fsdp_reshard_after_forward),
+            fsdp_cpu_offload=bool(sharding.get("fsdp_cpu_offload")) and device.type != "cpu",
+            fsdp_reshard_after_forward="fsdp_reshard_after_forward" not in sharding
+            or bool(sharding["fsdp_reshard_after_forward"]),
         )
 
 

@@ -18,6 +18,7 @@ user's copy) can neither skip it nor do it in another order.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -39,8 +40,11 @@ from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.accumulation.window_statistics import WindowStatistic
-from exactga.data.loader import dataloader_from_config
-from exactga.profiling import profiler_from_config
+from exactga.config.schemas import SingleDeviceRecipeConfig
+from exactga.config.validation import Settings, torchtune_config, typed_settings
+from exactga.data.loader import dataloader_from_settings
+from exactga.data.micro_batching import MicroBatchingSettings
+from exactga.profiling import profiler_from_settings
 from exactga.run.metric_logging import (
     close_metric_logger,
     log_config_summary,
@@ -70,10 +74,12 @@ from exactga.setup.qat import quantizer_from_config
 log = utils.get_logger("INFO")
 
 
-def validated_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictConfig:
+def validated_config(cfg: DictConfig, schema: type[Settings], recipe_name: str) -> Settings:
     """The recipe's config checked strictly against ``schema`` before anything is built (see
     ``exactga.run.resume.validate_run_config``), then summed up in three lines on rank 0, the
-    whole resolved config written to the output folder.
+    whole resolved config written to the output folder; returned as ``schema``'s typed
+    settings, which the recipe reads as it read the config (``cfg.batch_size``) and hands down
+    (see [typed settings] in exactga.config.validation).
 
     Raises:
         ValueError: naming the key or file at fault.
@@ -81,7 +87,7 @@ def validated_config(cfg: DictConfig, schema: type, recipe_name: str) -> DictCon
     cfg = validate_run_config(cfg, schema, recipe_name)
     cfg = models_from_folders(cfg)  # config.json is the truth of a Hugging Face folder
     log_config_summary(recipe_name, cfg)  # the whole config: <output_dir>/resolved_config.yaml
-    return cfg
+    return typed_settings(cfg, schema)
 
 
 # Note [setup order]
@@ -121,9 +127,12 @@ class Runtime:
     fingerprint_extra: dict[str, Any] = field(default_factory=dict)
     gradient_sync: Any = None  # the config's GradientSync, distributed only
     async_checkpointing: bool = False
+    # Sharded full-weight recipes (their schemas have enable_async_checkpointing) read their
+    # weights through torchtune's CheckpointClient, as stock does.
+    checkpoint_client: bool = False
 
     @classmethod
-    def single_device(cls, cfg: DictConfig) -> Runtime:
+    def single_device(cls, cfg: SingleDeviceRecipeConfig) -> Runtime:
         """One device: no process group, no sharding."""
         # Launched as one of several processes, each would train the whole run into the same
         # folder (a copy that skips run_recipe's check: [launch mix-ups] in exactga.launch.mixups).
@@ -139,29 +148,30 @@ class Runtime:
             choose_attention_kernels(cfg.cudnn_attention, device),
             use_cpu_threads(cfg.cpu_threads),  # see [cpu threads] in exactga.run.threads
         )
-        if "low_cpu_ram" in cfg:  # torchtune's low-CPU-RAM NF4 state-dict hook (QLoRA)
+        if hasattr(cfg, "low_cpu_ram"):  # torchtune's low-CPU-RAM NF4 state-dict hook (QLoRA)
             common_utils._use_low_cpu_ram = cfg.low_cpu_ram
         return cls(
             device=device,
             precision=Precision.from_config(dtype, cfg.master_weights, device),
-            model_settings=ModelSettings.from_config(cfg, device),
+            model_settings=ModelSettings.from_settings(cfg, device),
             progress=_seeded_progress(cfg),
             notes=notes,
         )
 
     @classmethod
-    def distributed(cls, cfg: DictConfig, *, tensor_parallel: bool = False) -> Runtime:
+    def distributed(
+        cls, cfg: SingleDeviceRecipeConfig, *, tensor_parallel: bool = False
+    ) -> Runtime:
         """Every rank of a torchrun launch (or one rank without torchrun): the process group,
         and the mesh, data-parallel only unless ``tensor_parallel`` (then the config's
         ``tensor_parallel_dim`` and ``tensor_parallel_plan``)."""
         device = utils.get_device(device=cfg.device)
         dtype = training.get_dtype(cfg.dtype, device=device)
-        keys = cfg.keys()
+        model_settings = ModelSettings.from_settings(cfg, device)
         # Parameters offloaded to the CPU are for a GPU's memory; on CPU the key is ignored.
-        cpu_offload = bool(cfg.fsdp_cpu_offload) and device.type != "cpu"
-        async_checkpointing = (
-            "enable_async_checkpointing" in keys and cfg.enable_async_checkpointing
-        )
+        cpu_offload = model_settings.fsdp_cpu_offload
+        checkpoint_client = hasattr(cfg, "enable_async_checkpointing")
+        async_checkpointing = checkpoint_client and cfg.enable_async_checkpointing
         notes = (
             choose_attention_kernels(cfg.cudnn_attention, device),
             use_cpu_threads(cfg.cpu_threads, optimizer_on_cpu=cpu_offload),  # see [cpu threads]
@@ -171,7 +181,7 @@ class Runtime:
         return cls(
             device=device,
             precision=Precision.from_config(dtype, cfg.master_weights, device),
-            model_settings=ModelSettings.from_config(cfg, device),
+            model_settings=model_settings,
             progress=_seeded_progress(cfg),
             notes=notes,
             mesh=distributed.build_device_mesh(device, tp_dim),
@@ -182,6 +192,7 @@ class Runtime:
             fingerprint_extra={"tensor_parallel_dim": tp_dim} if tensor_parallel else {},
             gradient_sync=cfg.gradient_sync,
             async_checkpointing=async_checkpointing,
+            checkpoint_client=checkpoint_client,
         )
 
     @property
@@ -234,7 +245,7 @@ class Runtime:
         distributed.log_rank_zero(message)
 
 
-def _seeded_progress(cfg: DictConfig) -> TrainingProgress:
+def _seeded_progress(cfg: SingleDeviceRecipeConfig) -> TrainingProgress:
     """The run's counters, with the seed set: the config's on every rank (torchtune would seed
     ``seed + rank``), before anything draws a random number."""
     return TrainingProgress(
@@ -253,15 +264,18 @@ class RunStart:
     through ``checkpointer`` itself, as stock does.
 
     Args:
-        cfg: the validated config.
+        settings: the recipe's typed settings (``validated_config``).
         runtime: the recipe's :class:`Runtime`.
         fingerprint_keys: config keys of the recipe's family that a resume must match.
     """
 
     def __init__(
-        self, cfg: DictConfig, runtime: Runtime, fingerprint_keys: tuple[str, ...] = ()
+        self,
+        settings: SingleDeviceRecipeConfig,
+        runtime: Runtime,
+        fingerprint_keys: tuple[str, ...] = (),
     ) -> None:
-        self.cfg = cfg
+        self.settings = cfg = settings
         self.runtime = runtime
         self.progress = runtime.progress
         self.step_checkpointer, self.fingerprint, self.resume = start_run(
@@ -269,10 +283,11 @@ class RunStart:
         )
         # Rank 0's; a resumed run's curves go on in its run ([resumed TensorBoard run]).
         self.metric_logger = open_run_logger(cfg, resumed=self.resume.resumed)
-        self._client = runtime.sharded and "enable_async_checkpointing" in cfg
+        self._client = runtime.sharded and runtime.checkpoint_client
         if self._client:  # torchtune's client reads the base weights, or an epoch's
             client_cfg = OmegaConf.merge(
-                cfg, {"resume_from_checkpoint": self.resume.from_epoch_checkpoint}
+                torchtune_config(cfg),  # torchtune's client takes the whole config
+                {"resume_from_checkpoint": self.resume.from_epoch_checkpoint},
             )
             self.epoch_writer = runtime.precision.saving_in_dtype(CheckpointClient(client_cfg))
             self.ckpt_dict = self.epoch_writer.load_base_checkpoint()
@@ -300,7 +315,7 @@ class RunStart:
             self._part_writers[part] = self.epoch_writer
             if self.resume.from_step_checkpoint:
                 weights = _part_state(weights, part)
-        return FullWeights(weights, self.resume.weights_source(self.cfg.checkpointer))
+        return FullWeights(weights, self.resume.weights_source(self.settings.checkpointer))
 
     def trained_part_weights(self, cfg_checkpointer: DictConfig, part: str) -> FullWeights:
         """The weights of a further trained model (PPO's value model): its own checkpointer's
@@ -324,7 +339,7 @@ class RunStart:
     def adapter_weights(self, lora: LoraSettings) -> AdapterWeights:
         """The frozen base, and the adapters to go on from (fresh ones from the seed)."""
         return AdapterWeights.at_start(
-            lora, self.resume, self.ckpt_dict, self.cfg.checkpointer, self.progress.seed
+            lora, self.resume, self.ckpt_dict, self.settings.checkpointer, self.progress.seed
         )
 
     # -- models ----------------------------------------------------------------------------
@@ -409,6 +424,11 @@ class RunStart:
         return optimizer
 
     # -- data ------------------------------------------------------------------------------
+    @functools.cached_property
+    def micro_batching(self) -> MicroBatchingSettings:
+        """How a window is cut into micro-batches, read once for the loader and the profiler."""
+        return MicroBatchingSettings.from_settings(self.settings)
+
     def dataloader(self, dataset: Any, *, padding_idx: int, ignore_idx: int) -> Any:
         """The loader of windows at the checkpoint's position; see [data order] in
         exactga.data.loader. Ranks of one tensor-parallel group read the same data: the
@@ -418,14 +438,15 @@ class RunStart:
             {
                 "num_replicas": runtime.dp_size,
                 "rank": runtime.dp_rank,
-                "rank_balancing": self.cfg.rank_balancing,
+                "rank_balancing": self.settings.rank_balancing,
             }
             if runtime.sharded
             else {}
         )
-        return dataloader_from_config(
+        return dataloader_from_settings(
             dataset,
-            self.cfg,
+            self.settings,
+            self.micro_batching,
             padding_idx=padding_idx,
             ignore_idx=ignore_idx,
             state_dict=self.resume.dataloader_state(self.ckpt_dict),
@@ -451,7 +472,7 @@ class RunStart:
         ``units`` and ``statistics``."""
         return LossNormalizer(
             loss_fn,
-            mode=self.cfg.loss_normalization,
+            mode=self.settings.loss_normalization,
             dp_group=self.runtime.dp_group,
             units=units,
             statistics=statistics,
@@ -481,7 +502,7 @@ class RunStart:
             book_settings: the step bookkeeping's settings; the config's by default.
             step_book_extras: ``window_metrics``, ``track``: see ``StepBook``.
         """
-        cfg, runtime, progress = self.cfg, self.runtime, self.progress
+        cfg, runtime, progress = self.settings, self.runtime, self.progress
         _check_normalizer_ranks(normalizer, runtime)
         if total_epochs is not None:
             progress.total_epochs = total_epochs
@@ -502,7 +523,9 @@ class RunStart:
         )
         lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, optimizer, progress)
         # Phase timings on every rank; traces, snapshots and the report on rank 0.
-        profiler = profiler_from_config(cfg, runtime.device, model, self.metric_logger)
+        profiler = profiler_from_settings(
+            cfg, self.micro_batching, runtime.device, model, self.metric_logger
+        )
         steps = StepBook(
             progress,
             context=runtime.step_context(model, profiler),
@@ -510,7 +533,7 @@ class RunStart:
             normalizer=normalizer,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
-            settings=book_settings or StepBookSettings.from_config(cfg),
+            settings=book_settings or StepBookSettings.from_settings(cfg),
             checkpoints=checkpoints,
             metric_logger=self.metric_logger,
             **step_book_extras,

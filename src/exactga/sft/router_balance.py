@@ -22,6 +22,7 @@ from exactga.accumulation.loss_units import Batch, ShiftedTokens, loss_ignore_in
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
 from exactga.config.options import RouterBalanceObjective, as_option
+from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.models.moe.block import MoEBlock, moe_blocks, recording_router_stats
 from exactga.models.moe.router import RouterStats, sum_router_stats
 from exactga.models.moe.router_losses import expert_load_ratio, router_entropy_mean
@@ -117,10 +118,16 @@ class RouterBalance:
         self._terms: list[torch.Tensor] = []
 
     @classmethod
-    def from_config(cls, cfg: Any, model: nn.Module, runtime: Any) -> RouterBalance:
-        """From a validated fine-tuning config and the recipe's ``Runtime``."""
+    def from_settings(
+        cls, settings: SingleDeviceRecipeConfig, model: nn.Module, runtime: Any
+    ) -> RouterBalance:
+        """From a fine-tuning recipe's typed settings and its ``Runtime``."""
         return cls(
-            model, cfg.router_aux_loss_coef, cfg.router_balance, runtime.dp_group, runtime.device
+            model,
+            settings.router_aux_loss_coef,
+            settings.router_balance,
+            runtime.dp_group,
+            runtime.device,
         )
 
     @property
