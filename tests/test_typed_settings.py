@@ -230,3 +230,17 @@ def test_recipes_hand_their_setup_the_typed_settings(recipe: str) -> None:
     assert "cfg.get(" not in text, f"{recipe}: a default below the schema"
     raw = re.findall(r"(\w+(?:\.\w+)?)\(\s*torchtune_config\(cfg\)", text)
     assert raw == (["StepSettings.from_config"] if recipe.startswith("grpo") else []), raw
+
+
+def test_validated_config_types_what_validation_decided(tmp_path: Path) -> None:
+    """``resume_from_checkpoint: auto`` is decided on the DictConfig (nothing to go on from:
+    False); the settings carry the decision, and the resolved config is written as before."""
+    from exactga.config.schemas import FullFinetuneSingleDeviceConfig
+    from exactga.setup.run_start import validated_config
+
+    cfg = tiny_config("full_single_device", output_dir=str(tmp_path), resume_from_checkpoint="auto")
+    settings = validated_config(cfg, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
+    assert isinstance(settings, FullFinetuneSingleDeviceConfig)
+    assert settings.resume_from_checkpoint is False
+    assert torchtune_config(settings).resume_from_checkpoint is False
+    assert (tmp_path / "resolved_config.yaml").is_file()
