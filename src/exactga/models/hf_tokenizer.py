@@ -125,7 +125,8 @@ class HFModelTokenizer(ModelTokenizer, Transform):
     @property
     def vocab_size(self) -> int:
         """One past the largest id the file names (model vocabulary and added tokens): a
-        reward reads a sampled completion without the ids above (see exactga.grpo.step)."""
+        reward reads a sampled completion without the ids above
+        (exactga.grpo.rollouts.completion_text)."""
         return max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
     def token_id(self, token: str) -> int:
