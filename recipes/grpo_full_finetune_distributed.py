@@ -33,7 +33,6 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
-from exactga.config.validation import torchtune_config
 from exactga.grpo.losses import build_policy_loss
 from exactga.grpo.policy import PolicyMetrics, grpo_micro_batch_loss, loss_units_for
 from exactga.grpo.prompts import checked_prompt_loader
@@ -115,10 +114,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # stock), sharded like the policy.
         self._ref_model = start.frozen_model(cfg.model, cfg.ref_checkpointer, "Reference")
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        # Reads its shaping keys with cfg.get (exactga.grpo.rollout_step): the validated config,
-        # until it takes the typed settings.
-        self._step_settings = StepSettings.from_config(
-            torchtune_config(cfg),
+        self._step_settings = StepSettings.from_settings(
+            cfg,
             pad_id=self._tokenizer.pad_id,
             eos_id=self._tokenizer.eos_id,
             loss=self._loss,

@@ -125,7 +125,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             ),
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._settings = TrajectorySettings.from_config(cfg, self._tokenizer)
+        self._settings = TrajectorySettings.from_settings(cfg, self._tokenizer)
         self._optimizer = start.build_optimizer(
             cfg.optimizer, self._model, in_backward=cfg.optimizer_in_bwd
         )

@@ -136,15 +136,8 @@ VALIDATION_PHASE = {
 }
 # Readers that still take a config, each with the reason; shrink this list, never grow it.
 STILL_TAKE_A_CONFIG = {
-    # GRPO's step settings read the shaping keys with cfg.get (the recipe hands them
-    # torchtune_config(settings)). TrajectorySettings.from_config serves the PPO recipe (typed
-    # settings) and the parity report (a DictConfig). The other readers of the GRPO, PPO and DPO
-    # families read attributes and get the typed settings, but are still annotated Any.
-    "grpo/rollout_step.py": {"from_config"},
-    "grpo/prompts.py": {"checked_prompt_loader"},
-    "ppo/trajectory.py": {"from_config", "prompt_loader"},
-    "dpo/wiring.py": {"reference_for_run", "preference_run"},
-    # The GA parity report validates with validate_run_config and reads a DictConfig.
+    # The GA parity report validates with validate_run_config and reads a DictConfig; what it
+    # hands the recipes' readers (ShapingKeys, TrajectorySettings) it types first.
     "parity/grpo.py": {"__init__", "setup"},
     "parity/ppo.py": {"__init__", "setup"},
 }
@@ -221,15 +214,15 @@ def test_the_check_catches_a_reader_that_takes_a_config(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("recipe", sorted(RECIPE_SCHEMAS))
 def test_recipes_hand_their_setup_the_typed_settings(recipe: str) -> None:
-    """A recipe's ``__init__`` and ``setup`` take its schema's settings, and it hands the
-    validated DictConfig (``torchtune_config``) only to the readers listed above."""
+    """A recipe's ``__init__`` and ``setup`` take its schema's settings, and hands exactga's
+    readers the settings, never the validated DictConfig (``torchtune_config``)."""
     text = (REPO / "recipes" / f"{recipe}.py").read_text()
     schema = RECIPE_SCHEMAS[recipe][0].rpartition(".")[2]
     assert f"def __init__(self, cfg: {schema}) -> None:" in text
     assert f"def setup(self, cfg: {schema}) -> None:" in text
     assert "cfg.get(" not in text, f"{recipe}: a default below the schema"
     raw = re.findall(r"(\w+(?:\.\w+)?)\(\s*torchtune_config\(cfg\)", text)
-    assert raw == (["StepSettings.from_config"] if recipe.startswith("grpo") else []), raw
+    assert raw == [], raw
 
 
 def test_validated_config_types_what_validation_decided(tmp_path: Path) -> None:

@@ -23,7 +23,15 @@ from exactga.dpo.terms import DpoTerms
 from exactga.runtime.precision import Precision
 
 if TYPE_CHECKING:
+    from exactga.dpo.schema import (
+        FullDpoDistributedConfig,
+        LoraDpoDistributedConfig,
+        LoraDpoSingleDeviceConfig,
+    )
     from exactga.setup.run_start import Runtime  # the recipe's; run_start does not import dpo
+
+    # The typed settings of the three DPO recipes.
+    DpoSettings = LoraDpoSingleDeviceConfig | LoraDpoDistributedConfig | FullDpoDistributedConfig
 
 
 def reference_point_for(
@@ -40,7 +48,7 @@ def reference_point_for(
 def reference_for_run(
     reference: Any,
     dataset: Any,
-    cfg: Any,
+    cfg: DpoSettings,
     *,
     pad_id: int,
     device: torch.device,
@@ -77,7 +85,7 @@ class PreferenceRun:
 
 
 def preference_run(
-    cfg: Any,
+    cfg: DpoSettings,
     loss_fn: nn.Module,
     terms: DpoTerms,
     dataset: Any,

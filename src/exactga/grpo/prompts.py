@@ -25,7 +25,7 @@ as answer (``"answer": 7`` in JSON) is taken as its text, ``"7"``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from datasets import load_dataset
 from torch import nn
@@ -36,6 +36,9 @@ from torchtune import config
 from exactga.data.files import read_data_files
 from exactga.data.loader import build_prompt_loader
 from exactga.generation.sampling import check_prompt
+
+if TYPE_CHECKING:
+    from exactga.grpo.schema import GrpoDistributedConfig
 
 QUESTION = "question"
 ANSWER = "answer"
@@ -163,7 +166,7 @@ def prompt_dataset(
 
 
 def checked_prompt_loader(
-    cfg: Any,
+    cfg: GrpoDistributedConfig,
     tokenizer: Any,
     model: nn.Module,
     *,

@@ -50,6 +50,7 @@ from exactga.grpo.rollouts import (
     generate_rollouts,
     score_rollouts,
 )
+from exactga.grpo.schema import GrpoDistributedConfig, RolloutKeys
 from exactga.grpo.shaping import OverlongShaping, kl_reward_penalties
 from exactga.runtime.precision import Precision
 
@@ -98,29 +99,34 @@ class StepSettings:
     max_sampling_rounds: int | None = None
 
     @classmethod
-    def from_config(
-        cls, cfg: Any, *, pad_id: int, eos_id: int, loss: PolicyLoss | None = None
+    def from_settings(
+        cls,
+        settings: GrpoDistributedConfig,
+        *,
+        pad_id: int,
+        eos_id: int,
+        loss: PolicyLoss | None = None,
     ) -> StepSettings:
-        """A GRPO config's step: ``batch_size`` prompts on this rank, each sampled
+        """A GRPO recipe's typed settings' step: ``batch_size`` prompts on this rank, each sampled
         ``grpo_samples`` times until a stop token (``stop_token_ids``, or the tokenizer's
         ``eos_id``) or ``max_generated_tokens``; ``loss`` says whether its KL is in the
         reward."""
         return cls.of(
-            num_prompts=cfg.batch_size,
-            grpo_samples=cfg.grpo_samples,
+            num_prompts=settings.batch_size,
+            grpo_samples=settings.grpo_samples,
             sampling=SamplingSettings(
-                max_generated_tokens=cfg.max_generated_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                stop_tokens=tuple(cfg.stop_token_ids or [eos_id]),
+                max_generated_tokens=settings.max_generated_tokens,
+                temperature=settings.temperature,
+                top_k=settings.top_k,
+                stop_tokens=tuple(settings.stop_token_ids or [eos_id]),
             ),
-            ppo_epochs=cfg.ppo_epochs,
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            micro_batching=cfg.micro_batching,
-            micro_batch_tokens=cfg.micro_batch_tokens,
-            forward_batch_size=cfg.forward_batch_size,
+            ppo_epochs=settings.ppo_epochs,
+            gradient_accumulation_steps=settings.gradient_accumulation_steps,
+            micro_batching=settings.micro_batching,
+            micro_batch_tokens=settings.micro_batch_tokens,
+            forward_batch_size=settings.forward_batch_size,
             pad_id=pad_id,
-            shaping=ShapingKeys.from_config(cfg, loss),
+            shaping=ShapingKeys.from_settings(settings, loss),
         )
 
     @classmethod
@@ -169,16 +175,16 @@ class ShapingKeys:
     reward_kl: RewardKL | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, loss: PolicyLoss | None) -> ShapingKeys:
+    def from_settings(cls, settings: RolloutKeys, loss: PolicyLoss | None) -> ShapingKeys:
+        """From the typed settings of the GRPO recipe or its GA parity report (both
+        :class:`RolloutKeys`, which holds each key's one default)."""
         reward_kl = None
         if loss is not None and loss.kl_in_reward and loss.kl_coeff:
             reward_kl = RewardKL(loss.kl_coeff, loss.kl_estimator)
         return cls(
-            overlong_buffer=cfg.get("overlong_buffer"),
-            overlong_penalty_factor=float(cfg.get("overlong_penalty_factor", 1.0)),
-            max_sampling_rounds=cfg.get("max_sampling_rounds")
-            if cfg.get("dynamic_sampling", False)
-            else None,
+            overlong_buffer=settings.overlong_buffer,
+            overlong_penalty_factor=float(settings.overlong_penalty_factor),
+            max_sampling_rounds=settings.max_sampling_rounds if settings.dynamic_sampling else None,
             reward_kl=reward_kl,
         )
 

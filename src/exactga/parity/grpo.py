@@ -50,6 +50,7 @@ from exactga.config.options import (
     NormMode,
     as_option,
 )
+from exactga.config.validation import typed_settings
 from exactga.data.loader import build_prompt_loader
 from exactga.generation.sampling import SamplingSettings, check_prompt
 from exactga.grpo.losses import PolicyLoss, build_policy_loss
@@ -147,6 +148,9 @@ class GrpoParity:
         # Each objective is a (loss, loss_aggregation): the config's ``loss``, or each of
         # ``parity.losses``, under each of ``parity.loss_aggregations``.
         self._losses = GrpoParityConfig.losses_for(cfg)
+        # The shaping keys, typed as the recipe's are (see [typed settings] in
+        # exactga.config.validation), for exactga.grpo.rollout_step.ShapingKeys.
+        self._rollout_keys = typed_settings(cfg, GrpoParityConfig)
         self._reports: dict[str, dict[str, Any]] = {}  # rank 0: each aggregation's outcome
         self._num_runs = 0
 
@@ -289,7 +293,7 @@ class GrpoParity:
             micro_batch_tokens=self._cfg.parity.micro_batch_tokens,
             forward_batch_size=self._cfg.forward_batch_size,
             pad_id=self._tokenizer.pad_id,
-            shaping=ShapingKeys.from_config(self._cfg, loss),
+            shaping=ShapingKeys.from_settings(self._rollout_keys, loss),
         )
         optimizer = config.instantiate(self._cfg.optimizer, list(model.parameters()))
         lr_scheduler = None

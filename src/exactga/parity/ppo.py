@@ -33,6 +33,7 @@ from tqdm import tqdm
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import train_window
 from exactga.config.options import MicroBatching, NormMode
+from exactga.config.validation import typed_settings
 from exactga.data.loader import build_prompt_loader, load_dataset
 from exactga.data.micro_batching import MicroBatchingSettings
 from exactga.parity.ppo_schema import PpoParityConfig
@@ -115,7 +116,10 @@ class PpoParity:
             cfg.reward_and_value_model, weights(cfg.reward_checkpointer), self._device, None
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._settings = TrajectorySettings.from_config(cfg, self._tokenizer)
+        # Typed as the recipe's settings are (see [typed settings] in exactga.config.validation).
+        self._settings = TrajectorySettings.from_settings(
+            typed_settings(cfg, PpoParityConfig), self._tokenizer
+        )
         with torch.device("meta"):  # the policy's vocabulary, for the dataset's row checks
             vocab_size = config.instantiate(cfg.policy_model).tok_embeddings.num_embeddings
         self._dataset = load_dataset(cfg.dataset, self._tokenizer, vocab_size)

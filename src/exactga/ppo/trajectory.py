@@ -45,6 +45,7 @@ from exactga.setup.frozen import frozen_forward
 
 if TYPE_CHECKING:
     from exactga.accumulation.normalization import LossNormalizer, Window
+    from exactga.ppo.schema import PpoFullFinetuneSingleDeviceConfig
 
 Trajectory = dict[str, Any]
 Phase = Callable[[str], contextlib.AbstractContextManager[None]]
@@ -69,37 +70,39 @@ class TrajectorySettings:
     micro_batching: MicroBatchingSettings
 
     @classmethod
-    def from_config(cls, cfg: Any, tokenizer: Any) -> TrajectorySettings:
-        """A PPO config's step. Stop tokens: ``stop_token_ids``, else the tokenizer's
-        ``stop_tokens``, else its ``eos_id`` (stock warns and uses none; a response without one
-        then runs to ``max_generated_tokens``)."""
-        stop_tokens = cfg.stop_token_ids or getattr(tokenizer, "stop_tokens", None)
+    def from_settings(
+        cls, settings: PpoFullFinetuneSingleDeviceConfig, tokenizer: Any
+    ) -> TrajectorySettings:
+        """The step of a PPO recipe's typed settings (or its GA parity report's). Stop tokens:
+        ``stop_token_ids``, else the tokenizer's ``stop_tokens``, else its ``eos_id`` (stock
+        warns and uses none; a response without one then runs to ``max_generated_tokens``)."""
+        stop_tokens = settings.stop_token_ids or getattr(tokenizer, "stop_tokens", None)
         if not stop_tokens:
             stop_tokens = [tokenizer.eos_id]
-        mode = cfg.micro_batching
+        mode, ga = settings.micro_batching, settings.gradient_accumulation_steps
         budget = mode is MicroBatching.TOKEN_BUDGET  # the budget cuts; every trajectory is kept
         return cls(
             sampling=SamplingSettings(
-                max_generated_tokens=cfg.max_generated_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
+                max_generated_tokens=settings.max_generated_tokens,
+                temperature=settings.temperature,
+                top_k=settings.top_k,
                 stop_tokens=tuple(stop_tokens),
             ),
-            forward_batch_size=cfg.forward_batch_size,
+            forward_batch_size=settings.forward_batch_size,
             pad_id=tokenizer.pad_id,
-            kl_coeff=cfg.kl_coeff,
-            gamma=cfg.gamma,
-            lmbda=cfg.lmbda,
-            whiten_rewards=cfg.whiten_rewards,
-            min_response_length=cfg.min_response_length,
-            penalise_no_eos=cfg.penalise_no_eos,
-            reward_penalty=cfg.reward_penalty,
-            ppo_epochs=cfg.ppo_epochs,
-            ppo_batch_size=cfg.ppo_batch_size,
+            kl_coeff=settings.kl_coeff,
+            gamma=settings.gamma,
+            lmbda=settings.lmbda,
+            whiten_rewards=settings.whiten_rewards,
+            min_response_length=settings.min_response_length,
+            penalise_no_eos=settings.penalise_no_eos,
+            reward_penalty=settings.reward_penalty,
+            ppo_epochs=settings.ppo_epochs,
+            ppo_batch_size=settings.ppo_batch_size,
             micro_batching=MicroBatchingSettings(
                 mode,
-                batch_size=1 if budget else cfg.ppo_batch_size // cfg.gradient_accumulation_steps,
-                micro_batch_tokens=cfg.micro_batch_tokens,
+                batch_size=1 if budget else settings.ppo_batch_size // ga,
+                micro_batch_tokens=settings.micro_batch_tokens,
             ),
         )
 
@@ -394,7 +397,10 @@ def trajectory_metrics(trajectories: StepTrajectories) -> dict[str, float]:
 
 
 def prompt_loader(
-    cfg: Any, tokenizer: Any, policy: nn.Module, state_dict: Mapping[str, Any] | None
+    cfg: PpoFullFinetuneSingleDeviceConfig,
+    tokenizer: Any,
+    policy: nn.Module,
+    state_dict: Mapping[str, Any] | None,
 ) -> Any:
     """The config's ``dataset`` (stock: a text-completion dataset of prompts, rows checked),
     every prompt checked against the policy first so a bad one fails at start-up, then
