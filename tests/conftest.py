@@ -1,5 +1,5 @@
-"""Fixtures shared by the test modules, one rule about the ``slow`` marker, and the hook that
-makes ``xdist_group`` marks work under pytest 9.2.
+"""Fixtures shared by the test modules, one rule about the ``slow`` marker, and the hooks that
+keep an ``xdist_group`` on one worker under ``--dist loadgroup``.
 
 A test that reads a module fixture which launches ``tune run`` (a ``run_once`` one, or one of
 ``tmp_path_factory``) carries ``pytest.mark.xdist_group``: ``make test`` (``--dist loadgroup``)
@@ -14,9 +14,11 @@ to the tests that name them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -105,30 +107,73 @@ def _tune_run_needs_the_slow_marker(request: pytest.FixtureRequest, monkeypatch)
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse_tune)
 
 
-@pytest.hookimpl(trylast=True)
+# ``make test`` (``--dist loadgroup``) keeps each ``xdist_group`` on one worker. pytest-xdist 3.8
+# says a test's group by appending ``@<group>`` to a private attribute that pytest 9.2 no longer
+# reads (pytest-dev/pytest-xdist#1386), so its own grouping spreads a group over both workers:
+# a ``run_once`` fixture then leaves the second worker waiting on its lock, and a plain module
+# fixture (``tmp_path_factory``) is made twice. Instead, through xdist's public hooks, each
+# worker writes its tests' groups to a file, and the controller's scheduler reads them.
+
+
+def _group_of(item: pytest.Item) -> str | None:
+    names = {
+        str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+        for mark in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names)) or None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """The controller: tell each worker where to write its tests' groups."""
+    if node.config.getoption("dist") == "loadgroup":
+        node.workerinput["exactga_groups"] = str(_groups_folder(node.config))
+
+
+def _groups_folder(config: pytest.Config) -> Path:
+    if not hasattr(config, "exactga_groups"):
+        config.exactga_groups = Path(tempfile.mkdtemp(prefix="exactga_xdist_groups_"))
+    return config.exactga_groups
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if hasattr(config, "exactga_groups"):
+        shutil.rmtree(config.exactga_groups, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Make ``--dist loadgroup`` (``make test``) keep an ``xdist_group`` on one worker again.
-
-    pytest-xdist 3.8 marks a grouped test by appending ``@<group>`` to ``item._nodeid``, which
-    pytest 9.2 no longer reads (a node's id is ``item._id``, a ``NodeId``; see
-    pytest-dev/pytest-xdist#1386), so the groups were ignored and ``loadgroup`` spread a group
-    over both workers. For the tests that share one module fixture that costs a worker: a
-    ``run_once`` fixture leaves the second worker waiting on its lock, and a plain module
-    fixture (``tmp_path_factory``) is made twice, once per worker. Here the suffix goes where
-    pytest 9.2 reads it; where xdist's own suffix took, nothing changes.
-    """
-    if not getattr(config.option, "loadgroup", False):  # set on xdist's workers only
+    """A worker under ``--dist loadgroup``: write ``{nodeid: group}`` for its grouped tests
+    (before it reports its collection, so the controller finds the file when it schedules)."""
+    folder = getattr(config, "workerinput", {}).get("exactga_groups")
+    if folder is None:  # not a worker under ``--dist loadgroup``
         return
-    for item in items:
-        groups = {
-            str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-            for mark in item.iter_markers("xdist_group")
-        }
-        suffix = "@" + "_".join(sorted(groups))
-        if groups and not item.nodeid.endswith(suffix):
-            from _pytest.nodeid import NodeId  # pytest 9.2's; older versions take xdist's suffix
+    groups = {item.nodeid: group for item in items if (group := _group_of(item))}
+    file = Path(folder) / f"{config.workerinput['workerid']}.json"
+    file.with_suffix(".tmp").write_text(json.dumps(groups))
+    file.with_suffix(".tmp").replace(file)
 
-            item._id = NodeId.parse(item.nodeid + suffix)
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """The controller under ``--dist loadgroup``: xdist's scope scheduling, a scope being a
+    test's group (the workers' files) or, for a test in none, the test itself."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    folder = _groups_folder(config)
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:  # xdist's documented extension point
+            if self.groups is None:
+                self.groups = {}
+                for file in folder.glob("*.json"):
+                    self.groups.update(json.loads(file.read_text()))
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
