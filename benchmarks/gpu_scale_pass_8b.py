@@ -55,8 +55,8 @@ from exactga.profiling import (
 )
 from exactga.sft.loss import causal_lm_loss
 
-# tests/grouping.py: windows of hand-collated micro-batches, as the tests make them.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# tools/grouping.py: windows of hand-collated micro-batches, as the tests make them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from grouping import GroupingNormalizer  # noqa: E402
 

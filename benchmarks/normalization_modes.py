@@ -11,7 +11,7 @@ mb).backward()``, then ``window.finish_gradients(model)``, optimizer step, ``zer
 After warm-up the modes run round-robin, one optimizer step each per round (the order rotates
 every round), so slow phases of a shared machine hit all of them alike. Per round the stock
 gradient-scaling pass is also timed on its own (``time_gradient_pass`` of
-``tests/profiling_utils.py``, factor 1, on fresh gradients of the ``exact`` copy, outside every
+``tools/profiling_utils.py``, factor 1, on fresh gradients of the ``exact`` copy, outside every
 step's timer). Reported per (size, ga):
 
 - step ms: median over the measured rounds (window opening through ``zero_grad``);
@@ -74,9 +74,9 @@ from exactga.accumulation.normalization import MicroBatch, NormMode, Window
 from exactga.sft.loss import causal_lm_loss
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TESTS = REPO_ROOT / "tests"
-if str(TESTS) not in sys.path:  # tests/profiling_utils.py: the gradient-pass timer
-    sys.path.insert(0, str(TESTS))
+TOOLS = REPO_ROOT / "tools"
+if str(TOOLS) not in sys.path:  # tools/profiling_utils.py: the gradient-pass timer
+    sys.path.insert(0, str(TOOLS))
 
 from grouping import GroupingNormalizer  # noqa: E402
 from profiling_utils import time_gradient_pass  # noqa: E402

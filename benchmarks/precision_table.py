@@ -1,6 +1,6 @@
 """The precision table of docs/precision.md, measured through the recipes (real ``tune run``).
 
-Every run trains the tiny config with the tests' small model (``tests/recipe_utils.py``) for
+Every run trains the tiny config with the tests' small model (``tools/tiny_runs.py``) for
 ``STEPS`` optimizer steps of 8 shuffled, variable-length sequences of the bundled data, with no
 clipping and no warm-up, and writes a step checkpoint at its end: the trained weights exactly as
 the run holds them (fp32 master weights in fp32, pure bf16 weights in bf16). Distances are the
@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TESTS = REPO_ROOT / "tests"
-if str(TESTS) not in sys.path:  # tests/recipe_utils.py: the launch helpers the tests use
-    sys.path.insert(0, str(TESTS))
+TOOLS = REPO_ROOT / "tools"
+if str(TOOLS) not in sys.path:  # tools/tiny_runs.py: the tests' small model, a plain launch
+    sys.path.insert(0, str(TOOLS))
 
-from recipe_utils import SMALL_MODEL, load_weights, output_of, run_tune  # noqa: E402
+from safetensors.torch import load_file as load_weights  # noqa: E402
+from tiny_runs import SMALL_MODEL, output_of, run_tune  # noqa: E402
 
 from exactga.parity.scoring import relative_l2  # noqa: E402
 

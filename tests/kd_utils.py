@@ -26,6 +26,7 @@ from recipe_utils import (
     rows_with_an_empty_window,
     run_tune,
 )
+from tiny_runs import SMALL_TEACHER
 from torchtune import config
 
 KD_RECIPE = "recipes/knowledge_distillation_single_device.py"
@@ -38,15 +39,6 @@ PEFT_ADAPTERS = "epoch_0/adapter/adapter_model.safetensors"
 ADAPTER_CONFIG = "epoch_0/adapter/adapter_config.json"
 MERGED = "epoch_0/model-00001-of-00001.safetensors"
 BASE = "base_model/model.safetensors"
-
-# The student shrunk as the SFT tests shrink it, and a teacher twice as wide.
-SMALL_TEACHER = {
-    "teacher_model.num_layers": 2,
-    "teacher_model.embed_dim": 128,
-    "teacher_model.num_heads": 4,
-    "teacher_model.num_kv_heads": 2,
-    "teacher_model.intermediate_dim": 256,
-}
 
 PARITY_STEPS = 12
 # Two cases, each trained as 8x1, 1x8 and 2x4 (and 4x1x2, 1x4x2 on two ranks):

@@ -11,13 +11,13 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import zygote
+from tiny_runs import SMALL_MODEL, TUNE, output_of, tune_env  # noqa: F401 - re-exported
 from zygote import tune_command
 
 # The one relative L2 of the project, as the docs define it: ||w - w_ref|| / ||w_ref - w_init||
@@ -27,37 +27,10 @@ from exactga.parity.scoring import relative_l2  # noqa: F401 - re-exported for t
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/full_finetune_single_device.py"
 TINY_CONFIG = "configs/tiny/full_single_device.yaml"
-TUNE = Path(sys.executable).parent / "tune"
 
 # What a full fine-tuning run writes: its initial checkpoint and the trained weights of epoch 0.
 INITIAL = "base_model/model.safetensors"
 TRAINED = "epoch_0/model-00001-of-00001.safetensors"
-
-# The tiny config's architecture shrunk further so a step costs milliseconds on CPU.
-SMALL_MODEL = {
-    "model.num_layers": 2,
-    "model.embed_dim": 64,
-    "model.intermediate_dim": 128,
-    "model.num_heads": 4,
-    "model.num_kv_heads": 2,
-}
-
-
-def tune_env(extra_env: dict[str, str | None] | None = None) -> dict[str, str]:
-    """The environment of a launch: offline, unbuffered, one intra-op thread unless set.
-
-    Tests run launches side by side (``pytest -n 2``); a tiny model gains nothing from more
-    threads, and oversubscribed cores made each launch about twice as slow.
-    """
-    env = dict(os.environ)
-    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for key, value in (extra_env or {}).items():  # None: leave the variable unset
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
 
 
 def run_tune(
@@ -92,11 +65,6 @@ def tiny_args(output_dir: Path | str, **overrides: object) -> list[str]:
     merged["output_dir"] = str(output_dir)
     merged.update({key.replace("__", "."): value for key, value in overrides.items()})
     return [RECIPE, "--config", TINY_CONFIG, *(f"{k}={v}" for k, v in merged.items())]
-
-
-def output_of(proc: subprocess.CompletedProcess) -> str:
-    """Both streams of a launch, for assertions and failure messages."""
-    return f"{proc.stdout}\n{proc.stderr}"
 
 
 def load_weights(path: Path | str) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """torchtune 0.6.1's five stock DPO configs run unchanged on our three DPO recipes.
 
-Each is adapted as tests/stock_configs.py adapts the fine-tuning configs (tiny model of the same
+Each is adapted as tools/stock_configs.py adapts the fine-tuning configs (tiny model of the same
 family, tiny tokenizer, initial checkpoint written on first use, ``device: cpu``, 2 steps), with
 two differences: the data is the shipped preference pairs (``preference_dataset`` over
 configs/tiny/preference_data.json) where stock reads Stack Exchange, and sequences may be 512

@@ -2,7 +2,7 @@
 runs on tiny shapes through ``tune run`` (issue #41: "Every new config passes the stock-config
 sweep on tiny shapes").
 
-Each config is adapted as tests/stock_configs.py adapts torchtune's stock configs: a tiny model
+Each config is adapted as tools/stock_configs.py adapts torchtune's stock configs: a tiny model
 of the same family built with the family's own component builder (``exactga.models.qwen3.qwen3``
 / ``lora_qwen3``, ``exactga.models.qwen3_moe.qwen3_moe`` / ``lora_qwen3_moe``,
 ``exactga.models.gemma3.gemma3`` / ``lora_gemma3``) and every argument the config's sized builder

@@ -1,6 +1,6 @@
 """torchtune 0.6.1's four stock KD configs run unchanged on our two KD recipes.
 
-Each is adapted by tests/stock_configs.py (tiny student and teacher of the same family, the
+Each is adapted by tools/stock_configs.py (tiny student and teacher of the same family, the
 teacher twice as wide, tiny tokenizer, data and initial checkpoints, ``device: cpu``, 2 steps;
 every other key as shipped: bf16, fused AdamW, chunked losses, ``kd_ratio``, scheduler,
 profiler section, DiskLogger). All four adapt in CI; two launch there (one per family, one per

@@ -1,6 +1,6 @@
 """torchtune 0.6.1's six stock QAT configs run unchanged on our two QAT recipes.
 
-Each is adapted by tests/stock_configs.py (tiny model of the same family, width 256 so that
+Each is adapted by tools/stock_configs.py (tiny model of the same family, width 256 so that
 the stock ``quantizer.groupsize: 256`` divides every linear's input width, tiny tokenizer, data
 and initial checkpoint, ``device: cpu``, 2 steps; every other key as shipped: bf16, fused AdamW,
 activation checkpointing, ``custom_sharded_layers``, accumulation, the quantizer). All six

@@ -1,6 +1,6 @@
 """torchtune 0.6.1's stock distributed configs run unchanged on our two distributed recipes.
 
-Each stock config is adapted by tests/stock_configs.py (tiny model of the same family, tiny
+Each stock config is adapted by tools/stock_configs.py (tiny model of the same family, tiny
 tokenizer, data and initial checkpoint, ``device: cpu``, 2 steps; every other key as shipped)
 and launched through the real ``tune run --nproc_per_node 2`` on gloo ranks. All 57 run in
 tools/stock_config_sweep.py; CI launches the 12 below, one per model family, which between them

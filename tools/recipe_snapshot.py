@@ -27,11 +27,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+from tiny_runs import SMALL_MODEL, SMALL_TEACHER  # tools/, next to this script
 
-from kd_utils import SMALL_TEACHER  # noqa: E402
-from recipe_utils import SMALL_MODEL  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DISK_LOGGER = {"metric_logger._component_": "torchtune.training.metric_logging.DiskLogger"}
 # Metrics that measure time or speed, not what was computed.

@@ -1,7 +1,7 @@
 """Run every stock torchtune 0.6.1 config of our two distributed recipes on CPU, tiny assets.
 
 Each of the 57 non-vision configs of ``full_finetune_distributed`` (25) and
-``lora_finetune_distributed`` (32) is adapted by tests/stock_configs.py (tiny model of the same
+``lora_finetune_distributed`` (32) is adapted by tools/stock_configs.py (tiny model of the same
 family, tiny tokenizer, data and initial checkpoint, ``device: cpu``, 2 steps; every other key
 as shipped) and launched through the real ``tune run --nproc_per_node 2`` on gloo ranks, two
 launches at a time. A launch passes when it exits 0, every logged loss is finite and the
@@ -32,12 +32,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tests"))
+import stock_configs  # tools/, next to this script
+from omegaconf import OmegaConf
+from tiny_runs import output_of, run_tune
 
-import stock_configs  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from recipe_utils import output_of, run_tune  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TIMEOUT_S = 600
 

@@ -43,7 +43,7 @@ around training. One idea a module:
 - :mod:`~exactga.profiling.hook`: the hook itself, which calls the pieces above.
 
 The benchmarks' and tests' own helpers (timing the whole gradient pass, reading a report back)
-live in ``tests/profiling_utils.py``.
+live in ``tools/profiling_utils.py``.
 """
 
 import importlib

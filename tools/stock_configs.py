@@ -1,9 +1,9 @@
 """torchtune 0.6.1's stock distributed configs, adapted to run on CPU with tiny local assets.
 
 Shared by tests/test_stock_distributed_configs.py and tools/stock_config_sweep.py; nothing here
-is a test. exactga's own distributed configs (``OUR_CONFIGS``, named by their path from the
-repository root, ``configs/llama3_1/8B_full``) are adapted the same way. An adapted config is
-the shipped YAML with only these sections replaced:
+is a test, nor imports one. exactga's own distributed configs (``OUR_CONFIGS``, named by their
+path from the repository root, ``configs/llama3_1/8B_full``) are adapted the same way. An
+adapted config is the shipped YAML with only these sections replaced:
 
 - ``model``: a tiny model of the same family, built with the family's own component builder
   (``torchtune.models.gemma2.lora_gemma2``, ``torchtune.models.qwen2.qwen2``, ...) and every

@@ -2,8 +2,9 @@
 gradient-scaling pass, reading a run's TensorBoard report back, and what TensorBoard's
 dashboard makes of it (run colours, the y range of a chart).
 
-Neither is needed to train, so neither is in ``src/exactga/profiling``; the benchmarks import
-this module by putting ``tests/`` on their path (as they do for ``recipe_utils``).
+Neither is needed to train, so neither is in ``src/exactga/profiling``. It lies in tools/ so
+that the benchmarks import it (``tools/`` on their path) and the tests too (``pythonpath`` in
+pyproject.toml); it imports no test module.
 """
 
 from __future__ import annotations
