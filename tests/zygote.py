@@ -17,9 +17,16 @@ the stand-in does (SIGKILL included). Each child is what a fresh process would b
 imports: its own session, the stand-in's environment and working directory, ``sys.argv`` and
 ``sys.path[0]`` as ``tune`` (or ``python -u <recipe>``) sets them, signal handlers at Python's
 defaults, the exit path of an interpreter (non-daemon threads joined, ``atexit`` run, streams
-flushed). Fork safety: the server starts no thread of its own and runs no tensor operation; the
-only threads it has are the ones the imports start (numpy's BLAS pool and pyarrow's allocator
-thread, both of which reset themselves at fork).
+flushed).
+
+Note (fork safety): the server forks from a process of one thread, so no lock is held across a
+fork and a child has no thread's half-done work. It starts no thread and runs no tensor
+operation; the imports start none either: numpy's BLAS pool stays unstarted under the launches'
+``OMP_NUM_THREADS=1`` (tests/recipe_utils.py), and pyarrow's jemalloc, whose background thread
+is the only other one they start, is told not to start it (``JE_ARROW_MALLOC_CONF``, in the
+server's environment only: arrow's memory pool is mimalloc either way). ``serve`` checks it
+before it listens; a server with another thread (``OMP_NUM_THREADS=4 pytest ...`` starts
+numpy's pool) ends, saying which, and every launch of that test worker is a real one.
 
 What only a fresh process shows stays a real launch (``recipe_utils.run_tune`` decides): a launch
 whose environment differs from the server's in anything read at import (``HF_DATASETS_CACHE``,
@@ -53,6 +60,7 @@ from pathlib import Path
 
 # Variables a launch may set differently from the server without a real launch: none of them is
 # read when a module is imported (each is read by the run itself, or by nothing in the child).
+# Any other difference makes a real launch, so a variable missing here costs time, never truth.
 # torch sets TORCHINDUCTOR_CACHE_DIR in the test worker once inductor is used there, to the
 # default it reads afresh at each use.
 RUNTIME_VARIABLES = {
@@ -63,6 +71,9 @@ RUNTIME_VARIABLES = {
 REAL_LAUNCH = "EXACTGA_TESTS_REAL_LAUNCH"  # set to 1 in a launch's environment: a real process
 SWITCH = "EXACTGA_TESTS_ZYGOTE"  # set to 0: every launch real
 SOCKET = "EXACTGA_TESTS_ZYGOTE_SOCKET"  # the stand-in's: the server's socket (not passed on)
+# The server's own environment on top of a launch's: no jemalloc background thread (see Note).
+SERVER_ONLY = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}
+UNSAFE_TO_FORK = 3  # the server's exit status when its imports left it more than one thread
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 # The stand-in for ``tune``: stdlib only, so it starts in milliseconds. Written next to the
@@ -112,14 +123,14 @@ def tune_command(
     with _lock:
         if not _server:
             _start(env if base is None else base, tune)
+    if _server["process"].poll() is not None:  # the server ended: launch as before
+        return [str(tune)], env
     base = _server["env"]
     keys = (env.keys() | base.keys()) - RUNTIME_VARIABLES - {"PYTHONPATH"}
     if any(env.get(key) != base.get(key) for key in keys):  # read at import: a real launch
         return [str(tune)], env
     extra = extra_path(env.get("PYTHONPATH"), base.get("PYTHONPATH"))
     if extra is None or not path_is_safe(extra, _server["modules"]):
-        return [str(tune)], env
-    if _server["process"].poll() is not None:  # the server died: launch as before
         return [str(tune)], env
     return [str(_server["client"])], {**env, SOCKET: str(_server["socket"])}
 
@@ -184,7 +195,7 @@ def _start(env: dict[str, str], tune: Path) -> None:
     with open(folder / "server.log", "w") as log:
         process = subprocess.Popen(
             [sys.executable, __file__, str(socket_path), str(os.getpid())],
-            env=env,
+            env={**env, **SERVER_ONLY},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -200,7 +211,12 @@ def _start(env: dict[str, str], tune: Path) -> None:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if process.poll() is not None:
-                    raise RuntimeError("the tests' launch server ended at start-up") from None
+                    log = (folder / "server.log").read_text()[-2000:]
+                    if process.returncode == UNSAFE_TO_FORK:  # every launch real: slower, true
+                        print(f"tests/zygote.py: {log.strip()}; launching afresh", file=sys.stderr)
+                        return
+                    message = f"the tests' launch server ended at start-up:\n{log}"
+                    raise RuntimeError(message) from None
                 threading.Event().wait(0.05)
         # The answer: the modules it imported (what an extra PYTHONPATH entry may not shadow).
         _server["modules"] = json.loads(probe.makefile("rb").readline())
@@ -248,6 +264,10 @@ def serve(socket_path: str, parent: int) -> None:
     # The imports' warnings go to the server's log (filters that modules install as they are
     # imported must stay, so none are silenced here); no launch shows them.
     _preload()
+    threads = [Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    if len(threads) != 1:
+        print(f"the launch server has threads {threads} after its imports", file=sys.stderr)
+        sys.exit(UNSAFE_TO_FORK)
     Server(socket_path).run(parent)
 
 
@@ -490,7 +510,7 @@ def _ranks_from_the_server() -> None:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     real_popen = subprocess_handler.SubprocessHandler._popen
-    socket_path = _socket_path()
+    socket_path = _SOCKET_PATH  # the server's own: this child is a fork of it
 
     def popen(self, args: tuple, env: dict[str, str]):
         argv = [str(a) for a in args]
@@ -499,11 +519,6 @@ def _ranks_from_the_server() -> None:
         return RankProcess(socket_path, argv[2:], env, self._stdout, self._stderr)
 
     subprocess_handler.SubprocessHandler._popen = popen
-
-
-def _socket_path() -> str:
-    # The server's own socket: the child is a fork of it.
-    return _SOCKET_PATH
 
 
 class RankProcess:
