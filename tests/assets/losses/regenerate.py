@@ -43,8 +43,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parents[1]
-if str(TESTS) not in sys.path:  # run as a script: make tests/recipe_utils.py importable
-    sys.path.insert(0, str(TESTS))
+for folder in (TESTS, TESTS.parent / "tools"):  # run as a script: as pytest's sys.path
+    if str(folder) not in sys.path:  # (tests/recipe_utils.py imports tools/tiny_runs.py)
+        sys.path.insert(0, str(folder))
 
 from kd_utils import SMALL_TEACHER  # noqa: E402
 from recipe_utils import SMALL_MODEL, output_of, run_tune  # noqa: E402
