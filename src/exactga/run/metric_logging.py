@@ -69,6 +69,7 @@ report's chart lines, which exist for the CUSTOM SCALARS tab, are in the group
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -104,6 +105,14 @@ OVERVIEW_COPIES = {
 }
 
 
+def _organize_logs(cfg_metric_logger: DictConfig) -> bool:
+    """The section's ``organize_logs``, else the default of torchtune's ``TensorBoardLogger``
+    (read from its signature, not restated here)."""
+    if "organize_logs" in cfg_metric_logger:
+        return bool(cfg_metric_logger.organize_logs)
+    return inspect.signature(TensorBoardLogger).parameters["organize_logs"].default
+
+
 def open_metric_logger(
     cfg_metric_logger: DictConfig, resumed: bool, output_dir: str | None = None
 ) -> Any:
@@ -111,7 +120,7 @@ def open_metric_logger(
     its own, or for a ``resumed`` run the run it resumes, of the launch training into
     ``output_dir`` (see [one TensorBoard run per launch], [resumed TensorBoard run])."""
     if cfg_metric_logger.get("_component_") not in _TENSORBOARD_COMPONENTS or not (
-        cfg_metric_logger.get("organize_logs", True)
+        _organize_logs(cfg_metric_logger)
     ):
         return config.instantiate(cfg_metric_logger)
     kwargs = OmegaConf.to_container(cfg_metric_logger, resolve=True)

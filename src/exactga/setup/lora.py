@@ -32,6 +32,7 @@ GPU to two starts from the same adapters and writes the same files. See [adapter
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -70,6 +71,19 @@ from exactga.setup.model_state import load_model_state, state_dict_name, state_d
 LoadStateDict = Callable[[nn.Module, Mapping[str, Any]], Any]
 
 
+def _builder_argument(cfg_model: DictConfig, name: str) -> Any:
+    """``name`` as the section's builder is called with it: the section's value, else the
+    builder's own default (its signature's, not restated here); None where the builder takes
+    no such argument."""
+    if name in cfg_model:
+        return cfg_model[name]
+    from torchtune.config._utils import _get_component_from_path
+
+    builder = _get_component_from_path(str(cfg_model._component_))
+    parameter = inspect.signature(builder).parameters.get(name)
+    return None if parameter is None else parameter.default
+
+
 @dataclass(frozen=True)
 class LoraSettings:
     """The adapters' shape, as the ``model`` section of a LoRA config gives it."""
@@ -93,7 +107,8 @@ class LoraSettings:
             alpha=cfg_model.lora_alpha,
             attn_modules=tuple(cfg_model.lora_attn_modules),
             apply_to_mlp=cfg_model.apply_lora_to_mlp,
-            apply_to_output=cfg_model.get("apply_lora_to_output", False),
+            # A builder that takes no such argument puts no adapter on the output.
+            apply_to_output=bool(_builder_argument(cfg_model, "apply_lora_to_output")),
         )
 
     def adapter_config(self) -> dict[str, Any]:

@@ -157,9 +157,10 @@ def _hf_config(model_cfg: DictConfig, model: torch.nn.Module, model_type: str) -
         "num_key_value_heads": attn.num_kv_heads,
         "head_dim": attn.head_dim,
         "max_position_embeddings": model_cfg.max_seq_len,
-        # A sized builder takes neither: its family's released values.
-        "rms_norm_eps": arguments.get("norm_eps", 1e-5),
-        "rope_theta": arguments.get("rope_base", 500_000),
+        # As built: a sized builder takes neither argument and passes its family's released
+        # values, which only the model holds (no default restated here).
+        "rms_norm_eps": model.norm.eps,
+        "rope_theta": attn.pos_embeddings.base,
         "tie_word_embeddings": isinstance(model.output, TiedLinear),
         "torch_dtype": "float32",
     }
