@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 import zygote
-from tiny_runs import SMALL_MODEL, TUNE, output_of, tune_env  # noqa: F401 - re-exported
+from tiny_runs import (  # noqa: F401 - re-exported for the tests
+    SMALL_MODEL,
+    TUNE,
+    logged_steps,
+    output_of,
+    tune_env,
+)
 from zygote import tune_command
 
 # The one relative L2 of the project, as the docs define it: ||w - w_ref|| / ||w_ref - w_init||
@@ -205,45 +211,6 @@ def kill_launch(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 # --- what a resumed run trained --------------------------------------------------------------
-
-
-def logged_steps(log_root: Path | str, tag: str = "loss") -> dict[int, float]:
-    """``{step: value}`` of every ``tag`` logged under ``log_root`` (or in that one event file),
-    from TensorBoard events or ``DiskLogger`` text files (``Step 3 | loss:7.61 lr:...``),
-    whichever the run wrote.
-
-    :func:`read_scalars` drops the steps; a resumed run logging into a folder of its own shows
-    here which steps it trained, which is what tells resuming from retraining from step 0.
-    """
-    root = Path(log_root)
-    events: list[tuple[int, float]] = []
-    # A folder, or one launch's event file.
-    event_files = [root] if root.is_file() else sorted(root.rglob("events.out.tfevents.*"))
-    for log_file in sorted(root.rglob("log_*.txt")) if root.is_dir() else []:
-        for line in log_file.read_text().splitlines():
-            step, _, metrics = line.removeprefix("Step ").partition(" | ")
-            for item in metrics.split():
-                key, _, value = item.partition(":")
-                if key == tag:
-                    events.append((int(step), float(value)))
-    if event_files:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-        from tensorboard.util.tensor_util import make_ndarray
-
-    for event_file in event_files:
-        ea = EventAccumulator(str(event_file), size_guidance={"tensors": 0, "scalars": 0})
-        ea.Reload()
-        tags = ea.Tags()
-        if tag in tags.get("tensors", []):
-            events += [
-                (e.step, float(make_ndarray(e.tensor_proto).reshape(-1)[0]))
-                for e in ea.Tensors(tag)
-            ]
-        if tag in tags.get("scalars", []):
-            events += [(e.step, float(e.value)) for e in ea.Scalars(tag)]
-    steps = [step for step, _ in events]
-    assert len(set(steps)) == len(steps), f"a step logged twice under {root}: {sorted(steps)}"
-    return dict(sorted(events))
 
 
 def latest_step_checkpoint(output_dir: Path | str) -> int:

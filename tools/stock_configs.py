@@ -354,7 +354,7 @@ def launch_args(
 def logged_losses(output_dir: Path | str) -> list[float]:
     """The ``loss`` of every logged step under ``logs``, in step order: from the stock
     ``DiskLogger`` files, or from the TensorBoard events our configs' logger writes."""
-    from recipe_utils import logged_steps
+    from tiny_runs import logged_steps
 
     logs = Path(output_dir) / "logs"
     return list(logged_steps(logs).values()) if logs.is_dir() else []

@@ -1,6 +1,7 @@
-"""What the tests, the benchmarks and the tools share to launch a tiny run: the small-model
-overrides and a plain ``tune run`` launch (a fresh process; the tests launch through their own
-faster launcher, tests/recipe_utils.py, which takes its environment from here).
+"""What the tests, the benchmarks and the tools share to launch a tiny run and read it: the
+small-model overrides, a plain ``tune run`` launch (a fresh process; the tests launch through
+their own faster launcher, tests/recipe_utils.py, which takes its environment from here) and
+the values a run logged, per step.
 
 Nothing here imports a test module: tests import this file (``pythonpath = ["tools"]`` in
 pyproject.toml), never the other way round.
@@ -72,3 +73,42 @@ def run_tune(
 def output_of(proc: subprocess.CompletedProcess) -> str:
     """Both streams of a launch, for assertions and failure messages."""
     return f"{proc.stdout}\n{proc.stderr}"
+
+
+def logged_steps(log_root: Path | str, tag: str = "loss") -> dict[int, float]:
+    """``{step: value}`` of every ``tag`` logged under ``log_root`` (or in that one event file),
+    from TensorBoard events or ``DiskLogger`` text files (``Step 3 | loss:7.61 lr:...``),
+    whichever the run wrote.
+
+    :func:`read_scalars` drops the steps; a resumed run logging into a folder of its own shows
+    here which steps it trained, which is what tells resuming from retraining from step 0.
+    """
+    root = Path(log_root)
+    events: list[tuple[int, float]] = []
+    # A folder, or one launch's event file.
+    event_files = [root] if root.is_file() else sorted(root.rglob("events.out.tfevents.*"))
+    for log_file in sorted(root.rglob("log_*.txt")) if root.is_dir() else []:
+        for line in log_file.read_text().splitlines():
+            step, _, metrics = line.removeprefix("Step ").partition(" | ")
+            for item in metrics.split():
+                key, _, value = item.partition(":")
+                if key == tag:
+                    events.append((int(step), float(value)))
+    if event_files:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from tensorboard.util.tensor_util import make_ndarray
+
+    for event_file in event_files:
+        ea = EventAccumulator(str(event_file), size_guidance={"tensors": 0, "scalars": 0})
+        ea.Reload()
+        tags = ea.Tags()
+        if tag in tags.get("tensors", []):
+            events += [
+                (e.step, float(make_ndarray(e.tensor_proto).reshape(-1)[0]))
+                for e in ea.Tensors(tag)
+            ]
+        if tag in tags.get("scalars", []):
+            events += [(e.step, float(e.value)) for e in ea.Scalars(tag)]
+    steps = [step for step, _ in events]
+    assert len(set(steps)) == len(steps), f"a step logged twice under {root}: {sorted(steps)}"
+    return dict(sorted(events))
