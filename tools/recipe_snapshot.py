@@ -54,6 +54,17 @@ RUNS = {
     "lora_dpo_distributed": ("lora_dpo_distributed", 2, {"max_steps_per_epoch": 6}),
     "full_dpo_distributed": ("full_dpo_distributed", 2, {"max_steps_per_epoch": 6}),
     "grpo_distributed": ("grpo_full_finetune_distributed", 2, {"num_steps": 4}),
+    # A group size that divides the small model's widths (64, 128).
+    "qat_distributed": (
+        "qat_distributed",
+        2,
+        {"max_steps_per_epoch": 6, "quantizer.groupsize": 32},
+    ),
+    "qat_lora_distributed": (
+        "qat_lora_finetune_distributed",
+        2,
+        {"max_steps_per_epoch": 6, "quantizer.groupsize": 32},
+    ),
     # Its tiny models are small already, and it names them policy_model and
     # reward_and_value_model: no SMALL_MODEL.
     "ppo_single_device": ("ppo_full_finetune_single_device", 1, {"num_steps": 16}),
