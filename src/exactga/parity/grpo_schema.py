@@ -113,7 +113,7 @@ class GrpoParityConfig(TrainingRunConfig, RolloutKeys):
         config's own ``loss`` (name None) where ``parity.losses`` is null; a loss listed twice
         is named with its place in the list."""
         if cfg.parity.losses is None:
-            return [(None, cfg.get("loss"))]
+            return [(None, cfg.loss)]
         names = [loss_short_name(loss) for loss in cfg.parity.losses]
         return [
             (name if names.count(name) == 1 else f"{name}{index}", loss)

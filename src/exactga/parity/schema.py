@@ -103,7 +103,7 @@ class GaParityConfig(TrainingRunConfig, DpoLossKeys):
         if cfg.optimizer_in_bwd:
             raise ValueError("config key 'optimizer_in_bwd' must be False for the parity report.")
         dataset_sections = cfg.dataset if OmegaConf.is_list(cfg.dataset) else [cfg.dataset]
-        if any(section.get("packed", False) for section in dataset_sections):
+        if any(section.get("packed") for section in dataset_sections):
             raise ValueError("config key 'dataset.packed' is not supported by the parity report.")
         cls._check_micro_batching(cfg)  # and the modes (modes_for)
         cls._check_distillation(cfg)

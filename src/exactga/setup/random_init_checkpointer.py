@@ -159,7 +159,7 @@ def _hf_config(model_cfg: DictConfig, model: torch.nn.Module, model_type: str) -
         "max_position_embeddings": model_cfg.max_seq_len,
         # As built: a sized builder takes neither argument and passes its family's released
         # values, which only the model holds (no default restated here).
-        "rms_norm_eps": model.norm.eps,
+        "rms_norm_eps": _final_norm_eps(model),
         "rope_theta": attn.pos_embeddings.base,
         "tie_word_embeddings": isinstance(model.output, TiedLinear),
         "torch_dtype": "float32",
@@ -173,6 +173,15 @@ def _hf_config(model_cfg: DictConfig, model: torch.nn.Module, model_type: str) -
             "original_max_position_embeddings": 8192,
         }
     return config
+
+
+def _final_norm_eps(model: torch.nn.Module) -> float:
+    """The final norm's epsilon, as built: the norm itself, or the norm inside a wrapper of it
+    (Gemma 2's final norm wraps its RMSNorm with the logits' soft-capping)."""
+    for module in model.norm.modules():
+        if hasattr(module, "eps"):
+            return float(module.eps)
+    raise ValueError(f"the final norm {type(model.norm).__name__} holds no epsilon to record")
 
 
 def _tune_to_hf(
