@@ -215,6 +215,24 @@ def test_the_agent_waits_longer_for_its_ranks_only_after_a_stop_signal_of_its_ow
     assert waited == [30, cli.SHUTDOWN_TIMEOUT_S]
 
 
+def test_the_agent_closes_the_other_ranks_when_one_ends_during_its_clean_up():
+    """torch polls a rank, then signals its process group: a rank that ended in between made
+    the agent die of ProcessLookupError before it printed the failing rank's message."""
+    import signal
+
+    class Agent:  # the shape of torch's LocalElasticAgent
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+            calls.append(timeout)
+            if len(calls) == 1:
+                raise ProcessLookupError(3, "No such process")
+
+    calls: list[int] = []
+    processes = SimpleNamespace(_terminate_process_handler=lambda signum, frame: None)
+    cli.grace_after_a_stop_signal(processes, Agent)
+    Agent()._shutdown(timeout=30)
+    assert calls == [30, 30]  # tried again, and the second clean-up ended normally
+
+
 def test_the_agent_marks_a_stop_signal_of_its_own_before_passing_it_on(tmp_path, monkeypatch):
     import signal
 

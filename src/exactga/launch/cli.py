@@ -500,6 +500,9 @@ def mark_a_stop_signal(processes: Any) -> None:
     processes._exactga_marks_stops = True
 
 
+_SHUTDOWN_TRIES = 3  # torch's clean-up of the ranks, tried again after a rank ended mid-way
+
+
 def grace_after_a_stop_signal(processes: Any, agent_class: Any) -> None:
     """Make torchrun's agent wait :data:`SHUTDOWN_TIMEOUT_S` for its ranks once it got SIGINT
     or SIGTERM itself (see [torchrun and a stop]): ``processes`` is torch's
@@ -518,6 +521,14 @@ def grace_after_a_stop_signal(processes: Any, agent_class: Any) -> None:
     def shutdown_with_grace(self: Any, death_sig: Any = signal.SIGTERM, timeout: int = 30) -> None:
         if any(signum in STOP_SIGNALS for signum in received):
             timeout = max(timeout, SHUTDOWN_TIMEOUT_S)
+        for _ in range(_SHUTDOWN_TRIES - 1):
+            try:
+                return shutdown(self, death_sig, timeout)
+            except ProcessLookupError:
+                # A rank ended between torch's poll and its killpg; without this the agent dies
+                # here and the failing rank's one-line message is never printed. Again: the
+                # ended rank is polled as done now, and the others are closed.
+                continue
         shutdown(self, death_sig, timeout)
 
     shutdown_with_grace._exactga_grace = True  # type: ignore[attr-defined]
