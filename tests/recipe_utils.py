@@ -220,3 +220,19 @@ def latest_step_checkpoint(output_dir: Path | str) -> int:
     root = Path(output_dir) / "step_checkpoints"
     steps = [int(p.name.split("_")[1]) for p in root.glob("step_*")] if root.is_dir() else []
     return max(steps, default=0)
+
+
+# A tiny Qwen3 MoE (the router-term tests: test_ga_parity_router, test_editing_recipes).
+TINY_QWEN3_MOE = {
+    "_component_": "exactga.models.qwen3_moe.qwen3_moe",
+    "vocab_size": 2048,  # the tiny tokenizer's 2000 pieces, rounded up
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 64,
+    "head_dim": 16,
+    "moe_intermediate_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_seq_len": 512,
+}

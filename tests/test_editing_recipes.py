@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from recipe_utils import (
     INITIAL,
     SMALL_MODEL,
+    TINY_QWEN3_MOE,
     TRAINED,
     load_weights,
     output_of,
@@ -106,20 +107,6 @@ class Family:
 
 
 TWO_BY_FOUR = {"batch_size": 2, "gradient_accumulation_steps": 4}
-# The tests' tiny Qwen3 MoE (tests/test_ga_parity_router.py), seeded in its family's layout.
-TINY_QWEN3_MOE = {
-    "_component_": "exactga.models.qwen3_moe.qwen3_moe",
-    "vocab_size": 2048,
-    "num_layers": 2,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "embed_dim": 64,
-    "head_dim": 16,
-    "moe_intermediate_dim": 32,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "max_seq_len": 512,
-}
 FAMILIES = {
     "sft": Family(
         "exactga/full_finetune_single_device",

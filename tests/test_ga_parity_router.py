@@ -11,26 +11,13 @@ from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
-from recipe_utils import REPO_ROOT
+from recipe_utils import REPO_ROOT, TINY_QWEN3_MOE
 
 from exactga.launch import registry
 from exactga.parity.schema import GaParityConfig
 from exactga.parity.scoring import ROUTER_TERM_OFF
 from exactga.run.resume import validate_run_config
 
-TINY_QWEN3_MOE = {
-    "_component_": "exactga.models.qwen3_moe.qwen3_moe",
-    "vocab_size": 2048,  # the tiny tokenizer's 2000 pieces, rounded up
-    "num_layers": 2,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "embed_dim": 64,
-    "head_dim": 16,
-    "moe_intermediate_dim": 32,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "max_seq_len": 512,
-}
 # Measured (4 steps, coef 0.01, micro_batch): with the term the exact splits land 2.6e-2 (2x4)
 # and 6.3e-2 (1x8) from the full batch, without it 9.7e-6 and 6.1e-6 from theirs; the bounds are
 # about 2x above the latter and 10x below the former.
