@@ -188,6 +188,7 @@ def _read_log(folder: Path, rank: int) -> str:
 
 
 def _main() -> None:
+    gc.freeze()  # the imports' objects, never garbage, left out of each run's collections
     plan = json.loads(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
     rank = int(os.environ.get("RANK", "0"))
     agent_store = _agent_store()

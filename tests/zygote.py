@@ -17,7 +17,8 @@ the stand-in does (SIGKILL included). Each child is what a fresh process would b
 imports: its own session, the stand-in's environment and working directory, ``sys.argv`` and
 ``sys.path[0]`` as ``tune`` (or ``python -u <recipe>``) sets them, signal handlers at Python's
 defaults, the exit path of an interpreter (non-daemon threads joined, ``atexit`` run, streams
-flushed).
+flushed). One difference, on purpose: the imports' objects are frozen (``gc.freeze``), so the
+child's garbage collections skip them: each frees the same garbage at a fraction of the cost.
 
 Note (fork safety): the server forks from a process of one thread, so no lock is held across a
 fork and a child has no thread's half-done work. It starts no thread and runs no tensor
@@ -45,6 +46,7 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
+import gc
 import json
 import os
 import selectors
@@ -268,6 +270,9 @@ def serve(socket_path: str, parent: int) -> None:
     if len(threads) != 1:
         print(f"the launch server has threads {threads} after its imports", file=sys.stderr)
         sys.exit(UNSAFE_TO_FORK)
+    # The imports' 400,000 objects the collector tracks are never garbage: frozen, a launch's
+    # full collections (gc.collect calls and the automatic ones) skip them, 0.27 s of CPU each.
+    gc.freeze()
     Server(socket_path).run(parent)
 
 
