@@ -14,6 +14,7 @@ to the tests that name them.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -139,6 +140,13 @@ def _groups_folder(config: pytest.Config) -> Path:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if hasattr(config, "exactga_groups"):
         shutil.rmtree(config.exactga_groups, ignore_errors=True)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection imported (torch, torchtune, the tests' modules: about 400,000
+    objects the collector tracks, never garbage), so the tests' garbage collections skip it:
+    in-process tests spent 5.7 of 73 s collecting, 1.8 s frozen."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
