@@ -100,14 +100,17 @@ def test_mean_of_batch_means_and_the_pre_shift_count_miss_it() -> None:
     pre_shift = figure.loss * figure.num_tokens / pre_shift_count
     ours = _relative(figure.loss, reference)
     by_means, by_count = _relative(mean_of_means, reference), _relative(pre_shift, reference)
-    print(f"relative to the reference: ours {ours:.1e}, mean of batch means {by_means:.1e}, ")
-    print(f"pre-shift count {by_count:.1e} ({pre_shift_count} tokens, not {figure.num_tokens})")
+    print(
+        f"relative to the reference: ours {ours:.1e}, mean of batch means {by_means:.1e}, "
+        f"pre-shift count {by_count:.1e} ({pre_shift_count} tokens, not {figure.num_tokens})"
+    )
     assert by_means > 1000 * EXACT_TOL and by_count > 1000 * EXACT_TOL
     assert ours <= EXACT_TOL
 
 
-def _two_rank_worker(rank: int, batch_size: int) -> dict:
-    """This rank's share of the rows, on a tiny model sharded with FSDP2 over both ranks."""
+def _two_rank_worker(rank: int) -> list[dict]:
+    """This rank's share of the rows at ``batch_size_val`` 1 and 3, on a tiny model sharded with
+    FSDP2 over both ranks (one launch of the ranks for both sizes)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -118,26 +121,35 @@ def _two_rank_worker(rank: int, batch_size: int) -> dict:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    validation_set = _validation_set(_rows(), batch_size, num_replicas=2, rank=rank)
-    figure = validation_loss(model, loss_fn, validation_set, device=CPU, dp_group=dist.group.WORLD)
-    return {
-        "loss": figure.loss,
-        "num_tokens": figure.num_tokens,
-        "own_samples": len(validation_set.indices),
-        "batches": validation_set.num_batches,
-    }
+    results = []
+    for batch_size in (1, 3):
+        validation_set = _validation_set(_rows(), batch_size, num_replicas=2, rank=rank)
+        figure = validation_loss(
+            model, loss_fn, validation_set, device=CPU, dp_group=dist.group.WORLD
+        )
+        results.append(
+            {
+                "batch_size": batch_size,
+                "loss": figure.loss,
+                "num_tokens": figure.num_tokens,
+                "own_samples": len(validation_set.indices),
+            }
+        )
+    return results
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_two_ranks_give_the_full_set_loss(two_ranks, batch_size: int) -> None:
+def test_two_ranks_give_the_full_set_loss(two_ranks) -> None:
     rows = _rows()
     reference = _reference(rows)
-    results = two_ranks(_two_rank_worker, batch_size)
-    assert [r["own_samples"] for r in results] == [8, 7]  # rank 1 runs a filler at batch 1
-    for result in results:
-        print(f"2 ranks, bs {batch_size}: ours {result['loss']!r} reference {reference!r}")
-        assert _relative(result["loss"], reference) <= EXACT_TOL
-        assert result["num_tokens"] == results[0]["num_tokens"]
+    by_rank = two_ranks(_two_rank_worker)
+    for rank, results in enumerate(by_rank):
+        for result in results:
+            # Rank 1 holds 7 samples to rank 0's 8: at batch size 1 it runs one filler.
+            assert result["own_samples"] == [8, 7][rank]
+            print(f"2 ranks, rank {rank}, bs {result['batch_size']}: ours {result['loss']!r}")
+            assert _relative(result["loss"], reference) <= EXACT_TOL
+            assert result["num_tokens"] == by_rank[0][0]["num_tokens"]
+    print(f"reference {reference!r}")
 
 
 def test_max_val_batches_reads_the_first_rows() -> None:
