@@ -143,8 +143,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         loss = self._loss_step(batch)  # forward and mean loss: edit here
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
-                    report = steps.end_step(window, outcome)  # counters, logs, checkpoints
-                    self._validate_if_due(report.step)  # every run_val_every_n_steps steps
+                    steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                    self._validate_if_due(steps.progress.global_step)  # run_val_every_n_steps
                 self._validate_if_due(steps.progress.global_step, epoch_end=True)
                 steps.end_epoch(curr_epoch)
 
