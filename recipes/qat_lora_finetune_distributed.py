@@ -36,6 +36,7 @@ from exactga.setup.lora import LoraSettings
 from exactga.setup.model import build_loss
 from exactga.setup.run_start import RunStart, Runtime, validated_config
 from exactga.sft.loss import causal_lm_loss
+from exactga.sft.validation import validation_from_settings, validation_loss
 
 log = utils.get_logger("INFO")
 
@@ -77,6 +78,11 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
           (``skip``) or stops the run with a checkpoint (``stop``).
         - Rank-0-only metric logging and progress bar; ``loss`` is the exact window loss over
           all ranks.
+        - Validation during training (``dataset_val``, ``run_val_every_n_steps``,
+          ``batch_size_val``, ``max_val_batches``): the loss of the whole validation set as one
+          batch over every rank, the same whatever its batch size or the number of ranks,
+          logged as ``val/loss`` and ``val/perplexity`` every n steps and at each epoch's end
+          (docs/validation.md).
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -113,6 +119,15 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         dataloader = start.dataloader(
             dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
         )
+        # Validation during training (dataset_val; none without it): docs/validation.md.
+        self._validation = validation_from_settings(
+            cfg,
+            tokenizer=self._tokenizer,
+            loss_fn=self._loss_fn,
+            model=self._model,
+            runtime=self._runtime,
+            metric_logger=start.metric_logger,
+        )
         # Checkpoints (adapters, and merged weights), scheduler, profiler, logs: set up last.
         self._run = start.training_run(
             self._model, self._optimizer, dataloader, normalizer, lora=self._lora
@@ -133,7 +148,24 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                    self._validate_if_due(steps.progress.global_step)  # run_val_every_n_steps
+                self._validate_if_due(steps.progress.global_step, epoch_end=True)
                 steps.end_epoch(curr_epoch)
+
+    def _validate_if_due(self, step: int, *, epoch_end: bool = False) -> None:
+        """The validation set's loss as one batch over every rank, when due; nothing without
+        dataset_val. See [validation loss as one batch] in exactga.sft.validation."""
+        if self._validation is None or not self._validation.due(step, epoch_end=epoch_end):
+            return
+        figure = validation_loss(
+            self._model,
+            self._loss_fn,
+            self._validation.validation_set,
+            device=self._runtime.device,
+            precision=self._runtime.precision,
+            dp_group=self._runtime.dp_group,
+        )
+        self._validation.log(figure, step)  # val/loss, val/perplexity and a console line
 
     def cleanup(self) -> None:
         self._run.close()  # the metric logger and the process group

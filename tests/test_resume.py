@@ -69,11 +69,21 @@ RESUMABLE = {
 }
 
 TENSORBOARD = "torchtune.training.metric_logging.TensorBoardLogger"
+# Validation during training (docs/validation.md) in the LoRA scenario: after steps 4 and 8,
+# and at each epoch's end (6, 12), on the training rows' first 6 (2 batches of 3). A resumed run
+# validates the steps after its checkpoint, with the uninterrupted run's figures.
+VALIDATED = {
+    "dataset_val": "${dataset}",
+    "run_val_every_n_steps": 4,
+    "batch_size_val": 3,
+    "max_val_batches": 2,
+}
+VALIDATED_STEPS = [4, 6, 8, 12]
 SCENARIOS = {
     # TensorBoard: the resumed launch goes on in the killed one's run folder (see
     # [resumed TensorBoard run] in exactga.run.metric_logging).
     "full": ([RECIPE, "--config", TINY_CONFIG], {"metric_logger._component_": TENSORBOARD}),
-    "lora": ([LORA_RECIPE, "--config", LORA_TINY_CONFIG], {}),
+    "lora": ([LORA_RECIPE, "--config", LORA_TINY_CONFIG], VALIDATED),
     # fp32 master weights under bf16 (docs/precision.md): the step checkpoints hold the fp32
     # weights and optimizer state, so the resumed run ends bit for bit where this one ends.
     "full_bf16_master": (
@@ -355,6 +365,20 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(resumed, uninterrupted,
     else:
         log_dir = folder / "resumed_logs"
     _check_trained_only_the_rest(log_dir, uninterrupted(scenario), checkpoint)
+    if "dataset_val" in SCENARIOS[scenario][1]:
+        _check_validated_the_rest(log_dir, uninterrupted(scenario), checkpoint)
+
+
+def _check_validated_the_rest(log_dir: Path, reference: Path, after_step: int) -> None:
+    """The uninterrupted run validated at ``VALIDATED_STEPS``, and the resumed one at those after
+    ``after_step``, each with the uninterrupted run's figure."""
+    resumed = logged_steps(log_dir, tag="val/loss")
+    uninterrupted = logged_steps(reference / "logs", tag="val/loss")
+    print(f"validation: uninterrupted {uninterrupted}, resumed after {after_step} {resumed}")
+    assert list(uninterrupted) == VALIDATED_STEPS
+    assert list(resumed) == [step for step in VALIDATED_STEPS if step > after_step]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-6), step
 
 
 def test_truncated_latest_checkpoint_falls_back_to_the_previous(resumed, uninterrupted):

@@ -5,6 +5,7 @@ the scheduler, logger, profiler and checkpoint writers, and an injected clock.""
 from __future__ import annotations
 
 import io
+import logging
 import re
 import sys
 from pathlib import Path
@@ -182,6 +183,28 @@ def test_a_line_printed_in_the_loop_lands_on_its_own_line_not_on_the_bar(monkeyp
     pieces = re.split(r"[\r\n]", terminal.getvalue())
     assert "epoch 1" in terminal.getvalue()  # the bar was drawn
     assert [p for p in pieces if "my step" in p] == ["my step 1", "my step 2"]
+
+
+def test_a_line_logged_in_the_loop_is_written_once(monkeypatch) -> None:
+    """torchtune's logger has a console handler and the root logger none: a line logged by the
+    recipe's ``log`` (or exactga's validation line) is written once above the bar, not once more
+    by a handler given to the root logger."""
+    from torchtune import utils
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    log = utils.get_logger("INFO")
+    # As in a launch (under pytest the root logger has pytest's handlers instead).
+    monkeypatch.setattr(log, "handlers", [logging.StreamHandler(terminal)])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    book, _ = _book(Recorder(), show_progress=True)
+    for window in book.windows(0):
+        report = book.end_step(window, StepOutcome(skipped=False))
+        log.info(f"logged at step {report.step}")
+    book.end_epoch(0)
+    lines = [p for p in re.split(r"[\r\n]", terminal.getvalue()) if "logged at step" in p]
+    assert lines == ["logged at step 1", "logged at step 2"]
 
 
 class CountedReads:

@@ -48,6 +48,7 @@ _SUPPLIED: dict[str, tuple[int, tuple[str, ...]]] = {
     "optimizer": (1, ()),  # the parameters
     "lr_scheduler": (1, ("num_training_steps", "last_epoch")),  # the optimizer first
     "dataset": (1, ()),  # the tokenizer
+    "dataset_val": (1, ()),
     "tokenizer": (0, ()),
     "loss": (0, ()),
     "kd_loss": (0, ()),

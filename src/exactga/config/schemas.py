@@ -273,7 +273,45 @@ def check_lora_model(cfg_model: DictConfig) -> None:
 
 
 @dataclass
-class FullFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
+class ValidationKeys:
+    """The keys of validation during training (docs/validation.md; exactga.sft.validation):
+    torchtune main's three, and a bound on the cost. Without ``dataset_val`` none runs."""
+
+    # Any dataset builder the recipe trains on (or a list of them); null: no validation.
+    dataset_val: Any = None
+    # Validate after every n-th optimizer step; at each epoch's end in any case.
+    run_val_every_n_steps: Optional[int] = None
+    batch_size_val: Optional[int] = None  # null: batch_size; the figure does not depend on it
+    # Only the first max_val_batches x batch_size_val samples of the set; null: all of them.
+    max_val_batches: Optional[int] = None
+
+    # The families whose recipes validate; the others refuse ``dataset_val`` (their figures,
+    # rewards and margins over held-out pairs or prompts, are yet to come: docs/validation.md).
+    VALIDATION_RECIPES: ClassVar[bool] = True
+
+    @classmethod
+    def check_validation(cls, cfg: DictConfig) -> None:
+        """``dataset_val`` where the recipe validates; the other keys only with it."""
+        if cfg.dataset_val is None:
+            given = [key for key in _VALIDATION_OPTIONS if cfg[key] is not None]
+            if given:
+                raise ValueError(
+                    f"config key '{given[0]}' needs dataset_val (the validation set); set "
+                    f"dataset_val or remove {', '.join(given)}."
+                )
+            return
+        if not cls.VALIDATION_RECIPES:
+            raise ValueError(
+                "config key 'dataset_val': this recipe does not validate yet (the supervised "
+                "fine-tuning recipes do; docs/validation.md); remove dataset_val."
+            )
+
+
+_VALIDATION_OPTIONS = ("run_val_every_n_steps", "batch_size_val", "max_val_batches")
+
+
+@dataclass
+class FullFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig, ValidationKeys):
     """``full_finetune_single_device``."""
 
     optimizer_in_bwd: bool = False
@@ -281,6 +319,7 @@ class FullFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
+        cls.check_validation(cfg)
         if not cfg.optimizer_in_bwd:
             return
         if cfg.gradient_accumulation_steps > 1:
@@ -301,7 +340,7 @@ class FullFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
 
 
 @dataclass
-class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
+class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig, ValidationKeys):
     """``lora_finetune_single_device``. ``model`` must be a LoRA/QLoRA builder: the recipe also
     reads its lora_rank, lora_alpha, lora_attn_modules, apply_lora_to_mlp and
     apply_lora_to_output. No ``optimizer_in_bwd``: stock's LoRA recipe does not read it."""
@@ -316,6 +355,7 @@ class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig):
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
         check_lora_model(cfg.model)
+        cls.check_validation(cfg)
 
 
 @dataclass

@@ -221,6 +221,9 @@ def _check_minimums(cfg: DictConfig) -> None:
         "save_every_n_steps",
         "micro_batch_tokens",
         "pad_to_multiple_of",
+        "run_val_every_n_steps",
+        "batch_size_val",
+        "max_val_batches",
     ):
         steps = cfg.get(key)
         if steps is not None and steps < 1:
@@ -294,9 +297,20 @@ def check_input_files(cfg: DictConfig) -> None:
     tokenizer = cfg.get("tokenizer")
     if tokenizer is not None and tokenizer.get("path"):
         _check_file("tokenizer.path", tokenizer.path)
-    sections = cfg.dataset if OmegaConf.is_list(cfg.dataset) else [cfg.dataset]
+    for name in ("dataset", "dataset_val"):  # the training set, and a validation set
+        if cfg.get(name) is not None:
+            _check_dataset_files(name, cfg[name])
+    if cfg.get("checkpointer") is not None:
+        _check_checkpointer_files(
+            cfg.checkpointer, resuming=cfg.get("resume_from_checkpoint") is True
+        )
+
+
+def _check_dataset_files(name: str, cfg_dataset: Any) -> None:
+    """The local data files of the dataset section ``name`` (or of each section of a list)."""
+    sections = cfg_dataset if OmegaConf.is_list(cfg_dataset) else [cfg_dataset]
     for index, section in enumerate(sections):
-        key = "dataset" if not OmegaConf.is_list(cfg.dataset) else f"dataset[{index}]"
+        key = name if not OmegaConf.is_list(cfg_dataset) else f"{name}[{index}]"
         if section.get("source") not in _LOCAL_SOURCES or not section.get("data_files"):
             continue
         files = section.data_files
@@ -305,10 +319,6 @@ def check_input_files(cfg: DictConfig) -> None:
         for path in _as_list(files):
             if not any(char in str(path) for char in "*?["):  # a glob: datasets expands it
                 _check_file(f"{key}.data_files", path)
-    if cfg.get("checkpointer") is not None:
-        _check_checkpointer_files(
-            cfg.checkpointer, resuming=cfg.get("resume_from_checkpoint") is True
-        )
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -105,21 +105,25 @@ _COLUMNS: dict[type, dict[str, tuple[type, bool]]] = {
 # resumed run hands the loader's saved position back here.
 
 
-def load_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any, vocab_size: int) -> Dataset:
-    """The configured dataset (a list of sections is concatenated), with its rows checked.
+def load_dataset(
+    cfg_dataset: DictConfig | ListConfig, tokenizer: Any, vocab_size: int, key: str = "dataset"
+) -> Dataset:
+    """The configured dataset (a list of sections is concatenated), with its rows checked;
+    messages name it as the config ``key`` (``dataset_val`` for a validation set).
 
     See [data order], [data file faults] in exactga.data.files and [checked rows].
     """
     if isinstance(cfg_dataset, ListConfig):
         dataset: Dataset = ConcatDataset(
             datasets=[
-                _build_section(section, tokenizer, f"dataset[{index}]")
+                _build_section(section, tokenizer, f"{key}[{index}]")
                 for index, section in enumerate(cfg_dataset)
             ]
         )
     else:
-        dataset = _build_section(cfg_dataset, tokenizer, "dataset")
-    return checked_dataset(dataset, vocab_size=vocab_size, source=dataset_source(cfg_dataset))
+        dataset = _build_section(cfg_dataset, tokenizer, key)
+    source = dataset_source(cfg_dataset, key)
+    return checked_dataset(dataset, vocab_size=vocab_size, source=source)
 
 
 def _build_section(section: DictConfig, tokenizer: Any, key: str) -> Dataset:
@@ -357,7 +361,7 @@ def checked_dataset(dataset: Dataset, vocab_size: int, source: str) -> Dataset:
     return CheckedDataset(dataset, vocab_size, source)
 
 
-def dataset_source(cfg_dataset: Any) -> str:
+def dataset_source(cfg_dataset: Any, key: str = "dataset") -> str:
     """How the user configured the dataset, for messages: its source and files, or builder."""
     sections = list(cfg_dataset) if OmegaConf.is_list(cfg_dataset) else [cfg_dataset]
     described = []
@@ -365,7 +369,7 @@ def dataset_source(cfg_dataset: Any) -> str:
         where = section.get("data_files") or section.get("source") or section.get("_component_")
         kind = section.get("source") or section.get("_component_")
         described.append(f"{kind}: {where}" if where != kind else str(kind))
-    return f"dataset ({'; '.join(described)})"
+    return f"{key} ({'; '.join(described)})"
 
 
 def model_vocab_size(model: torch.nn.Module) -> int:

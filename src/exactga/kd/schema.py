@@ -30,6 +30,7 @@ class KnowledgeDistillationSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, Di
     """``knowledge_distillation_single_device``: the LoRA student's keys plus the teacher's."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+    VALIDATION_RECIPES: ClassVar[bool] = False  # no dataset_val yet: see the base schema
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -42,6 +43,7 @@ class KnowledgeDistillationDistributedConfig(LoraFinetuneDistributedConfig, Dist
     """``knowledge_distillation_distributed``: the distributed LoRA keys plus the teacher's."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+    VALIDATION_RECIPES: ClassVar[bool] = False  # no dataset_val yet: see the base schema
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:

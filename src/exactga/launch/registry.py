@@ -178,8 +178,10 @@ RECIPES = (
 # from the schemas and torchtune's recipes and configs and checks it is this one.
 EXACTGA_ONLY_KEYS = frozenset(
     {
+        "batch_size_val",
         "cpu_threads",
         "cudnn_attention",
+        "dataset_val",
         "drop_partial_window",
         "dynamic_sampling",
         "gradient_sync",
@@ -189,6 +191,7 @@ EXACTGA_ONLY_KEYS = frozenset(
         "loss_normalization",
         "master_weights",
         "max_sampling_rounds",
+        "max_val_batches",
         "micro_batch_tokens",
         "micro_batching",
         "nonfinite_loss",
@@ -202,6 +205,7 @@ EXACTGA_ONLY_KEYS = frozenset(
         "router_aux_loss_coef",
         "router_balance",
         "rpo_alpha",
+        "run_val_every_n_steps",
         "save_every_n_steps",
         "saved_latency_every_n_steps",
         "sequence_log_prob",

@@ -414,13 +414,24 @@ class StepBook:
 @contextlib.contextmanager
 def _bar_safe_output() -> Iterator[None]:
     """stdout and the console loggers through tqdm; see [bar-safe output]."""
-    # torchtune's logger (utils.get_logger, the recipes' ``log``) has a handler of its own.
+    # torchtune's logger (utils.get_logger, the recipes' ``log``) has a handler of its own. Only
+    # loggers that write to the console are redirected: tqdm gives each logger it is handed a
+    # handler, and a root logger without one would then print every line torchtune's logger
+    # passes up to it a second time.
     loggers = [logging.getLogger(), logging.getLogger("torchtune.utils._logging")]
     with (
-        logging_redirect_tqdm(loggers=loggers),
+        logging_redirect_tqdm(loggers=[lg for lg in loggers if _writes_to_console(lg)]),
         contextlib.redirect_stdout(_LinesAboveTheBar(sys.stdout, bar_stream=sys.stderr)),
     ):
         yield
+
+
+def _writes_to_console(logger: logging.Logger) -> bool:
+    """Whether ``logger`` has a handler of its own writing to stdout or stderr."""
+    return any(
+        isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
+        for handler in logger.handlers
+    )
 
 
 class _LinesAboveTheBar(io.TextIOBase):
