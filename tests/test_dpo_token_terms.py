@@ -58,6 +58,7 @@ from exactga.accumulation import normalization
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer, NormMode
+from exactga.build.frozen import freeze_model
 from exactga.config.options import SequenceLogProb
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
@@ -70,7 +71,6 @@ from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.dpo.terms import DPO, DpoTerms
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
-from exactga.setup.frozen import freeze_model
 
 CPU = torch.device("cpu")
 ALPHA = 0.5

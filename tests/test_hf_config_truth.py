@@ -7,7 +7,7 @@ defaults (RoPE bases, norm eps, tying, Gemma 3's window, scalar and RoPE scaling
 
 - a model section of one line (``_component_``) builds the model transformers builds from the same
   folder: the same logits in process through the recipes' own start-up step
-  (``exactga.setup.model.models_from_folders``), and through ``tune run`` the same first-step loss,
+  (``exactga.build.model.models_from_folders``), and through ``tune run`` the same first-step loss,
   with an output folder whose ``config.json`` is the folder's and loads as the trained model;
 - the builders' defaults would have built another model (the test can fail);
 - an explicit value that disagrees, a sized builder of another size, a builder of another family
@@ -30,9 +30,9 @@ from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT, logged_steps
 from torchtune import config, training
 
+from exactga.build.model import models_from_folders
 from exactga.models.hf_config import FAMILIES, fillable_from_folder, resolve_model_section
-from exactga.setup.model import models_from_folders
-from exactga.setup.random_init_checkpointer import write_initial_checkpoint
+from exactga.models.random_init_checkpointer import write_initial_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

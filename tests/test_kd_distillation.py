@@ -30,6 +30,7 @@ from exactga.accumulation.loss_units import (
 )
 from exactga.accumulation.normalization import NormMode
 from exactga.accumulation.step import train_window
+from exactga.build.frozen import freeze_model
 from exactga.kd.distillation import (
     Distiller,
     _cut_to_vocab,
@@ -40,7 +41,6 @@ from exactga.kd.distillation import (
 )
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.precision import Precision
-from exactga.setup.frozen import freeze_model
 
 
 def _labels() -> torch.Tensor:

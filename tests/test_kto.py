@@ -34,6 +34,7 @@ from unit_utils import VOCAB, tiny_model
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer, NormMode
+from exactga.build.frozen import freeze_model
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
 from exactga.dpo.kto import KtoDataset, KtoExamples, KTOLoss, KtoReferencePoint, mismatched_rows
@@ -44,7 +45,6 @@ from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.dpo.terms import DpoTerms
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
-from exactga.setup.frozen import freeze_model
 
 CPU = torch.device("cpu")
 BETA = 0.1

@@ -32,6 +32,7 @@ from unit_utils import tiny_lora, tiny_model
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer, NormMode
+from exactga.build.frozen import freeze_model
 from exactga.config.options import SequenceLogProb
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
@@ -42,7 +43,6 @@ from exactga.dpo.preference import PairsAndChosenTokens, PreferencePairs, collat
 from exactga.dpo.schema import FullDpoDistributedConfig
 from exactga.dpo.terms import DpoTerms
 from exactga.profiling import ProfilerSettings, TrainingProfiler
-from exactga.setup.frozen import freeze_model
 
 CPU = torch.device("cpu")
 BETA, GAMMA, TAU, ORPO_BETA = 2.0, 0.5, 0.1, 0.1
