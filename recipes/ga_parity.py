@@ -82,7 +82,6 @@ from tqdm import tqdm
 from exactga.accumulation.loss_units import loss_ignore_index
 from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.accumulation.step import train_window
-from exactga.build.frozen import freeze_model
 from exactga.data.loader import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.data.packing import uses_flex_attention
@@ -90,6 +89,7 @@ from exactga.dpo.terms import DpoTerms
 from exactga.kd.distillation import Distiller, check_kd_losses, check_vocabularies
 from exactga.launch.cli import run_recipe
 from exactga.lora.adapters import LoraSettings, load_lora_weights
+from exactga.model_build.frozen import freeze_model
 from exactga.parity.grpo import GrpoParity
 from exactga.parity.grpo_schema import GrpoParityConfig, is_grpo_config
 from exactga.parity.ppo import PpoParity

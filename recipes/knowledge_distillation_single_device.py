@@ -51,7 +51,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
     """Distils a frozen teacher into LoRA adapters on a frozen student, on one device.
 
     The teacher (``teacher_model`` from ``teacher_checkpointer``) is frozen and runs under
-    no_grad (exactga.build.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
+    no_grad (exactga.model_build.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
     builder), so only its adapters get gradients and optimizer state.
 
     Features (each a config key; defaults in ``exactga.config.schemas``):

@@ -29,11 +29,11 @@ from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
-from exactga.build.model import build_loss
 from exactga.config.schemas import QatLoraFinetuneDistributedConfig
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
 from exactga.lora.adapters import LoraSettings
+from exactga.model_build.trained import build_loss
 from exactga.runtime.runtime import Runtime
 from exactga.sft.loss import causal_lm_loss
 from exactga.wiring.run_start import RunStart, validated_config

@@ -84,7 +84,7 @@ SETUP_ONLY_NAMES = {
 # What a recipe reaches only through exactga.wiring.run_start's one call each (their names are
 # also RunStart's methods, so the test looks at imports rather than calls).
 SETUP_INTERNALS = {
-    "exactga.build.model": {"build_model"},
+    "exactga.model_build.trained": {"build_model"},
     "exactga.accumulation.optimizers": {"build_optimizer"},
 }
 
@@ -202,7 +202,7 @@ LAYERS = (
     "models",
     "qat",
     "lora",
-    "build",
+    "model_build",
     "checkpoints",
     "wiring",
 )
@@ -221,7 +221,7 @@ ALLOWED_IMPORTS = {
     "qat": {"runtime"},
     "lora": {"config", "models", "run"},
     # The trained model built in one order, and frozen models.
-    "build": {"config", "runtime", "run", "models", "qat", "lora"},
+    "model_build": {"config", "runtime", "run", "models", "qat", "lora"},
     # What epoch and step checkpoints hold of the model and optimizer.
     "checkpoints": {"runtime", "accumulation", "run", "lora"},
     # A recipe's run wired in the order that decides its numbers (exactga.wiring.run_start):
@@ -234,14 +234,14 @@ ALLOWED_IMPORTS = {
         "run",
         "qat",
         "lora",
-        "build",
+        "model_build",
         "checkpoints",
         "profiling",
     },
     # Sampling what the policy generates, below the families that train on it (GRPO, PPO).
-    "generation": {"accumulation", "build"},
+    "generation": {"accumulation", "model_build"},
     **{
-        family: {"config", "runtime", "data", "accumulation", "build", "models"}
+        family: {"config", "runtime", "data", "accumulation", "model_build", "models"}
         for family in FAMILIES
     },
     "profiling": {"config", "runtime", "data", "accumulation"},

@@ -30,7 +30,6 @@ from exactga.accumulation.loss_units import (
 )
 from exactga.accumulation.normalization import NormMode
 from exactga.accumulation.step import train_window
-from exactga.build.frozen import freeze_model
 from exactga.kd.distillation import (
     Distiller,
     _cut_to_vocab,
@@ -39,6 +38,7 @@ from exactga.kd.distillation import (
     kd_loss_denominator,
     verify_kd_loss_denominator,
 )
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.precision import Precision
 

@@ -34,7 +34,6 @@ from unit_utils import VOCAB, tiny_model
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer, NormMode
-from exactga.build.frozen import freeze_model
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
 from exactga.dpo.kto import KtoDataset, KtoExamples, KTOLoss, KtoReferencePoint, mismatched_rows
@@ -43,6 +42,7 @@ from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.preference import collate_pairs
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.dpo.terms import DpoTerms
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 

@@ -36,13 +36,13 @@ from unit_utils import make_rows, run_on_ranks, tiny_lora, tiny_model
 from exactga.accumulation import loss_units
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
-from exactga.build.frozen import freeze_model
 from exactga.config.options import RankBalancing
 from exactga.data import packing
 from exactga.data.loader import build_dataloader
 from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.kd import distillation
 from exactga.kd.distillation import Distiller
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 from exactga.runtime.precision import Precision

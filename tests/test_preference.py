@@ -34,13 +34,13 @@ from exactga.accumulation import forward
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS
 from exactga.accumulation.normalization import LossNormalizer, NormMode
-from exactga.build.frozen import freeze_model
 from exactga.data.micro_batching import SampleWindow, first_fit_decreasing, sample_positions
 from exactga.data.packing import pack_pairs
 from exactga.dpo.log_probs import frozen_model_reference, lora_reference
 from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.metrics import PreferenceMetrics
 from exactga.dpo.preference import EMPTY, PreferencePairs, collate_pairs
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 

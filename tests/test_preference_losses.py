@@ -32,7 +32,6 @@ from unit_utils import tiny_lora, tiny_model
 from exactga.accumulation import step as training
 from exactga.accumulation.loss_units import IGNORE_INDEX
 from exactga.accumulation.normalization import LossNormalizer, NormMode
-from exactga.build.frozen import freeze_model
 from exactga.config.options import SequenceLogProb
 from exactga.config.validation import validate_config
 from exactga.data.micro_batching import SampleWindow
@@ -42,6 +41,7 @@ from exactga.dpo.losses import IPOLoss, ORPOLoss, SimPOLoss
 from exactga.dpo.preference import PairsAndChosenTokens, PreferencePairs, collate_pairs
 from exactga.dpo.schema import FullDpoDistributedConfig
 from exactga.dpo.terms import DpoTerms
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 
 CPU = torch.device("cpu")

@@ -129,7 +129,7 @@ VALIDATION_PHASE = {
         "check_something_to_resume",
     },
     "run/metric_logging.py": {"log_config_summary", "config_summary"},
-    "build/model.py": {"models_from_folders"},
+    "model_build/trained.py": {"models_from_folders"},
     "wiring/run_start.py": {"validated_config"},
     "data/files.py": {"check_data_files"},
     "parity/preference.py": {"check_preference_keys"},  # GaParityConfig.check_flags

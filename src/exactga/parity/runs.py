@@ -25,8 +25,8 @@ from torch import nn
 from torchtune import config, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from exactga.build.frozen import build_frozen_model
-from exactga.build.model import init_rope
+from exactga.model_build.frozen import build_frozen_model
+from exactga.model_build.trained import init_rope
 from exactga.parity.scoring import ParityRun, RunSummary
 from exactga.qat.fake_quant import prepare_for_qat
 from exactga.runtime import distributed
@@ -184,7 +184,7 @@ def build_sharded_model(
 class FrozenModels:
     """A frozen model with ``state`` (a reference), built on first use once per layout and
     dtype: on one device for the ``BxG`` runs, sharded over ``dp_mesh`` like the policy for the
-    ``BxGxN`` runs (``exactga.build.frozen.build_frozen_model``, the recipes' rule)."""
+    ``BxGxN`` runs (``exactga.model_build.frozen.build_frozen_model``, the recipes' rule)."""
 
     def __init__(
         self,

@@ -35,11 +35,11 @@ from torchtune import rlhf, training
 
 from exactga.accumulation.forward import token_log_probs
 from exactga.accumulation.loss_units import IGNORE_INDEX, loss_positions, shift_labels
-from exactga.build.frozen import frozen_forward
 from exactga.config.options import MicroBatching
 from exactga.data.loader import build_prompt_loader, load_dataset
 from exactga.data.micro_batching import MicroBatchingSettings, WindowCollator
 from exactga.generation.sampling import SamplingSettings, check_prompt, generate_group
+from exactga.model_build.frozen import frozen_forward
 from exactga.ppo.loss import ADVANTAGES, OLD_LOG_PROBS, OLD_VALUES, RETURNS
 from exactga.runtime.precision import Precision
 

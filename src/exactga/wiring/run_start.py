@@ -36,8 +36,14 @@ from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.accumulation.window_statistics import WindowStatistic
-from exactga.build.frozen import build_frozen_model, freeze_model
-from exactga.build.model import (
+from exactga.checkpoints.contents import RunCheckpoints
+from exactga.config.schemas import SingleDeviceRecipeConfig
+from exactga.config.validation import Settings, torchtune_config, typed_settings
+from exactga.data.loader import dataloader_from_settings
+from exactga.data.micro_batching import MicroBatchingSettings
+from exactga.lora.adapters import LoraSettings
+from exactga.model_build.frozen import build_frozen_model, freeze_model
+from exactga.model_build.trained import (
     AdapterWeights,
     FullWeights,
     ModelSettings,
@@ -45,12 +51,6 @@ from exactga.build.model import (
     build_model,
     models_from_folders,
 )
-from exactga.checkpoints.contents import RunCheckpoints
-from exactga.config.schemas import SingleDeviceRecipeConfig
-from exactga.config.validation import Settings, torchtune_config, typed_settings
-from exactga.data.loader import dataloader_from_settings
-from exactga.data.micro_batching import MicroBatchingSettings
-from exactga.lora.adapters import LoraSettings
 from exactga.profiling import profiler_from_settings
 from exactga.qat.fake_quant import quantizer_from_config
 from exactga.run.metric_logging import (
@@ -94,7 +94,7 @@ def validated_config(cfg: DictConfig, schema: type[Settings], recipe_name: str) 
 #    TensorBoard run), torchtune's checkpointer (wrapped so that weights for users are written
 #    in ``dtype``) and the weights it reads.
 # 3. the model: built, adapters made trainable, cast, compiled, sharded, loaded
-#    (``exactga.build.model.build_model``); frozen reference and teacher models next.
+#    (``exactga.model_build.trained.build_model``); frozen reference and teacher models next.
 # 4. the optimizer, with the checkpoint's state; then the counters are restored.
 # 5. the recipe's own loss and data; the loader gets the checkpoint's position.
 # 6. ``training_run``: the counters learn the epoch length, then the checkpoints, the learning-
@@ -205,7 +205,7 @@ class RunStart:
         quantizer: DictConfig | None = None,
     ) -> nn.Module:
         """The trained model, built, cast, compiled, sharded and loaded in the one order (see
-        ``exactga.build.model.build_model``); its forwards run in ``activations_ctx``. A
+        ``exactga.model_build.trained.build_model``); its forwards run in ``activations_ctx``. A
         ``quantizer`` section (QAT) fake-quantises its linears, built in ``dtype`` as stock."""
         built = build_model(
             cfg_model,
