@@ -32,7 +32,7 @@ from exactga.data.micro_batching import sample_length
 from exactga.dpo.log_probs import frozen_model_reference, lora_reference
 from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.preference import collate_pairs
-from exactga.setup.frozen import freeze_model
+from exactga.model_build.frozen import freeze_model
 
 LORA_CONFIG = "configs/tiny/lora_dpo_single_device.yaml"
 FULL_CONFIG = "configs/tiny/full_dpo_distributed.yaml"

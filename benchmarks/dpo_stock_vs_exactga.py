@@ -18,7 +18,7 @@ read configs written from configs/tiny/lora_dpo_single_device.yaml with ``lr_sch
    prints ``||a - a_ref|| / ||a_ref - a_init||`` over the adapters after the last step
    (exactga.parity.scoring.relative_l2). ``a_init``: stock's from a one-step run at learning
    rate 0 (stock draws its adapters from the global generator while building the model);
-   exactga's drawn in-process by the library call its recipe makes (exactga.setup.lora).
+   exactga's drawn in-process by the library call its recipe makes (exactga.lora.adapters).
 2. **Padding**, the share of the positions processed that are padding, at each speed setting:
    stock's computed here from its own loader (``DistributedSampler`` with seed 0, a
    ``drop_last`` loader, ``padded_collate_dpo``: ``2B`` rows padded to the longest of both
@@ -240,7 +240,7 @@ def our_initial_adapters() -> dict[str, torch.Tensor]:
     (``initialize_adapters`` from the config's seed) on a model built on the meta device."""
     from torchtune import config
 
-    from exactga.setup.lora import initialize_adapters
+    from exactga.lora.adapters import initialize_adapters
 
     cfg = OmegaConf.load(CONFIG)
     for override in SMALL_MODEL:

@@ -7,7 +7,7 @@ output folder, under four conditions:
 - load ``idle``: nothing else started; ``busy``: a neighbour that keeps one core fully busy
   (``python -c "while True: pass"``, started a second before the launch and killed after it);
 - threads ``auto``: the recipe's own choice (``cpu_threads`` unset, ``OMP_NUM_THREADS``
-  unset; see Note [cpu threads] in ``src/exactga/run/threads.py``); ``torch_default``:
+  unset; see Note [cpu threads] in ``src/exactga/runtime/threads.py``); ``torch_default``:
   ``cpu_threads=<n>``, n being ``torch.get_num_threads()`` of a fresh interpreter without
   ``OMP_NUM_THREADS``, i.e. the count torch would have started with before the recipes chose.
 
@@ -64,7 +64,7 @@ THREADS = ("auto", "torch_default")
 NEIGHBOUR = [sys.executable, "-c", "while True: pass"]
 NEIGHBOUR_HEAD_START_S = 1.0  # so that the neighbour holds its core before the recipe samples
 WARMUP_STEPS = 2  # left out of the median step; step 2 also times the gradient pass
-# exactga.run.threads.ThreadChoice's line.
+# exactga.runtime.threads.ThreadChoice's line.
 THREADS_LINE = re.compile(r"CPU threads: (\d+) \((.*?); config key cpu_threads\)")
 
 

@@ -7,7 +7,7 @@ it, and how much stayed resident once the logits were the only output kept. Case
 
 - ``grad``: as a trained model runs (autograd records the graph and keeps activations);
 - ``inference_mode``: what the KD recipes used before issue #22;
-- ``no_grad``: ``exactga.setup.frozen.frozen_forward``, what they use now;
+- ``no_grad``: ``exactga.model_build.frozen.frozen_forward``, what they use now;
 - ``no_grad_fsdp_1_rank``: the same, the teacher sharded with FSDP2 on one gloo rank (the case
   that crashed under inference mode).
 
@@ -39,7 +39,7 @@ def _measure(case: str, batch_size: int, seq_len: int) -> dict[str, float]:
     from omegaconf import OmegaConf
     from torchtune import config
 
-    from exactga.setup.frozen import freeze_model, frozen_forward
+    from exactga.model_build.frozen import freeze_model, frozen_forward
 
     cfg = OmegaConf.load(REPO / "configs/tiny/kd_single_device.yaml")
     torch.manual_seed(0)

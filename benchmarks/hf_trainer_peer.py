@@ -104,7 +104,7 @@ import gpu_1b_variable_length as gpu_1b  # noqa: E402
 from exactga.data.loader import build_dataloader  # noqa: E402
 from exactga.parity.scoring import relative_l2  # noqa: E402
 from exactga.profiling import device_peak_flops  # noqa: E402
-from exactga.run.threads import use_cpu_threads  # noqa: E402
+from exactga.runtime.threads import use_cpu_threads  # noqa: E402
 
 COLLATIONS = ("padded", "padding_free")
 IGNORE_INDEX = -100  # labels the loss skips, in torchtune's data and transformers' loss alike

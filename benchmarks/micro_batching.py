@@ -83,7 +83,7 @@ STOCK = "stock"
 REFERENCE = "fixed"  # every run's weights are compared with this one's
 PACKED = "packed"
 BUDGET = "token_budget"  # packed's speed is also given against this one's
-INIT_WEIGHTS = "base_model/model.safetensors"  # written by exactga.setup.random_init_checkpointer
+INIT_WEIGHTS = "base_model/model.safetensors"  # written by exactga.models.random_init_checkpointer
 # exactga.data.micro_batching.PaddingMeter.summary's end-of-run line.
 PADDING_LINE = re.compile(r"padding was ([\d.]+)% of the ([\d,]+) positions processed")
 CPU_POLL_S = 0.05  # how often a run's CPU time is sampled; /proc counts in 10 ms ticks

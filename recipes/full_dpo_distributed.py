@@ -34,7 +34,8 @@ from exactga.dpo.schema import FULL_DPO_FINGERPRINT_KEYS, FullDpoDistributedConf
 from exactga.dpo.terms import DpoTerms
 from exactga.dpo.wiring import preference_run
 from exactga.launch.cli import run_recipe
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.runtime.runtime import Runtime
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 

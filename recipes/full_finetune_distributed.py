@@ -32,11 +32,12 @@ from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.config.schemas import FullFinetuneDistributedConfig
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
-from exactga.setup.model import build_loss
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.model_build.trained import build_loss
+from exactga.runtime.runtime import Runtime
 from exactga.sft.loss import causal_lm_loss
 from exactga.sft.router_balance import RouterBalance
 from exactga.sft.validation import validation_from_settings, validation_loss
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 

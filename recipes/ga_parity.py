@@ -88,6 +88,8 @@ from exactga.data.packing import uses_flex_attention
 from exactga.dpo.terms import DpoTerms
 from exactga.kd.distillation import Distiller, check_kd_losses, check_vocabularies
 from exactga.launch.cli import run_recipe
+from exactga.lora.adapters import LoraSettings, load_lora_weights
+from exactga.model_build.frozen import freeze_model
 from exactga.parity.grpo import GrpoParity
 from exactga.parity.grpo_schema import GrpoParityConfig, is_grpo_config
 from exactga.parity.ppo import PpoParity
@@ -128,13 +130,11 @@ from exactga.parity.scoring import (
     summarize,
 )
 from exactga.profiling import setup_profiler
+from exactga.qat.fake_quant import FakeQuantSchedule, quantizer_from_config
 from exactga.run.resume import checkpointer_source, validate_run_config
-from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
 from exactga.runtime.precision import MasterWeights, Precision
-from exactga.setup.frozen import freeze_model
-from exactga.setup.lora import LoraSettings, load_lora_weights
-from exactga.setup.qat import FakeQuantSchedule, quantizer_from_config
+from exactga.runtime.threads import use_cpu_threads
 from exactga.sft.loss import causal_lm_loss
 from exactga.sft.router_balance import RouterBalance
 
@@ -188,7 +188,7 @@ class GaParityRecipe:
         - Quantisation-aware training (``quantizer``, ``fake_quant_after_n_steps``, as the QAT
           recipes read them): every run's linears fake-quantised by torchao as
           recipes/qat_distributed.py and recipes/qat_lora_finetune_distributed.py build them
-          (exactga.setup.qat), switched on at the same step; see docs/qat.md for how far its
+          (exactga.qat.fake_quant), switched on at the same step; see docs/qat.md for how far its
           splits stay at the floor.
 
     Args:

@@ -44,7 +44,8 @@ from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig
 from exactga.grpo.windows import ppo_epoch_windows
 from exactga.launch.cli import run_recipe
 from exactga.run.steps import StepBookSettings
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.runtime.runtime import Runtime
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 
@@ -168,7 +169,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             reward_components=self._rewards,
             tokenizer=self._tokenizer,
             step=rollout_step,
-            runtime=self._runtime,  # the seed, device, precision and ranks, as one
+            seed=self._run.progress.seed,  # the run's (an epoch checkpoint's on resume)
+            runtime=self._runtime,  # the device, precision and ranks, as one
             phase=self._run.profiler.phase,
             more_prompts=more_prompts,
         )
@@ -189,7 +191,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
 
     def train(self) -> None:
-        progress = self._runtime.progress
+        progress = self._run.progress
         with self._run as steps:  # the profiler, the progress bar and the closing report
             for curr_epoch in steps.epochs():
                 steps.open_epoch(curr_epoch)

@@ -1,17 +1,15 @@
 """Knowledge distillation into a LoRA student with FSDP2, on GPUs or CPUs, with exact accumulation.
 
-A drop-in for torchtune 0.6.1's ``knowledge_distillation_distributed``: its configs run
-unchanged, with the same artefacts, written by rank 0 (student adapters in torchtune's and
-PEFT's format with ``adapter_config.json``; merged student weights unless
-``save_adapter_weights_only``) and metrics (``loss``, ``class_loss``, ``kd_loss``, ``lr``,
-``tokens_per_second_per_gpu``), plus ours. Student and teacher are both sharded over the
-data-parallel ranks; the teacher runs under no_grad (exactga.setup.frozen). What differs from stock:
-the loss of
-each optimizer step is exactly ``(1 - kd_ratio)`` times the full-batch class loss plus
-``kd_ratio`` times the full-batch KD loss of the window over every rank, whatever the split into
-ranks and micro-batches, with no pass over the gradients; ranks may hold very different token
-counts, or none; ``device: cpu`` runs (gloo). See ``exactga.kd.distillation`` and
-docs/knowledge_distillation_distributed.md.
+A drop-in for torchtune 0.6.1's ``knowledge_distillation_distributed``: its configs run unchanged,
+with the same artefacts, written by rank 0 (student adapters in torchtune's and PEFT's format with
+``adapter_config.json``; merged student weights unless ``save_adapter_weights_only``) and metrics
+(``loss``, ``class_loss``, ``kd_loss``, ``lr``, ``tokens_per_second_per_gpu``), plus ours. Student
+and teacher are both sharded over the data-parallel ranks; the teacher runs under no_grad
+(exactga.model_build.frozen). What differs from stock: the loss of each optimizer step is exactly
+``(1 - kd_ratio)`` times the full-batch class loss plus ``kd_ratio`` times the full-batch KD loss of
+the window over every rank, whatever the split into ranks and micro-batches, with no pass over the
+gradients; ranks may hold very different token counts, or none; ``device: cpu`` runs (gloo). See
+``exactga.kd.distillation`` and docs/knowledge_distillation_distributed.md.
 
 Launch from the repository root::
 
@@ -40,8 +38,9 @@ from exactga.kd.distillation import (
 )
 from exactga.kd.schema import KnowledgeDistillationDistributedConfig
 from exactga.launch.cli import run_recipe
-from exactga.setup.lora import LoraSettings
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.lora.adapters import LoraSettings
+from exactga.runtime.runtime import Runtime
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 

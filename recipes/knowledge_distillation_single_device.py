@@ -38,8 +38,9 @@ from exactga.kd.distillation import (
 )
 from exactga.kd.schema import KnowledgeDistillationSingleDeviceConfig
 from exactga.launch.cli import run_recipe
-from exactga.setup.lora import LoraSettings
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.lora.adapters import LoraSettings
+from exactga.runtime.runtime import Runtime
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 
@@ -50,7 +51,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
     """Distils a frozen teacher into LoRA adapters on a frozen student, on one device.
 
     The teacher (``teacher_model`` from ``teacher_checkpointer``) is frozen and runs under
-    no_grad (exactga.setup.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
+    no_grad (exactga.model_build.frozen); the student's base is frozen too (NF4 with a ``qlora_*``
     builder), so only its adapters get gradients and optimizer state.
 
     Features (each a config key; defaults in ``exactga.config.schemas``):

@@ -32,8 +32,9 @@ from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoSingleDeviceConfig
 from exactga.dpo.terms import DpoTerms
 from exactga.dpo.wiring import preference_run
 from exactga.launch.cli import run_recipe
-from exactga.setup.lora import LoraSettings
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.lora.adapters import LoraSettings
+from exactga.runtime.runtime import Runtime
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 

@@ -51,7 +51,8 @@ from exactga.ppo.trajectory import (
     trajectory_metrics,
 )
 from exactga.run.steps import StepBookSettings
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.runtime.runtime import Runtime
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 
@@ -158,7 +159,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._models,
             prompts,
             settings=self._settings,
-            seed=self._runtime.progress.seed,
+            seed=self._run.progress.seed,
             step=step,
             device=self._runtime.device,
             precision=self._runtime.precision,
@@ -171,7 +172,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             trajectories,
             self._settings,
             self._normalizer,
-            seed=self._runtime.progress.seed,
+            seed=self._run.progress.seed,
             step=step,
             collate=lambda rows: collate_trajectories(rows, self._settings.pad_id),
         )
@@ -191,7 +192,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
 
     def train(self) -> None:
-        progress = self._runtime.progress
+        progress = self._run.progress
         with self._run as steps:  # the profiler, the progress bar and the closing report
             for curr_epoch in steps.epochs():
                 steps.open_epoch(curr_epoch)

@@ -30,11 +30,12 @@ from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.config.schemas import QatDistributedConfig
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
-from exactga.setup.model import build_loss
-from exactga.setup.qat import FakeQuantSchedule
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.model_build.trained import build_loss
+from exactga.qat.fake_quant import FakeQuantSchedule
+from exactga.runtime.runtime import Runtime
 from exactga.sft.loss import causal_lm_loss
 from exactga.sft.validation import validation_from_settings, validation_loss
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 
@@ -47,7 +48,7 @@ class QATRecipeDistributed(FTRecipeInterface):
     Features (each a config key; defaults in ``exactga.config.schemas``):
         - ``quantizer``: a torchao QAT quantizer, applied to the model built on the meta device
           after activation checkpointing and before sharding, as stock
-          (``exactga.setup.qat.prepare_for_qat``). ``fake_quant_after_n_steps``: fake
+          (``exactga.qat.fake_quant.prepare_for_qat``). ``fake_quant_after_n_steps``: fake
           quantisation off until that many optimizer steps are done, then on.
         - Exact accumulation over micro-batches *and* data-parallel ranks: each rank prefetches
           its window, counts its loss tokens on the host after the label shift, and issues one

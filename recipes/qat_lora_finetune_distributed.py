@@ -32,11 +32,12 @@ from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.config.schemas import QatLoraFinetuneDistributedConfig
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
-from exactga.setup.lora import LoraSettings
-from exactga.setup.model import build_loss
-from exactga.setup.run_start import RunStart, Runtime, validated_config
+from exactga.lora.adapters import LoraSettings
+from exactga.model_build.trained import build_loss
+from exactga.runtime.runtime import Runtime
 from exactga.sft.loss import causal_lm_loss
 from exactga.sft.validation import validation_from_settings, validation_loss
+from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 
@@ -52,7 +53,7 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
     Features (each a config key; defaults in ``exactga.config.schemas``):
         - ``quantizer``: a torchao QAT quantizer; its fake-quantize configs go into
           ``QATLoRALinear`` right after the model is built on the meta device, before the
-          adapters are made trainable, as stock (``exactga.setup.qat.prepare_for_qat``). Not
+          adapters are made trainable, as stock (``exactga.qat.fake_quant.prepare_for_qat``). Not
           with DoRA (stock's rule).
         - Exact accumulation over micro-batches *and* data-parallel ranks, as in
           recipes/full_finetune_distributed.py: one all-reduce of the window's loss-token count

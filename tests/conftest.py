@@ -32,7 +32,7 @@ from filelock import FileLock
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``pytest -n N``, each worker computes with its share of the CPUs: torch would start
     one thread per core in every worker, and its threads spin at each op waiting for a core the
-    other workers hold (see [cpu threads] in exactga.run.threads: the same pathology, 4x slower
+    other workers hold (see [cpu threads] in exactga.runtime.threads: the same pathology, 4x slower
     on 2 cores). The launched recipes get ``OMP_NUM_THREADS=1`` (tests/recipe_utils.py)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:

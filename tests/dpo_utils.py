@@ -184,9 +184,9 @@ def trained_weights(output_dir: Path, epoch: int) -> dict[str, torch.Tensor]:
 
 def initial_adapters() -> dict[str, torch.Tensor]:
     """The adapters every LoRA DPO run starts from, drawn in-process by the library call the
-    recipes make (``exactga.setup.lora.initialize_adapters`` from the config's seed) on the small
+    recipes make (``exactga.lora.adapters.initialize_adapters`` from the config's seed) on the small
     model built on the meta device: no launch."""
-    from exactga.setup.lora import initialize_adapters
+    from exactga.lora.adapters import initialize_adapters
 
     cfg = OmegaConf.load(REPO_ROOT / LORA_SINGLE[1])
     for key, value in SMALL_MODEL.items():

@@ -203,10 +203,10 @@ def _one_device_runs(root: Path) -> None:
 
 def initial_adapters(case: str) -> dict[str, torch.Tensor]:
     """The adapters every run of ``case`` starts from, drawn in-process by the library call the
-    recipes make (``exactga.setup.lora.initialize_adapters`` from the config's ``seed``) on the
+    recipes make (``exactga.lora.adapters.initialize_adapters`` from the config's ``seed``) on the
     small student built on the meta device: no launch. The LoRA tests check that a launch draws
     them."""
-    from exactga.setup.lora import initialize_adapters
+    from exactga.lora.adapters import initialize_adapters
 
     cfg = OmegaConf.load(REPO_ROOT / KD_TINY_CONFIG)
     for key, value in SMALL_MODEL.items():

@@ -1,7 +1,7 @@
 """Initial LoRA/DoRA adapters are keyed as the model's state dict keys them (issue #17).
 
 Activation checkpointing wraps each layer, so ``named_modules()`` names differ from state-dict
-keys; the drawn adapters must still land. See [state-dict keys] in exactga.setup.model_state.
+keys; the drawn adapters must still land. See [state-dict keys] in exactga.models.model_state.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from torchtune import modules, training
 from torchtune.models.llama3_2 import lora_llama3_2
 
-from exactga.setup.lora import _check_keys_exist, _draw_adapters
-from exactga.setup.model_state import state_dict_name
+from exactga.lora.adapters import _check_keys_exist, _draw_adapters
+from exactga.models.model_state import state_dict_name
 
 
 def _tiny_lora(use_dora: bool) -> torch.nn.Module:

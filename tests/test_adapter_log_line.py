@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torchtune.utils import get_logger
 
-from exactga.setup.lora import _adapter_logged_where_it_ends
+from exactga.lora.adapters import _adapter_logged_where_it_ends
 
 
 def test_torchtunes_adapter_line_names_the_adapter_folder(caplog):

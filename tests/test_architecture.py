@@ -32,8 +32,8 @@ LIBRARY_ONLY_NAMES = {
     "ConcatDataset": "the dataset (exactga.data.loader.load_dataset)",
     "checked_dataset": "the dataset (exactga.data.loader.load_dataset)",
     "scale_grads": "gradient scaling (exactga.accumulation.normalization)",
-    "get_merged_lora_ckpt": "the saved adapters (exactga.setup.lora.epoch_checkpoint_weights)",
-    "get_adapter_state_dict": "the saved adapters (exactga.setup.lora.epoch_checkpoint_weights)",
+    "get_merged_lora_ckpt": "the saved adapters (exactga.lora.adapters.epoch_checkpoint_weights)",
+    "get_adapter_state_dict": "the saved adapters (exactga.lora.adapters.epoch_checkpoint_weights)",
     "restore_rng_state": "resume (exactga.run.resume.ResumePoint)",
     "capture_rng_state": "resume (exactga.run.resume.write_step_checkpoint)",
     "handle_nonfinite_loss": "the non-finite policy (exactga.run.steps.StepBook)",
@@ -62,29 +62,29 @@ def test_recipes_leave_numbers_data_order_and_resume_to_the_library(recipe: Path
     assert not offending, f"{recipe.name} decides {sorted(set(offending.values()))} itself"
 
 
-# What a training recipe sets up only through exactga.setup.run_start, one call each: the setup
-# that decides numbers and artefacts (see [setup order]). The parity report trains its splits
-# its own way.
+# What a training recipe sets up only through its Runtime (exactga.runtime.runtime) and
+# exactga.wiring.run_start, one call each: the setup that decides numbers and artefacts (see
+# [setup order]). The parity report trains its splits its own way.
 SETUP_ONLY_NAMES = {
-    "set_seed": "the seed (exactga.setup.run_start.Runtime)",
-    "init_distributed": "the process group (exactga.setup.run_start.Runtime)",
-    "build_device_mesh": "the device mesh (exactga.setup.run_start.Runtime)",
-    "start_run": "the resume point (exactga.setup.run_start.RunStart)",
-    "build_frozen_model": "frozen models (exactga.setup.run_start.RunStart.frozen_model)",
-    "shard_model": "sharding (exactga.setup.run_start.RunStart.build_model)",
+    "set_seed": "the seed (exactga.runtime.runtime.Runtime)",
+    "init_distributed": "the process group (exactga.runtime.runtime.Runtime)",
+    "build_device_mesh": "the device mesh (exactga.runtime.runtime.Runtime)",
+    "start_run": "the resume point (exactga.wiring.run_start.RunStart)",
+    "build_frozen_model": "frozen models (exactga.wiring.run_start.RunStart.frozen_model)",
+    "shard_model": "sharding (exactga.wiring.run_start.RunStart.build_model)",
     "restore_progress": "the counters of a resume (RunStart.build_optimizer)",
-    "dataloader_from_settings": "the loader (exactga.setup.run_start.RunStart.dataloader)",
-    "RunCheckpoints": "the checkpoints (exactga.setup.run_start.RunStart.training_run)",
-    "StepBook": "the step bookkeeping (exactga.setup.run_start.RunStart.training_run)",
+    "dataloader_from_settings": "the loader (exactga.wiring.run_start.RunStart.dataloader)",
+    "RunCheckpoints": "the checkpoints (exactga.wiring.run_start.RunStart.training_run)",
+    "StepBook": "the step bookkeeping (exactga.wiring.run_start.RunStart.training_run)",
     "restore_rng": "the RNG states of a resume (RunStart.training_run)",
-    "LossNormalizer": "the normaliser's ranks (exactga.setup.run_start.RunStart.normalizer)",
+    "LossNormalizer": "the normaliser's ranks (exactga.wiring.run_start.RunStart.normalizer)",
 }
 
 
-# What a recipe reaches only through exactga.setup.run_start's one call each (their names are
+# What a recipe reaches only through exactga.wiring.run_start's one call each (their names are
 # also RunStart's methods, so the test looks at imports rather than calls).
 SETUP_INTERNALS = {
-    "exactga.setup.model": {"build_model"},
+    "exactga.model_build.trained": {"build_model"},
     "exactga.accumulation.optimizers": {"build_optimizer"},
 }
 
@@ -192,7 +192,20 @@ def _exactga_imports(path: Path) -> set[str]:
 # one package per loss family above them (a family never imports another), then the parity
 # report, which trains every family. The profiler is the recipes' (and the report's): the step
 # takes it as an argument and never imports it. docs/architecture.md draws the same table.
-LAYERS = ("config", "launch", "runtime", "data", "accumulation", "run", "setup")
+LAYERS = (
+    "config",
+    "launch",
+    "runtime",
+    "data",
+    "accumulation",
+    "run",
+    "models",
+    "qat",
+    "lora",
+    "model_build",
+    "checkpoints",
+    "wiring",
+)
 FAMILIES = ("sft", "kd", "dpo", "grpo", "ppo")
 ALLOWED_IMPORTS = {
     "config": set(),
@@ -202,14 +215,33 @@ ALLOWED_IMPORTS = {
     "accumulation": {"config", "runtime", "data"},
     # launch sits at the bottom beside config: run reads the stop request it records.
     "run": {"config", "launch", "runtime", "data", "accumulation"},
-    # Model families sit below setup: setup builds them, converts their weights, seeds them.
+    # Model families, their formats and checkpointers, loading a state dict: below the build.
     "models": {"config", "runtime"},
-    # Setup assembles a recipe's run (exactga.setup.run_start): the loader and the profiler too.
-    "setup": {"config", "runtime", "data", "accumulation", "run", "models", "profiling"},
+    # QAT's fake quantisation and LoRA's adapters: what the model build puts into a model.
+    "qat": {"runtime"},
+    "lora": {"config", "models", "run"},
+    # The trained model built in one order, and frozen models.
+    "model_build": {"config", "runtime", "run", "models", "qat", "lora"},
+    # What epoch and step checkpoints hold of the model and optimizer.
+    "checkpoints": {"runtime", "accumulation", "run", "lora"},
+    # A recipe's run wired in the order that decides its numbers (exactga.wiring.run_start):
+    # the loader and the profiler too.
+    "wiring": {
+        "config",
+        "runtime",
+        "data",
+        "accumulation",
+        "run",
+        "qat",
+        "lora",
+        "model_build",
+        "checkpoints",
+        "profiling",
+    },
     # Sampling what the policy generates, below the families that train on it (GRPO, PPO).
-    "generation": {"accumulation", "setup"},
+    "generation": {"accumulation", "model_build"},
     **{
-        family: {"config", "runtime", "data", "accumulation", "setup", "models"}
+        family: {"config", "runtime", "data", "accumulation", "model_build", "models"}
         for family in FAMILIES
     },
     "profiling": {"config", "runtime", "data", "accumulation"},
@@ -438,9 +470,9 @@ def test_recipes_let_the_library_choose_the_attention_kernels(recipe: Path) -> N
     source = recipe.read_text()
     assert "Runtime.single_device(cfg)" in source or "Runtime.distributed(cfg" in source
     assert "enable_cudnn_sdp" not in source and "sdpa_kernel" not in source
-    from exactga.setup import run_start
+    from exactga.runtime.runtime import Runtime
 
-    runtime_source = inspect.getsource(run_start.Runtime)
+    runtime_source = inspect.getsource(Runtime)
     assert runtime_source.count("choose_attention_kernels(cfg.cudnn_attention") == 2
 
 

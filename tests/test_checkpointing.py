@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from unit_utils import VOCAB
 
+from exactga.models.model_state import load_model_state
 from exactga.run.checkpointing import (
     MANIFEST_FILE,
     MODEL_FILE,
@@ -40,7 +41,6 @@ from exactga.run.resume import (
     restore_rng_state,
     run_fingerprint,
 )
-from exactga.setup.model_state import load_model_state
 
 CPU = torch.device("cpu")
 RANK_FILE = "rank_0.pt"

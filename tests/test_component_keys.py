@@ -21,7 +21,7 @@ from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.config.validation import validate_config
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.grpo.schema import GrpoDistributedConfig
-from exactga.setup.run_start import validated_config
+from exactga.wiring.run_start import validated_config
 
 ALPACA_ROW = '{"instruction": "Say hi.", "input": "", "output": "Hi there."}'
 

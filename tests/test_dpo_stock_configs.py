@@ -62,7 +62,7 @@ def adapted_dpo_config(name: str, recipe: str, output_dir: Path) -> DictConfig:
     }
     is_lora = recipe != FULL
     checkpointer = {
-        "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
+        "_component_": "exactga.models.random_init_checkpointer.initialized_hf_checkpointer",
         "model": base_model if is_lora else "${model}",
         "init_seed": 0,
         "checkpoint_dir": "${output_dir}/base_model",

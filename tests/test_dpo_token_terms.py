@@ -68,9 +68,9 @@ from exactga.dpo.metrics import PreferenceMetrics
 from exactga.dpo.preference import PairsAndChosenTokens, PreferencePairs, collate_pairs
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.dpo.terms import DPO, DpoTerms
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
-from exactga.setup.frozen import freeze_model
 
 CPU = torch.device("cpu")
 ALPHA = 0.5

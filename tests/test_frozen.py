@@ -1,4 +1,4 @@
-"""Frozen models (exactga.setup.frozen): the rule every teacher and reference model follows.
+"""Frozen models (exactga.model_build.frozen): the rule every teacher and reference model follows.
 
 A frozen forward builds no graph and keeps no activations, and it runs under FSDP2 on any
 number of ranks, one included (issue #22: inference mode crashed FSDP2's unshard there). The
@@ -20,9 +20,9 @@ from torchtune.training import shard_model
 from unit_utils import prompt_masked_batch, run_on_ranks
 
 from exactga.kd.distillation import Distiller
+from exactga.model_build import frozen
+from exactga.model_build.frozen import freeze_model, frozen_forward
 from exactga.runtime.precision import Precision
-from exactga.setup import frozen
-from exactga.setup.frozen import freeze_model, frozen_forward
 
 VOCAB = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -142,12 +142,12 @@ def test_inference_mode_is_what_broke_one_rank(tmp_path, monkeypatch):
 
 
 def test_no_other_module_picks_its_own_frozen_forward():
-    """Every frozen forward goes through exactga.setup.frozen: no other grad mode is chosen for a
-    teacher or reference model anywhere in the library or the recipes."""
+    """Every frozen forward goes through exactga.model_build.frozen: no other grad mode is chosen
+    for a teacher or reference model anywhere in the library or the recipes."""
     offenders = []
     for path in [*(REPO / "src" / "exactga").rglob("*.py"), *(REPO / "recipes").glob("*.py")]:
         if path.name == "frozen.py":
             continue
         if "inference_mode" in path.read_text():
             offenders.append(path.name)
-    assert not offenders, f"choose a frozen forward through exactga.setup.frozen: {offenders}"
+    assert not offenders, f"choose a frozen forward through exactga.model_build.frozen: {offenders}"

@@ -7,8 +7,9 @@ defaults (RoPE bases, norm eps, tying, Gemma 3's window, scalar and RoPE scaling
 
 - a model section of one line (``_component_``) builds the model transformers builds from the same
   folder: the same logits in process through the recipes' own start-up step
-  (``exactga.setup.model.models_from_folders``), and through ``tune run`` the same first-step loss,
-  with an output folder whose ``config.json`` is the folder's and loads as the trained model;
+  (``exactga.model_build.trained.models_from_folders``), and through ``tune run`` the same
+  first-step loss, with an output folder whose ``config.json`` is the folder's and loads as the
+  trained model;
 - the builders' defaults would have built another model (the test can fail);
 - an explicit value that disagrees, a sized builder of another size, a builder of another family
   are refused in one message naming the ``config.json`` key, both values and the fix; a builder
@@ -30,9 +31,9 @@ from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT, logged_steps
 from torchtune import config, training
 
+from exactga.model_build.trained import models_from_folders
 from exactga.models.hf_config import FAMILIES, fillable_from_folder, resolve_model_section
-from exactga.setup.model import models_from_folders
-from exactga.setup.random_init_checkpointer import write_initial_checkpoint
+from exactga.models.random_init_checkpointer import write_initial_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -38,9 +38,9 @@ from exactga.kd.distillation import (
     kd_loss_denominator,
     verify_kd_loss_denominator,
 )
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.precision import Precision
-from exactga.setup.frozen import freeze_model
 
 
 def _labels() -> torch.Tensor:

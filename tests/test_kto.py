@@ -42,9 +42,9 @@ from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.preference import collate_pairs
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.dpo.terms import DpoTerms
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
-from exactga.setup.frozen import freeze_model
 
 CPU = torch.device("cpu")
 BETA = 0.1

@@ -200,7 +200,7 @@ def test_a_single_device_recipe_or_its_copy_refuses_several_processes(monkeypatc
 
 def test_the_single_device_runtime_refuses_several_processes(monkeypatch) -> None:
     """For a copy that calls its recipe_main without run_recipe."""
-    from exactga.setup.run_start import Runtime
+    from exactga.runtime.runtime import Runtime
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="launched as one of 2 processes"):

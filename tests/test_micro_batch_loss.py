@@ -32,7 +32,7 @@ from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import train_window
 from exactga.data.micro_batching import SampleWindow
-from exactga.setup.run_start import _check_normalizer_ranks
+from exactga.wiring.run_start import _check_normalizer_ranks
 
 VOCAB = 11
 WD = 0.01

@@ -72,8 +72,8 @@ from exactga.models.qwen3 import (
     qwen3_14b,
     qwen3_32b,
 )
+from exactga.models.random_init_checkpointer import write_initial_checkpoint
 from exactga.run.checkpointing import move_peft_adapter_to_own_folder
-from exactga.setup.random_init_checkpointer import write_initial_checkpoint
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

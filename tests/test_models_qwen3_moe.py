@@ -620,10 +620,10 @@ def test_sized_builders_have_transformers_parameter_count(name, builder, expecte
 def test_expert_adapters_get_first_values_from_the_seed_alone() -> None:
     """A distributed LoRA run builds on the meta device, where the builder's own init does not
     run: ``initialize_adapters`` must draw the stacked experts' adapters too, from the seed
-    alone (see [adapter init] in exactga.setup.lora), A as torchtune draws a LoRALinear's and
+    alone (see [adapter init] in exactga.lora.adapters), A as torchtune draws a LoRALinear's and
     B zero, so the model starts as its base."""
+    from exactga.lora.adapters import initialize_adapters
     from exactga.models.qwen3_moe import lora_qwen3_moe
-    from exactga.setup.lora import initialize_adapters
 
     def drawn(seed: int) -> dict[str, torch.Tensor]:
         model = lora_qwen3_moe(

@@ -42,10 +42,10 @@ from exactga.data.loader import build_dataloader
 from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.kd import distillation
 from exactga.kd.distillation import Distiller
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
 from exactga.runtime.precision import Precision
-from exactga.setup.frozen import freeze_model
 from exactga.sft import loss as sft_loss
 
 CPU = torch.device("cpu")

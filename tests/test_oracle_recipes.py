@@ -30,8 +30,8 @@ from torchtune import config
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training import FullModelHFCheckpointer
 
-from exactga.setup.lora import initialize_adapters
-from exactga.setup.random_init_checkpointer import write_initial_checkpoint
+from exactga.lora.adapters import initialize_adapters
+from exactga.models.random_init_checkpointer import write_initial_checkpoint
 
 pytestmark = pytest.mark.slow
 

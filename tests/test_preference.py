@@ -40,9 +40,9 @@ from exactga.dpo.log_probs import frozen_model_reference, lora_reference
 from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.metrics import PreferenceMetrics
 from exactga.dpo.preference import EMPTY, PreferencePairs, collate_pairs
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
 from exactga.runtime.distributed import GradientSync, gradient_sync
-from exactga.setup.frozen import freeze_model
 
 CPU = torch.device("cpu")
 BETA = 0.1

@@ -41,8 +41,8 @@ from exactga.dpo.losses import IPOLoss, ORPOLoss, SimPOLoss
 from exactga.dpo.preference import PairsAndChosenTokens, PreferencePairs, collate_pairs
 from exactga.dpo.schema import FullDpoDistributedConfig
 from exactga.dpo.terms import DpoTerms
+from exactga.model_build.frozen import freeze_model
 from exactga.profiling import ProfilerSettings, TrainingProfiler
-from exactga.setup.frozen import freeze_model
 
 CPU = torch.device("cpu")
 BETA, GAMMA, TAU, ORPO_BETA = 2.0, 0.5, 0.1, 0.1

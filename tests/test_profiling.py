@@ -531,7 +531,7 @@ def test_recipes_hand_the_profiler_a_few_values_not_their_config(recipe: Path) -
     if recipe.stem != "ga_parity":
         assert not calls, f"{recipe.name} builds a profiler hook of its own"
         assert "start.training_run(" in recipe.read_text()
-        run_start = REPO_ROOT / "src" / "exactga" / "setup" / "run_start.py"
+        run_start = REPO_ROOT / "src" / "exactga" / "wiring" / "run_start.py"
         assert [call.func.id for call in _profiler_calls(run_start)] == ["profiler_from_settings"]
         return
     assert len(calls) == 1, f"{recipe.name} builds {len(calls)} profiler hooks"

@@ -1,5 +1,5 @@
 """A Qwen2/2.5 LoRA (and DoRA) adapter saved through torchtune's own HF checkpointer loads in
-PEFT as the adapter trained: see [Qwen2 adapters in PEFT] in exactga.setup.lora.
+PEFT as the adapter trained: see [Qwen2 adapters in PEFT] in exactga.lora.adapters.
 
 torchtune 0.6.1 permutes q_proj's and k_proj's ``lora_B`` rows for Llama's rotary layout for
 every model type, Qwen2 included, whose rows are already in Hugging Face's order. In-process:
@@ -18,7 +18,7 @@ from torchtune.models.qwen2 import lora_qwen2
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 from torchtune.modules.peft import get_adapter_state_dict
 
-from exactga.setup.lora import LoraSettings, save_epoch_checkpoint
+from exactga.lora.adapters import LoraSettings, save_epoch_checkpoint
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -114,7 +114,7 @@ BAD_CONFIGS = {
 def _stock_config_args(root: Path) -> list[str]:
     """torchtune 0.6.1's own llama3_2/1B config file, only overridden from the command line,
     with a small initial checkpoint written here."""
-    from exactga.setup.random_init_checkpointer import write_initial_checkpoint
+    from exactga.models.random_init_checkpointer import write_initial_checkpoint
 
     checkpoint_dir = root / "base"
     write_initial_checkpoint(OmegaConf.create(STOCK_MODEL), checkpoint_dir, "model.safetensors", 0)

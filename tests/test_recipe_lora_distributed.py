@@ -207,8 +207,8 @@ def test_activation_checkpointing_changes_no_number(runs):
 
 def test_one_rank_trains_bit_identically_to_the_single_device_recipe(runs):
     """The same config on one rank of this recipe and on the single-device recipe: the same
-    initial adapters (drawn from the seed alone, see [adapter init] in exactga.setup.lora), the same
-    logged losses and the same trained adapters, to the bit."""
+    initial adapters (drawn from the seed alone, see [adapter init] in exactga.lora.adapters),
+    the same logged losses and the same trained adapters, to the bit."""
     one_rank, single = runs / "1rank_8x1", runs / "single_device_8x1"
     adapters, single_adapters = load_adapters(one_rank / ADAPTERS), load_adapters(single / ADAPTERS)
     assert adapters.keys() == single_adapters.keys()

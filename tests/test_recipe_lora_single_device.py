@@ -439,7 +439,7 @@ def test_dora_peft_adapter_rebuilds_the_merged_weights(dora_run):
     """``PeftModel.from_pretrained(base, epoch_0/adapter)``, merged, gives the merged weights
     the run wrote, as it does for LoRA (tests/test_hf_round_trip.py): the config says
     ``use_dora`` and q_proj's magnitudes are in HF's row order (Note [DoRA in PEFT] in
-    src/exactga/setup/lora.py). Before that fix: 2.1e-2 to 3.3e-2 off; measured 0 since."""
+    src/exactga/lora/adapters.py). Before that fix: 2.1e-2 to 3.3e-2 off; measured 0 since."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
 
@@ -461,7 +461,7 @@ def test_peft_dora_magnitudes_get_the_rotary_row_order_of_hf_weights():
     LoRA matrices are left as torchtune wrote them."""
     from torchtune.models.convert_weights import tune_to_hf, tune_to_peft_adapter_weights
 
-    from exactga.setup.lora import peft_magnitudes_in_hf_order
+    from exactga.lora.adapters import peft_magnitudes_in_hf_order
 
     num_heads, num_kv_heads, head_dim, dim, rank = 4, 2, 8, 32, 2
     generator = torch.Generator().manual_seed(0)

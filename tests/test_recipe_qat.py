@@ -115,11 +115,11 @@ def _distance_at(run: Path, reference: Path, step: int) -> float:
 
 
 def _model(run: Path, state: dict[str, torch.Tensor], steps_done: int) -> torch.nn.Module:
-    """The run's fake-quantised model as the recipe builds it (exactga.setup.qat), with
+    """The run's fake-quantised model as the recipe builds it (exactga.qat.fake_quant), with
     ``state`` loaded and fake quantisation as it was for the step after ``steps_done``."""
     from torchtune import config
 
-    from exactga.setup.qat import FakeQuantSchedule, prepare_for_qat, quantizer_from_config
+    from exactga.qat.fake_quant import FakeQuantSchedule, prepare_for_qat, quantizer_from_config
 
     cfg = _config(run)
     lora = _is_lora(run)
@@ -174,7 +174,7 @@ def _forward(run: Path, step: int, window: list[dict[str, torch.Tensor]]) -> tup
     weight group, a token), with its number of levels."""
     from torchtune import config
 
-    from exactga.setup.qat import fake_quantizers
+    from exactga.qat.fake_quant import fake_quantizers
     from exactga.sft.loss import causal_lm_loss
 
     model = _model(run, _state_after(run, step - 1), step - 1)
@@ -409,7 +409,7 @@ def _prepared_and_converted(
     from torchtune import training
     from torchtune.models.llama3_2 import llama3_2
 
-    from exactga.setup.qat import set_fake_quant
+    from exactga.qat.fake_quant import set_fake_quant
 
     checkpointer = training.FullModelHFCheckpointer(
         checkpoint_dir=str(weights_dir),

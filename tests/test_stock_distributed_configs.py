@@ -172,7 +172,7 @@ DORA_MERGED_RTOL = 1e-2
 def test_dora_magnitudes_start_at_the_base_norms_and_make_the_merged_weights(runs: Path) -> None:
     """Every adapted linear saves a magnitude of its output size, set from the norms of the
     loaded base weights' rows (not the placeholder drawn before the weights load: see
-    [adapter init] in exactga.setup.lora), and the saved adapters on the base weights give the
+    [adapter init] in exactga.lora.adapters), and the saved adapters on the base weights give the
     merged weights the run wrote, by DoRA's ``m * (W + s B A) / ||W + s B A||`` per row."""
     from torchtune.models.convert_weights import hf_to_tune
 

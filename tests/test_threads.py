@@ -1,4 +1,4 @@
-"""The CPU thread count a recipe picks (see [cpu threads] in exactga.run.threads): the config's,
+"""The CPU thread count a recipe picks (see [cpu threads] in exactga.runtime.threads): the config's,
 else OMP_NUM_THREADS's, else what the machine's load leaves free, shared among the node's
 ranks. The machine is described to the chooser, never read, so no test depends on the load."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from exactga.run.threads import (
+from exactga.runtime.threads import (
     SAMPLE_SECONDS,
     _cgroup_cpu_quota,
     busy_cpus,

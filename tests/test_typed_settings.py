@@ -129,8 +129,8 @@ VALIDATION_PHASE = {
         "check_something_to_resume",
     },
     "run/metric_logging.py": {"log_config_summary", "config_summary"},
-    "setup/model.py": {"models_from_folders"},
-    "setup/run_start.py": {"validated_config"},
+    "model_build/trained.py": {"models_from_folders"},
+    "wiring/run_start.py": {"validated_config"},
     "data/files.py": {"check_data_files"},
     "parity/preference.py": {"check_preference_keys"},  # GaParityConfig.check_flags
 }
@@ -229,7 +229,7 @@ def test_validated_config_types_what_validation_decided(tmp_path: Path) -> None:
     """``resume_from_checkpoint: auto`` is decided on the DictConfig (nothing to go on from:
     False); the settings carry the decision, and the resolved config is written as before."""
     from exactga.config.schemas import FullFinetuneSingleDeviceConfig
-    from exactga.setup.run_start import validated_config
+    from exactga.wiring.run_start import validated_config
 
     cfg = tiny_config("full_single_device", output_dir=str(tmp_path), resume_from_checkpoint="auto")
     settings = validated_config(cfg, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")

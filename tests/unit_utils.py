@@ -221,7 +221,7 @@ RANK_PRELOAD = [
     "omegaconf",
     "exactga.accumulation.normalization",
     "exactga.accumulation.step",
-    "exactga.setup.model",
+    "exactga.model_build.trained",
 ]
 
 

@@ -13,7 +13,7 @@ adapted config is the shipped YAML with only these sections replaced:
   own use the one their stock builders call (llama3_3 -> llama3_1, phi4 -> phi3,
   qwen2_5 -> qwen2). A sliding window (Gemma 2's, Gemma 3's) is shorter than the sequences, and
   Gemma 3's layer pattern gives the two tiny layers one local and one global.
-- ``checkpointer``: ``exactga.setup.random_init_checkpointer.initialized_hf_checkpointer`` with the
+- ``checkpointer``: ``exactga.models.random_init_checkpointer.initialized_hf_checkpointer`` with the
   stock ``model_type``, which writes seeded random weights of the plain model in that family's
   HF layout on first use (``llama3/8B_full``'s Meta-format checkpointer becomes this HF one
   too).
@@ -263,7 +263,7 @@ def adapted_config(name: str, recipe: str, output_dir: Path | str) -> DictConfig
         )
         cfg.dataset = dataset
     checkpointer = {
-        "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
+        "_component_": "exactga.models.random_init_checkpointer.initialized_hf_checkpointer",
         # The base model the weights are drawn for: the plain builder for a LoRA model.
         "model": base_model if is_lora else "${model}",
         "init_seed": 0,
@@ -300,7 +300,7 @@ def _adapt_teacher(cfg: DictConfig) -> None:
         teacher["query_pre_attn_scalar"] = width // NUM_HEADS
     cfg.teacher_model = teacher
     cfg.teacher_checkpointer = {
-        "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
+        "_component_": "exactga.models.random_init_checkpointer.initialized_hf_checkpointer",
         "model": "${teacher_model}",
         "init_seed": 1,
         "checkpoint_dir": "${output_dir}/teacher_model",
@@ -447,7 +447,7 @@ def adapted_ppo_config(name: str, output_dir: Path | str) -> DictConfig:
 
     def checkpointer(key: str, model: str, folder: str, seed: int) -> dict[str, Any]:
         return {
-            "_component_": "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer",
+            "_component_": "exactga.models.random_init_checkpointer.initialized_hf_checkpointer",
             "model": f"${{{model}}}",
             "init_seed": seed,
             "checkpoint_dir": f"${{output_dir}}/{folder}",

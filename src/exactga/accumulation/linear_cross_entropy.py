@@ -116,8 +116,8 @@ class LinearCrossEntropyLoss(nn.Module):
     it can fuse (see [projection fused with the loss]) the recipe's loss step never makes the
     logits: the decoder returns this loss, computed from its final-normed hidden states and its
     output weight. Elsewhere it is called, like ``CEWithChunkedOutputLoss``, on the logits the
-    model returns in ``num_output_chunks`` chunks (``exactga.setup.model.build_loss`` sets the
-    model to chunk them), or on one logits tensor.
+    model returns in ``num_output_chunks`` chunks (``exactga.model_build.trained.build_loss``
+    sets the model to chunk them), or on one logits tensor.
 
     Args:
         num_output_chunks: the fused loss splits a micro-batch's rows into this many chunks;

@@ -63,7 +63,7 @@ _CHECKPOINTER_KEYWORDS = ("should_load_recipe_state",)
 _LOAD_DATASET_KWARGS = ("load_dataset_kwargs",)
 # Components whose ``**kwargs`` are another component's arguments, passed on unchanged.
 _FORWARDED_TO = {
-    "exactga.setup.random_init_checkpointer.initialized_hf_checkpointer": (
+    "exactga.models.random_init_checkpointer.initialized_hf_checkpointer": (
         "exactga.models.checkpointer.FullModelHFCheckpointer"
     ),
     "exactga.dpo.kto.kto_dataset": "exactga.dpo.kto.KtoDataset",

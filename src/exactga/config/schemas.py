@@ -440,7 +440,7 @@ class QatDistributedConfig(FullFinetuneSingleDeviceConfig):
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 
-    quantizer: Any = MISSING  # a torchao QAT quantizer section (exactga.setup.qat)
+    quantizer: Any = MISSING  # a torchao QAT quantizer section (exactga.qat.fake_quant)
     fake_quant_after_n_steps: Optional[int] = None  # null: fake quantisation from the start
 
     fsdp_cpu_offload: bool = False
@@ -471,7 +471,7 @@ class QatLoraFinetuneDistributedConfig(LoraFinetuneDistributedConfig):
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 
-    quantizer: Any = MISSING  # a torchao QAT quantizer section (exactga.setup.qat)
+    quantizer: Any = MISSING  # a torchao QAT quantizer section (exactga.qat.fake_quant)
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:

@@ -22,8 +22,8 @@ from exactga.accumulation.forward import token_log_probs
 from exactga.accumulation.loss_units import Batch
 from exactga.data.packing import PACKED_SEQUENCES
 from exactga.dpo.preference import split_pairs
+from exactga.model_build.frozen import frozen_forward
 from exactga.runtime.precision import Precision
-from exactga.setup.frozen import frozen_forward
 
 # (inputs on the device, response positions, their labels) -> (chosen, rejected) log-probs.
 Reference = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -70,7 +70,7 @@ def lora_reference(model: nn.Module, precision: Precision | None = None) -> Refe
 
 def frozen_model_reference(ref_model: nn.Module, precision: Precision | None = None) -> Reference:
     """The reference of full DPO: a separate model, frozen at setup with
-    ``exactga.setup.frozen.freeze_model`` (and sharded like the policy under FSDP)."""
+    ``exactga.model_build.frozen.freeze_model`` (and sharded like the policy under FSDP)."""
 
     def reference(inputs: Batch, positions: torch.Tensor, targets: torch.Tensor):
         with frozen_forward():

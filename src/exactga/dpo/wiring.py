@@ -21,6 +21,7 @@ from exactga.dpo.preference import collate_pairs
 from exactga.dpo.reference_logprobs import with_precomputed_reference
 from exactga.dpo.terms import DpoTerms
 from exactga.runtime.precision import Precision
+from exactga.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
     from exactga.dpo.schema import (
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
         LoraDpoDistributedConfig,
         LoraDpoSingleDeviceConfig,
     )
-    from exactga.setup.run_start import Runtime  # the recipe's; run_start does not import dpo
 
     # The typed settings of the three DPO recipes.
     DpoSettings = LoraDpoSingleDeviceConfig | LoraDpoDistributedConfig | FullDpoDistributedConfig

@@ -52,7 +52,7 @@ from torchtune.generation import generate
 from torchtune.modules.common_utils import local_kv_cache
 
 from exactga.accumulation.loss_units import IGNORE_INDEX
-from exactga.setup.frozen import frozen_forward
+from exactga.model_build.frozen import frozen_forward
 
 Rollout = dict[str, Any]
 
@@ -255,8 +255,8 @@ def _generating(model: nn.Module) -> Iterator[None]:
     """No gradients, eval mode, and afterwards each module's training flag as it was and an
     FSDP2 model resharded.
 
-    Gradients off through ``exactga.setup.frozen.frozen_forward`` (see [frozen forwards run under
-    no_grad] there): FSDP2 reuses its unsharded parameter storage in the training forward,
+    Gradients off through ``exactga.model_build.frozen.frozen_forward`` (see [frozen forwards
+    run under no_grad] there): FSDP2 reuses its unsharded parameter storage in the training forward,
     which an inference tensor could not join. The reshard matters for
     units that keep their parameters unsharded after a forward, expecting a backward
     (``reshard_after_forward=False``, or ``None`` on the root): it frees those copies and puts

@@ -197,12 +197,11 @@ class ShapingKeys:
 
 
 class RolloutRuntime(Protocol):
-    """What a step's rollouts read of the run: the recipe's ``exactga.setup.run_start.Runtime``,
-    handed over whole so that the seed, device, precision and ranks cannot disagree."""
+    """What a step's rollouts read of the run: the recipe's ``exactga.runtime.runtime.Runtime``,
+    handed over whole so that the device, precision and ranks cannot disagree."""
 
     device: torch.device
     precision: Precision
-    progress: Any  # the run's counters: its ``seed`` seeds every rollout
 
     @property
     def dp_size(self) -> int: ...
@@ -220,14 +219,16 @@ def make_rollouts(
     reward_components: Sequence[Callable[..., torch.Tensor]],
     tokenizer: Any,
     step: int,
+    seed: int,
     runtime: RolloutRuntime,
     phase: Callable[[str], contextlib.AbstractContextManager[None]] | None = None,
     more_prompts: Callable[[], Sequence[Mapping[str, Any]] | None] | None = None,
 ) -> StepRollouts:
     """Generate, score and record log-probs for one step's ``prompts`` on this rank; see [a
-    GRPO step]. ``runtime`` is the run's (its seed, device, precision and data-parallel
-    ranks); under data parallelism every group runs the full ``max_generated_tokens`` forwards,
-    so that every rank runs as many (see [rollouts independent of the rank layout] in
+    GRPO step]. ``seed`` is the run's (its counters', an epoch checkpoint's on resume);
+    ``runtime`` is the run's (its device, precision and data-parallel ranks); under data
+    parallelism every group runs the full ``max_generated_tokens`` forwards, so that every rank
+    runs as many (see [rollouts independent of the rank layout] in
     exactga.generation.sampling). ``phase`` times generate, reward, reference and old_policy
     (the profiler's ``phase``); the generation's wall time is kept in ``generation_seconds``.
 
@@ -235,7 +236,7 @@ def make_rollouts(
     next batch of prompts of the data order (None at its end), called alike on every rank of
     ``runtime``'s data-parallel group; see [dynamic sampling on any layout] in
     exactga.grpo.shaping."""
-    seed, device, precision = runtime.progress.seed, runtime.device, runtime.precision
+    device, precision = runtime.device, runtime.precision
     run_full_length = runtime.dp_size > 1  # every rank runs as many forwards
     timed = phase or (lambda _name: contextlib.nullcontext())
     t0 = time.perf_counter()  # generation reads its tokens back: host time is its time

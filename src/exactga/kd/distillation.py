@@ -68,9 +68,9 @@ from exactga.accumulation.loss_units import (
 )
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import Window
+from exactga.model_build.frozen import frozen_forward
 from exactga.runtime.distributed import is_rank_zero
 from exactga.runtime.precision import Precision
-from exactga.setup.frozen import frozen_forward
 
 # Config keys of the KD recipes that decide what a run computes, beside
 # exactga.run.resume.FINGERPRINT_KEYS (``run_fingerprint(cfg, KD_FINGERPRINT_KEYS, ...)``): a resume
@@ -249,8 +249,8 @@ class Distiller:
 
     Args:
         student: the model being trained (LoRA adapters over a frozen base).
-        teacher: the frozen teacher (:func:`exactga.setup.frozen.freeze_model`), possibly sharded
-            with FSDP2.
+        teacher: the frozen teacher (:func:`exactga.model_build.frozen.freeze_model`), possibly
+            sharded with FSDP2.
         loss_fn: the class loss (cross-entropy against the labels).
         kd_loss_fn: the KD loss (``kd_loss``), called as ``kd_loss_fn(student_logits,
             teacher_logits, labels)``.

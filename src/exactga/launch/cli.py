@@ -406,7 +406,7 @@ def _config_file(run: Any, args: Any, run_module: Any) -> str | None:
 # - sets ``OMP_NUM_THREADS=1`` where torchrun would (several ranks, the variable unset): the
 #   value torchrun sets, so no rank computes differently, without torchrun's seven-line warning
 #   about it. A rank's count is still the config's ``cpu_threads`` where set ([cpu threads] in
-#   exactga.run.threads).
+#   exactga.runtime.threads).
 
 SHUTDOWN_TIMEOUT_S = 300  # see [torchrun and a stop]
 

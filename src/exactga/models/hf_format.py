@@ -3,7 +3,7 @@
 torchtune 0.6.1's ``FullModelHFCheckpointer`` picks its conversion with a fixed ``ModelType``
 enum, which has no member for the families exactga adds. Each family package here describes its
 format once (an :class:`HFFormat`), and :mod:`exactga.models.checkpointer` and the seeded initial
-checkpoint (``exactga.setup.random_init_checkpointer``) look it up by the checkpointer's
+checkpoint (``exactga.models.random_init_checkpointer``) look it up by the checkpointer's
 ``model_type`` name, so reading, writing and the first checkpoint of a tiny test model can never
 disagree on a key.
 """

@@ -81,7 +81,6 @@ from exactga.parity.scoring import (
     verdict,
 )
 from exactga.profiling import setup_profiler
-from exactga.run.progress import TrainingProgress
 from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
 
@@ -91,12 +90,11 @@ log = utils.get_logger("INFO")
 @dataclass(frozen=True)
 class SplitRuntime:
     """What one split's run hands ``make_rollouts`` of itself (a recipe hands its ``Runtime``;
-    see exactga.grpo.rollout_step.RolloutRuntime): the rollouts' seed, device, precision and
+    see exactga.grpo.rollout_step.RolloutRuntime): the rollouts' device, precision and
     data-parallel group."""
 
     device: torch.device
     precision: Precision
-    progress: TrainingProgress
     dp_group: Any = None
 
     @property
@@ -304,8 +302,7 @@ class GrpoParity:
                 num_training_steps=self._num_steps * self._cfg.ppo_epochs,
             )
         dp_group = distributed.dp_group(self._mesh) if sharded else None
-        progress = TrainingProgress(self._seed, total_epochs=1, max_steps_per_epoch=None)
-        runtime = SplitRuntime(self._device, precision, progress, dp_group)  # the rollouts'
+        runtime = SplitRuntime(self._device, precision, dp_group)  # the rollouts'
         normalizer = LossNormalizer(
             None, mode=mode, dp_group=dp_group, units=loss_units_for(aggregation)
         )
@@ -353,6 +350,7 @@ class GrpoParity:
                 reward_components=self._rewards,
                 tokenizer=self._tokenizer,
                 step=rollout_step,
+                seed=self._seed,
                 runtime=runtime,
                 more_prompts=partial(next, prompt_batches, None),
             )

@@ -25,11 +25,11 @@ from torch import nn
 from torchtune import config, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
+from exactga.model_build.frozen import build_frozen_model
+from exactga.model_build.trained import init_rope
 from exactga.parity.scoring import ParityRun, RunSummary
+from exactga.qat.fake_quant import prepare_for_qat
 from exactga.runtime import distributed
-from exactga.setup.frozen import build_frozen_model
-from exactga.setup.model import init_rope
-from exactga.setup.qat import prepare_for_qat
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -136,7 +136,7 @@ def build_model(
 ) -> nn.Module:
     """A run's model on one device, uninitialised: the adapters alone trainable for LoRA,
     trainable weights cast as ``precision`` keeps them (fp32 master weights); a QAT config's
-    ``quantizer`` fake-quantises its linears as the QAT recipes do (exactga.setup.qat)."""
+    ``quantizer`` fake-quantises its linears as the QAT recipes do (exactga.qat.fake_quant)."""
     with training.set_default_dtype(precision.compute_dtype), device:
         model = config.instantiate(cfg_model)
     if quantizer is not None:  # before the adapters are made trainable: QATLoRALinear's new ones
@@ -184,7 +184,7 @@ def build_sharded_model(
 class FrozenModels:
     """A frozen model with ``state`` (a reference), built on first use once per layout and
     dtype: on one device for the ``BxG`` runs, sharded over ``dp_mesh`` like the policy for the
-    ``BxGxN`` runs (``exactga.setup.frozen.build_frozen_model``, the recipes' rule)."""
+    ``BxGxN`` runs (``exactga.model_build.frozen.build_frozen_model``, the recipes' rule)."""
 
     def __init__(
         self,

@@ -39,9 +39,9 @@ from exactga.config.options import MicroBatching
 from exactga.data.loader import build_prompt_loader, load_dataset
 from exactga.data.micro_batching import MicroBatchingSettings, WindowCollator
 from exactga.generation.sampling import SamplingSettings, check_prompt, generate_group
+from exactga.model_build.frozen import frozen_forward
 from exactga.ppo.loss import ADVANTAGES, OLD_LOG_PROBS, OLD_VALUES, RETURNS
 from exactga.runtime.precision import Precision
-from exactga.setup.frozen import frozen_forward
 
 if TYPE_CHECKING:
     from exactga.accumulation.normalization import LossNormalizer, Window

@@ -2,7 +2,7 @@
 
 The recipes keep the step in sight, so a user reading or editing a copy sees it::
 
-    with self._run as steps:  # exactga.setup.run_start.TrainingRun: profiler, bar, report
+    with self._run as steps:  # exactga.wiring.run_start.TrainingRun: profiler, bar, report
         for curr_epoch in steps.epochs():
             for window in steps.windows(curr_epoch):
                 for batch in window:                    # this rank's micro-batches
@@ -113,7 +113,7 @@ class StepBookSettings:
 
 
 class Checkpoints(Protocol):
-    """What the step book saves through (``exactga.setup.checkpoints.RunCheckpoints``)."""
+    """What the step book saves through (``exactga.checkpoints.contents.RunCheckpoints``)."""
 
     def save_step(self, model: Any, optimizer: Any, dataloader: Any) -> Path: ...
 

@@ -1,2 +1,3 @@
-"""What a process computes on and in: the process group and device mesh, the precision policy,
-the attention kernels. Uses only ``exactga.config``."""
+"""What a process computes on and in: the run's ``Runtime`` (device, seed, process group and
+device mesh), the precision policy, the attention kernels and the CPU thread count. Uses only
+``exactga.config``."""

@@ -240,7 +240,7 @@ def _rng_kept(device: torch.device) -> Iterator[None]:
 
 class _Runtime(Protocol):
     """What :func:`validation_from_settings` reads of a recipe's runtime
-    (``exactga.setup.run_start.Runtime``): which data-parallel rank of how many it is."""
+    (``exactga.runtime.runtime.Runtime``): which data-parallel rank of how many it is."""
 
     @property
     def dp_size(self) -> int: ...

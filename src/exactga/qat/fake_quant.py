@@ -4,7 +4,7 @@ at a step, as torchtune 0.6.1's ``qat_distributed`` and ``qat_lora_finetune_dist
 QAT changes the forward only: each quantised linear rounds its weight (and, for
 ``Int8DynActInt4WeightQATQuantizer``, its input activations) to the target grid and back, with
 a straight-through gradient. The loss is still a sum of token losses, so exact accumulation
-carries over unchanged (docs/qat.md). ``exactga.setup.model.build_model`` calls
+carries over unchanged (docs/qat.md). ``exactga.model_build.trained.build_model`` calls
 :func:`prepare_for_qat` at stock's point of the build; recipes call :class:`FakeQuantSchedule`
 at each window.
 """

@@ -19,19 +19,15 @@ user's copy) can neither skip it nor do it in another order.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
 from typing import Any
 
 import torch
-import torchtune.modules.common_utils as common_utils
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torchtune import config, training, utils
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
@@ -40,11 +36,23 @@ from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.accumulation.window_statistics import WindowStatistic
+from exactga.checkpoints.contents import RunCheckpoints
 from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.config.validation import Settings, torchtune_config, typed_settings
 from exactga.data.loader import dataloader_from_settings
 from exactga.data.micro_batching import MicroBatchingSettings
+from exactga.lora.adapters import LoraSettings
+from exactga.model_build.frozen import build_frozen_model, freeze_model
+from exactga.model_build.trained import (
+    AdapterWeights,
+    FullWeights,
+    ModelSettings,
+    Parallelism,
+    build_model,
+    models_from_folders,
+)
 from exactga.profiling import profiler_from_settings
+from exactga.qat.fake_quant import quantizer_from_config
 from exactga.run.metric_logging import (
     close_metric_logger,
     log_config_summary,
@@ -54,22 +62,8 @@ from exactga.run.metric_logging import (
 from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import checkpointer_source, start_run, validate_run_config
 from exactga.run.steps import StepBook, StepBookSettings
-from exactga.run.threads import use_cpu_threads
 from exactga.runtime import distributed
-from exactga.runtime.kernels import choose_attention_kernels
-from exactga.runtime.precision import Precision
-from exactga.setup.checkpoints import RunCheckpoints
-from exactga.setup.frozen import build_frozen_model, freeze_model
-from exactga.setup.lora import LoraSettings
-from exactga.setup.model import (
-    AdapterWeights,
-    FullWeights,
-    ModelSettings,
-    Parallelism,
-    build_model,
-    models_from_folders,
-)
-from exactga.setup.qat import quantizer_from_config
+from exactga.runtime.runtime import Runtime
 
 log = utils.get_logger("INFO")
 
@@ -92,167 +86,21 @@ def validated_config(cfg: DictConfig, schema: type[Settings], recipe_name: str) 
 
 # Note [setup order]
 # What a recipe's setup does, in this order, on every rank:
-# 1. ``Runtime``: the device, the precision policy, the attention kernels, the CPU threads, and
-#    under torchrun the process group and the ("dp", "tp") mesh; then the seed (the config's on
-#    every rank), before anything draws a random number.
-# 2. ``RunStart``: where the run goes on from (nothing, an epoch or a step checkpoint), the
-#    metric logger (a resumed run continues its own TensorBoard run), torchtune's checkpointer
-#    (wrapped so that weights for users are written in ``dtype``) and the weights it reads.
+# 1. ``Runtime`` (``exactga.runtime.runtime``): the device, the precision policy, the attention
+#    kernels, the CPU threads, and under torchrun the process group and the ("dp", "tp") mesh;
+#    then the seed (the config's on every rank), before anything draws a random number.
+# 2. ``RunStart``: the counters from the runtime's seed, where the run goes on from (nothing,
+#    an epoch or a step checkpoint), the metric logger (a resumed run continues its own
+#    TensorBoard run), torchtune's checkpointer (wrapped so that weights for users are written
+#    in ``dtype``) and the weights it reads.
 # 3. the model: built, adapters made trainable, cast, compiled, sharded, loaded
-#    (``exactga.setup.model.build_model``); frozen reference and teacher models next.
+#    (``exactga.model_build.trained.build_model``); frozen reference and teacher models next.
 # 4. the optimizer, with the checkpoint's state; then the counters are restored.
 # 5. the recipe's own loss and data; the loader gets the checkpoint's position.
 # 6. ``training_run``: the counters learn the epoch length, then the checkpoints, the learning-
 #    rate scheduler, the profiler and the step bookkeeping; last the RNG states of a resumed
 #    run, because steps 3-5 draw from the RNGs (adapter init, dropout-free init, samplers).
 # A recipe that changes this order changes its numbers, which is why it is written once here.
-
-
-@dataclass
-class Runtime:
-    """Where and how a run computes, read from the config once (see [setup order], 1).
-
-    Build it with :meth:`single_device` or :meth:`distributed`; a recipe passes it to
-    :class:`RunStart` and reads ``device``, ``precision`` and, distributed, ``dp_size``.
-    """
-
-    device: torch.device
-    precision: Precision
-    model_settings: ModelSettings
-    progress: TrainingProgress
-    notes: tuple[object, ...]  # logged with the model: what else decides the run's numbers
-    mesh: DeviceMesh | None = None
-    tensor_parallel_plan: Any = None
-    tensor_parallel_dim: int = 1
-    fingerprint_extra: dict[str, Any] = field(default_factory=dict)
-    gradient_sync: Any = None  # the config's GradientSync, distributed only
-    async_checkpointing: bool = False
-    # Sharded full-weight recipes (their schemas have enable_async_checkpointing) read their
-    # weights through torchtune's CheckpointClient, as stock does.
-    checkpoint_client: bool = False
-
-    @classmethod
-    def single_device(cls, cfg: SingleDeviceRecipeConfig) -> Runtime:
-        """One device: no process group, no sharding."""
-        # Launched as one of several processes, each would train the whole run into the same
-        # folder (a copy that skips run_recipe's check: [launch mix-ups] in exactga.launch.mixups).
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError(
-                "this recipe trains on one device, but was launched as one of "
-                f"{os.environ['WORLD_SIZE']} processes (--nproc_per_node, --nnodes); run it "
-                "without torchrun options, or a distributed recipe (exactga/<name>_distributed)."
-            )
-        device = utils.get_device(device=cfg.device)
-        dtype = training.get_dtype(cfg.dtype, device=device)
-        notes = (
-            choose_attention_kernels(cfg.cudnn_attention, device),
-            use_cpu_threads(cfg.cpu_threads),  # see [cpu threads] in exactga.run.threads
-        )
-        if hasattr(cfg, "low_cpu_ram"):  # torchtune's low-CPU-RAM NF4 state-dict hook (QLoRA)
-            common_utils._use_low_cpu_ram = cfg.low_cpu_ram
-        return cls(
-            device=device,
-            precision=Precision.from_config(dtype, cfg.master_weights, device),
-            model_settings=ModelSettings.from_settings(cfg, device),
-            progress=_seeded_progress(cfg),
-            notes=notes,
-        )
-
-    @classmethod
-    def distributed(
-        cls, cfg: SingleDeviceRecipeConfig, *, tensor_parallel: bool = False
-    ) -> Runtime:
-        """Every rank of a torchrun launch (or one rank without torchrun): the process group,
-        and the mesh, data-parallel only unless ``tensor_parallel`` (then the config's
-        ``tensor_parallel_dim`` and ``tensor_parallel_plan``)."""
-        device = utils.get_device(device=cfg.device)
-        dtype = training.get_dtype(cfg.dtype, device=device)
-        model_settings = ModelSettings.from_settings(cfg, device)
-        # Parameters offloaded to the CPU are for a GPU's memory; on CPU the key is ignored.
-        cpu_offload = model_settings.fsdp_cpu_offload
-        checkpoint_client = hasattr(cfg, "enable_async_checkpointing")
-        async_checkpointing = checkpoint_client and cfg.enable_async_checkpointing
-        notes = (
-            choose_attention_kernels(cfg.cudnn_attention, device),
-            use_cpu_threads(cfg.cpu_threads, optimizer_on_cpu=cpu_offload),  # see [cpu threads]
-        )
-        distributed.init_distributed(device, offload_ops_to_cpu=cpu_offload or async_checkpointing)
-        tp_dim = cfg.tensor_parallel_dim if tensor_parallel else 1
-        return cls(
-            device=device,
-            precision=Precision.from_config(dtype, cfg.master_weights, device),
-            model_settings=model_settings,
-            progress=_seeded_progress(cfg),
-            notes=notes,
-            mesh=distributed.build_device_mesh(device, tp_dim),
-            tensor_parallel_plan=config.instantiate(cfg.tensor_parallel_plan)
-            if tensor_parallel
-            else None,
-            tensor_parallel_dim=tp_dim,
-            fingerprint_extra={"tensor_parallel_dim": tp_dim} if tensor_parallel else {},
-            gradient_sync=cfg.gradient_sync,
-            async_checkpointing=async_checkpointing,
-            checkpoint_client=checkpoint_client,
-        )
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.precision.compute_dtype
-
-    @property
-    def sharded(self) -> bool:
-        return self.mesh is not None
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh["dp"].size() if self.mesh is not None else 1
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
-
-    @property
-    def dp_group(self) -> Any:
-        """The group loss units are counted over (``None``: this process alone)."""
-        return distributed.dp_group(self.mesh) if self.mesh is not None else None
-
-    @property
-    def parallelism(self) -> Parallelism | None:
-        if self.mesh is None:
-            return None
-        tp = self.tensor_parallel_dim > 1
-        return Parallelism(
-            dp_mesh=self.mesh["dp"],
-            tp_mesh=self.mesh["tp"] if tp else None,
-            tp_plan=self.tensor_parallel_plan if tp else None,
-        )
-
-    def step_context(self, model: nn.Module, profiler: Any) -> StepContext:
-        """How this rank runs a window's micro-batches; distributed, with the config's
-        gradient-sync policy, and only rank 0 announcing a skipped window."""
-        if self.mesh is None:
-            return StepContext(model, self.device, profiler)
-        return StepContext(
-            model,
-            self.device,
-            profiler,
-            partial(distributed.gradient_sync, model, self.gradient_sync),
-            announce_skip=distributed.is_rank_zero(),
-        )
-
-    def log(self, message: str) -> None:
-        """Log on global rank 0 (every rank, on one device, is rank 0)."""
-        distributed.log_rank_zero(message)
-
-
-def _seeded_progress(cfg: SingleDeviceRecipeConfig) -> TrainingProgress:
-    """The run's counters, with the seed set: the config's on every rank (torchtune would seed
-    ``seed + rank``), before anything draws a random number."""
-    return TrainingProgress(
-        seed=training.set_seed(seed=cfg.seed, debug_mode=cfg.cudnn_deterministic_mode),
-        total_epochs=cfg.epochs,
-        max_steps_per_epoch=cfg.max_steps_per_epoch,
-    )
 
 
 class RunStart:
@@ -277,7 +125,13 @@ class RunStart:
     ) -> None:
         self.settings = cfg = settings
         self.runtime = runtime
-        self.progress = runtime.progress
+        # The run's counters, from the runtime's seed (an epoch checkpoint's wins on resume).
+        self.progress = TrainingProgress(
+            seed=runtime.seed,
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
+        )
+        self.model_settings = ModelSettings.from_settings(cfg, runtime.device)
         self.step_checkpointer, self.fingerprint, self.resume = start_run(
             cfg, fingerprint_keys, **runtime.fingerprint_extra
         )
@@ -351,15 +205,15 @@ class RunStart:
         quantizer: DictConfig | None = None,
     ) -> nn.Module:
         """The trained model, built, cast, compiled, sharded and loaded in the one order (see
-        ``exactga.setup.model.build_model``); its forwards run in ``activations_ctx``. A
+        ``exactga.model_build.trained.build_model``); its forwards run in ``activations_ctx``. A
         ``quantizer`` section (QAT) fake-quantises its linears, built in ``dtype`` as stock."""
         built = build_model(
             cfg_model,
             weights,
             precision=self.runtime.precision,
             device=self.runtime.device,
-            settings=self.runtime.model_settings,
-            parallelism=self.runtime.parallelism,
+            settings=self.model_settings,
+            parallelism=_parallelism(self.runtime),
             notes=self.runtime.notes,
             quantizer=None
             if quantizer is None
@@ -375,7 +229,7 @@ class RunStart:
         checkpointer (never the run's: stock's rule, also on resume), sharded like the trained
         model when it is; never saved. ``role`` names it in the log."""
         started = time.perf_counter()
-        runtime, settings = self.runtime, self.runtime.model_settings
+        runtime, settings = self.runtime, self.model_settings
         state = config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
         state_dict = state.load_checkpoint()[training.MODEL_KEY]
         if runtime.sharded:
@@ -528,7 +382,7 @@ class RunStart:
         )
         steps = StepBook(
             progress,
-            context=runtime.step_context(model, profiler),
+            context=_step_context(runtime, model, profiler),
             dataloader=dataloader,
             normalizer=normalizer,
             optimizer=optimizer,
@@ -553,6 +407,32 @@ def _check_normalizer_ranks(normalizer: Any, runtime: Runtime) -> None:
             f"trains on {runtime.dp_size}: build it with start.normalizer(loss_fn, units=...), "
             "which counts over the runtime's ranks."
         )
+
+
+def _parallelism(runtime: Runtime) -> Parallelism | None:
+    """How the trained model is spread over the runtime's mesh (``None``: one device)."""
+    if runtime.mesh is None:
+        return None
+    tp = runtime.tensor_parallel_dim > 1
+    return Parallelism(
+        dp_mesh=runtime.mesh["dp"],
+        tp_mesh=runtime.mesh["tp"] if tp else None,
+        tp_plan=runtime.tensor_parallel_plan if tp else None,
+    )
+
+
+def _step_context(runtime: Runtime, model: nn.Module, profiler: Any) -> StepContext:
+    """How this rank runs a window's micro-batches; distributed, with the config's
+    gradient-sync policy, and only rank 0 announcing a skipped window."""
+    if runtime.mesh is None:
+        return StepContext(model, runtime.device, profiler)
+    return StepContext(
+        model,
+        runtime.device,
+        profiler,
+        partial(distributed.gradient_sync, model, runtime.gradient_sync),
+        announce_skip=distributed.is_rank_zero(),
+    )
 
 
 def _part_state(state: dict[str, Any], part: str) -> dict[str, Any]:
@@ -598,6 +478,11 @@ class TrainingRun:
     @property
     def profiler(self) -> Any:
         return self.steps.profiler
+
+    @property
+    def progress(self) -> TrainingProgress:
+        """The run's counters; its ``seed`` (an epoch checkpoint's on resume) seeds rollouts."""
+        return self.steps.progress
 
     def __enter__(self) -> StepBook:
         if self.runtime.sharded:

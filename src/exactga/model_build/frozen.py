@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtune import config, training
 
-from exactga.setup.model import init_rope
+from exactga.model_build.trained import init_rope
 
 # Note [frozen forwards run under no_grad]
 # A frozen model's forward must build no autograd graph and keep no activations: its outputs

@@ -21,11 +21,11 @@ from torch.optim import Optimizer
 from torchtune import training, utils
 
 from exactga.accumulation.optimizers import full_optimizer_state
+from exactga.lora.adapters import LoraSettings, adapter_state, save_epoch_checkpoint
 from exactga.run.checkpointing import StepCheckpointer
 from exactga.run.progress import TrainingProgress
 from exactga.run.resume import write_step_checkpoint
 from exactga.runtime import distributed
-from exactga.setup.lora import LoraSettings, adapter_state, save_epoch_checkpoint
 
 log = utils.get_logger("INFO")
 

@@ -57,13 +57,13 @@ from torchtune.modules.peft import (
 from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 
 from exactga.config.schemas import check_lora_model
+from exactga.models.model_state import load_model_state, state_dict_name, state_dict_shapes
 from exactga.models.moe.experts import LoRAStackedLinear
 from exactga.run.checkpointing import (
     ADAPTER_SUBDIR,
     PEFT_ADAPTER_FILES,
     move_peft_adapter_to_own_folder,
 )
-from exactga.setup.model_state import load_model_state, state_dict_name, state_dict_shapes
 
 # How a state dict reaches the model: ``nn.Module.load_state_dict(strict=False)`` on one
 # device, torchtune's ``load_from_full_model_state_dict`` under FSDP. Returns missing and

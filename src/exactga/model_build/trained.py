@@ -32,18 +32,19 @@ from torchtune.training import FullModelHFCheckpointer
 from torchtune.training.activations import apply_selective_activation_checkpointing
 
 from exactga.config.schemas import SingleDeviceRecipeConfig
+from exactga.lora.adapters import LoraSettings, load_lora_weights
 from exactga.models.hf_config import (
     CONFIG_JSON,
     missing_arguments_message,
     resolve_model_section,
 )
+from exactga.models.model_state import load_model_state
 from exactga.models.moe import moe_blocks, router_recording_context_fn
+from exactga.qat.fake_quant import prepare_for_qat
 from exactga.run.resume import ResumePoint, checkpointer_source
 from exactga.runtime import distributed
 from exactga.runtime.precision import Precision
-from exactga.setup.lora import LoraSettings, load_lora_weights
-from exactga.setup.model_state import load_model_state
-from exactga.setup.qat import prepare_for_qat
+from exactga.runtime.runtime import parameters_offloaded_to_cpu
 
 # Each model section and the checkpointers that read its weights; the first fills what the
 # section leaves out, every one is compared (a DPO reference, a PPO value model).
@@ -134,7 +135,6 @@ class ModelSettings:
                 "ac_mode",
                 "ac_option",
                 "custom_sharded_layers",
-                "fsdp_cpu_offload",
                 "fsdp_reshard_after_forward",
             )
             if hasattr(settings, name)
@@ -146,8 +146,7 @@ class ModelSettings:
             ac_mode=sharding.get("ac_mode"),
             ac_option=sharding.get("ac_option"),
             custom_sharded_layers=sharding.get("custom_sharded_layers"),
-            # Offloading parameters to the CPU is for a GPU's memory; on CPU it is ignored.
-            fsdp_cpu_offload=bool(sharding.get("fsdp_cpu_offload")) and device.type != "cpu",
+            fsdp_cpu_offload=parameters_offloaded_to_cpu(settings, device),
             fsdp_reshard_after_forward="fsdp_reshard_after_forward" not in sharding
             or bool(sharding["fsdp_reshard_after_forward"]),
         )
@@ -164,7 +163,7 @@ class FullWeights:
 @dataclass(frozen=True)
 class AdapterWeights:
     """A LoRA/DoRA/QLoRA model's base weights, and the adapters to go on from (``None``: fresh
-    ones drawn from ``seed`` alone; see [adapter init] in exactga.setup.lora)."""
+    ones drawn from ``seed`` alone; see [adapter init] in exactga.lora.adapters)."""
 
     lora: LoraSettings
     base_state: dict[str, Any]
@@ -220,7 +219,7 @@ def build_model(
     """Build ``cfg_model`` with ``weights`` as a recipe trains it: on ``device`` alone, or with
     ``parallelism`` built on the meta device and sharded. ``notes`` (the attention kernels,
     the thread count: what else decides the run's numbers) are logged after the model.
-    ``quantizer`` (a torchao QAT quantizer, ``exactga.setup.qat``) fake-quantises the linears
+    ``quantizer`` (a torchao QAT quantizer, ``exactga.qat.fake_quant``) fake-quantises the linears
     where stock's QAT recipes do: a LoRA model's right after it is built, before the adapters
     are made trainable; a full model's after activation checkpointing, before sharding."""
     start = time.perf_counter()
@@ -362,7 +361,7 @@ def _load(
     else:
         load = partial(nn.Module.load_state_dict, strict=False)
     # The base, then the adapters to go on from or fresh ones drawn from the seed alone, the
-    # same on any number of ranks; see [adapter init] in exactga.setup.lora.
+    # same on any number of ranks; see [adapter init] in exactga.lora.adapters.
     load_lora_weights(
         model,
         weights.lora,

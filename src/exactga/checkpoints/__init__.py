@@ -1,0 +1,1 @@
+"""What a run's epoch and step checkpoints hold of its model and optimizer."""

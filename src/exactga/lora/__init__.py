@@ -1,0 +1,1 @@
+"""LoRA adapters: their settings, first values, loading, and what is saved of them."""
