@@ -13,12 +13,19 @@ every weight random (sinks, all biases and norm scales away from their init).
   random blocks and scales, in fp32 and bf16.
 - ours -> HF: the checkpointer's save loads with ``from_pretrained`` (no missing or unexpected
   key) and gives our logits.
-- training: the sinks get non-zero gradients; the router statistics are HF's router logits.
+- training: the sinks get non-zero gradients; the router statistics are HF's router logits and
+  the balance term on them HF's ``aux_loss`` over ``top_k``; the grouped-matmul experts are the
+  loop's, forward and backward; LoRA starts as its base and torchtune's merge folds the
+  attention and stacked expert adapters in.
+- the flex attention path (``BlockMask``) gives the dense path's logits (forward: no CPU
+  backward).
+- config.json: a one-line ``gpt_oss`` section takes the folder's shape and gives HF's logits.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torchtune import training
+from torchtune.modules.peft import get_merged_lora_ckpt
 
 from exactga.models.checkpointer import FullModelHFCheckpointer
 from exactga.models.gpt_oss import (
@@ -39,13 +47,13 @@ from exactga.models.gpt_oss import (
     quantize_mxfp4,
 )
 from exactga.models.gpt_oss._positional_embeddings import yarn_inverse_frequencies
-from exactga.models.moe import recording_router_stats
+from exactga.models.moe import load_balancing_loss, recording_router_stats, sum_router_stats
 
 transformers = pytest.importorskip("transformers")
 mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 
 BOUND = 1e-5  # relative, fp32
-NUM_EXPERTS, WINDOW, SEQ = 4, 4, 12
+NUM_EXPERTS, TOP_K, WINDOW, SEQ = 4, 2, 4, 12
 ROPE = {
     "rope_type": "yarn",
     "rope_theta": 150000.0,
@@ -66,7 +74,7 @@ def tiny_kwargs() -> dict:
         "embed_dim": 64,
         "intermediate_dim": 64,
         "num_experts": NUM_EXPERTS,
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": TOP_K,
         "max_seq_len": 256,
         "head_dim": 16,
         "sliding_window": WINDOW,
@@ -85,7 +93,7 @@ def hf_config() -> transformers.GptOssConfig:
         hidden_size=64,
         intermediate_size=64,
         num_local_experts=NUM_EXPERTS,
-        num_experts_per_tok=2,
+        num_experts_per_tok=TOP_K,
         max_position_embeddings=256,
         head_dim=16,
         sliding_window=WINDOW,
@@ -265,7 +273,10 @@ def test_mxfp4_folder_saves_dequantised(hf_folder: Path, tmp_path: Path) -> None
 # --- training --------------------------------------------------------------------------------
 
 
-def test_sinks_get_gradients_and_router_stats_are_hf_logits(hf_folder: Path) -> None:
+def test_sinks_get_gradients_and_the_router_term_is_hfs(hf_folder: Path) -> None:
+    """The sinks train; the router statistics the exact step's balance term reads
+    (exactga.sft.router_balance, as for Qwen3 MoE) are HF's router logits, and the balance
+    loss on them is HF's ``aux_loss`` over ``top_k`` (see load_balancing_loss)."""
     ours, hf = ours_from(hf_folder).train(), load_hf_model(hf_folder)
     ids = tokens()
     with recording_router_stats(ours, keep_logits=True) as blocks:
@@ -273,11 +284,36 @@ def test_sinks_get_gradients_and_router_stats_are_hf_logits(hf_folder: Path) -> 
     for layer in ours.layers:
         assert layer.attn.sinks.grad is not None and layer.attn.sinks.grad.abs().min() > 0
     with torch.no_grad():
-        router_logits = hf(ids, output_router_logits=True).router_logits
-    for block, theirs in zip(blocks, router_logits, strict=True):
-        assert (
-            relative_error(block.last_router_stats.logits, theirs.reshape(-1, NUM_EXPERTS)) < BOUND
-        )
+        hf_out = hf(ids, output_router_logits=True)
+    per_layer = [block.last_router_stats for block in blocks]
+    for stats, theirs in zip(per_layer, hf_out.router_logits, strict=True):
+        assert relative_error(stats.logits, theirs.reshape(-1, NUM_EXPERTS)) < BOUND
+    total = sum_router_stats(per_layer)
+    balance = load_balancing_loss(
+        total.expert_counts, total.prob_sums, total.num_tokens, NUM_EXPERTS, TOP_K
+    )
+    assert torch.allclose(TOP_K * balance, hf_out.aux_loss, rtol=1e-6)
+
+
+@pytest.mark.parametrize("adapted", [False, True], ids=["plain", "lora"])
+def test_grouped_experts_are_the_loop_forward_and_backward(adapted: bool) -> None:
+    """The biased experts on ``torch._grouped_mm`` (fp32 runs on the CPU) and on the loop."""
+    torch.manual_seed(0)
+    lora = {"lora_attn_modules": ["q_proj"], "apply_lora_to_mlp": True, "lora_rank": 4}
+    build = partial(lora_gpt_oss, **lora, lora_alpha=8) if adapted else gpt_oss
+    models = {path: build(**{**tiny_kwargs(), "expert_path": path}) for path in ("loop", "grouped")}
+    randomize_(models["loop"])
+    models["grouped"].load_state_dict(models["loop"].state_dict())
+    ids = tokens()
+    results = {}
+    for path, model in models.items():
+        logits = model(ids)
+        logits.float().pow(2).mean().backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if "experts" in name}
+        results[path] = (logits.detach(), grads)
+    assert relative_error(results["grouped"][0], results["loop"][0]) < BOUND
+    for name, grad in results["loop"][1].items():
+        assert relative_error(results["grouped"][1][name], grad) < 1e-5, name
 
 
 def test_lora_starts_as_its_base_and_adapts_experts(hf_folder: Path) -> None:
@@ -295,6 +331,16 @@ def test_lora_starts_as_its_base_and_adapts_experts(hf_folder: Path) -> None:
     ids = tokens()
     with torch.no_grad():
         assert torch.equal(lora(ids), base(ids))
+        for name, parameter in lora.named_parameters():
+            if "lora_b" in name:
+                parameter.normal_(std=0.1)  # trained adapters
+        adapted = lora(ids)
+    merged = get_merged_lora_ckpt(
+        {key: value.clone() for key, value in lora.state_dict().items()}, rank=4, alpha=8
+    )
+    base.load_state_dict(merged, strict=True)
+    with torch.no_grad():
+        assert relative_error(base(ids), adapted) < BOUND
 
 
 def test_sized_builders_have_the_released_parameter_counts() -> None:
@@ -343,7 +389,9 @@ def test_a_one_line_section_builds_the_folders_model(hf_folder: Path) -> None:
     model.load_state_dict(weights[training.MODEL_KEY], strict=True)
     ids = tokens()
     with torch.no_grad():
-        assert relative_error(model.eval()(ids), load_hf_model(hf_folder)(ids).logits) < BOUND
+        error = relative_error(model.eval()(ids), load_hf_model(hf_folder)(ids).logits)
+    print(f"gpt-oss logits, one-line model section: relative difference {error:.2e}")
+    assert error < BOUND
     with pytest.raises(ValueError, match="rope_original_max_seq_len=4096"):
         resolve_model_section(
             "model",
