@@ -17,8 +17,9 @@ every weight random (sinks, all biases and norm scales away from their init).
   the balance term on them HF's ``aux_loss`` over ``top_k``; the grouped-matmul experts are the
   loop's, forward and backward; LoRA starts as its base and torchtune's merge folds the
   attention and stacked expert adapters in.
-- the flex attention path (``BlockMask``) gives the dense path's logits (forward: no CPU
-  backward).
+- packed rows (a document longer than the window) give each document's logits alone, with the
+  dense block-causal mask and with a ``BlockMask`` (flex attention: forward only, it has no CPU
+  backward); KV-cache decoding past the window gives the full forward's logits.
 - config.json: a one-line ``gpt_oss`` section takes the folder's shape and gives HF's logits.
 """
 
@@ -32,7 +33,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 from torchtune import training
+from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.modules.peft import get_merged_lora_ckpt
 
 from exactga.models.checkpointer import FullModelHFCheckpointer
@@ -358,19 +361,51 @@ def test_sized_builders_have_the_released_parameter_counts() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:.*without torch.compile.*:UserWarning")
-def test_flex_attention_path_gives_the_dense_path_logits(hf_folder: Path) -> None:
-    """A ``BlockMask`` (what packed rows carry on CUDA) runs the sinks through flex attention's
-    log-sum-exp; forward only (flex attention has no CPU backward)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+@pytest.mark.parametrize("flex", [False, True], ids=["dense-mask", "block-mask"])
+def test_packed_documents_get_the_logits_they_get_alone(hf_folder: Path, flex: bool) -> None:
+    """Packed rows' per-document masks, dense or a ``BlockMask`` (flex attention: the sinks
+    through its log-sum-exp; forward only, flex attention has no CPU backward)."""
     ours = ours_from(hf_folder)
-    ids = tokens()
-    block_mask = create_block_mask(
-        lambda b, h, q, kv: q >= kv, B=2, H=None, Q_LEN=SEQ, KV_LEN=SEQ, device="cpu"
-    )
+    lengths = [4, 8]  # the second document is longer than the window
+    ids = tokens()[:1, : sum(lengths)]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    if flex:
+        document = torch.tensor([0] * lengths[0] + [1] * lengths[1])
+
+        def block_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (document[q_idx] == document[kv_idx])
+
+        mask = create_block_mask(block_causal, 1, None, sum(lengths), sum(lengths), device="cpu")
+    else:
+        mask = create_block_causal_mask([torch.tensor(lengths)])
     with torch.no_grad():
-        error = relative_error(ours(ids, mask=block_mask), ours(ids))
-    print(f"gpt-oss logits, flex attention against the dense path: relative difference {error:.2e}")
+        packed = ours(ids, mask=mask, input_pos=positions)
+        alone = torch.cat([ours(ids[:, : lengths[0]]), ours(ids[:, lengths[0] :])], dim=1)
+    error = relative_error(packed, alone)
+    print(f"gpt-oss logits, packed ({'flex' if flex else 'dense'}) against alone: {error:.2e}")
+    assert error < BOUND
+
+
+def test_kv_cache_decoding_past_the_window_matches_full_forward(hf_folder: Path) -> None:
+    ours = ours_from(hf_folder)
+    ids = tokens()[:1]
+    with torch.no_grad():
+        full = ours(ids)
+        ours.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=SEQ)
+        causal = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool))
+        prompt = 3
+        steps = [
+            ours(ids[:, :prompt], input_pos=torch.arange(prompt)[None], mask=causal[None, :prompt])
+        ]
+        for position in range(prompt, SEQ):  # 9 steps: the window of 4 slides past the prompt
+            step = ours(
+                ids[:, position : position + 1],
+                input_pos=torch.tensor([[position]]),
+                mask=causal[None, position : position + 1],
+            )
+            steps.append(step)
+    error = relative_error(torch.cat(steps, dim=1), full)
+    print(f"gpt-oss logits, KV-cache decoding against the full forward: {error:.2e}")
     assert error < BOUND
 
 
