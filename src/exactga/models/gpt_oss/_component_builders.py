@@ -18,6 +18,7 @@ modules and exactga's:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 from torch import nn
@@ -295,7 +296,7 @@ def gpt_oss(
     return _gpt_oss_decoder(**_shape_arguments(locals()))
 
 
-_SHAPE_ARGUMENTS = tuple(gpt_oss.__code__.co_varnames[: gpt_oss.__code__.co_argcount])
+_SHAPE_ARGUMENTS = tuple(inspect.signature(gpt_oss).parameters)
 
 
 def _shape_arguments(arguments: dict) -> dict:

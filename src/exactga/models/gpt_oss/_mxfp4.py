@@ -55,11 +55,26 @@ def dequantize_mxfp4(
             "the blocks are the scales' shape plus 16 bytes"
         )
     table = torch.tensor(E2M1_VALUES, dtype=dtype, device=blocks.device)
-    low, high = table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]
-    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., G, 32], low nibble first
-    exponents = scales.to(torch.int32) - _SCALE_BIAS
-    values = torch.ldexp(values, exponents.unsqueeze(-1))
-    return values.flatten(-2)
+    out = torch.empty(*scales.shape, 32, dtype=dtype, device=blocks.device)
+    # One expert (leading slice) at a time: the index and value temporaries of a whole
+    # 120B layer's projection at once would be tens of GB.
+    per_expert = blocks.dim() > 3
+    for out_slice, block_slice, scale_slice in zip(
+        _slices(out, per_expert),
+        _slices(blocks, per_expert),
+        _slices(scales, per_expert),
+        strict=True,
+    ):
+        out_slice[..., 0::2] = table[(block_slice & 0x0F).int()]  # the low nibble first
+        out_slice[..., 1::2] = table[(block_slice >> 4).int()]
+        exponents = scale_slice.to(torch.int32) - _SCALE_BIAS
+        torch.ldexp(out_slice, exponents.unsqueeze(-1), out=out_slice)
+    return out.flatten(-2)
+
+
+def _slices(tensor: torch.Tensor, per_expert: bool) -> tuple[torch.Tensor, ...]:
+    """Views along the leading dimension (the experts), or the tensor itself."""
+    return tensor.unbind(0) if per_expert else (tensor,)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
