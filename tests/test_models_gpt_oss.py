@@ -13,10 +13,10 @@ every weight random (sinks, all biases and norm scales away from their init).
   random blocks and scales, in fp32 and bf16.
 - ours -> HF: the checkpointer's save loads with ``from_pretrained`` (no missing or unexpected
   key) and gives our logits.
-- training: the sinks get non-zero gradients; the router statistics are HF's router logits and
-  the balance term on them HF's ``aux_loss`` over ``top_k``; the grouped-matmul experts are the
-  loop's, forward and backward; LoRA starts as its base and torchtune's merge folds the
-  attention and stacked expert adapters in.
+- training: the sinks get non-zero gradients; the router statistics are HF's router logits,
+  the balance term on them HF's ``aux_loss`` over ``top_k``, and the recipes' ``RouterBalance``
+  term ``coef`` times it; the grouped-matmul experts are the loop's, forward and backward; LoRA
+  starts as its base and torchtune's merge folds the attention and stacked expert adapters in.
 - packed rows (a document longer than the window) give each document's logits alone, with the
   dense block-causal mask and with a ``BlockMask`` (flex attention: forward only, it has no CPU
   backward); KV-cache decoding past the window gives the full forward's logits.
@@ -296,6 +296,26 @@ def test_sinks_get_gradients_and_the_router_term_is_hfs(hf_folder: Path) -> None
         total.expert_counts, total.prob_sums, total.num_tokens, NUM_EXPERTS, TOP_K
     )
     assert torch.allclose(TOP_K * balance, hf_out.aux_loss, rtol=1e-6)
+
+
+def test_the_exact_steps_router_term_is_hfs_aux_loss(hf_folder: Path) -> None:
+    """``router_aux_loss_coef`` reaches gpt-oss as it reaches Qwen3 MoE: the fine-tuning
+    recipes' ``RouterBalance`` finds the MoE blocks and its term is ``coef`` times HF's
+    ``aux_loss`` (every token routed), with a gradient into every router."""
+    from exactga.sft.router_balance import RouterBalance
+
+    ours, hf = ours_from(hf_folder).train(), load_hf_model(hf_folder)
+    coef, ids = 0.25, tokens()
+    balance = RouterBalance(ours, coef, "micro_batch", None, torch.device("cpu"))
+    assert len(balance.blocks) == 2
+    with balance.recording(ours, labels=ids):
+        ours(ids)
+    term = balance.with_term(torch.tensor(0.0)).terms["router_micro_batches"]
+    with torch.no_grad():
+        aux_loss = hf(ids, output_router_logits=True).aux_loss
+    assert torch.allclose(term, coef * aux_loss, rtol=1e-6)
+    term.backward()
+    assert all(layer.mlp.router.gate.weight.grad.abs().sum() > 0 for layer in ours.layers)
 
 
 @pytest.mark.parametrize("adapted", [False, True], ids=["plain", "lora"])
