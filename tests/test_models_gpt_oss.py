@@ -12,7 +12,8 @@ every weight random (sinks, all biases and norm scales away from their init).
 - MXFP4: our dequantisation equals transformers' ``convert_moe_packed_tensors`` bit for bit on
   random blocks and scales, in fp32 and bf16.
 - ours -> HF: the checkpointer's save loads with ``from_pretrained`` (no missing or unexpected
-  key) and gives our logits.
+  key) and gives our logits; the attention and output LoRA adapters load in PEFT with our
+  logits, the experts' and routers' are left out of the PEFT file with a warning.
 - training: the sinks get non-zero gradients; the router statistics are HF's router logits,
   the balance term on them HF's ``aux_loss`` over ``top_k``, and the recipes' ``RouterBalance``
   term ``coef`` times it; the grouped-matmul experts are the loop's, forward and backward; LoRA
@@ -35,8 +36,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
 from torchtune import training
+from torchtune.models.convert_weights import tune_to_peft_adapter_config
 from torchtune.modules.attention_utils import create_block_causal_mask
-from torchtune.modules.peft import get_merged_lora_ckpt
+from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
 from exactga.models.checkpointer import FullModelHFCheckpointer
 from exactga.models.gpt_oss import (
@@ -54,6 +56,9 @@ from exactga.models.moe import load_balancing_loss, recording_router_stats, sum_
 
 transformers = pytest.importorskip("transformers")
 mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
 BOUND = 1e-5  # relative, fp32
 NUM_EXPERTS, TOP_K, WINDOW, SEQ = 4, 2, 4, 12
@@ -364,6 +369,52 @@ def test_lora_starts_as_its_base_and_adapts_experts(hf_folder: Path) -> None:
     base.load_state_dict(merged, strict=True)
     with torch.no_grad():
         assert relative_error(base(ids), adapted) < BOUND
+
+
+def test_peft_loads_the_attention_and_output_adapters(hf_folder: Path, tmp_path: Path) -> None:
+    """The PEFT file holds what PEFT can load into transformers' model (attention, output);
+    the experts' and routers' adapters are left out with a warning."""
+    modules = ["q_proj", "k_proj", "v_proj", "output_proj"]
+    lora = lora_gpt_oss(
+        modules, apply_lora_to_output=True, **tiny_kwargs(), lora_rank=4, lora_alpha=8
+    )
+    lora.load_state_dict(ours_from(hf_folder).state_dict(), strict=False)
+    with torch.no_grad():
+        for name, parameter in lora.named_parameters():
+            if "lora_b" in name:
+                parameter.normal_(std=0.1)
+    adapter = get_adapter_state_dict(lora.state_dict())
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file(
+        GPT_OSS_FORMAT.adapter_to_peft(adapter, {}),
+        folder / "adapter_model.safetensors",
+        metadata={"format": "pt"},
+    )
+    peft_config = tune_to_peft_adapter_config(
+        {"r": 4, "lora_alpha": 8, "target_modules": [*modules, "output"], "peft_type": "LORA"},
+        base_model_name_or_path=str(hf_folder),
+    )
+    (folder / "adapter_config.json").write_text(json.dumps(peft_config))
+    peft_model = peft.PeftModel.from_pretrained(load_hf_model(hf_folder), folder).eval()
+    ids = tokens()
+    with torch.no_grad():
+        error = relative_error(lora.eval()(ids), peft_model(ids).logits)
+    print(f"gpt-oss logits, LoRA adapter in PEFT: relative difference {error:.2e}")
+    assert error < BOUND
+    with torch.no_grad(), peft_model.disable_adapter():  # the adapters are not zero
+        assert relative_error(lora(ids), peft_model(ids).logits) > 1e-3
+    experts = lora_gpt_oss(
+        ["q_proj"],
+        apply_lora_to_mlp=True,
+        apply_lora_to_router=True,
+        **tiny_kwargs(),
+        lora_rank=4,
+        lora_alpha=8,
+    )
+    with pytest.warns(UserWarning, match="experts or routers"):
+        kept = GPT_OSS_FORMAT.adapter_to_peft(get_adapter_state_dict(experts.state_dict()), {})
+    assert kept and not any(".mlp." in key for key in kept)
 
 
 def test_sized_builders_have_the_released_parameter_counts() -> None:

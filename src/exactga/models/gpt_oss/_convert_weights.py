@@ -22,6 +22,7 @@ A save writes transformers' dequantised layout and drops ``quantization_config``
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +55,7 @@ _TOP_NAMES = {
 }
 _LAYER_TO_HF = {tune: hf for hf, tune in _LAYER_NAMES.items()}
 _TOP_TO_HF = {tune: hf for hf, tune in _TOP_NAMES.items()}
+_TUNE_ADAPTER_WITHOUT_PEFT = re.compile(r"layers\.\d+\.mlp\.(experts\.w[123]|router\.gate)\..+")
 _HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _TUNE_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_TENSORS = (
@@ -181,14 +183,20 @@ def _weight_to_hf(key: str) -> str:
 
 def adapter_to_peft(adapter_state_dict: StateDict, config: Mapping[str, Any]) -> StateDict:
     """torchtune's gpt-oss adapter in PEFT's names: the attention and output adapters. The
-    experts' stacked adapters and the router's have no PEFT target in transformers'
-    ``GptOssForCausalLM`` (3-d parameters, and a router that is no ``nn.Linear``); they are in
-    torchtune's ``adapter_model.pt`` and, merged, in the full weights."""
-    kept = {
-        key: value
-        for key, value in adapter_state_dict.items()
-        if ".mlp.experts." not in key and ".mlp.router." not in key
-    }
+    experts' stacked adapters and the router's are left out with a warning: transformers'
+    ``GptOssForCausalLM`` holds the experts as 3-d parameters and its router as no
+    ``nn.Linear``, which PEFT's LoRA cannot target as torchtune trains them; torchtune's
+    ``adapter_model.pt`` and the merged full weights hold them."""
+    left_out = [key for key in adapter_state_dict if _TUNE_ADAPTER_WITHOUT_PEFT.fullmatch(key)]
+    if left_out:
+        warnings.warn(
+            f"the PEFT adapter file leaves out {len(left_out)} adapter tensors of the experts "
+            f"or routers (e.g. '{left_out[0]}'), which PEFT cannot target in transformers' "
+            "GptOssForCausalLM; adapter_model.pt (torchtune's format) and the merged model "
+            "weights hold them.",
+            stacklevel=2,
+        )
+    kept = {key: value for key, value in adapter_state_dict.items() if key not in left_out}
     return peft_adapter(kept, _weight_to_hf)
 
 
