@@ -557,6 +557,62 @@ RELEASES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         ("torchtune.models.qwen2_5.qwen2_5_0_5b", "torchtune.models.qwen2_5.lora_qwen2_5_0_5b"),
     ),
 }
+
+
+def _gpt_oss_release(num_layers: int, num_experts: int) -> dict[str, Any]:
+    """openai/gpt-oss-20b's and -120b's config.json (transformers 4.56's format, MXFP4)."""
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2),
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": 8,
+        "num_local_experts": num_experts,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": [], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 201088,
+    }
+
+
+RELEASES["openai/gpt-oss-20b"] = (
+    _gpt_oss_release(24, 32),
+    ("exactga.models.gpt_oss.gpt_oss_20b", "exactga.models.gpt_oss.lora_gpt_oss_20b"),
+)
+RELEASES["openai/gpt-oss-120b"] = (
+    _gpt_oss_release(36, 128),
+    ("exactga.models.gpt_oss.gpt_oss_120b", "exactga.models.gpt_oss.lora_gpt_oss_120b"),
+)
+
+
 LORA_ARGS = {"lora_attn_modules": ["q_proj", "v_proj"]}
 
 
@@ -586,6 +642,7 @@ def test_the_defaults_of_keys_a_file_leaves_out_are_transformers():
         config_class = {
             "qwen3": "Qwen3Config",
             "qwen3_moe": "Qwen3MoeConfig",
+            "gpt_oss": "GptOssConfig",
             "gemma3_text": "Gemma3TextConfig",
             "llama": "LlamaConfig",
             "qwen2": "Qwen2Config",

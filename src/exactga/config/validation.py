@@ -424,7 +424,7 @@ def _check_checkpointer_files(section: DictConfig, resuming: bool) -> None:
 
 # The model types exactga's checkpointer adds (exactga.models.hf_format.FORMATS; a test keeps the
 # two lists equal): torchtune 0.6.1's own checkpointers fail on them with a bare KeyError.
-EXACTGA_MODEL_TYPES = ("QWEN3", "GEMMA3", "QWEN3_MOE")
+EXACTGA_MODEL_TYPES = ("QWEN3", "GEMMA3", "QWEN3_MOE", "GPT_OSS")
 
 
 def _check_model_type_is_readable(section: DictConfig) -> None:

@@ -5,10 +5,11 @@
 (``epoch_N/model-0000k-of-0000n.safetensors`` and the index, ``adapter_model.pt``, the PEFT
 ``adapter_model.safetensors`` and ``adapter_config.json``, the model folder's other files,
 ``recipe_state/recipe_state.pt``). For a stock ``model_type`` it *is* torchtune's checkpointer;
-for one of :data:`exactga.models.hf_format.FORMATS` (``QWEN3``, ``GEMMA3``, ``QWEN3_MOE``) it
-converts with that family's :class:`~exactga.models.hf_format.HFFormat`, which torchtune 0.6.1's
-fixed ``ModelType`` enum cannot name. Its own files are written through a temporary name and
-renamed, so an interrupted save leaves the previous file or none, never half of one.
+for one of :data:`exactga.models.hf_format.FORMATS` (``QWEN3``, ``GEMMA3``, ``QWEN3_MOE``,
+``GPT_OSS``) it converts with that family's :class:`~exactga.models.hf_format.HFFormat`, which
+torchtune 0.6.1's fixed ``ModelType`` enum cannot name. Its own files are written through a
+temporary name and renamed, so an interrupted save leaves the previous file or none, never half
+of one.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ _STAND_IN_MODEL_TYPE = "LLAMA3"
 
 
 class FullModelHFCheckpointer(_TorchtuneHFCheckpointer):
-    """torchtune's ``FullModelHFCheckpointer`` that also reads and writes ``QWEN3``, ``GEMMA3``
-    and ``QWEN3_MOE`` checkpoints; see the module docstring. Arguments as torchtune's."""
+    """torchtune's ``FullModelHFCheckpointer`` that also reads and writes ``QWEN3``, ``GEMMA3``,
+    ``QWEN3_MOE`` and ``GPT_OSS`` checkpoints; see the module docstring. Arguments as
+    torchtune's."""
 
     def __init__(
         self,

@@ -4,9 +4,9 @@ A model section names a builder and some of its arguments; the checkpointer name
 ``config.json`` says what the weights are. Two things follow from that file here:
 
 - **the short way**: a component builder (``exactga.models.qwen3.qwen3``, ``gemma3``,
-  ``qwen3_moe``, their ``lora_`` twins, and torchtune's ``llama3``, ``llama3_1``, ``llama3_2``
-  and ``qwen2`` with theirs) takes every argument the section leaves out from the folder
-  (:func:`resolve_model_section` fills them in);
+  ``qwen3_moe``, ``gpt_oss``, their ``lora_`` twins, and torchtune's ``llama3``, ``llama3_1``,
+  ``llama3_2`` and ``qwen2`` with theirs) takes every argument the section leaves out from the
+  folder (:func:`resolve_model_section` fills them in);
 - **the check**: every value of the file that changes the numbers is compared with what the
   section builds (an explicit argument, a default, or a sized builder's own value); a
   disagreement is one ``ValueError`` naming the config.json key, both values and the fix.
@@ -40,8 +40,9 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.models import llama3, llama3_1, llama3_2, qwen2
 from torchtune.models.llama3._model_utils import scale_hidden_dim_for_mlp
 
-from exactga.models import gemma3, qwen3, qwen3_moe
+from exactga.models import gemma3, gpt_oss, qwen3, qwen3_moe
 from exactga.models.gemma3._component_builders import FULL, SLIDING, gemma3_layer_types
+from exactga.models.gpt_oss._component_builders import gpt_oss_layer_types
 from exactga.models.qwen3_moe._component_builders import is_sparse_layer
 
 CONFIG_JSON = "config.json"
@@ -374,6 +375,82 @@ def _gemma3_settings() -> list[Setting]:
     ]
 
 
+def _yarn(hf: FolderConfig) -> bool:
+    return hf.rope().kind == "yarn"
+
+
+def _yarn_field(name: str, arg: str, absent: Any) -> Setting:
+    """A YaRN field of the folder's RoPE (``absent``: transformers' value where the file has
+    none) against the builder argument ``arg``."""
+
+    def folder(hf: FolderConfig) -> Any:
+        value = hf.rope().field_value(name)
+        return absent if value is None else value
+
+    return Setting(lambda hf: hf.rope().prefix + name, folder, arg, needs=_yarn)
+
+
+def _yarn_unsupported(name: str) -> Setting:
+    return Setting(
+        lambda hf: hf.rope().prefix + name,
+        lambda hf: hf.rope().field_value(name),
+        None,
+        built=lambda _: None,
+        needs=_yarn,
+        fix="this builder takes YaRN's attention factor from its factor alone",
+    )
+
+
+def _gpt_oss_experts_key(hf: FolderConfig) -> str:
+    """``num_local_experts`` (the released files and transformers' name), unless the file
+    writes the alias ``num_experts``."""
+    return "num_experts" if "num_experts" in hf.values else "num_local_experts"
+
+
+def _gpt_oss_layer_kinds(hf: FolderConfig) -> list[str]:
+    return gpt_oss_layer_types(hf.get("num_hidden_layers"), hf.values.get("layer_types"))
+
+
+def _gpt_oss_settings() -> list[Setting]:
+    return [
+        _shape("vocab_size", "vocab_size"),
+        _shape("num_hidden_layers", "num_layers"),
+        _shape("num_attention_heads", "num_heads"),
+        Setting("num_key_value_heads", _folder_kv_heads, "num_kv_heads"),
+        _shape("hidden_size", "embed_dim"),
+        _shape("head_dim", "head_dim"),
+        _shape("intermediate_size", "intermediate_dim"),
+        Setting(
+            lambda hf: hf.name(_gpt_oss_experts_key(hf)),
+            lambda hf: hf.get(_gpt_oss_experts_key(hf)),
+            "num_experts",
+        ),
+        _shape("num_experts_per_tok", "num_experts_per_tok"),
+        _shape("rms_norm_eps", "norm_eps"),
+        _rope_theta(),
+        _rope_kind(("yarn",), "this builder applies YaRN RoPE"),
+        _yarn_field("factor", "rope_scaling_factor", None),
+        _yarn_field("original_max_position_embeddings", "rope_original_max_seq_len", None),
+        _yarn_field("beta_fast", "rope_beta_fast", 32.0),
+        _yarn_field("beta_slow", "rope_beta_slow", 1.0),
+        _yarn_field("truncate", "rope_truncate", True),  # transformers' default when absent
+        *(_yarn_unsupported(name) for name in ("attention_factor", "mscale", "mscale_all_dim")),
+        _shape("sliding_window", "sliding_window"),
+        Setting(
+            "layer_types",
+            _gpt_oss_layer_kinds,
+            "layer_types",
+            built=lambda a: gpt_oss_layer_types(a["num_layers"], a["layer_types"]),
+        ),
+        _shape("swiglu_alpha", "swiglu_alpha"),
+        _shape("swiglu_limit", "swiglu_limit"),
+        _shape("max_position_embeddings", "max_seq_len", compare=False),
+        _fixed("attention_bias", True, "gpt-oss's attention projections have biases here"),
+        _fixed("tie_word_embeddings", False, "gpt-oss's output has its own weight here"),
+        _fixed("hidden_act", "silu"),
+    ]
+
+
 # torchtune's Llama 3 RoPE scaling (Llama3ScaledRoPE as its llama3_1/llama3_2 builders make it):
 # only the factor is the builder's argument.
 _LLAMA3_ROPE_FIXED = {
@@ -540,6 +617,35 @@ _GEMMA3_DEFAULTS = {
     "tie_word_embeddings": True,
     "use_bidirectional_attention": False,
 }
+_GPT_OSS_DEFAULTS = {
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+        "rope_theta": 150000.0,
+    },
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
 _LLAMA_DEFAULTS = {
     "vocab_size": 32000,
     "hidden_size": 4096,
@@ -585,6 +691,14 @@ FAMILIES = (
         ("qwen3_moe",),
         _QWEN3_MOE_DEFAULTS,
         _qwen3_moe_settings(),
+    ),
+    Family(
+        "gpt-oss",
+        (gpt_oss.gpt_oss, gpt_oss.lora_gpt_oss),
+        ("exactga.models.gpt_oss.gpt_oss", "exactga.models.gpt_oss.lora_gpt_oss"),
+        ("gpt_oss",),
+        _GPT_OSS_DEFAULTS,
+        _gpt_oss_settings(),
     ),
     Family(
         "Gemma 3",

@@ -87,6 +87,7 @@ FORMATS = {
     "QWEN3": "exactga.models.qwen3._convert_weights:QWEN3_FORMAT",
     "GEMMA3": "exactga.models.gemma3._convert_weights:GEMMA3_FORMAT",
     "QWEN3_MOE": "exactga.models.qwen3_moe._convert_weights:QWEN3_MOE_FORMAT",
+    "GPT_OSS": "exactga.models.gpt_oss._convert_weights:GPT_OSS_FORMAT",
 }
 
 

@@ -223,14 +223,19 @@ class GroupedExperts(nn.Module):
             if rows.shape[0] == 0:  # an expert without tokens: nothing to compute
                 outputs.append(rows)
                 continue
-            outputs.append(w2[index](F.silu(w1[index](rows)) * w3[index](rows)))
+            outputs.append(w2[index](self._gated(w1[index](rows), w3[index](rows))))
         return torch.cat(outputs)
 
     def _grouped(self, routed: torch.Tensor, num_per_expert: torch.Tensor) -> torch.Tensor:
         """All experts in three grouped matmuls (more with adapters), no host sync."""
         offsets = torch.cumsum(num_per_expert, dim=0, dtype=torch.int32)
-        hidden = F.silu(self.w1.grouped(routed, offsets)) * self.w3.grouped(routed, offsets)
+        hidden = self._gated(self.w1.grouped(routed, offsets), self.w3.grouped(routed, offsets))
         return self.w2.grouped(hidden, offsets)
+
+    def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The hidden activation from the gate and up projections: SwiGLU's ``silu(gate) *
+        up`` (a family with another gated unit, gpt-oss's clamped one, overrides it)."""
+        return F.silu(gate) * up
 
 
 # Note [expert combine]
