@@ -30,6 +30,7 @@ TENSORBOARD = "torchtune.training.metric_logging.TensorBoardLogger"
 # What the recipes log at a step with the profiler on (a subset, the Overview's sources in it).
 PAYLOAD = {
     "loss": 7.5,
+    "val/loss": 7.75,
     "lr": 1e-3,
     "grad_norm": 2.0,
     "throughput/tokens_per_second": 900.0,

@@ -51,9 +51,10 @@ orders the tags with its natural sort (digits and ``/`` before every other chara
 character codes: upper-case letters before ``_`` before lower-case ones) and expands only the
 first two groups. The recipes' scalars (``grad_norm``, ``loss``, ``lr``, ``throughput/...``)
 made eleven groups, ``loss`` and ``lr`` collapsed behind ``exactga_report`` and ``grad_norm``.
-So the logger also writes the five figures a reader looks for first, each a copy of a logged
+So the logger also writes the figures a reader looks for first, each a copy of a logged
 scalar at the same step, into the group ``Overview`` (upper case: it sorts first):
-``Overview/loss``, ``Overview/lr``, ``Overview/padding_%_so_far`` (``100 *
+``Overview/loss``, ``Overview/loss_validation`` (``val/loss``, in runs that validate: see
+docs/validation.md), ``Overview/lr``, ``Overview/padding_%_so_far`` (``100 *
 padding_fraction_so_far``, the end-of-run line's figure), ``Overview/saved_latency_ms`` (the
 samples' median so far) and ``Overview/tokens_per_second_so_far`` (processed, padding
 included; the TEXT summary's figure). The figures are the run's so far rather than the
@@ -98,6 +99,7 @@ _STEP_FOLDER = re.compile(r"^step_(\d+)$")  # exactga.run.checkpointing's step f
 # [dashboard order].
 OVERVIEW_COPIES = {
     "loss": ("Overview/loss", 1.0),
+    "val/loss": ("Overview/loss_validation", 1.0),  # beside the training loss, same step axis
     "lr": ("Overview/lr", 1.0),
     "throughput/tokens_per_second_so_far": ("Overview/tokens_per_second_so_far", 1.0),
     "normalization/saved_ms": ("Overview/saved_latency_ms", 1.0),
