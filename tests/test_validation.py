@@ -1,5 +1,5 @@
-"""Validation during training (exactga.sft.validation): the loss of the whole validation set as
-one batch, in-process on a tiny torchtune model.
+"""Validation during training (exactga.validation.held_out, exactga.sft.validation): the loss of
+the whole validation set as one batch, in-process on a tiny torchtune model.
 
 The figure must equal a plainly written full-set reference (tests/oracle_utils.py: every scored
 token after the shift, summed, over their number) within the fp32 floor for any
@@ -27,7 +27,8 @@ from exactga.config.validation import validate_config
 from exactga.data.collation import micro_batch_collate
 from exactga.data.micro_batching import MicroBatchingSettings
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
-from exactga.sft.validation import Validation, ValidationSet, validation_loss
+from exactga.sft.validation import validation_loss
+from exactga.validation.held_out import Validation, ValidationSet
 
 CPU = torch.device("cpu")
 
