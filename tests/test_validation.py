@@ -215,3 +215,22 @@ def test_validation_keys_need_dataset_val_and_a_recipe_that_validates() -> None:
     dpo.dataset_val = OmegaConf.to_container(dpo.dataset)
     with pytest.raises(ValueError, match="'dataset_val': this recipe does not validate yet"):
         validate_config(dpo, LoraDpoSingleDeviceConfig, "lora_dpo_single_device")
+
+
+def test_a_split_of_the_training_data_is_disjoint_from_it_and_covers_it() -> None:
+    """docs/validation.md: ``dataset_val`` as a split of the training data, through the builder's
+    own ``split`` key (Hugging Face's split slicing), on the tiny configs' JSON file: training
+    ``train[:90%]`` and validation ``train[90%:]`` are, in order, the whole file, no row in both."""
+    from torchtune import config
+
+    cfg = tiny_config("full_single_device")
+    tokenizer = config.instantiate(cfg.tokenizer)
+
+    def rows(split: str) -> list[dict]:
+        section = OmegaConf.merge(cfg.dataset, {"split": split})
+        return list(config.instantiate(section, tokenizer)._data)  # the source rows
+
+    training, validation, whole = rows("train[:90%]"), rows("train[90%:]"), rows("train")
+    print(f"{len(training)} training rows, {len(validation)} validation rows of {len(whole)}")
+    assert len(training) == round(0.9 * len(whole)) and validation
+    assert training + validation == whole  # disjoint by position, and nothing left out

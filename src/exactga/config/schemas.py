@@ -274,7 +274,8 @@ def check_lora_model(cfg_model: DictConfig) -> None:
 
 @dataclass
 class ValidationKeys:
-    """The keys of validation during training (docs/validation.md; exactga.sft.validation):
+    """The keys of validation during training (docs/validation.md; exactga.validation.held_out,
+    exactga.kd.validation):
     torchtune main's three, and a bound on the cost. Without ``dataset_val`` none runs."""
 
     # Any dataset builder the recipe trains on (or a list of them); null: no validation.
@@ -303,7 +304,8 @@ class ValidationKeys:
         if not cls.VALIDATION_RECIPES:
             raise ValueError(
                 "config key 'dataset_val': this recipe does not validate yet (the supervised "
-                "fine-tuning recipes do; docs/validation.md); remove dataset_val."
+                "fine-tuning and distillation recipes do; docs/validation.md); remove "
+                "dataset_val."
             )
 
 
