@@ -26,7 +26,7 @@ from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.config.validation import validate_config
 from exactga.data.collation import micro_batch_collate
 from exactga.data.micro_batching import MicroBatchingSettings
-from exactga.dpo.schema import LoraDpoSingleDeviceConfig
+from exactga.grpo.schema import GrpoDistributedConfig
 from exactga.sft.validation import validation_loss
 from exactga.validation.held_out import Validation, ValidationSet
 
@@ -211,10 +211,10 @@ def test_validation_keys_need_dataset_val_and_a_recipe_that_validates() -> None:
     with_val.dataset_val = OmegaConf.to_container(with_val.dataset)
     with pytest.raises(ValueError, match="'max_val_batches' must be null or at least 1"):
         validate_config(with_val, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
-    dpo = tiny_config("lora_dpo_single_device")
-    dpo.dataset_val = OmegaConf.to_container(dpo.dataset)
+    grpo = tiny_config("grpo_distributed")
+    grpo.dataset_val = OmegaConf.to_container(grpo.dataset)
     with pytest.raises(ValueError, match="'dataset_val': this recipe does not validate yet"):
-        validate_config(dpo, LoraDpoSingleDeviceConfig, "lora_dpo_single_device")
+        validate_config(grpo, GrpoDistributedConfig, "grpo_full_finetune_distributed")
 
 
 def test_a_split_of_the_training_data_is_disjoint_from_it_and_covers_it() -> None:

@@ -4,7 +4,7 @@ the validation set's figure as one batch.
 The KD recipes with ``dataset_val`` call :func:`distillation_validation_loss` where the
 fine-tuning recipes call ``exactga.sft.validation.validation_loss``: the same set, read the same
 way (``ValidationSet``, [validation set order] in exactga.validation.held_out), the same sums over
-every scored token after the shift on every rank (``token_loss_sums``), for both losses of
+every scored token after the shift on every rank (``loss_sums``), for both losses of
 [two token-normalised losses] in exactga.kd.distillation. See [distillation validation].
 
 Note [distillation validation]
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from exactga.accumulation.loss_units import ShiftedTokens
 from exactga.kd.distillation import Distiller
-from exactga.validation.held_out import ValidationSet, token_loss_sums
+from exactga.validation.held_out import ValidationSet, loss_sums
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,9 @@ class DistillationValidationLoss:
             return math.inf
 
     def metrics(self) -> dict[str, float]:
-        """The logged scalars, on the training loss's step axis."""
+        """The logged scalars, on the training loss's step axis; none without a scored token."""
+        if not self.num_tokens:
+            return {}
         return {
             "val/loss": self.loss,
             "val/class_loss": self.class_loss,
@@ -90,7 +92,7 @@ def distillation_validation_loss(
     batch, over every data-parallel rank; see [distillation validation]. Both models in eval
     mode, no gradient, the RNG states restored after; every rank of ``dp_group`` calls it. One
     host read, and under data parallelism one all-reduce of three numbers, per call."""
-    sums = token_loss_sums(
+    sums = loss_sums(
         validation_set,
         lambda batch: torch.stack(distiller.part_losses(batch)),
         ShiftedTokens(distiller.loss_fn),  # checks the class loss's denominator, as training
@@ -102,6 +104,6 @@ def distillation_validation_loss(
         class_loss=sums.mean(0),
         kd_loss=sums.mean(1),
         kd_ratio=distiller.kd_ratio,
-        num_tokens=sums.num_tokens,
+        num_tokens=sums.num_units,
         num_samples=validation_set.num_samples,
     )

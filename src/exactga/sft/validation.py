@@ -20,7 +20,7 @@ from torch import nn
 from exactga.accumulation.loss_units import ShiftedTokens
 from exactga.runtime.precision import Precision
 from exactga.sft.loss import mean_token_loss
-from exactga.validation.held_out import ValidationSet, token_loss_sums
+from exactga.validation.held_out import ValidationSet, loss_sums
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class ValidationLoss:
             return math.inf
 
     def metrics(self) -> dict[str, float]:
-        """The logged scalars, on the training loss's step axis."""
+        """The logged scalars, on the training loss's step axis; none without a scored token."""
+        if not self.num_tokens:
+            return {}
         return {"val/loss": self.loss, "val/perplexity": self.perplexity}
 
     def line(self, step: int) -> str:
@@ -76,7 +78,7 @@ def validation_loss(
     states restored after it (see [validation set order]); every rank of ``dp_group`` calls it.
     One host read, and under data parallelism one all-reduce of two numbers, per call.
     """
-    sums = token_loss_sums(
+    sums = loss_sums(
         validation_set,
         lambda batch: mean_token_loss(model, loss_fn, batch, precision=precision).reshape(1),
         ShiftedTokens(loss_fn),  # also checks the loss's own denominator on the first batch
@@ -85,5 +87,5 @@ def validation_loss(
         dp_group=dp_group,
     )
     return ValidationLoss(
-        loss=sums.mean(0), num_tokens=sums.num_tokens, num_samples=validation_set.num_samples
+        loss=sums.mean(0), num_tokens=sums.num_units, num_samples=validation_set.num_samples
     )

@@ -5,7 +5,8 @@ A recipe with ``dataset_val`` builds its :class:`Validation` with
 :func:`validation_from_settings` and, every ``run_val_every_n_steps`` optimizer steps and at the
 end of each epoch, calls its family's figure: ``exactga.sft.validation.validation_loss`` (the
 loss and perplexity), ``exactga.kd.validation.distillation_validation_loss`` (the student's
-class loss, the KD loss and their mix). Both are :func:`token_loss_sums` over their losses;
+class loss, the KD loss and their mix), ``exactga.dpo.validation.preference_validation_loss``
+(the per-pair loss, reward accuracy and margins). Each is :func:`loss_sums` over its figures;
 without ``dataset_val`` nothing here runs. See [validation loss as one batch], [validation set
 order] and docs/validation.md.
 
@@ -55,7 +56,7 @@ from torchtune import utils
 
 from exactga.accumulation.loss_units import (
     IGNORE_INDEX,
-    ShiftedTokens,
+    LossUnits,
     loss_ignore_index,
     masked_labels,
 )
@@ -79,6 +80,8 @@ class ValidationSet:
         num_replicas: data-parallel ranks reading the set.
         rank: this process's data-parallel rank.
         ignore_index: the loss's ignore index, which a filler's labels take.
+        emptied: how a filler is made of a collated batch (``LossUnits.emptied``: DPO's one pair
+            marked as none); by default every label ignored.
 
     Raises:
         ValueError: the set has no sample.
@@ -94,6 +97,7 @@ class ValidationSet:
         num_replicas: int = 1,
         rank: int = 0,
         ignore_index: int = IGNORE_INDEX,
+        emptied: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         num_samples = len(dataset)  # type: ignore[arg-type]
         if num_samples == 0:
@@ -103,15 +107,15 @@ class ValidationSet:
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate = collate
-        self.ignore_index = ignore_index
+        self.emptied = emptied or (lambda batch: masked_labels(batch, ignore_index))
         self.num_samples = num_samples  # over every rank
         self.indices = list(range(rank, num_samples, num_replicas))
         # Rank 0 holds the most samples; every rank runs as many batches as it does.
         self.num_batches = math.ceil(math.ceil(num_samples / num_replicas) / batch_size)
 
     def batches(self) -> Iterator[dict[str, Any]]:
-        """This rank's batches, on the host, then fillers with every label ignored up to
-        ``num_batches`` (a rank of fewer samples than rank 0's; see [validation set order])."""
+        """This rank's batches, on the host, then fillers without a unit (every label ignored) up
+        to ``num_batches`` (a rank of fewer samples than rank 0's; see [validation set order])."""
         own = [
             self.indices[start : start + self.batch_size]
             for start in range(0, len(self.indices), self.batch_size)
@@ -119,36 +123,39 @@ class ValidationSet:
         for indices in own:
             yield self.collate([self.dataset[i] for i in indices])
         for _ in range(self.num_batches - len(own)):
-            yield masked_labels(self.collate([self.dataset[0]]), self.ignore_index)
+            yield self.emptied(self.collate([self.dataset[0]]))
 
 
 @dataclass(frozen=True)
-class TokenLossSums:
-    """Each loss part's sum over every scored token of the set on every rank, and their count."""
+class LossSums:
+    """Each part's sum over every unit of the set on every rank (scored tokens; DPO's pairs),
+    and their count."""
 
     sums: tuple[float, ...]
-    num_tokens: int
+    num_units: int
 
     def mean(self, part: int) -> float:
-        """Part ``part``'s loss of the set as one batch: its sum over the one count (NaN
-        without a scored token)."""
-        return self.sums[part] / self.num_tokens if self.num_tokens else math.nan
+        """Part ``part``'s figure of the set as one batch: its sum over the one count (NaN
+        without a unit)."""
+        return self.sums[part] / self.num_units if self.num_units else math.nan
 
 
-def token_loss_sums(
+def loss_sums(
     validation_set: ValidationSet,
     batch_means: Callable[[dict[str, Any]], torch.Tensor],
-    units: ShiftedTokens,
+    units: LossUnits,
     *,
     models: Sequence[nn.Module],
     device: torch.device,
     dp_group: dist.ProcessGroup | None = None,
-) -> TokenLossSums:
-    """The sums of [validation loss as one batch], for one loss or several over the same tokens.
+) -> LossSums:
+    """The sums of [validation loss as one batch], for one figure or several over the same
+    units (``units``: the training normaliser's, scored tokens after the shift or pairs).
 
-    ``batch_means`` takes a batch already on ``device`` (with its loss positions) and returns a
-    1-d tensor: each part's mean over the batch's scored tokens (one part for SFT; the class
-    and KD losses for distillation). Each mean times the batch's host count is its sum; the sums
+    ``batch_means`` takes a batch already on ``device`` (as ``units.prepare`` leaves it) and
+    returns a 1-d tensor: each part's mean over the batch's units (one part for SFT; the class
+    and KD losses for distillation; DPO's loss, reward accuracy and margin over pairs). Each
+    mean times the batch's host count is its sum; the sums
     (fp64) and counts of every batch and rank are added. ``models`` run in eval mode, without
     gradients, the RNG states restored after (see [validation set order]); every rank of
     ``dp_group`` calls it, and a rank with fewer batches runs zero-weight fillers. One host
@@ -161,25 +168,25 @@ def token_loss_sums(
         for model in models:
             modes.enter_context(_eval_mode(model))
         for batch in validation_set.batches():
-            num_tokens = units.count(batch)
-            if num_tokens == 0 and not sharded:
+            num_units = units.count(batch)
+            if num_units == 0 and not sharded:
                 continue  # nothing to score, and no other rank waits for its forward
-            batch = units.prepare(batch, num_tokens, runs_empty=num_tokens == 0)
+            batch = units.prepare(batch, num_units, runs_empty=num_units == 0)
             utils.batch_to_device(batch, device)
             means.append(batch_means(batch))
-            counts.append(num_tokens)
-    totals = _token_loss_totals(means, counts)  # this rank's [sums..., count], fp64 on the host
+            counts.append(num_units)
+    totals = _unit_totals(means, counts)  # this rank's [sums..., count], fp64 on the host
     if sharded:
         totals = totals.to(_collective_device(dp_group))
         dist.all_reduce(totals, group=dp_group)
-    *sums, num_tokens = totals.tolist()
-    return TokenLossSums(sums=tuple(sums), num_tokens=int(num_tokens))
+    *sums, num_units = totals.tolist()
+    return LossSums(sums=tuple(sums), num_units=int(num_units))
 
 
-def _token_loss_totals(means: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
-    """``[sum of each part's token losses..., number of tokens]`` of this rank's batches, fp64
+def _unit_totals(means: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    """``[sum of each part over the units..., number of units]`` of this rank's batches, fp64
     on the host: each batch's mean times its count is its sum (a filler's count is 0, so it
-    adds exactly 0). No batch run (one device, no scored token): a count of 0, so no mean."""
+    adds exactly 0). No batch run (one device, no unit): a count of 0, so no mean."""
     if not means:
         return torch.zeros(2, dtype=torch.float64)
     weights = torch.tensor(counts, dtype=torch.float64)
@@ -230,13 +237,13 @@ class _Runtime(Protocol):
 
 
 class ValidationFigure(Protocol):
-    """What a family's validation returns (:class:`ValidationLoss`;
-    ``exactga.kd.validation.DistillationValidationLoss``): its scalars and its console line."""
+    """What a family's validation returns (``exactga.sft.validation.ValidationLoss``,
+    ``exactga.kd.validation.DistillationValidationLoss``,
+    ``exactga.dpo.validation.PreferenceValidationLoss``): its scalars and its console line."""
 
-    @property
-    def num_tokens(self) -> int: ...
-
-    def metrics(self) -> dict[str, float]: ...
+    def metrics(self) -> dict[str, float]:
+        """The logged scalars; none without a unit to measure."""
+        ...
 
     def line(self, step: int) -> str: ...
 
@@ -275,8 +282,9 @@ class Validation:
     def log(self, figure: ValidationFigure, step: int) -> None:
         """``figure`` to the metric logger at ``step`` and one console line (rank 0)."""
         self._last_step = step
-        if self.metric_logger is not None and figure.num_tokens:
-            self.metric_logger.log_dict(figure.metrics(), step=step)
+        metrics = figure.metrics()
+        if self.metric_logger is not None and metrics:
+            self.metric_logger.log_dict(metrics, step=step)
         log_rank_zero(figure.line(step))
 
 
@@ -288,18 +296,21 @@ def validation_from_settings(
     model: nn.Module,
     runtime: _Runtime,
     metric_logger: Any | None,
+    collate: Collate | None = None,
+    emptied: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Validation | None:
     """The recipe's validation from its typed settings (``dataset_val``,
     ``run_val_every_n_steps``, ``batch_size_val``, ``max_val_batches``), or ``None`` without
     ``dataset_val``. The set is built and checked as the training set is (any dataset builder,
     or a list of them; rows checked), and collated with the training loader's ``collate_fn``
-    and ``pad_to_multiple_of``."""
+    and ``pad_to_multiple_of``, or with ``collate`` (DPO's pairs), fillers made by ``emptied``
+    (see :class:`ValidationSet`)."""
     if settings.dataset_val is None:
         return None
     dataset = load_dataset(settings.dataset_val, tokenizer, model_vocab_size(model), "dataset_val")
     batch_size = settings.batch_size_val or settings.batch_size
     ignore_index = loss_ignore_index(loss_fn)
-    collate = micro_batch_collate(
+    collate = collate or micro_batch_collate(
         MicroBatchingSettings(
             batch_size=batch_size, pad_to_multiple_of=settings.pad_to_multiple_of
         ),
@@ -317,6 +328,7 @@ def validation_from_settings(
         num_replicas=runtime.dp_size,
         rank=runtime.dp_rank,
         ignore_index=ignore_index,
+        emptied=emptied,
     )
     return Validation(
         validation_set,
