@@ -81,7 +81,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           every rank / their number), ``val/rewards/accuracy`` (a count of pairs over pairs),
           ``val/rewards/margins``, ``val/rewards/chosen``, ``val/rewards/rejected``, with the
           reference as training computes it (the frozen reference model, which validation
-          keeps even with ``precompute_reference_logprobs``); not for KTO (docs/validation.md).
+          keeps even with ``precompute_reference_logprobs``); KTO: ``val/loss`` over every
+          example against the set's reference point ``val/kl`` (docs/validation.md).
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
           stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
           rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded); with

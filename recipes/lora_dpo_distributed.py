@@ -81,7 +81,8 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
           ``max_val_batches``): ``val/loss`` (the per-pair loss over every validation pair of
           every rank / their number), ``val/rewards/accuracy`` (a count of pairs over pairs),
           ``val/rewards/margins``, ``val/rewards/chosen``, ``val/rewards/rejected``, with the
-          reference as training computes it (the policy with its adapters off); not for KTO
+          reference as training computes it (the policy with its adapters off); KTO:
+          ``val/loss`` over every example against the set's reference point ``val/kl``
           (docs/validation.md).
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
           stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every

@@ -82,7 +82,8 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
           ``max_val_batches``): ``val/loss`` (the per-pair loss over every validation pair of
           every rank / their number), ``val/rewards/accuracy`` (a count of pairs over pairs),
           ``val/rewards/margins``, ``val/rewards/chosen``, ``val/rewards/rejected``, with the
-          reference as training computes it (the policy with its adapters off); not for KTO
+          reference as training computes it (the policy with its adapters off); KTO:
+          ``val/loss`` over every example against the set's reference point ``val/kl``
           (docs/validation.md).
         - Logging: ``loss`` (the exact window loss), ``lr``, ``pairs`` (the window's pairs),
           ``tokens_per_second_per_gpu`` (the pairs' own tokens, padding excluded), stock's

@@ -5,7 +5,9 @@ count of pairs over their number) and the reward means must equal the fp64 oracl
 tests/test_preference.py (each sequence on its own; the LoRA policy's reference its base
 weights, full DPO's a frozen model of other weights) for any ``batch_size_val``, on one process
 and on 2 gloo ranks under FSDP2 (a rank with fewer pairs runs an emptied filler); a mean of each
-batch's loss and of each batch's accuracy must miss them, so the comparison can fail.
+batch's loss and of each batch's accuracy must miss them, so the comparison can fail. KTO's
+loss over every example against the set's one reference point must equal tests/test_kto.py's
+oracle, on 2 ranks too, where a reference point per batch does not.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 from test_preference import BETA, PAIRS, Case, oracle_pair_losses
 
+from exactga.dpo.log_probs import frozen_model_reference
 from exactga.dpo.preference import PreferencePairs, collate_pairs
 from exactga.dpo.validation import PreferenceValidationLoss, preference_validation_loss
 from exactga.validation.held_out import ValidationSet
@@ -147,21 +150,90 @@ def test_two_ranks_give_the_full_set_figures(two_ranks) -> None:
             print(f"2 ranks, rank {rank}, bs {result['batch_size']}: loss relative {rel:.1e}")
 
 
-def test_kto_refuses_dataset_val_at_start_up() -> None:
-    from types import SimpleNamespace
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_kto_is_the_full_set_loss_against_the_sets_reference_point(batch_size: int) -> None:
+    """KTO over all 8 examples of tests/test_kto.py against their one z, as its fp64 oracle;
+    a z per validation batch of 3 (TRL's per-device estimate) gives another loss."""
+    import test_kto
 
-    from exactga.config.options import SequenceLogProb
-    from exactga.dpo.terms import DpoTerms
-    from exactga.dpo.validation import preference_validation_from_settings
+    case = test_kto.Case()
+    validation_set = ValidationSet(
+        test_kto.EXAMPLES,
+        batch_size=batch_size,
+        collate=partial(collate_pairs, padding_idx=0),
+        emptied=case.terms.units().emptied,
+    )
+    figure = preference_validation_loss(
+        case.model,
+        case.loss_fn,
+        validation_set,
+        frozen_model_reference(case.ref_model),
+        terms=case.terms,
+        device=CPU,
+    )
+    rel = abs(figure.loss - case.oracle_loss) / case.oracle_loss
+    batches = [list(range(i, min(i + 3, len(test_kto.EXAMPLES)))) for i in range(0, 8, 3)]
+    per_batch = test_kto.Case(wrong_groups=batches).oracle_loss
+    print(
+        f"KTO bs {batch_size}: {figure.line(0)}; loss relative to the oracle {rel:.1e}, z "
+        f"{figure.kl!r} (oracle {case.oracle_z!r}); a z per batch of 3: {per_batch!r}"
+    )
+    assert rel <= 2e-6 and figure.num_examples == len(test_kto.EXAMPLES)
+    assert figure.kl == pytest.approx(case.oracle_z, rel=1e-5, abs=1e-6)
+    assert abs(per_batch - case.oracle_loss) / case.oracle_loss > 1e-3
+    assert set(figure.metrics()) == {"val/loss", "val/kl"}
 
-    kto = DpoTerms(rpo_alpha=0.0, sequence_log_prob=SequenceLogProb.SUM, unpaired=True)
-    with pytest.raises(ValueError, match="'dataset_val': .* unpaired examples"):
-        preference_validation_from_settings(
-            SimpleNamespace(dataset_val={"_component_": "any"}),
-            terms=kto,
-            tokenizer=None,
-            loss_fn=torch.nn.Identity(),
-            model=torch.nn.Identity(),
-            runtime=None,
-            metric_logger=None,
-        )
+
+def _kto_two_rank_worker(rank: int) -> list[dict]:
+    """7 KTO examples (4 and 3: batches of 3 and 1, and 3 and a filler) at ``batch_size_val``
+    3, both models sharded with FSDP2 over both ranks."""
+    import test_kto
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    case = test_kto.Case()
+    mesh = init_device_mesh("cpu", (2,))
+    for model in (case.model, case.ref_model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    validation_set = ValidationSet(
+        test_kto.EXAMPLES[:7],
+        batch_size=3,
+        collate=partial(collate_pairs, padding_idx=0),
+        num_replicas=2,
+        rank=rank,
+        emptied=case.terms.units().emptied,
+    )
+    figure = preference_validation_loss(
+        case.model,
+        case.loss_fn,
+        validation_set,
+        frozen_model_reference(case.ref_model),
+        terms=case.terms,
+        device=CPU,
+        dp_group=dist.group.WORLD,
+    )
+    return [vars(figure)]
+
+
+def test_kto_on_two_ranks_is_the_one_process_figure(two_ranks) -> None:
+    import test_kto
+
+    case = test_kto.Case()
+    one = preference_validation_loss(
+        case.model,
+        case.loss_fn,
+        ValidationSet(
+            test_kto.EXAMPLES[:7], batch_size=7, collate=partial(collate_pairs, padding_idx=0)
+        ),
+        frozen_model_reference(case.ref_model),
+        terms=case.terms,
+        device=CPU,
+    )
+    for rank, (figure,) in enumerate(two_ranks(_kto_two_rank_worker)):
+        print(f"KTO 2 ranks, rank {rank}: loss {figure['loss']!r} z {figure['kl']!r}; one {one}")
+        assert figure["num_examples"] == 7
+        assert figure["loss"] == pytest.approx(one.loss, rel=1e-6)
+        assert figure["kl"] == pytest.approx(one.kl, rel=1e-6)

@@ -20,7 +20,15 @@ reference as training computes it: the policy with its adapters off for LoRA, th
 reference model for full DPO, nothing for a reference-free loss; a precomputed reference table
 covers the training pairs only, so validation runs the reference itself. An NLL term on the
 chosen tokens (``rpo_alpha``, ORPO's) is a regulariser of the training step and not part of
-``val/loss``. KTO's unpaired examples do not validate yet.
+``val/loss``.
+
+KTO (an unpaired loss) validates over every example: its reference point ``z`` is the
+validation set's, as training's is the window's ([kto reference point] in exactga.dpo.kto): a
+first pass sums the mismatched sequences' log-ratios over every example of every rank, ``z =
+max(0, sum / examples)``, and a second pass gives each example's loss against that ``z``;
+``val/loss`` is their sum over the number of examples and ``val/kl`` is ``z``. A ``z`` per
+validation batch (TRL's per-device estimate) would make the figure move with
+``batch_size_val``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from exactga.accumulation.loss_units import IGNORE_INDEX
+from exactga.dpo.kto import KtoExamples, KtoReferencePoint, kto_micro_batch_loss
 from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.metrics import PreferenceMetrics
 from exactga.dpo.preference import PreferencePairs, collate_pairs
@@ -105,14 +114,8 @@ def preference_validation_from_settings(
     metric_logger: Any | None,
 ) -> Validation | None:
     """A DPO recipe's validation (``exactga.validation.held_out.validation_from_settings``) with
-    the set collated as pairs (``collate_pairs``) and a rank's fillers emptied pairs; ``None``
-    without ``dataset_val``.
-
-    Raises:
-        ValueError: ``dataset_val`` with an unpaired loss (KTO), which does not validate yet.
-    """
-    if settings.dataset_val is not None and terms.unpaired:
-        raise ValueError(_UNPAIRED.format(type(loss_fn).__name__))
+    the set collated as pairs (``collate_pairs``; KTO's examples with their mismatched
+    sequences) and a rank's fillers emptied pairs; ``None`` without ``dataset_val``."""
     return validation_from_settings(
         settings,
         tokenizer=tokenizer,
@@ -121,14 +124,33 @@ def preference_validation_from_settings(
         runtime=runtime,
         metric_logger=metric_logger,
         collate=partial(collate_pairs, padding_idx=tokenizer.pad_id, ignore_idx=IGNORE_INDEX),
-        emptied=PreferencePairs(IGNORE_INDEX).emptied,
+        emptied=terms.units(IGNORE_INDEX).emptied,
     )
 
 
-_UNPAIRED = (
-    "config key 'dataset_val': {} trains unpaired examples, which do not validate yet "
-    "(docs/validation.md); remove dataset_val."
-)
+@dataclass(frozen=True)
+class KtoValidationLoss:
+    """What one KTO validation measured; see [preference validation]."""
+
+    loss: float  # per-example loss summed over every example of every rank / their number
+    kl: float  # the set's reference point z
+    num_examples: int  # validation examples of every rank
+    num_samples: int  # validation samples read, every rank's
+
+    def metrics(self) -> dict[str, float]:
+        """The logged scalars, on the training loss's step axis; none without an example."""
+        if not self.num_examples:
+            return {}
+        return {"val/loss": self.loss, "val/kl": self.kl}
+
+    def line(self, step: int) -> str:
+        """The console line: ``Validation at step 12: loss 0.4921 over 64 examples (z 0.0312)``."""
+        if not self.num_examples:
+            return f"Validation at step {step}: no example in {self.num_samples:,} samples; no loss"
+        return (
+            f"Validation at step {step}: loss {self.loss:.4f} over {self.num_examples:,} "
+            f"examples (z {self.kl:.4f})"
+        )
 
 
 def preference_validation_loss(
@@ -141,19 +163,25 @@ def preference_validation_loss(
     device: torch.device,
     precision: Precision | None = None,
     dp_group: dist.ProcessGroup | None = None,
-) -> PreferenceValidationLoss:
+) -> PreferenceValidationLoss | KtoValidationLoss:
     """The per-pair loss, reward accuracy and margins of the whole validation set as one batch,
     over every data-parallel rank; see [preference validation]. ``reference`` is what the loss
     step reads reference log-probs from (``lora_reference``, ``frozen_model_reference``; None for
     a reference-free loss), never a precomputed table. The policy in eval mode, no gradient, the
     RNG states restored after; every rank of ``dp_group`` calls it. One host read, and under
-    data parallelism one all-reduce of six numbers, per call.
-
-    Raises:
-        ValueError: for an unpaired loss (KTO), which does not validate yet.
+    data parallelism one all-reduce of six numbers, per call. For an unpaired loss (KTO),
+    :func:`kto_validation_loss`.
     """
     if terms.unpaired:
-        raise ValueError(_UNPAIRED.format(type(loss_fn).__name__))
+        return kto_validation_loss(
+            model,
+            loss_fn,
+            validation_set,
+            reference,
+            device=device,
+            precision=precision,
+            dp_group=dp_group,
+        )
 
     def batch_means(batch: dict[str, Any]) -> torch.Tensor:
         num_pairs = batch["tokens"].size(0) // 2  # a filler's one pair too (it weighs 0)
@@ -184,5 +212,45 @@ def preference_validation_loss(
         chosen_reward=sums.mean(3),
         rejected_reward=sums.mean(4),
         num_pairs=sums.num_units,
+        num_samples=validation_set.num_samples,
+    )
+
+
+def kto_validation_loss(
+    model: nn.Module,
+    loss_fn: nn.Module,
+    validation_set: ValidationSet,
+    reference: Any,
+    *,
+    device: torch.device,
+    precision: Precision | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> KtoValidationLoss:
+    """KTO's loss over every validation example of every rank against the set's reference point;
+    see [preference validation]. Two passes over the set (the reference point, then the
+    losses), each one host read and, under data parallelism, one all-reduce of two numbers."""
+    point = KtoReferencePoint(model, reference, precision)
+    units = KtoExamples(IGNORE_INDEX)
+
+    def mismatched_log_ratio(batch: dict[str, Any]) -> torch.Tensor:
+        num_examples = batch["tokens"].size(0) // 2  # a filler's one too (it weighs 0)
+        return point.contribution(batch).double() / num_examples
+
+    common = {"models": (model,), "device": device, "dp_group": dp_group}
+    log_ratios = loss_sums(validation_set, mismatched_log_ratio, units, **common)
+    z = max(0.0, log_ratios.mean(0)) if log_ratios.num_units else 0.0
+    point.value = torch.tensor(z, dtype=torch.float64, device=device)
+
+    def example_loss(batch: dict[str, Any]) -> torch.Tensor:
+        loss = kto_micro_batch_loss(
+            model, loss_fn, batch, reference, reference_point=point, precision=precision
+        )
+        return loss.main.detach().double().reshape(1)
+
+    losses = loss_sums(validation_set, example_loss, units, **common)
+    return KtoValidationLoss(
+        loss=losses.mean(0),
+        kl=z,
+        num_examples=losses.num_units,
         num_samples=validation_set.num_samples,
     )
