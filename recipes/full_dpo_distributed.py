@@ -32,6 +32,7 @@ from exactga.dpo.log_probs import frozen_model_reference
 from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.schema import FULL_DPO_FINGERPRINT_KEYS, FullDpoDistributedConfig
 from exactga.dpo.terms import DpoTerms
+from exactga.dpo.validation import preference_validation_from_settings, preference_validation_loss
 from exactga.dpo.wiring import preference_run
 from exactga.launch.cli import run_recipe
 from exactga.runtime.runtime import Runtime
@@ -75,6 +76,13 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           goes on from with the next window on the same world size. The reference is never
           saved: it is read from ``ref_checkpointer`` again on resume.
         - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step everywhere or stops.
+        - Validation (``dataset_val``, ``run_val_every_n_steps``, ``batch_size_val``,
+          ``max_val_batches``): ``val/loss`` (the per-pair loss over every validation pair of
+          every rank / their number), ``val/rewards/accuracy`` (a count of pairs over pairs),
+          ``val/rewards/margins``, ``val/rewards/chosen``, ``val/rewards/rejected``, with the
+          reference as training computes it (the frozen reference model, which validation
+          keeps even with ``precompute_reference_logprobs``); KTO: ``val/loss`` over every
+          example against the set's reference point ``val/kl`` (docs/validation.md).
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
           stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
           rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded); with
@@ -120,19 +128,33 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         # computed once), KTO's reference point over each whole window, the normaliser weighing
         # each term by its own units over every rank, and the metrics: one call, so that a copy
         # cannot wire them apart.
+        precision = self._runtime.precision
+        reference = None if ref_model is None else frozen_model_reference(ref_model, precision)
         prefs = preference_run(
             cfg,
             self._loss_fn,
             self._dpo_terms,
             dataset,
             model=self._model,
-            reference=None
-            if ref_model is None
-            else frozen_model_reference(ref_model, self._runtime.precision),
+            reference=reference,
             pad_id=self._tokenizer.pad_id,
             runtime=self._runtime,
         )
-        del ref_model  # held by the reference now, or by nothing once the table has its log-probs
+        # Validation during training (dataset_val; none without it): docs/validation.md.
+        self._validation = preference_validation_from_settings(
+            cfg,
+            terms=self._dpo_terms,
+            tokenizer=self._tokenizer,
+            loss_fn=self._loss_fn,
+            model=self._model,
+            runtime=self._runtime,
+            metric_logger=start.metric_logger,
+        )
+        # Validation runs the reference model itself (a precomputed table holds the training
+        # pairs' log-probs only), so with dataset_val the model stays; otherwise it is held by
+        # the training reference, or by nothing once the table has its log-probs.
+        self._validation_reference = reference if self._validation is not None else None
+        del ref_model, reference
         self._reference, self._reference_point = prefs.reference, prefs.reference_point
         self._metrics = prefs.metrics
         dataloader = start.dataloader(
@@ -171,7 +193,27 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                    self._validate_if_due(steps.progress.global_step)  # run_val_every_n_steps
+                self._validate_if_due(steps.progress.global_step, epoch_end=True)
                 steps.end_epoch(curr_epoch)
+
+    def _validate_if_due(self, step: int, *, epoch_end: bool = False) -> None:
+        """The per-pair loss, reward accuracy and margins of the validation set as one batch
+        over every rank, when due; nothing without dataset_val. See [preference validation] in
+        exactga.dpo.validation."""
+        if self._validation is None or not self._validation.due(step, epoch_end=epoch_end):
+            return
+        figure = preference_validation_loss(
+            self._model,
+            self._loss_fn,
+            self._validation.validation_set,
+            self._validation_reference,
+            terms=self._dpo_terms,
+            device=self._runtime.device,
+            precision=self._runtime.precision,
+            dp_group=self._runtime.dp_group,
+        )
+        self._validation.log(figure, step)  # val/loss, val/rewards/..., a console line
 
     def cleanup(self) -> None:
         self._run.close()  # the metric logger and the process group

@@ -37,9 +37,11 @@ from exactga.kd.distillation import (
     check_vocabularies,
 )
 from exactga.kd.schema import KnowledgeDistillationDistributedConfig
+from exactga.kd.validation import distillation_validation_loss
 from exactga.launch.cli import run_recipe
 from exactga.lora.adapters import LoraSettings
 from exactga.runtime.runtime import Runtime
+from exactga.validation.held_out import validation_from_settings
 from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
@@ -72,6 +74,11 @@ class KDRecipeDistributed(FTRecipeInterface):
           size, bit for bit. The teacher is never saved.
         - Rank-0-only logging: ``loss``, ``class_loss``, ``kd_loss`` (exact window means over
           all ranks), ``lr``, ``tokens_per_second_per_gpu`` as stock, and ours.
+        - Validation (``dataset_val``, ``run_val_every_n_steps``, ``batch_size_val``,
+          ``max_val_batches``): ``val/loss``, ``val/class_loss``, ``val/kd_loss`` and
+          ``val/perplexity`` (of the class loss) of the whole validation set as one batch over
+          every rank, whatever ``batch_size_val`` or the number of ranks; at each epoch's end
+          and every ``run_val_every_n_steps`` steps (docs/validation.md).
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -118,6 +125,15 @@ class KDRecipeDistributed(FTRecipeInterface):
         dataloader = start.dataloader(
             dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=loss_fn.ignore_index
         )
+        # Validation during training (dataset_val; none without it): docs/validation.md.
+        self._validation = validation_from_settings(
+            cfg,
+            tokenizer=self._tokenizer,
+            loss_fn=loss_fn,
+            model=self._model,
+            runtime=self._runtime,
+            metric_logger=start.metric_logger,
+        )
         # Checkpoints (adapters, and merged weights), scheduler, profiler, logs: set up last.
         self._run = start.training_run(
             self._model,
@@ -143,7 +159,20 @@ class KDRecipeDistributed(FTRecipeInterface):
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                    self._validate_if_due(steps.progress.global_step)  # run_val_every_n_steps
+                self._validate_if_due(steps.progress.global_step, epoch_end=True)
                 steps.end_epoch(curr_epoch)
+
+    def _validate_if_due(self, step: int, *, epoch_end: bool = False) -> None:
+        """The student's class loss, the KD loss and their mix on the validation set as one
+        batch over every rank, when due; nothing without dataset_val. See [distillation
+        validation] in exactga.kd.validation."""
+        if self._validation is None or not self._validation.due(step, epoch_end=epoch_end):
+            return
+        figure = distillation_validation_loss(
+            self._distiller, self._validation.validation_set, dp_group=self._runtime.dp_group
+        )
+        self._validation.log(figure, step)  # val/loss, val/class_loss, val/kd_loss, ...
 
     def cleanup(self) -> None:
         self._run.close()  # the metric logger and the process group

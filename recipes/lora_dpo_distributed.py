@@ -32,6 +32,7 @@ from exactga.dpo.log_probs import lora_reference
 from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoDistributedConfig
 from exactga.dpo.terms import DpoTerms
+from exactga.dpo.validation import preference_validation_from_settings, preference_validation_loss
 from exactga.dpo.wiring import preference_run
 from exactga.launch.cli import run_recipe
 from exactga.lora.adapters import LoraSettings
@@ -76,6 +77,13 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
           ``save_every_n_steps`` atomic step checkpoints that ``resume_from_checkpoint`` goes
           on from with the next window on the same world size.
         - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step everywhere or stops.
+        - Validation (``dataset_val``, ``run_val_every_n_steps``, ``batch_size_val``,
+          ``max_val_batches``): ``val/loss`` (the per-pair loss over every validation pair of
+          every rank / their number), ``val/rewards/accuracy`` (a count of pairs over pairs),
+          ``val/rewards/margins``, ``val/rewards/chosen``, ``val/rewards/rejected``, with the
+          reference as training computes it (the policy with its adapters off); KTO:
+          ``val/loss`` over every example against the set's reference point ``val/kl``
+          (docs/validation.md).
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
           stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
           rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded); with
@@ -131,6 +139,23 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
         dataloader = start.dataloader(
             prefs.dataset, padding_idx=self._tokenizer.pad_id, ignore_idx=IGNORE_INDEX
         )
+        # Validation during training (dataset_val; none without it): docs/validation.md.
+        self._validation = preference_validation_from_settings(
+            cfg,
+            terms=self._dpo_terms,
+            tokenizer=self._tokenizer,
+            loss_fn=self._loss_fn,
+            model=self._model,
+            runtime=self._runtime,
+            metric_logger=start.metric_logger,
+        )
+        # Validation runs the reference itself (a precomputed table holds the training pairs'):
+        # the policy with its adapters off; none for a reference-free loss.
+        self._validation_reference = (
+            None
+            if self._dpo_terms.reference_free
+            else lora_reference(self._model, self._runtime.precision)
+        )
         # Checkpoints (adapters, and merged weights), scheduler, profiler, logs: set up last.
         self._run = start.training_run(
             self._model,
@@ -165,7 +190,27 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                     steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                    self._validate_if_due(steps.progress.global_step)  # run_val_every_n_steps
+                self._validate_if_due(steps.progress.global_step, epoch_end=True)
                 steps.end_epoch(curr_epoch)
+
+    def _validate_if_due(self, step: int, *, epoch_end: bool = False) -> None:
+        """The per-pair loss, reward accuracy and margins of the validation set as one batch
+        over every rank, when due; nothing without dataset_val. See [preference validation] in
+        exactga.dpo.validation."""
+        if self._validation is None or not self._validation.due(step, epoch_end=epoch_end):
+            return
+        figure = preference_validation_loss(
+            self._model,
+            self._loss_fn,
+            self._validation.validation_set,
+            self._validation_reference,
+            terms=self._dpo_terms,
+            device=self._runtime.device,
+            precision=self._runtime.precision,
+            dp_group=self._runtime.dp_group,
+        )
+        self._validation.log(figure, step)  # val/loss, val/rewards/..., a console line
 
     def cleanup(self) -> None:
         self._run.close()  # the metric logger and the process group

@@ -35,7 +35,8 @@ from exactga.model_build.trained import build_loss
 from exactga.runtime.runtime import Runtime
 from exactga.sft.loss import causal_lm_loss
 from exactga.sft.router_balance import RouterBalance
-from exactga.sft.validation import validation_from_settings, validation_loss
+from exactga.sft.validation import validation_loss
+from exactga.validation.held_out import validation_from_settings
 from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
@@ -161,7 +162,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _validate_if_due(self, step: int, *, epoch_end: bool = False) -> None:
         """The validation set's loss as one batch over every rank, when due; nothing without
-        dataset_val. See [validation loss as one batch] in exactga.sft.validation."""
+        dataset_val. See [validation loss as one batch] in exactga.validation.held_out."""
         if self._validation is None or not self._validation.due(step, epoch_end=epoch_end):
             return
         figure = validation_loss(

@@ -95,6 +95,24 @@ FULL_SPLITS: dict[str, tuple[int, dict[str, object]]] = {
 LORA_TWO_RANKS = "2ranks_2x2_budget"
 
 
+# Validation during training (docs/validation.md) in every run of the DPO recipe modules: at
+# each epoch's end, on the training pairs' first 6 (2 batches of 3, whatever the run's split or
+# number of ranks). Every split and rank count must report the same figures; validating
+# changes nothing in the training, so the parity bounds stay.
+VALIDATED: dict[str, object] = {
+    "dataset_val": "${dataset}",
+    "batch_size_val": 3,
+    "max_val_batches": 2,
+}
+VALIDATION_TAGS = (
+    "val/loss",
+    "val/rewards/accuracy",
+    "val/rewards/margins",
+    "val/rewards/chosen",
+    "val/rewards/rejected",
+)
+
+
 def _dpo_recipe_runs(root: Path) -> None:
     """Every run of the DPO recipe modules (tests/test_recipe_dpo_lora.py and
     tests/test_recipe_dpo_distributed.py): the single-device LoRA splits and full DPO on one
@@ -106,7 +124,7 @@ def _dpo_recipe_runs(root: Path) -> None:
 
     named = {
         f"lora_{split}": dpo_args(
-            LORA_SINGLE, root / f"lora_{split}", epochs=2, **LORA_OPTIMIZER, **settings
+            LORA_SINGLE, root / f"lora_{split}", epochs=2, **LORA_OPTIMIZER, **VALIDATED, **settings
         )
         for split, settings in LORA_SPLITS.items()
     }
@@ -117,9 +135,12 @@ def _dpo_recipe_runs(root: Path) -> None:
             0 if nproc == 1 else nproc,
             dataset__split=f"train[:{FULL_PAIRS}]",
             **FULL_OPTIMIZER,
+            **VALIDATED,
             **settings,
         )
-    lora_two_ranks = dict(epochs=2, batch_size=2, gradient_accumulation_steps=2, **LORA_OPTIMIZER)
+    lora_two_ranks = dict(
+        epochs=2, batch_size=2, gradient_accumulation_steps=2, **LORA_OPTIMIZER, **VALIDATED
+    )
     named[f"lora_{LORA_TWO_RANKS}"] = dpo_args(
         LORA_DISTRIBUTED, root / f"lora_{LORA_TWO_RANKS}", 2, **lora_two_ranks, **BUDGET
     )
@@ -145,6 +166,30 @@ def dpo_recipe_run(run_once, name: str) -> Path:
     output = (out / "output.txt").read_text()
     assert (out / "returncode").read_text() == "0", f"{name}:\n{output[-6000:]}"
     return out
+
+
+def validation_figures(run: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` of the validation figures a run logged."""
+    from recipe_utils import logged_steps
+
+    return {tag: logged_steps(run / "logs", tag) for tag in VALIDATION_TAGS}
+
+
+def assert_same_validation(run: Path, reference: Path, rel: float) -> None:
+    """``run`` validated at ``reference``'s steps with its figures: the loss and the reward
+    means within ``rel`` (or 1e-6 absolute: a margin is near 0), the accuracy, a count, equal."""
+    import pytest
+
+    ours, expected = validation_figures(run), validation_figures(reference)
+    print(f"{run.name}: {ours['val/loss']}; {reference.name}: {expected['val/loss']}")
+    assert expected["val/loss"], f"{reference.name} logged no validation"
+    for tag in VALIDATION_TAGS:
+        assert list(ours[tag]) == list(expected[tag]), tag
+        for step, value in ours[tag].items():
+            if tag == "val/rewards/accuracy":
+                assert value == expected[tag][step], (tag, step)
+            else:
+                assert value == pytest.approx(expected[tag][step], rel=rel, abs=1e-6), (tag, step)
 
 
 def lora_dpo_run(run_once, split: str) -> Path:

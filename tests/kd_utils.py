@@ -47,6 +47,19 @@ PARITY_STEPS = 12
 # - fp32, AdamW with the cosine schedule, train_on_input (first labels live, where stock's count
 #   before the shift is wrong): measured 2.6e-7 (1x8) and 2.6e-7 (2x4); the bound is 2e-6.
 #   Its 8x1 run writes a step checkpoint every step: the kill -9 resume test's reference.
+#   It validates (``VALIDATED``), at every split and on 1 and 2 ranks.
+# Validation during training (docs/validation.md) in the fp32 case: after steps 4, 8 and 12 (the
+# last also the epoch's end), on the training rows' first 12 (4 batches of 3, whatever the
+# run's split): the same figures to rounding at every split, on 1 and 2 ranks, and after a
+# resume. Validating changes nothing in the training (the parity bounds are unchanged).
+VALIDATED = [
+    "dataset_val=${dataset}",
+    "run_val_every_n_steps=4",
+    "batch_size_val=3",
+    "max_val_batches=4",
+]
+VALIDATED_STEPS = [4, 8, 12]
+VALIDATION_TAGS = ("val/loss", "val/class_loss", "val/kd_loss", "val/perplexity")
 CASES = {
     "fp64_masked": (
         [
@@ -66,6 +79,7 @@ CASES = {
             "dataset.train_on_input=True",
             "lr_scheduler.num_warmup_steps=2",
             "save_every_n_steps=1",
+            *VALIDATED,
         ],
         2e-6,
     ),

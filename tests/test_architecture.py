@@ -205,6 +205,7 @@ LAYERS = (
     "model_build",
     "checkpoints",
     "wiring",
+    "validation",
 )
 FAMILIES = ("sft", "kd", "dpo", "grpo", "ppo")
 ALLOWED_IMPORTS = {
@@ -238,10 +239,13 @@ ALLOWED_IMPORTS = {
         "checkpoints",
         "profiling",
     },
+    # Validation during training: the held-out set and the exact sums of its losses, below the
+    # families whose figures they make.
+    "validation": {"config", "runtime", "data", "accumulation"},
     # Sampling what the policy generates, below the families that train on it (GRPO, PPO).
     "generation": {"accumulation", "model_build"},
     **{
-        family: {"config", "runtime", "data", "accumulation", "model_build", "models"}
+        family: {"config", "runtime", "data", "accumulation", "model_build", "models", "validation"}
         for family in FAMILIES
     },
     "profiling": {"config", "runtime", "data", "accumulation"},

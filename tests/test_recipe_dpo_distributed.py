@@ -14,6 +14,7 @@ import pytest
 from dpo_utils import (
     FULL_SPLITS,
     LORA_TWO_RANKS,
+    assert_same_validation,
     dpo_recipe_run,
     initial_adapters,
     lora_dpo_run,
@@ -49,6 +50,14 @@ def test_full_dpo_on_two_ranks_takes_the_one_rank_step(full_runs, split: str) ->
     assert gap <= FULL_FLOOR, f"{split} vs 1 rank 8x1: relative L2 {gap:.2e}"
 
 
+@pytest.mark.parametrize("split", ["2ranks_4x1_budget", "2ranks_1x4", "2ranks_1x4_precomputed"])
+def test_full_dpo_on_two_ranks_reports_the_one_rank_validation(full_runs, split: str) -> None:
+    """The 6 validation pairs dealt 3 and 3 over the ranks, the reference model run by
+    validation even where training precomputed its log-probs: the one-rank figures (margins
+    within 1e-4, as the window metrics above)."""
+    assert_same_validation(full_runs[split], full_runs["1rank_8x1"], rel=1e-4)
+
+
 def test_ranks_with_fewer_micro_batches_ran_fillers(full_runs) -> None:
     """The budget gave the ranks different micro-batch counts (so the fillers above ran)."""
     imbalance = read_scalars(full_runs["2ranks_4x1_budget"] / "logs")["throughput/rank_imbalance"]
@@ -73,6 +82,10 @@ def test_lora_dpo_on_two_ranks_takes_the_single_device_step(lora_runs, epoch: in
     trained = trained_adapters(lora_runs["2ranks_2x2_budget"], epoch)
     gap = relative_l2(trained, reference, initial_adapters())
     assert gap <= LORA_FLOOR, f"2 ranks 2x2 vs one device 1x8, epoch {epoch}: {gap:.2e}"
+
+
+def test_lora_dpo_on_two_ranks_reports_the_single_device_validation(lora_runs) -> None:
+    assert_same_validation(lora_runs["2ranks_2x2_budget"], lora_runs["1x8"], rel=1e-5)
 
 
 def test_lora_dpo_on_two_ranks_writes_a_peft_adapter(lora_runs) -> None:

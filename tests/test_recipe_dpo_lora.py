@@ -15,7 +15,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from dpo_utils import LORA_SPLITS, initial_adapters, lora_dpo_run, trained_adapters
+from dpo_utils import (
+    LORA_SPLITS,
+    assert_same_validation,
+    initial_adapters,
+    lora_dpo_run,
+    trained_adapters,
+    validation_figures,
+)
 from recipe_utils import read_scalars, relative_l2
 
 # One group with tests/test_recipe_dpo_distributed.py: the two modules' runs are made together
@@ -41,6 +48,14 @@ def test_every_split_takes_the_full_batch_step(runs, initial, split: str, epoch:
     reference = trained_adapters(runs["1x8"], epoch)
     gap = relative_l2(trained_adapters(runs[split], epoch), reference, initial)
     assert gap <= FLOOR, f"{split} vs 1x8 after epoch {epoch}: relative L2 {gap:.2e}"
+
+
+@pytest.mark.parametrize("split", ["2x4", "4x2_budget", "4x2_packed", "2x4_precomputed"])
+def test_every_split_reports_the_same_validation(runs, split: str) -> None:
+    """Validated at each epoch's end (steps 3 and 6) on 6 pairs, whatever the training split
+    (with a precomputed reference, validation runs the adapters-off reference itself)."""
+    assert list(validation_figures(runs["1x8"])["val/loss"]) == [3, 6]
+    assert_same_validation(runs[split], runs["1x8"], rel=1e-5)
 
 
 def test_the_adapters_moved_far_beyond_the_bound(runs, initial) -> None:

@@ -31,6 +31,8 @@ from kd_utils import (
     PARITY_STEPS,
     PEFT_ADAPTERS,
     UNTIED_TEACHER,
+    VALIDATED_STEPS,
+    VALIDATION_TAGS,
     initial_adapters,
     kd_args,
     no_torchrun_run,
@@ -41,6 +43,7 @@ from many_runs import Run, launch_runs, run_of
 from recipe_utils import (
     EMPTY_WINDOW_RUN,
     load_adapters,
+    logged_steps,
     read_scalars,
     relative_l2,
     rows_with_an_empty_window,
@@ -130,6 +133,13 @@ def test_two_ranks_match_one_rank(runs, case, batch_size, ga):
     for name in ("loss", "class_loss", "kd_loss"):  # exact means over both ranks
         for value, expected in zip(ours[name], ref[name], strict=True):
             assert math.isclose(value, expected, rel_tol=1e-5), (name, value, expected)
+    if "dataset_val=${dataset}" in CASES[case][0]:  # the validation set's figures, both ranks'
+        for tag in VALIDATION_TAGS:
+            value, expected = logged_steps(run / "logs", tag), logged_steps(reference / "logs", tag)
+            print(f"{tag}: 2 ranks {value}, 1 rank {expected}")
+            assert list(value) == list(expected) == VALIDATED_STEPS, tag
+            for step in VALIDATED_STEPS:
+                assert math.isclose(value[step], expected[step], rel_tol=1e-5), (tag, step)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,8 @@ from kd_utils import (
     PARITY_STEPS,
     PEFT_ADAPTERS,
     RESUME_CASE,
+    VALIDATED_STEPS,
+    VALIDATION_TAGS,
     initial_adapters,
     one_device_folder,
     one_rank_run,
@@ -94,6 +96,32 @@ def test_metrics_are_stocks_and_ours_and_loss_mixes_both(parity_runs):
         assert ce > 0 and kd > 0 and ce != kd
 
 
+def test_validation_reports_the_students_losses_at_every_split(parity_runs):
+    """The fp32 case validates after steps 4, 8 and 12: ``val/loss`` is the kd_ratio mix of
+    ``val/class_loss`` and ``val/kd_loss``, ``val/perplexity`` is exp of the class loss, and
+    8x1, 1x8 and 2x4 (adapters within 2.6e-7 of each other) report the same figures."""
+    figures = {
+        split: {
+            tag: logged_steps(parity_runs[(RESUME_CASE, split)] / "logs", tag)
+            for tag in VALIDATION_TAGS
+        }
+        for split in SPLITS
+    }
+    reference = figures[SPLITS[0]]
+    assert list(reference["val/loss"]) == VALIDATED_STEPS
+    for step in VALIDATED_STEPS:
+        loss, ce, kd = (reference[tag][step] for tag in VALIDATION_TAGS[:3])
+        print(f"step {step}: val/loss {loss:.6f} class {ce:.6f} kd {kd:.6f}")
+        assert math.isclose(loss, 0.5 * ce + 0.5 * kd, rel_tol=1e-6) and ce != kd
+        assert math.isclose(reference["val/perplexity"][step], math.exp(ce), rel_tol=1e-5)
+    for split in SPLITS[1:]:
+        for tag in VALIDATION_TAGS:
+            ours = figures[split][tag]
+            assert list(ours) == VALIDATED_STEPS, (split, tag)
+            for step, value in ours.items():
+                assert math.isclose(value, reference[tag][step], rel_tol=1e-5), (split, tag)
+
+
 def test_profiling_report_is_written_to_tensorboard(parity_runs):
     """The SFT recipes' TensorBoard report: the custom-scalars layout and the text summary."""
     ((_, report),) = read_reports(parity_runs[(RESUME_CASE, (8, 1))] / "logs").items()
@@ -150,6 +178,12 @@ def test_killed_run_resumes_bit_identically(run_once):
     assert list(losses) == list(range(checkpoint + 1, PARITY_STEPS + 1))
     for step, loss in losses.items():
         assert loss == pytest.approx(expected[step], rel=1e-6), step
+    # Validation: the uninterrupted run's steps after the checkpoint, with its figures.
+    validated = logged_steps(folder / "logs", "val/loss")
+    reference_figures = logged_steps(reference / "logs", "val/loss")
+    assert list(validated) == [step for step in VALIDATED_STEPS if step > checkpoint]
+    for step, loss in validated.items():
+        assert loss == pytest.approx(reference_figures[step], rel=1e-6), step
 
 
 def test_window_without_loss_tokens_skips_its_step(run_once):

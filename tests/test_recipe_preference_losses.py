@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dpo_utils import FULL_DISTRIBUTED, dpo_args
+from dpo_utils import FULL_DISTRIBUTED, LORA_DISTRIBUTED, VALIDATED, dpo_args
 from many_runs import launch_runs, run_of
 from recipe_utils import SMALL_MODEL, read_scalars
 
@@ -61,20 +61,28 @@ def _make_runs(root: Path) -> None:
             "parity.num_steps": 3,
         }
         runs.append(run_of(_args(PARITY, overrides), root / name)[1])
-    # Full DPO with SimPO: ref_checkpointer is set (the tiny config's) and ignored.
+    # Full DPO with SimPO: ref_checkpointer is set (the tiny config's) and ignored. It
+    # validates at its epoch's end (step 2) with no reference, as it trains.
     simpo = {"loss___component_": "exactga.dpo.losses.SimPOLoss", "max_steps_per_epoch": 2}
     runs.append(
         run_of(
-            dpo_args(FULL_DISTRIBUTED, root / "full_simpo", nproc=2, **simpo), root / "full_simpo"
+            dpo_args(FULL_DISTRIBUTED, root / "full_simpo", nproc=2, **simpo, **VALIDATED),
+            root / "full_simpo",
         )[1]
     )
+    # LoRA KTO through the recipe, validating over its examples against the set's z.
+    kto = {key.replace(".", "__"): value for key, value in LOSSES["kto"].items()}
+    args = dpo_args(
+        LORA_DISTRIBUTED, root / "lora_kto", nproc=2, max_steps_per_epoch=2, **kto, **VALIDATED
+    )
+    runs.append(run_of(args, root / "lora_kto")[1])
     launch_runs(runs, nproc=2)
 
 
 @pytest.fixture(scope="module")
 def launched(run_once) -> Path:
     root = run_once("preference_losses", _make_runs)
-    for name in (*LOSSES, "full_simpo"):
+    for name in (*LOSSES, "full_simpo", "lora_kto"):
         output = (root / name / "output.txt").read_text()
         assert (root / name / "returncode").read_text() == "0", output[-4000:]
     return root
@@ -121,3 +129,20 @@ def test_full_dpo_with_a_reference_free_loss_builds_no_reference(launched: Path)
     assert "'ref_checkpointer' ignored: exactga.dpo.losses.SimPOLoss is reference-free" in output
     losses = read_scalars(launched / "full_simpo" / "logs")["loss"]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
+    # Validation without a reference: the per-pair loss and a count of pairs over 6 pairs.
+    scalars = read_scalars(launched / "full_simpo" / "logs")
+    assert len(scalars["val/loss"]) == 1 and 0 < scalars["val/loss"][0] < 10
+    assert scalars["val/rewards/accuracy"][0] * 6 == pytest.approx(
+        round(scalars["val/rewards/accuracy"][0] * 6)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("preference_losses")
+def test_kto_validates_over_its_examples_through_the_recipe(launched: Path) -> None:
+    """docs/validation.md: the loss over the 6 validation examples against their one z, at the
+    epoch's end; the in-process figures against the oracle are tests/test_validation_dpo.py's."""
+    scalars = read_scalars(launched / "lora_kto" / "logs")
+    print(f"KTO validation: loss {scalars['val/loss']}, z {scalars['val/kl']}")
+    assert len(scalars["val/loss"]) == len(scalars["val/kl"]) == 1
+    assert 0 < scalars["val/loss"][0] < 1 and scalars["val/kl"][0] >= 0

@@ -1,5 +1,5 @@
-"""Validation during training (exactga.sft.validation): the loss of the whole validation set as
-one batch, in-process on a tiny torchtune model.
+"""Validation during training (exactga.validation.held_out, exactga.sft.validation): the loss of
+the whole validation set as one batch, in-process on a tiny torchtune model.
 
 The figure must equal a plainly written full-set reference (tests/oracle_utils.py: every scored
 token after the shift, summed, over their number) within the fp32 floor for any
@@ -26,8 +26,9 @@ from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.config.validation import validate_config
 from exactga.data.collation import micro_batch_collate
 from exactga.data.micro_batching import MicroBatchingSettings
-from exactga.dpo.schema import LoraDpoSingleDeviceConfig
-from exactga.sft.validation import Validation, ValidationSet, validation_loss
+from exactga.grpo.schema import GrpoDistributedConfig
+from exactga.sft.validation import validation_loss
+from exactga.validation.held_out import Validation, ValidationSet
 
 CPU = torch.device("cpu")
 
@@ -210,7 +211,26 @@ def test_validation_keys_need_dataset_val_and_a_recipe_that_validates() -> None:
     with_val.dataset_val = OmegaConf.to_container(with_val.dataset)
     with pytest.raises(ValueError, match="'max_val_batches' must be null or at least 1"):
         validate_config(with_val, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
-    dpo = tiny_config("lora_dpo_single_device")
-    dpo.dataset_val = OmegaConf.to_container(dpo.dataset)
+    grpo = tiny_config("grpo_distributed")
+    grpo.dataset_val = OmegaConf.to_container(grpo.dataset)
     with pytest.raises(ValueError, match="'dataset_val': this recipe does not validate yet"):
-        validate_config(dpo, LoraDpoSingleDeviceConfig, "lora_dpo_single_device")
+        validate_config(grpo, GrpoDistributedConfig, "grpo_full_finetune_distributed")
+
+
+def test_a_split_of_the_training_data_is_disjoint_from_it_and_covers_it() -> None:
+    """docs/validation.md: ``dataset_val`` as a split of the training data, through the builder's
+    own ``split`` key (Hugging Face's split slicing), on the tiny configs' JSON file: training
+    ``train[:90%]`` and validation ``train[90%:]`` are, in order, the whole file, no row in both."""
+    from torchtune import config
+
+    cfg = tiny_config("full_single_device")
+    tokenizer = config.instantiate(cfg.tokenizer)
+
+    def rows(split: str) -> list[dict]:
+        section = OmegaConf.merge(cfg.dataset, {"split": split})
+        return list(config.instantiate(section, tokenizer)._data)  # the source rows
+
+    training, validation, whole = rows("train[:90%]"), rows("train[90%:]"), rows("train")
+    print(f"{len(training)} training rows, {len(validation)} validation rows of {len(whole)}")
+    assert len(training) == round(0.9 * len(whole)) and validation
+    assert training + validation == whole  # disjoint by position, and nothing left out

@@ -274,8 +274,9 @@ def check_lora_model(cfg_model: DictConfig) -> None:
 
 @dataclass
 class ValidationKeys:
-    """The keys of validation during training (docs/validation.md; exactga.sft.validation):
-    torchtune main's three, and a bound on the cost. Without ``dataset_val`` none runs."""
+    """The keys of validation during training (docs/validation.md; exactga.validation.held_out
+    and each family's figure): torchtune main's three, and a bound on the cost. Without
+    ``dataset_val`` none runs."""
 
     # Any dataset builder the recipe trains on (or a list of them); null: no validation.
     dataset_val: Any = None
@@ -285,8 +286,9 @@ class ValidationKeys:
     # Only the first max_val_batches x batch_size_val samples of the set; null: all of them.
     max_val_batches: Optional[int] = None
 
-    # The families whose recipes validate; the others refuse ``dataset_val`` (their figures,
-    # rewards and margins over held-out pairs or prompts, are yet to come: docs/validation.md).
+    # The families whose recipes validate; the others (GRPO, PPO) refuse ``dataset_val``
+    # (their figures, rewards of generations for held-out prompts, are yet to come:
+    # docs/validation.md).
     VALIDATION_RECIPES: ClassVar[bool] = True
 
     @classmethod
@@ -303,7 +305,8 @@ class ValidationKeys:
         if not cls.VALIDATION_RECIPES:
             raise ValueError(
                 "config key 'dataset_val': this recipe does not validate yet (the supervised "
-                "fine-tuning recipes do; docs/validation.md); remove dataset_val."
+                "fine-tuning, distillation and DPO recipes do; docs/validation.md); remove "
+                "dataset_val."
             )
 
 

@@ -71,6 +71,13 @@ class PreferenceMetrics:
         sums = per_pair.double().sum(dim=1)
         self._sums = sums if self._sums is None else self._sums + sums
 
+    @property
+    def recorded_sums(self) -> torch.Tensor | None:
+        """The per-pair sums recorded since the window opened, in ``NAMES``' order (fp64, on
+        the device); None before any pair (a validation batch's, read by
+        exactga.dpo.validation)."""
+        return self._sums
+
     def record_terms(self, pair_losses: torch.Tensor, chosen_nll_sum: torch.Tensor) -> None:
         """Add one micro-batch's per-pair losses and its chosen tokens' summed NLL."""
         sums = torch.stack([pair_losses.double().sum(), chosen_nll_sum.double()]).detach()

@@ -148,7 +148,6 @@ class LoraDpoSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, DpoLossKeys):
     adapters. ``loss`` is torchtune's ``DPOLoss`` or ``RSOLoss`` (one loss per pair)."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
-    VALIDATION_RECIPES: ClassVar[bool] = False  # no dataset_val yet: see the base schema
 
     collate_fn: str = PAIR_COLLATE
     # exactga: each pair's reference log-probs computed once, before training, and looked up
@@ -166,7 +165,6 @@ class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig, DpoLossKeys):
     """``lora_dpo_distributed``: the distributed LoRA keys; the reference as on one device."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
-    VALIDATION_RECIPES: ClassVar[bool] = False  # no dataset_val yet: see the base schema
 
     collate_fn: str = PAIR_COLLATE
     # exactga: each pair's reference log-probs computed once, before training, and looked up
@@ -185,7 +183,6 @@ class FullDpoDistributedConfig(FullFinetuneDistributedConfig, DpoLossKeys):
     reference's weights (a frozen copy of ``model``, sharded like it)."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
-    VALIDATION_RECIPES: ClassVar[bool] = False  # no dataset_val yet: see the base schema
 
     collate_fn: str = PAIR_COLLATE
     # The reference's weights; needed unless the loss is reference-free (SimPO, ORPO).

@@ -294,9 +294,20 @@ class Distiller:
 
     def loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """Forward both models on one micro-batch already on the device; its mean combined
-        loss, for ``window.backward``. See [two token-normalised losses]; both models project
-        only the scored positions when the batch carries their index, see [kd logits at loss
-        positions]."""
+        loss, for ``window.backward``. See [two token-normalised losses]."""
+        class_loss, kd_loss = self.part_losses(batch, self.activations_ctx)
+        self._parts.append((class_loss.detach(), kd_loss.detach()))
+        return MicroBatchLoss((1.0 - self.kd_ratio) * class_loss + self.kd_ratio * kd_loss)
+
+    def part_losses(
+        self,
+        batch: dict[str, torch.Tensor],
+        activations_ctx: contextlib.AbstractContextManager[Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The class loss and the KD loss of one micro-batch already on the device, each the
+        mean over its scored tokens (``activations_ctx`` around the student's forward). Both
+        models project only the scored positions when the batch carries their index, see [kd
+        logits at loss positions]."""
         labels = batch.pop("labels")
         positions = batch.pop(LOSS_POSITIONS, None)
         with (
@@ -306,7 +317,7 @@ class Distiller:
             # The teacher first: its activations are gone before the student's are made, so
             # the peak holds one model's activations plus the teacher's logits.
             teacher_logits = self.teacher_logits(batch)
-            with self.activations_ctx or contextlib.nullcontext(), self.precision.autocast():
+            with activations_ctx or contextlib.nullcontext(), self.precision.autocast():
                 logits = self.student(**batch)
         labels = shift_labels(labels, loss_ignore_index(self.loss_fn))
         if teacher_cut or student_cut:
@@ -326,8 +337,7 @@ class Distiller:
         kd_loss = self.kd_loss_fn(logits, teacher_logits, labels)
         class_loss = self.loss_fn(logits, labels)
         del logits, teacher_logits  # the largest activations, before backward
-        self._parts.append((class_loss.detach(), kd_loss.detach()))
-        return MicroBatchLoss((1.0 - self.kd_ratio) * class_loss + self.kd_ratio * kd_loss)
+        return class_loss, kd_loss
 
     def track(self, windows: Iterable[Window]) -> Iterator[Window]:
         """The windows, with the KD loss's denominator checked on the first micro-batch with a

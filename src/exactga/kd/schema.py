@@ -30,7 +30,6 @@ class KnowledgeDistillationSingleDeviceConfig(LoraFinetuneSingleDeviceConfig, Di
     """``knowledge_distillation_single_device``: the LoRA student's keys plus the teacher's."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
-    VALIDATION_RECIPES: ClassVar[bool] = False  # no dataset_val yet: see the base schema
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
@@ -43,7 +42,6 @@ class KnowledgeDistillationDistributedConfig(LoraFinetuneDistributedConfig, Dist
     """``knowledge_distillation_distributed``: the distributed LoRA keys plus the teacher's."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
-    VALIDATION_RECIPES: ClassVar[bool] = False  # no dataset_val yet: see the base schema
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:

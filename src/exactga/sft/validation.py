@@ -1,67 +1,26 @@
-"""Validation during training: the loss of the whole validation set as one batch.
+"""The supervised fine-tuning figure of validation during training: the loss of the whole
+validation set as one batch, and its perplexity.
 
 A fine-tuning recipe with ``dataset_val`` calls :func:`validation_loss` every
 ``run_val_every_n_steps`` optimizer steps and at the end of each epoch, and logs what it returns
-(``val/loss``, ``val/perplexity``, one console line); without ``dataset_val`` nothing here runs.
-See [validation loss as one batch], [validation set order] and docs/validation.md.
-
-Note [validation loss as one batch]
-The figure is the validation set's loss as if it were one batch on one device: the sum of the
-per-token losses of every scored token of every validation sample on every rank (a position
-whose label *after the one-position shift* is not ignored, the count of
-[shifted token count] in exactga.accumulation.loss_units), divided by the number of those
-tokens over every rank. It is computed as training weighs a window: each batch's mean loss
-(the recipe's own ``loss_fn`` through ``mean_token_loss``, so the same chunked or fused output
-projection and the same cut to the scored positions) times its host-counted tokens is that
-batch's token-loss sum; the sums (fp64) and the counts of every batch and rank are added, then
-divided once. So ``batch_size_val``, the number of ranks and how the rows fall into batches
-change nothing but fp32 rounding inside each batch's mean. The usual figures do not have this
-property: a mean of batch means (Hugging Face's ``eval_loss``) weighs a token by one over its
-batch's count, and a count taken before the shift (torchtune main's ``validate``) adds each
-row's first label, which no position predicts, to the denominator.
-
-Note [validation set order]
-The validation set is read in its own fixed order, never shuffled, by index: rank ``r`` of
-``n`` takes samples ``r, r + n, r + 2n, ...`` of the set (its first ``max_val_batches x
-batch_size_val`` samples under ``max_val_batches``), in batches of ``batch_size_val``. No data
-loader, sampler or worker seed is made, so validating draws nothing from the training RNGs and
-leaves the training loader's position alone; the model is in eval mode (dropout off) with no
-gradient, and the CPU and device RNG states are restored afterwards all the same, so a run with
-validation trains bit-identically to one without, and a resumed run validates at the same steps
-with the same figures. Under FSDP every rank must run the same forwards: a rank with fewer
-batches than rank 0 runs zero-weight fillers (a batch with every label ignored and one planted
-label, as [empty micro-batches under FSDP] describes), and a batch without a scored token still
-runs there, weighing 0; on one device such a batch is skipped.
+(``val/loss``, ``val/perplexity``, one console line). The set, the sums over every rank and the
+schedule are exactga.validation.held_out's; see [validation loss as one batch] there and
+docs/validation.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset
-from torchtune import utils
 
-from exactga.accumulation.loss_units import (
-    IGNORE_INDEX,
-    ShiftedTokens,
-    loss_ignore_index,
-    masked_labels,
-)
-from exactga.config.schemas import FullFinetuneSingleDeviceConfig, LoraFinetuneSingleDeviceConfig
-from exactga.data.collation import Collate, micro_batch_collate
-from exactga.data.loader import load_dataset, model_vocab_size
-from exactga.data.micro_batching import MicroBatchingSettings
-from exactga.data.packing import uses_flex_attention
-from exactga.runtime.distributed import log_rank_zero
+from exactga.accumulation.loss_units import ShiftedTokens
 from exactga.runtime.precision import Precision
 from exactga.sft.loss import mean_token_loss
+from exactga.validation.held_out import ValidationSet, loss_sums
 
 
 @dataclass(frozen=True)
@@ -81,7 +40,9 @@ class ValidationLoss:
             return math.inf
 
     def metrics(self) -> dict[str, float]:
-        """The logged scalars, on the training loss's step axis."""
+        """The logged scalars, on the training loss's step axis; none without a scored token."""
+        if not self.num_tokens:
+            return {}
         return {"val/loss": self.loss, "val/perplexity": self.perplexity}
 
     def line(self, step: int) -> str:
@@ -97,61 +58,6 @@ class ValidationLoss:
             f"{self.perplexity:.2f}) over {self.num_tokens:,} tokens of {self.num_samples:,} "
             "samples"
         )
-
-
-class ValidationSet:
-    """This rank's share of the validation set, in batches; see [validation set order].
-
-    Args:
-        dataset: the validation samples (``exactga.data.loader.load_dataset``).
-        batch_size: samples per batch (``batch_size_val``).
-        collate: how a batch's samples are collated (the training loader's collate).
-        max_batches: read only the first ``max_batches x batch_size`` samples of the set
-            (``max_val_batches``); ``None`` reads them all.
-        num_replicas: data-parallel ranks reading the set.
-        rank: this process's data-parallel rank.
-        ignore_index: the loss's ignore index, which a filler's labels take.
-
-    Raises:
-        ValueError: the set has no sample.
-    """
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        batch_size: int,
-        collate: Collate,
-        max_batches: int | None = None,
-        num_replicas: int = 1,
-        rank: int = 0,
-        ignore_index: int = IGNORE_INDEX,
-    ) -> None:
-        num_samples = len(dataset)  # type: ignore[arg-type]
-        if num_samples == 0:
-            raise ValueError("config key 'dataset_val': the validation set has no sample.")
-        if max_batches is not None:
-            num_samples = min(num_samples, max_batches * batch_size)
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.collate = collate
-        self.ignore_index = ignore_index
-        self.num_samples = num_samples  # over every rank
-        self.indices = list(range(rank, num_samples, num_replicas))
-        # Rank 0 holds the most samples; every rank runs as many batches as it does.
-        self.num_batches = math.ceil(math.ceil(num_samples / num_replicas) / batch_size)
-
-    def batches(self) -> Iterator[dict[str, Any]]:
-        """This rank's batches, on the host, then fillers with every label ignored up to
-        ``num_batches`` (a rank of fewer samples than rank 0's; see [validation set order])."""
-        own = [
-            self.indices[start : start + self.batch_size]
-            for start in range(0, len(self.indices), self.batch_size)
-        ]
-        for indices in own:
-            yield self.collate([self.dataset[i] for i in indices])
-        for _ in range(self.num_batches - len(own)):
-            yield masked_labels(self.collate([self.dataset[0]]), self.ignore_index)
 
 
 def validation_loss(
@@ -172,162 +78,14 @@ def validation_loss(
     states restored after it (see [validation set order]); every rank of ``dp_group`` calls it.
     One host read, and under data parallelism one all-reduce of two numbers, per call.
     """
-    units = ShiftedTokens(loss_fn)  # also checks the loss's own denominator on the first batch
-    sharded = dp_group is not None and dist.get_world_size(dp_group) > 1
-    means: list[torch.Tensor] = []
-    counts: list[int] = []
-    with _rng_kept(device), torch.no_grad(), _eval_mode(model):
-        for batch in validation_set.batches():
-            num_tokens = units.count(batch)
-            if num_tokens == 0 and not sharded:
-                continue  # nothing to score, and no other rank waits for its forward
-            batch = units.prepare(batch, num_tokens, runs_empty=num_tokens == 0)
-            utils.batch_to_device(batch, device)
-            means.append(mean_token_loss(model, loss_fn, batch, precision=precision))
-            counts.append(num_tokens)
-    totals = _token_loss_totals(means, counts)  # this rank's (sum, count), fp64 on the host
-    if sharded:
-        totals = totals.to(_collective_device(dp_group))
-        dist.all_reduce(totals, group=dp_group)
-    loss_sum, num_tokens = totals.tolist()
-    return ValidationLoss(
-        loss=loss_sum / num_tokens if num_tokens else math.nan,
-        num_tokens=int(num_tokens),
-        num_samples=validation_set.num_samples,
-    )
-
-
-def _token_loss_totals(means: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
-    """``[sum of token losses, number of tokens]`` of this rank's batches, fp64 on the host: each
-    batch's mean times its count is its sum (a filler's count is 0, so it adds exactly 0)."""
-    if not means:
-        return torch.zeros(2, dtype=torch.float64)
-    weights = torch.tensor(counts, dtype=torch.float64)
-    losses = torch.stack([mean.detach().double() for mean in means]).cpu()
-    return torch.stack(((losses * weights).sum(), weights.sum()))
-
-
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a tensor for ``group``'s collectives lives: the current GPU under NCCL."""
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode within, each submodule's own mode restored after (a module a
-    recipe keeps in eval mode stays so)."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-@contextlib.contextmanager
-def _rng_kept(device: torch.device) -> Iterator[None]:
-    """The CPU RNG's state, and ``device``'s where it is an accelerator, restored on exit."""
-    on_accelerator = device.type != "cpu"
-    with torch.random.fork_rng(
-        devices=[device] if on_accelerator else [],
-        device_type=device.type if on_accelerator else None,
-    ):
-        yield
-
-
-class _Runtime(Protocol):
-    """What :func:`validation_from_settings` reads of a recipe's runtime
-    (``exactga.runtime.runtime.Runtime``): which data-parallel rank of how many it is."""
-
-    @property
-    def dp_size(self) -> int: ...
-
-    @property
-    def dp_rank(self) -> int: ...
-
-
-class Validation:
-    """When a recipe validates, what on, and where the figures go; ``None`` from
-    :func:`validation_from_settings` when the config has no ``dataset_val``.
-
-    Args:
-        validation_set: this rank's share of the set.
-        every_n_steps: validate after every such optimizer step (``run_val_every_n_steps``);
-            ``None``: at the end of each epoch only.
-        metric_logger: where ``val/loss`` and ``val/perplexity`` go; ``None`` on ranks that do
-            not write.
-    """
-
-    def __init__(
-        self,
-        validation_set: ValidationSet,
-        *,
-        every_n_steps: int | None,
-        metric_logger: Any | None,
-    ) -> None:
-        self.validation_set = validation_set
-        self.every_n_steps = every_n_steps
-        self.metric_logger = metric_logger
-        self._last_step: int | None = None  # an epoch's last step is validated once
-
-    def due(self, step: int, *, epoch_end: bool = False) -> bool:
-        """Whether to validate after optimizer step ``step``: every ``every_n_steps`` steps
-        and at an epoch's end, once per step."""
-        if step == self._last_step:
-            return False
-        return epoch_end or (self.every_n_steps is not None and step % self.every_n_steps == 0)
-
-    def log(self, figure: ValidationLoss, step: int) -> None:
-        """``figure`` to the metric logger at ``step`` and one console line (rank 0)."""
-        self._last_step = step
-        if self.metric_logger is not None and figure.num_tokens:
-            self.metric_logger.log_dict(figure.metrics(), step=step)
-        log_rank_zero(figure.line(step))
-
-
-def validation_from_settings(
-    settings: FullFinetuneSingleDeviceConfig | LoraFinetuneSingleDeviceConfig,
-    *,
-    tokenizer: Any,
-    loss_fn: nn.Module,
-    model: nn.Module,
-    runtime: _Runtime,
-    metric_logger: Any | None,
-) -> Validation | None:
-    """The recipe's validation from its typed settings (``dataset_val``,
-    ``run_val_every_n_steps``, ``batch_size_val``, ``max_val_batches``), or ``None`` without
-    ``dataset_val``. The set is built and checked as the training set is (any dataset builder,
-    or a list of them; rows checked), and collated with the training loader's ``collate_fn``
-    and ``pad_to_multiple_of``."""
-    if settings.dataset_val is None:
-        return None
-    dataset = load_dataset(settings.dataset_val, tokenizer, model_vocab_size(model), "dataset_val")
-    batch_size = settings.batch_size_val or settings.batch_size
-    ignore_index = loss_ignore_index(loss_fn)
-    collate = micro_batch_collate(
-        MicroBatchingSettings(
-            batch_size=batch_size, pad_to_multiple_of=settings.pad_to_multiple_of
-        ),
-        settings.collate_fn,
-        padding_idx=tokenizer.pad_id,
-        ignore_idx=ignore_index,
-        packed_data=dataset.packed,  # a CheckedDataset says whether its samples are packs
-        flex_attention=uses_flex_attention(settings.device),
-    )
-    validation_set = ValidationSet(
-        dataset,
-        batch_size=batch_size,
-        collate=collate,
-        max_batches=settings.max_val_batches,
-        num_replicas=runtime.dp_size,
-        rank=runtime.dp_rank,
-        ignore_index=ignore_index,
-    )
-    return Validation(
+    sums = loss_sums(
         validation_set,
-        every_n_steps=settings.run_val_every_n_steps,
-        metric_logger=metric_logger,
+        lambda batch: mean_token_loss(model, loss_fn, batch, precision=precision).reshape(1),
+        ShiftedTokens(loss_fn),  # also checks the loss's own denominator on the first batch
+        models=(model,),
+        device=device,
+        dp_group=dp_group,
+    )
+    return ValidationLoss(
+        loss=sums.mean(0), num_tokens=sums.num_units, num_samples=validation_set.num_samples
     )
