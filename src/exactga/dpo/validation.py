@@ -46,6 +46,11 @@ from exactga.dpo.kto import KtoExamples, KtoReferencePoint, kto_micro_batch_loss
 from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.metrics import PreferenceMetrics
 from exactga.dpo.preference import PreferencePairs, collate_pairs
+from exactga.dpo.schema import (
+    FullDpoDistributedConfig,
+    LoraDpoDistributedConfig,
+    LoraDpoSingleDeviceConfig,
+)
 from exactga.dpo.terms import DPO, DpoTerms
 from exactga.runtime.precision import Precision
 from exactga.validation.held_out import (
@@ -104,7 +109,7 @@ class PreferenceValidationLoss:
 
 
 def preference_validation_from_settings(
-    settings: Any,
+    settings: LoraDpoSingleDeviceConfig | LoraDpoDistributedConfig | FullDpoDistributedConfig,
     *,
     terms: DpoTerms,
     tokenizer: Any,
