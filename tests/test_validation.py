@@ -26,7 +26,7 @@ from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.config.validation import validate_config
 from exactga.data.collation import micro_batch_collate
 from exactga.data.micro_batching import MicroBatchingSettings
-from exactga.grpo.schema import GrpoDistributedConfig
+from exactga.ppo.schema import PpoFullFinetuneSingleDeviceConfig
 from exactga.sft.validation import validation_loss
 from exactga.validation.held_out import Validation, ValidationSet
 
@@ -211,10 +211,10 @@ def test_validation_keys_need_dataset_val_and_a_recipe_that_validates() -> None:
     with_val.dataset_val = OmegaConf.to_container(with_val.dataset)
     with pytest.raises(ValueError, match="'max_val_batches' must be null or at least 1"):
         validate_config(with_val, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
-    grpo = tiny_config("grpo_distributed")
-    grpo.dataset_val = OmegaConf.to_container(grpo.dataset)
+    ppo = tiny_config("ppo_single_device")
+    ppo.dataset_val = OmegaConf.to_container(ppo.dataset)
     with pytest.raises(ValueError, match="'dataset_val': this recipe does not validate yet"):
-        validate_config(grpo, GrpoDistributedConfig, "grpo_full_finetune_distributed")
+        validate_config(ppo, PpoFullFinetuneSingleDeviceConfig, "ppo_full_finetune_single_device")
 
 
 def test_a_split_of_the_training_data_is_disjoint_from_it_and_covers_it() -> None:

@@ -286,8 +286,8 @@ class ValidationKeys:
     # Only the first max_val_batches x batch_size_val samples of the set; null: all of them.
     max_val_batches: Optional[int] = None
 
-    # The families whose recipes validate; the others (GRPO, PPO) refuse ``dataset_val``
-    # (their figures, rewards of generations for held-out prompts, are yet to come:
+    # The families whose recipes validate; PPO's refuses ``dataset_val`` (its figures, rewards
+    # of generations for held-out prompts and the value loss, are yet to come:
     # docs/validation.md).
     VALIDATION_RECIPES: ClassVar[bool] = True
 
@@ -305,7 +305,7 @@ class ValidationKeys:
         if not cls.VALIDATION_RECIPES:
             raise ValueError(
                 "config key 'dataset_val': this recipe does not validate yet (the supervised "
-                "fine-tuning, distillation and DPO recipes do; docs/validation.md); remove "
+                "fine-tuning, distillation, DPO and GRPO recipes do; docs/validation.md); remove "
                 "dataset_val."
             )
 
