@@ -20,9 +20,9 @@ from torchtune.training import shard_model
 from unit_utils import run_on_ranks, tiny_model
 
 from exactga.config.options import MicroBatching
-from exactga.generation.sampling import SamplingSettings, generate_group
+from exactga.generation.sampling import VALIDATION_STEP, SamplingSettings, generate_group
 from exactga.grpo.rollout_step import StepSettings
-from exactga.grpo.validation import VALIDATION_STEP, HeldOutPrompts, held_out_rewards
+from exactga.grpo.validation import HeldOutPrompts, held_out_rewards
 from exactga.runtime.precision import Precision
 
 CPU = torch.device("cpu")

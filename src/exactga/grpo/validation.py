@@ -39,14 +39,11 @@ from torch import nn
 from torch.utils.data import Dataset
 from torchtune import config
 
-from exactga.generation.sampling import check_prompt
+from exactga.generation.sampling import VALIDATION_STEP, check_prompt
 from exactga.grpo.rewards import score_completions, successes
 from exactga.grpo.rollout_step import RolloutRuntime, StepSettings
 from exactga.grpo.rollouts import completion_text, generate_rollouts
 from exactga.grpo.schema import GrpoDistributedConfig
-
-# The ``step`` of every validation group's seed: training's steps count from 0.
-VALIDATION_STEP = -1
 
 
 class HeldOutPrompts:
