@@ -41,10 +41,12 @@ from exactga.grpo.rollout_metrics import rollout_metrics
 from exactga.grpo.rollout_step import StepSettings, make_rollouts
 from exactga.grpo.rollouts import StepRollouts
 from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig
+from exactga.grpo.validation import held_out_prompts_from_settings, held_out_rewards
 from exactga.grpo.windows import ppo_epoch_windows
 from exactga.launch.cli import run_recipe
 from exactga.run.steps import StepBookSettings
 from exactga.runtime.runtime import Runtime
+from exactga.validation.held_out import Validation
 from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
@@ -80,6 +82,11 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         - Checkpoints of the policy at each epoch's end through torchtune's checkpoint client;
           with ``save_every_n_steps`` (counted in rollout steps) atomic step checkpoints that
           ``resume_from_checkpoint`` goes on from, bit-identically.
+        - Validation during training (``dataset_val``: held-out prompts, any prompt dataset
+          section; ``run_val_every_n_steps``, ``batch_size_val``, ``max_val_batches``):
+          ``val/reward_mean`` and ``val/success_rate`` of ``grpo_samples`` completions of each
+          held-out prompt over every rank, seeded by (seed, prompt row, completion) only, so the
+          same on any rank layout and batch size (docs/validation.md).
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), rewards mean,
           spread, components and success rate, completion lengths, ``policy/kl``,
           ``policy/clip_fraction``, and the phases (generate, reward, reference, forward,
@@ -140,6 +147,20 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             rank=self._runtime.dp_rank,
             state_dict=start.dataloader_state(),
         )
+        # Validation during training (dataset_val; none without it): the rewards of held-out
+        # prompts' completions, see [GRPO validation] in exactga.grpo.validation.
+        held_out = held_out_prompts_from_settings(
+            cfg,
+            tokenizer=self._tokenizer,
+            model=self._model,
+            num_replicas=self._runtime.dp_size,
+            rank=self._runtime.dp_rank,
+        )
+        self._validation = None
+        if held_out is not None:
+            self._validation = Validation(
+                held_out, every_n_steps=cfg.run_val_every_n_steps, metric_logger=start.metric_logger
+            )
         # Checkpoints, scheduler, profiler, logs: set up last. An epoch is at most num_steps
         # rollout steps, each ppo_epochs optimizer steps; step checkpoints only fall between
         # rollout steps, since the rollouts themselves are not saved.
@@ -213,8 +234,27 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                             window.backward(loss)  # weighed by its exact share, then backward
                         outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                         steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                        self._validate_if_due(progress.global_step)  # run_val_every_n_steps
+                self._validate_if_due(progress.global_step, epoch_end=True)
                 next(prompt_batches, None)  # lets the loader see its end (its epoch position)
                 steps.end_epoch(curr_epoch)
+
+    def _validate_if_due(self, step: int, *, epoch_end: bool = False) -> None:
+        """The reward mean and success rate of the held-out prompts' completions over every
+        rank, when due; nothing without dataset_val. See [GRPO validation] in
+        exactga.grpo.validation."""
+        if self._validation is None or not self._validation.due(step, epoch_end=epoch_end):
+            return
+        figure = held_out_rewards(
+            self._model,
+            self._validation.validation_set,
+            settings=self._step_settings,
+            reward_components=self._rewards,
+            tokenizer=self._tokenizer,
+            seed=self._run.progress.seed,  # every validation draws the same numbers
+            runtime=self._runtime,
+        )
+        self._validation.log(figure, step)  # val/reward_mean, val/success_rate, a console line
 
     def _window_metrics(self, window: Window) -> dict[str, float]:
         """What a logged step adds: the policy's KL and clipping over the window, and the

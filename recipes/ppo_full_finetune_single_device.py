@@ -50,8 +50,10 @@ from exactga.ppo.trajectory import (
     prompt_loader,
     trajectory_metrics,
 )
+from exactga.ppo.validation import held_out_ppo, held_out_ppo_prompts_from_settings
 from exactga.run.steps import StepBookSettings
 from exactga.runtime.runtime import Runtime
+from exactga.validation.held_out import Validation
 from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
@@ -84,6 +86,11 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
           checkpointers as stock; with ``save_every_n_steps`` (counted in trajectory steps)
           atomic step checkpoints that ``resume_from_checkpoint`` goes on from,
           bit-identically.
+        - Validation during training (``dataset_val``: held-out prompts, any dataset section
+          the recipe trains on; ``run_val_every_n_steps``, ``batch_size_val``,
+          ``max_val_batches``): ``val/reward_mean`` (the reward model's score of one response
+          to each held-out prompt, seeded by (seed, prompt row) only) and ``val/value_loss``
+          over every value position (docs/validation.md).
         - Logging: ``loss`` (the exact PPO-batch loss), stock's ``policy_loss``,
           ``value_loss``, ``ratios``, ``clipfrac``, ``approx_policy_kl`` as exact means over
           the PPO batch, and stock's trajectory statistics (``scores``, ``rlhf_reward``, ``kl``,
@@ -137,6 +144,15 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._dataloader = prompt_loader(
             cfg, self._tokenizer, policy, state_dict=start.dataloader_state()
         )
+        # Validation during training (dataset_val; none without it): the reward model's score
+        # and the value loss of held-out prompts' responses, see [PPO validation] in
+        # exactga.ppo.validation.
+        held_out = held_out_ppo_prompts_from_settings(cfg, tokenizer=self._tokenizer, policy=policy)
+        self._validation = None
+        if held_out is not None:
+            self._validation = Validation(
+                held_out, every_n_steps=cfg.run_val_every_n_steps, metric_logger=start.metric_logger
+            )
         # Checkpoints, scheduler, profiler, logs: set up last. Step checkpoints only fall
         # between trajectory steps, since trajectories are not saved.
         steps_per_epoch = min(len(self._dataloader), self._trajectory_steps)
@@ -211,8 +227,25 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                             window.backward(loss)  # weighed by its exact share, then backward
                         outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
                         steps.end_step(window, outcome)  # counters, scheduler, logs, checkpoints
+                        self._validate_if_due(progress.global_step)  # run_val_every_n_steps
+                self._validate_if_due(progress.global_step, epoch_end=True)
                 next(prompt_batches, None)  # lets the loader see its end (its epoch position)
                 steps.end_epoch(curr_epoch)
+
+    def _validate_if_due(self, step: int, *, epoch_end: bool = False) -> None:
+        """The reward mean and value loss of the held-out prompts' responses, when due; nothing
+        without dataset_val. See [PPO validation] in exactga.ppo.validation."""
+        if self._validation is None or not self._validation.due(step, epoch_end=epoch_end):
+            return
+        figure = held_out_ppo(
+            self._models,
+            self._validation.validation_set,
+            settings=self._settings,
+            seed=self._run.progress.seed,  # every validation draws the same numbers
+            device=self._runtime.device,
+            precision=self._runtime.precision,
+        )
+        self._validation.log(figure, step)  # val/reward_mean, val/value_loss, a console line
 
     def _window_metrics(self, window: Window) -> dict[str, float]:
         """What a logged step adds: stock's PPO statistics over the PPO batch, exact, and the

@@ -10,6 +10,11 @@ takes the recipe's own steps (equal losses at GA 1 and GA 4, below), and
 tests/test_recipe_ga_parity_grpo.py runs it for every aggregation at ``ppo_epochs`` 1 over one
 device and two ranks, with the naive baseline. Every one-rank run is made in one launch and
 every two-rank run in another (tests/many_runs.py).
+
+The ``token_mean`` runs at ``ppo_epochs`` 1 under GA 4 and on 2 ranks also validate after each
+step on 5 held-out prompts (issue #64; exactga.grpo.validation): in 1 batch of 5 on one rank, in
+batches of 1 on two (3 prompts and 2 plus a filler group); the figures agree, and the GA 4 run's
+losses are still the parity report's, bit for bit, so validating changes no training step.
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
 PPO = {1: 2, 2: 1}
 # (aggregation, ppo_epochs) trained under every split; see the module's docstring.
 TRAINED = [(aggregation, 2) for aggregation in AGGREGATIONS] + [("token_mean", 1)]
+# The runs that validate, and their batching of the same 5 held-out prompts.
+VALIDATED = ("token_mean", 1)
+HELD_OUT = 5
+VALIDATION = {
+    "1rank_ga4": {"batch_size_val": HELD_OUT, "max_val_batches": 1},
+    "2ranks_ga2": {"batch_size_val": 1, "max_val_batches": HELD_OUT},
+}
 
 
 def _name(aggregation: str, ppo_epochs: int, split: str, mode: str = "exact") -> str:
@@ -45,6 +57,13 @@ def _runs(root: Path, nproc: int) -> list[Run]:
             if ranks != nproc:
                 continue
             out = root / _name(aggregation, ppo_epochs, split)
+            validation = {}
+            if (aggregation, ppo_epochs) == VALIDATED and split in VALIDATION:
+                validation = {
+                    "dataset_val": "${dataset}",
+                    "run_val_every_n_steps": 1,
+                    **VALIDATION[split],
+                }
             args = grpo_args(
                 out,
                 loss_aggregation=aggregation,
@@ -52,6 +71,7 @@ def _runs(root: Path, nproc: int) -> list[Run]:
                 num_steps=PPO[ppo_epochs],
                 micro_batching="fixed",  # as the parity report's run below
                 **overrides,
+                **validation,
             )
             runs.append(Run(RECIPE, args, out))
     return runs
@@ -133,3 +153,19 @@ def test_the_parity_report_takes_the_recipes_own_steps(runs) -> None:
     ):
         logged = read_scalars(runs / _name("token_mean", 1, name) / "logs")["loss"]
         assert logged == [float(np.float32(loss)) for loss in losses], name
+
+
+def test_validation_is_the_same_on_one_rank_and_two(runs) -> None:
+    """val/reward_mean after each of the two steps, over the same 20 completions, in one batch
+    of 5 prompts on one rank and in batches of 1 on two (a filler on rank 1); the rewards
+    define no success, so there is no success rate. The GA 4 run's training losses are the
+    parity report's, bit for bit (test_the_parity_report_takes_the_recipes_own_steps)."""
+    figures = {}
+    for split in VALIDATION:
+        scalars = read_scalars(runs / _name(*VALIDATED, split) / "logs")
+        assert "val/success_rate" not in scalars
+        figures[split] = scalars["val/reward_mean"]
+    print(f"val/reward_mean per step: {figures}")
+    one_rank, two_ranks = figures.values()
+    assert len(one_rank) == PPO[1]  # after each step; the epoch's end is step 2, validated once
+    assert two_ranks == pytest.approx(one_rank, rel=1e-6)

@@ -11,6 +11,12 @@ every trajectory step is killed at a random one and resumed: its weights equal t
 uninterrupted run's exactly and it logs the same losses for the steps after its checkpoint.
 ``EXACTGA_KILL_SEED`` replays a kill point.
 
+Validation (issue #64; exactga.ppo.validation) rides on these runs, no launch added: GA 1 and GA
+4 validate at the epoch's end on the first 6 prompts, in one batch of 6 and in batches of 1, with
+the same figures; the uninterrupted run validates after every trajectory step, and the resumed
+run, which does not, still ends on its weights and losses exactly, so validating changes no
+training step.
+
 Launches: the killed one; every other run in one (tests/many_runs.py), the GA parity report on
 the same step's config included. The adapted stock config
 (``mistral/7B_full_ppo_low_memory``: batch 128, ``compile``, bf16, minutes on CPU) is validated
@@ -71,6 +77,12 @@ SPLITS = {
         "loss_normalization": "naive",
     },
 }
+HELD_OUT = 6  # validation's prompts: the first 6 of the training set
+VALIDATION = {"dataset_val": "${dataset}"}
+VALIDATED = {  # split -> how its validation batches the held-out prompts
+    "ga1": {**VALIDATION, "batch_size_val": HELD_OUT, "max_val_batches": 1},
+    "ga4": {**VALIDATION, "batch_size_val": 1, "max_val_batches": HELD_OUT},
+}
 TRAJECTORY_STEPS = 3  # killed after 1 or 2, resumed for the rest
 STEPS_PER_TRAJECTORY = 4  # ppo_epochs 2 x batch_size 8 / ppo_batch_size 4
 RESUMABLE = {**STEP, "num_steps": 8 * TRAJECTORY_STEPS, "save_every_n_steps": 1}
@@ -123,12 +135,22 @@ def runs(run_once) -> Path:
         except BaseException:  # noqa: BLE001 - the resume test reports it
             (killed / "kill_failed").write_text(traceback.format_exc()[-8000:])
         runs = [
-            Run(RECIPE, ppo_args(root / name, **STEP, **SGD, **o)[1:], root / name)
+            Run(
+                RECIPE,
+                ppo_args(root / name, **STEP, **SGD, **o, **VALIDATED.get(name, {}))[1:],
+                root / name,
+            )
             for name, o in SPLITS.items()
         ]
-        runs.append(
-            Run(RECIPE, ppo_args(root / "uninterrupted", **RESUMABLE)[1:], root / "uninterrupted")
+        uninterrupted = ppo_args(
+            root / "uninterrupted",
+            **RESUMABLE,
+            **VALIDATION,
+            run_val_every_n_steps=STEPS_PER_TRAJECTORY,
+            batch_size_val=4,
+            max_val_batches=2,
         )
+        runs.append(Run(RECIPE, uninterrupted[1:], root / "uninterrupted"))
         if not (killed / "kill_failed").exists():
             (killed / "checkpoint").write_text(str(latest_step_checkpoint(killed / "run")))
             resume = ppo_args(
@@ -220,6 +242,24 @@ def test_killed_ppo_run_resumes_to_the_uninterrupted_weights(runs) -> None:
     assert list(after) == list(range(checkpoint + 1, total + 1))
     for step, loss in after.items():
         assert loss == full[step], step
+
+
+def test_validation_is_the_same_for_any_batch_size_val(runs) -> None:
+    """val/reward_mean and val/value_loss at the epoch's end (step 4) over the same 6 held-out
+    prompts, in one batch on GA 1 and in batches of 1 on GA 4 (weights within 1e-5)."""
+    figures = {}
+    for split in VALIDATED:
+        figures[split] = {
+            name: logged_steps(runs / split / "logs", name)
+            for name in ("val/reward_mean", "val/value_loss")
+        }
+    print(f"validation at step 4: {figures}")
+    one_batch, batches_of_one = figures.values()
+    for name, by_step in one_batch.items():
+        assert list(by_step) == [STEPS_PER_TRAJECTORY], name
+        assert batches_of_one[name] == pytest.approx(by_step, rel=1e-4), name
+    validated = logged_steps(runs / "uninterrupted" / "logs", "val/value_loss")
+    assert list(validated) == [4, 8, 12]  # after every trajectory step
 
 
 def test_the_parity_report_takes_a_ppo_config(runs) -> None:

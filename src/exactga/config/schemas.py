@@ -286,14 +286,9 @@ class ValidationKeys:
     # Only the first max_val_batches x batch_size_val samples of the set; null: all of them.
     max_val_batches: Optional[int] = None
 
-    # The families whose recipes validate; the others (GRPO, PPO) refuse ``dataset_val``
-    # (their figures, rewards of generations for held-out prompts, are yet to come:
-    # docs/validation.md).
-    VALIDATION_RECIPES: ClassVar[bool] = True
-
     @classmethod
     def check_validation(cls, cfg: DictConfig) -> None:
-        """``dataset_val`` where the recipe validates; the other keys only with it."""
+        """The other validation keys only with ``dataset_val``."""
         if cfg.dataset_val is None:
             given = [key for key in _VALIDATION_OPTIONS if cfg[key] is not None]
             if given:
@@ -301,13 +296,6 @@ class ValidationKeys:
                     f"config key '{given[0]}' needs dataset_val (the validation set); set "
                     f"dataset_val or remove {', '.join(given)}."
                 )
-            return
-        if not cls.VALIDATION_RECIPES:
-            raise ValueError(
-                "config key 'dataset_val': this recipe does not validate yet (the supervised "
-                "fine-tuning, distillation and DPO recipes do; docs/validation.md); remove "
-                "dataset_val."
-            )
 
 
 _VALIDATION_OPTIONS = ("run_val_every_n_steps", "batch_size_val", "max_val_batches")

@@ -106,6 +106,12 @@ class RolloutGroup:
     num_generated_tokens: int
 
 
+# The ``step`` of validation's seeds (GRPO's and PPO's held-out prompts, by their rows):
+# training's steps count from 0, so no validation draw is a training draw, and every validation
+# of a run draws the same numbers.
+VALIDATION_STEP = -1
+
+
 def rollout_seed(seed: int, step: int, prompt_index: int) -> int:
     """The seed of one group's generator: a hash of (seed, step, prompt index) that is the
     same in every process and Python version (``hash`` of a tuple is not promised to be).

@@ -146,13 +146,16 @@ def generate_responses(
     step: int,
     device: torch.device,
     precision: Precision | None = None,
+    prompt_indices: Sequence[int] | None = None,
 ) -> list[Trajectory]:
     """One response to each prompt (dataset items with ``tokens``), prompt by prompt; see [a
-    PPO step]."""
+    PPO step]. Each is seeded by its prompt's place in the step, or by ``prompt_indices``
+    (validation's rows in the held-out set)."""
     autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
+    indices = range(len(prompts)) if prompt_indices is None else prompt_indices
     trajectories = []
     with autocast:
-        for index, prompt in enumerate(prompts):
+        for index, prompt in zip(indices, prompts, strict=True):
             group = generate_group(
                 policy,
                 list(prompt["tokens"]),
