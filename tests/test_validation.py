@@ -211,6 +211,9 @@ def test_validation_keys_need_dataset_val_and_a_recipe_that_validates() -> None:
     with_val.dataset_val = OmegaConf.to_container(with_val.dataset)
     with pytest.raises(ValueError, match="'max_val_batches' must be null or at least 1"):
         validate_config(with_val, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
+    best = tiny_config("full_single_device", keep_best_checkpoint=True)
+    with pytest.raises(ValueError, match="'keep_best_checkpoint' needs dataset_val.*=false"):
+        validate_config(best, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
     grpo = tiny_config("grpo_distributed")
     grpo.dataset_val = OmegaConf.to_container(grpo.dataset)
     with pytest.raises(ValueError, match="'dataset_val': this recipe does not validate yet"):

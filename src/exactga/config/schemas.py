@@ -285,6 +285,9 @@ class ValidationKeys:
     batch_size_val: Optional[int] = None  # null: batch_size; the figure does not depend on it
     # Only the first max_val_batches x batch_size_val samples of the set; null: all of them.
     max_val_batches: Optional[int] = None
+    # After each validation whose val/loss is the lowest so far, the weights as an epoch
+    # folder in <checkpointer.output_dir>/best/ (docs/validation.md, "The best checkpoint").
+    keep_best_checkpoint: bool = False
 
     # The families whose recipes validate; the others (GRPO, PPO) refuse ``dataset_val``
     # (their figures, rewards of generations for held-out prompts, are yet to come:
@@ -300,6 +303,12 @@ class ValidationKeys:
                 raise ValueError(
                     f"config key '{given[0]}' needs dataset_val (the validation set); set "
                     f"dataset_val or remove {', '.join(given)}."
+                )
+            if cfg.keep_best_checkpoint:
+                raise ValueError(
+                    "config key 'keep_best_checkpoint' needs dataset_val: the best checkpoint is "
+                    "the one of the lowest val/loss; set dataset_val (and run_val_every_n_steps) "
+                    "or keep_best_checkpoint=false."
                 )
             return
         if not cls.VALIDATION_RECIPES:
