@@ -92,8 +92,8 @@ def test_a_new_best_replaces_the_folder_whole(tmp_path) -> None:
     best = checkpoints.save_best(Weights(later), 8, 2.0)
     assert json.loads((best / BEST_RECORD).read_text()) == {
         "step": 8,
+        "epoch": 0,
         "val/loss": 2.0,
-        "epochs_run": 0,
     }
     saved = load_file(best / WEIGHTS)
     hf_names = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).state_dict()

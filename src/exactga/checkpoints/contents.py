@@ -118,7 +118,8 @@ class RunCheckpoints:
                 writer.save_checkpoint({training.MODEL_KEY: model.state_dict()}, epoch=0)
         if distributed.is_rank_zero():
             written = staging / "epoch_0"
-            record = {"step": step, "val/loss": val_loss, "epochs_run": self.progress.epochs_run}
+            # The epoch the step trained in (as epoch_N counts): validation runs before it closes.
+            record = {"step": step, "epoch": self.progress.epochs_run, "val/loss": val_loss}
             write_json_synced(written / BEST_RECORD, record)
             sync_tree(written)
             replace_dir(written, final)
