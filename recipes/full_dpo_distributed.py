@@ -83,6 +83,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           reference as training computes it (the frozen reference model, which validation
           keeps even with ``precompute_reference_logprobs``); KTO: ``val/loss`` over every
           example against the set's reference point ``val/kl`` (docs/validation.md).
+          ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
+          folder in ``best/``, resume-safe.
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
           stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
           rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded); with
@@ -168,6 +170,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             prefs.normalizer,
             window_metrics=self._metrics.window_metrics,  # rewards, margins, accuracy
             track=self._metrics.track,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:

@@ -75,6 +75,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
           batch over every rank, the same whatever its batch size or the number of ranks,
           logged as ``val/loss`` and ``val/perplexity`` every n steps and at each epoch's end
           (docs/validation.md).
+          ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
+          folder in ``best/``, resume-safe.
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -124,6 +126,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             normalizer,
             window_metrics=self._router.window_metrics,  # expert load, on logged steps
             track=self._router.track,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:

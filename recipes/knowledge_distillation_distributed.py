@@ -79,6 +79,8 @@ class KDRecipeDistributed(FTRecipeInterface):
           ``val/perplexity`` (of the class loss) of the whole validation set as one batch over
           every rank, whatever ``batch_size_val`` or the number of ranks; at each epoch's end
           and every ``run_val_every_n_steps`` steps (docs/validation.md).
+          ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
+          folder in ``best/``, resume-safe.
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -143,6 +145,7 @@ class KDRecipeDistributed(FTRecipeInterface):
             lora=self._lora,
             window_metrics=self._distiller.window_metrics,  # both losses, on logged steps
             track=self._distiller.track,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:

@@ -81,6 +81,8 @@ class KDRecipeSingleDevice(FTRecipeInterface):
           ``val/perplexity`` (of the class loss) of the whole validation set as one batch over
           every rank, whatever ``batch_size_val`` or the number of ranks; at each epoch's end
           and every ``run_val_every_n_steps`` steps (docs/validation.md).
+          ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
+          folder in ``best/``, resume-safe.
         - Logging: ``loss``, ``class_loss``, ``kd_loss`` (exact window means), ``lr``,
           ``tokens_per_second_per_gpu`` as stock; ``loss_tokens``, ``skipped_steps``,
           ``grad_norm`` when clipping, the profiler hook's scalars, peak memory on GPU.
@@ -146,6 +148,7 @@ class KDRecipeSingleDevice(FTRecipeInterface):
             lora=self._lora,
             window_metrics=self._distiller.window_metrics,  # both losses, on logged steps
             track=self._distiller.track,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:

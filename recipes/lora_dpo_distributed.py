@@ -84,6 +84,8 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
           reference as training computes it (the policy with its adapters off); KTO:
           ``val/loss`` over every example against the set's reference point ``val/kl``
           (docs/validation.md).
+          ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
+          folder in ``best/``, resume-safe.
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
           stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
           rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded); with
@@ -165,6 +167,7 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
             lora=self._lora,
             window_metrics=self._metrics.window_metrics,  # rewards, margins, accuracy
             track=self._metrics.track,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:

@@ -85,6 +85,8 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
           reference as training computes it (the policy with its adapters off); KTO:
           ``val/loss`` over every example against the set's reference point ``val/kl``
           (docs/validation.md).
+          ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
+          folder in ``best/``, resume-safe.
         - Logging: ``loss`` (the exact window loss), ``lr``, ``pairs`` (the window's pairs),
           ``tokens_per_second_per_gpu`` (the pairs' own tokens, padding excluded), stock's
           ``rewards/*`` and ``log_probs/*`` as means over the window's pairs (stock logs the
@@ -167,6 +169,7 @@ class LoRADPORecipeSingleDevice(FTRecipeInterface):
             lora=self._lora,
             window_metrics=self._metrics.window_metrics,  # rewards, margins, accuracy
             track=self._metrics.track,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:

@@ -87,6 +87,8 @@ class QATRecipeDistributed(FTRecipeInterface):
           batch over every rank, the same whatever its batch size or the number of ranks,
           logged as ``val/loss`` and ``val/perplexity`` every n steps and at each epoch's end
           (docs/validation.md).
+          ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
+          folder in ``best/``, resume-safe.
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -132,7 +134,13 @@ class QATRecipeDistributed(FTRecipeInterface):
             metric_logger=start.metric_logger,
         )
         # Checkpoints, scheduler, profiler, logs: the bookkeeping of every step, set up last.
-        self._run = start.training_run(self._model, self._optimizer, dataloader, normalizer)
+        self._run = start.training_run(
+            self._model,
+            self._optimizer,
+            dataloader,
+            normalizer,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
+        )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         """Forward and mean loss of one micro-batch already on the device."""

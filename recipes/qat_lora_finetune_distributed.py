@@ -85,6 +85,8 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
           batch over every rank, the same whatever its batch size or the number of ranks,
           logged as ``val/loss`` and ``val/perplexity`` every n steps and at each epoch's end
           (docs/validation.md).
+          ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
+          folder in ``best/``, resume-safe.
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -132,7 +134,12 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         )
         # Checkpoints (adapters, and merged weights), scheduler, profiler, logs: set up last.
         self._run = start.training_run(
-            self._model, self._optimizer, dataloader, normalizer, lora=self._lora
+            self._model,
+            self._optimizer,
+            dataloader,
+            normalizer,
+            lora=self._lora,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> MicroBatchLoss:

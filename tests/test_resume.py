@@ -49,6 +49,8 @@ from recipe_utils import (
     relative_l2,
 )
 
+from exactga.checkpoints.contents import BEST_RECORD
+
 # Every test reads the module's shared launches (the fixtures ``uninterrupted`` and ``resumed``).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume_uninterrupted")]
 
@@ -71,12 +73,14 @@ RESUMABLE = {
 TENSORBOARD = "torchtune.training.metric_logging.TensorBoardLogger"
 # Validation during training (docs/validation.md) in the LoRA scenario: after steps 4 and 8,
 # and at each epoch's end (6, 12), on the training rows' first 6 (2 batches of 3). A resumed run
-# validates the steps after its checkpoint, with the uninterrupted run's figures.
+# validates the steps after its checkpoint, with the uninterrupted run's figures, and keeps the
+# same best checkpoint (keep_best_checkpoint: its figure is in the step checkpoints).
 VALIDATED = {
     "dataset_val": "${dataset}",
     "run_val_every_n_steps": 4,
     "batch_size_val": 3,
     "max_val_batches": 2,
+    "keep_best_checkpoint": True,
 }
 VALIDATED_STEPS = [4, 6, 8, 12]
 SCENARIOS = {
@@ -367,6 +371,7 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(resumed, uninterrupted,
     _check_trained_only_the_rest(log_dir, uninterrupted(scenario), checkpoint)
     if "dataset_val" in SCENARIOS[scenario][1]:
         _check_validated_the_rest(log_dir, uninterrupted(scenario), checkpoint)
+        _check_kept_the_same_best(folder, uninterrupted(scenario), checkpoint)
 
 
 def _check_validated_the_rest(log_dir: Path, reference: Path, after_step: int) -> None:
@@ -379,6 +384,45 @@ def _check_validated_the_rest(log_dir: Path, reference: Path, after_step: int) -
     assert list(resumed) == [step for step in VALIDATED_STEPS if step > after_step]
     for step, loss in resumed.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-6), step
+
+
+def _check_kept_the_same_best(folder: Path, reference: Path, after_step: int) -> None:
+    """keep_best_checkpoint (docs/validation.md): the uninterrupted run's ``best/`` is an epoch
+    folder holding the weights of its lowest val/loss, named in its record with one console
+    line per new best; the resumed run's is the same (weights within the resume tolerance), and
+    its first new best is measured against the best its checkpoint recorded."""
+    run = folder / "run"
+    series = logged_steps(reference / "logs", tag="val/loss")
+    before = [loss for step, loss in series.items() if step <= after_step]
+    lines = re.findall(r"exactga: best val/loss .*", (folder / "launch" / "output.txt").read_text())
+    if before and lines:
+        assert f"(the best was {min(before):.4f})" in lines[0], lines
+    best_step = min(series, key=series.__getitem__)
+    improvements, lowest = 0, float("inf")
+    for loss in series.values():  # in step order
+        if loss < lowest:
+            improvements, lowest = improvements + 1, loss
+    output = (reference / "output.txt").read_text()
+    assert output.count("exactga: best val/loss") == improvements, output[-4000:]
+    record = json.loads((reference / "best" / BEST_RECORD).read_text())
+    resumed = json.loads((run / "best" / BEST_RECORD).read_text())
+    print(f"best: val/loss {series}, uninterrupted {record}, resumed {resumed}")
+    for kept in (record, resumed):
+        assert kept["step"] == best_step
+        assert kept["val/loss"] == pytest.approx(series[best_step], rel=1e-6)
+    last_epoch = reference / FINAL.split("/")[0]
+    assert {p.name for p in (reference / "best").iterdir()} == {
+        p.name for p in last_epoch.iterdir()
+    } | {BEST_RECORD}
+    weights = FINAL.split("/")[1]
+    best = load_weights(reference / "best" / weights)
+    initial = load_weights(reference / INITIAL)
+    assert relative_l2(load_weights(run / "best" / weights), best, initial) <= TOLERANCE
+    epoch_ends = {STEPS_PER_EPOCH * (epoch + 1): epoch for epoch in range(EPOCHS)}
+    if best_step in epoch_ends:  # the weights of that step: its epoch folder's
+        epoch = load_weights(reference / f"epoch_{epoch_ends[best_step]}" / weights)
+        assert best.keys() == epoch.keys()
+        assert all(torch.equal(best[key], epoch[key]) for key in best)
 
 
 def test_truncated_latest_checkpoint_falls_back_to_the_previous(resumed, uninterrupted):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import re
 import sys
 from pathlib import Path
@@ -51,6 +52,10 @@ class Recorder:
 
     def save_epoch(self, model, optimizer, epoch: int) -> None:
         self.calls.append(("epoch checkpoint", epoch))
+
+    def save_best(self, model, step: int, val_loss: float) -> Path:
+        self.calls.append(("best", step, val_loss))
+        return Path("best")
 
 
 class Loader(list):
@@ -335,3 +340,96 @@ def test_print_report_as_the_docs_show_it_works_on_every_step(capsys) -> None:
         exec(snippet.group(1), {"steps": book, "window": window, "outcome": StepOutcome(False)})
     book.end_epoch(0)
     assert capsys.readouterr().out.splitlines() == ["step 1", "step 2: loss 2.0000"]
+
+
+class ScriptedValidation:
+    """Stands in for a recipe's ``Validation``: due at the steps of ``losses``, whose
+    ``val/loss`` it logs (through the hook the step book sets, as ``Validation.log`` does)."""
+
+    def __init__(self, losses: dict[int, float], keep_best: bool = True) -> None:
+        self.losses, self.keep_best, self.after_log = losses, keep_best, None
+
+    def due(self, step: int, *, epoch_end: bool = False) -> bool:
+        return step in self.losses
+
+    def validate_if_due(self, step: int, recorder: Recorder) -> None:  # the recipe's
+        if self.due(step):
+            recorder.calls.append(("validated", step))
+            self.after_log(step, {"val/loss": self.losses[step]})
+
+
+def _validated_run(losses: dict[int, float], progress: TrainingProgress | None = None):
+    """Two epochs of two steps, step checkpoints every step, validating as a recipe does after
+    ``end_step`` and before ``end_epoch``; the recorder's calls (a step checkpoint with the best
+    step it records) and the progress."""
+    recorder = Recorder()
+    validation = ScriptedValidation(losses)
+    book, _ = _book(recorder, validation=validation, clock=Clock(*range(10)))
+    if progress is not None:  # resumed: its counters, and its best
+        book.progress.load_state_dict(progress.state_dict())
+    book.progress.total_epochs = 2
+    recorder.save_step = lambda *args: recorder.calls.append(  # what the checkpoint records
+        ("step checkpoint", book.progress.global_step, book.progress.best_val_step)
+    )
+    for epoch in book.epochs():
+        for window in book.windows(epoch):
+            book.end_step(window, StepOutcome(skipped=False))
+            validation.validate_if_due(book.progress.global_step, recorder)
+        book.end_epoch(epoch)
+    calls = [call for call in recorder.calls if call[0] in ("validated", "best", "step checkpoint")]
+    return calls, book.progress
+
+
+def test_the_best_is_saved_on_improvement_before_the_steps_checkpoint() -> None:
+    """See [the best checkpoint]: a new lowest val/loss only (a NaN never), and the step
+    checkpoint of a validated step written after it, recording it."""
+    calls, progress = _validated_run({1: 3.0, 2: 2.0, 3: 2.5, 4: math.nan})
+    assert calls == [
+        ("validated", 1),
+        ("best", 1, 3.0),
+        ("step checkpoint", 1, 1),  # after the validation: it records the best of step 1
+        ("validated", 2),
+        ("best", 2, 2.0),
+        ("step checkpoint", 2, 2),  # the epoch's end: after its validation anyway
+        ("validated", 3),
+        ("step checkpoint", 3, 2),  # 2.5 is no improvement
+        ("validated", 4),
+        ("step checkpoint", 4, 2),
+    ]
+    assert (progress.best_val_loss, progress.best_val_step) == (2.0, 2)
+
+
+def test_a_resumed_run_compares_with_the_checkpoints_best() -> None:
+    """Resumed after step 2 (best 2.0 at step 2): step 3's 2.5 is no best, as in the
+    uninterrupted run, and step 4's 1.0 is."""
+    before = TrainingProgress(seed=0, total_epochs=2, max_steps_per_epoch=None)
+    before.start(num_windows_per_epoch=2, resumed_mid_run=False)
+    for _ in range(2):
+        before.record_step(skipped=False, nonfinite=False)
+    before.close_epoch()
+    before.record_best(2.0, 2)
+    calls, progress = _validated_run({3: 2.5, 4: 1.0}, progress=before)
+    assert [call for call in calls if call[0] == "best"] == [("best", 4, 1.0)]
+    assert (progress.best_val_loss, progress.best_val_step) == (1.0, 4)
+
+
+def test_without_keep_best_no_best_is_saved_and_checkpoints_still_follow_validation() -> None:
+    recorder = Recorder()
+    validation = ScriptedValidation({1: 1.0}, keep_best=False)
+    book, _ = _book(recorder, validation=validation)
+    windows = book.windows(0)
+    book.end_step(next(windows), StepOutcome(skipped=False))
+    assert ("step checkpoint",) not in recorder.calls  # waits for the validation
+    validation.validate_if_due(1, recorder)
+    assert recorder.calls[-2:] == [("validated", 1), ("step checkpoint",)]
+    assert book.progress.best_val_loss is None
+
+
+def test_a_step_checkpoint_waiting_for_a_validation_the_recipe_skips_is_still_written() -> None:
+    """An edited copy that validates no more: the checkpoint is written at the next window."""
+    recorder = Recorder()
+    book, _ = _book(recorder, validation=ScriptedValidation({1: 1.0}))
+    windows = book.windows(0)
+    book.end_step(next(windows), StepOutcome(skipped=False))
+    next(windows)
+    assert recorder.calls.count(("step checkpoint",)) == 1

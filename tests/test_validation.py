@@ -26,6 +26,7 @@ from exactga.config.schemas import FullFinetuneSingleDeviceConfig
 from exactga.config.validation import validate_config
 from exactga.data.collation import micro_batch_collate
 from exactga.data.micro_batching import MicroBatchingSettings
+from exactga.grpo.schema import GrpoDistributedConfig
 from exactga.sft.validation import validation_loss
 from exactga.validation.held_out import Validation, ValidationSet
 
@@ -210,6 +211,13 @@ def test_validation_keys_need_dataset_val() -> None:
     with_val.dataset_val = OmegaConf.to_container(with_val.dataset)
     with pytest.raises(ValueError, match="'max_val_batches' must be null or at least 1"):
         validate_config(with_val, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
+    best = tiny_config("full_single_device", keep_best_checkpoint=True)
+    with pytest.raises(ValueError, match="'keep_best_checkpoint' needs dataset_val.*=false"):
+        validate_config(best, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
+    grpo = tiny_config("grpo_distributed", keep_best_checkpoint=True)
+    grpo.dataset_val = OmegaConf.to_container(grpo.dataset)
+    with pytest.raises(ValueError, match="'keep_best_checkpoint': this recipe validates but"):
+        validate_config(grpo, GrpoDistributedConfig, "grpo_full_finetune_distributed")
 
 
 def test_a_split_of_the_training_data_is_disjoint_from_it_and_covers_it() -> None:

@@ -9,8 +9,11 @@ counters, RNG and loader position). Under data parallelism every rank calls both
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +25,20 @@ from torchtune import training, utils
 
 from exactga.accumulation.optimizers import full_optimizer_state
 from exactga.lora.adapters import LoraSettings, adapter_state, save_epoch_checkpoint
-from exactga.run.checkpointing import StepCheckpointer
+from exactga.run.checkpointing import (
+    StepCheckpointer,
+    replace_dir,
+    sync_tree,
+    write_json_synced,
+)
 from exactga.run.progress import TrainingProgress
 from exactga.run.resume import write_step_checkpoint
 from exactga.runtime import distributed
 
 log = utils.get_logger("INFO")
+
+BEST_SUBDIR = "best"  # keep_best_checkpoint: beside the epoch folders
+BEST_RECORD = "best_validation.json"  # in it: the step and the val/loss of its weights
 
 
 @dataclass
@@ -62,8 +73,9 @@ class RunCheckpoints:
 
     def save_epoch(self, model: nn.Module, optimizer: Optimizer, epoch: int) -> None:
         """The checkpoint of ``epoch``, as stock writes it."""
+        intermediate = not self.progress.is_last_epoch(epoch)
         if self.lora is not None:
-            self._save_adapters(model, optimizer, epoch)
+            self._save_adapters(model, optimizer, epoch, intermediate)
         elif self.parts:
             self._save_parts(model, optimizer, epoch)
         elif self.sharded:  # torchtune's client gathers the full state on rank 0 and writes
@@ -75,13 +87,50 @@ class RunCheckpoints:
             )
         else:
             ckpt_dict: dict[str, Any] = {training.MODEL_KEY: model.state_dict()}
-            intermediate = not self.progress.is_last_epoch(epoch)
             if intermediate:
                 ckpt_dict.update(self.progress.epoch_checkpoint_state())
                 ckpt_dict[training.OPT_KEY] = optimizer.state_dict()
             self.epoch_writer.save_checkpoint(
                 ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate
             )
+
+    def save_best(self, model: nn.Module, step: int, val_loss: float) -> Path:
+        """The weights for users, the files of a last epoch's folder (no recipe or optimizer
+        state), as ``best/`` beside the epoch folders, with ``best/best_validation.json``
+        naming ``step`` and ``val_loss``; the previous best is replaced atomically. Every rank
+        calls this; the folder. See [the best checkpoint] in exactga.run.steps."""
+        assert self.parts is None, "a module of several models keeps no best checkpoint"
+        writer = self.epoch_writer._get_checkpointer() if self._client_writes else self.epoch_writer
+        final = Path(writer._output_dir) / BEST_SUBDIR
+        staging = final.with_name(f".{BEST_SUBDIR}.tmp")  # the writer's epoch_0/ goes in it
+        if distributed.is_rank_zero():
+            shutil.rmtree(staging, ignore_errors=True)
+        with _writing_into(writer, staging), _torchtune_info_quiet():
+            if self.lora is not None:
+                self._save_adapters(model, None, 0, intermediate=False)
+            elif self.sharded:
+                state = training.gather_cpu_state_dict(
+                    model, distributed.is_rank_zero(), device=self.device
+                )
+                if distributed.is_rank_zero():
+                    writer.save_checkpoint({training.MODEL_KEY: state}, epoch=0)
+            else:
+                writer.save_checkpoint({training.MODEL_KEY: model.state_dict()}, epoch=0)
+        if distributed.is_rank_zero():
+            written = staging / "epoch_0"
+            # The epoch the step trained in (as epoch_N counts): validation runs before it closes.
+            record = {"step": step, "epoch": self.progress.epochs_run, "val/loss": val_loss}
+            write_json_synced(written / BEST_RECORD, record)
+            sync_tree(written)
+            replace_dir(written, final)
+            shutil.rmtree(staging)
+        distributed.barrier()
+        return final
+
+    @property
+    def _client_writes(self) -> bool:
+        """torchtune's ``CheckpointClient`` writes the epochs (a sharded full-weight model)."""
+        return self.sharded and self.lora is None
 
     def _save_parts(self, model: nn.Module, optimizer: Optimizer, epoch: int) -> None:
         """Each part of ``model`` through its own checkpointer; only the first carries the
@@ -126,10 +175,12 @@ class RunCheckpoints:
             optimizer_state=optimizer_state if rank_zero else None,
         )
 
-    def _save_adapters(self, model: nn.Module, optimizer: Optimizer, epoch: int) -> None:
+    def _save_adapters(
+        self, model: nn.Module, optimizer: Optimizer | None, epoch: int, intermediate: bool
+    ) -> None:
         """Adapter weights and config, merged weights unless adapter-only, recipe and optimizer
-        state if training goes on: the same dictionary stock hands its checkpointer."""
-        intermediate = not self.progress.is_last_epoch(epoch)
+        state if training goes on (``intermediate``): the same dictionary stock hands its
+        checkpointer."""
         start = time.perf_counter()
         rank_zero = distributed.is_rank_zero()
         if self.sharded:
@@ -161,3 +212,34 @@ class RunCheckpoints:
             if self.sharded:
                 log.info(f"Checkpoint gathered and written in {time.perf_counter() - start:.2f} s")
         distributed.barrier()
+
+
+@contextlib.contextmanager
+def _writing_into(writer: Any, folder: Path) -> Iterator[None]:
+    """``writer`` (a torchtune checkpointer, maybe wrapped to save in ``dtype``) writes its
+    ``epoch_N`` folders into ``folder`` within."""
+    inner = writer
+    while "_wrapped" in vars(inner):  # exactga.runtime.precision's dtype wrapper
+        inner = vars(inner)["_wrapped"]
+    own = inner._output_dir
+    inner._output_dir = folder
+    try:
+        yield
+    finally:
+        inner._output_dir = own
+
+
+@contextlib.contextmanager
+def _torchtune_info_quiet() -> Iterator[None]:
+    """Without torchtune's lines about the epoch folder it writes (the best checkpoint is
+    written as ``epoch_0`` under a hidden name, then renamed): its own line says where."""
+    logger = logging.getLogger("torchtune.utils._logging")  # every torchtune module's logger
+
+    def drop_info(record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO
+
+    logger.addFilter(drop_info)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop_info)

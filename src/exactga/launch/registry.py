@@ -185,6 +185,7 @@ EXACTGA_ONLY_KEYS = frozenset(
         "drop_partial_window",
         "dynamic_sampling",
         "gradient_sync",
+        "keep_best_checkpoint",
         "keep_last_n_checkpoints",
         "log_timings",
         "loss_aggregation",

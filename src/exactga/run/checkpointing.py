@@ -151,7 +151,7 @@ class StepCheckpointer:
         if self.rank == 0:
             _write_manifest(staging, step, trainer_state, self.world_size)
             self._retire_later_steps_than(step)
-            _replace_dir(staging, final)
+            replace_dir(staging, final)
             self._prune()
         _barrier()
         return final
@@ -393,7 +393,23 @@ def _verify_files(path: Path, manifest: Mapping[str, Any]) -> None:
             raise CorruptCheckpointError(f"step checkpoint file {file} fails its CRC32 check")
 
 
-def _replace_dir(staging: Path, final: Path) -> None:
+def sync_tree(folder: Path) -> None:
+    """Every file and folder under ``folder`` (and it) flushed to disk: before a rename
+    publishes files a writer did not flush (torchtune's checkpointers)."""
+    for path in sorted(folder.rglob("*"), reverse=True):  # a folder's entries before it
+        _fsync(path)
+    _fsync(folder)
+
+
+def write_json_synced(path: Path, record: Mapping[str, Any]) -> None:
+    """``record`` as JSON at ``path``, on disk before this returns."""
+    with open(path, "w") as f:
+        json.dump(dict(record), f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_dir(staging: Path, final: Path) -> None:
     """Rename ``staging`` to ``final``; an older ``final`` (same step, re-saved) goes first."""
     if final.exists():
         aside = final.with_name(f".{final.name}.old")
@@ -470,5 +486,5 @@ def move_peft_adapter_to_own_folder(epoch_dir: Path, base_model: str | None) -> 
         config_path.write_text(json.dumps(adapter_config, indent=2))
     for path in staging.iterdir():
         _fsync(path)
-    _replace_dir(staging, final)
+    replace_dir(staging, final)
     return final

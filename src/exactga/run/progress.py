@@ -9,6 +9,7 @@ records. A counter changes only in a method here, so a reader finds every place
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +28,17 @@ from torchtune import config, training
 # position at epoch ends] in exactga.run.resume.
 
 # What a step checkpoint's ``trainer_state`` holds of the progress, besides the fingerprint.
-PROGRESS_FIELDS = ("seed", "epochs_run", "global_step", "num_skipped_steps", "num_nonfinite_steps")
+PROGRESS_FIELDS = (
+    "seed",
+    "epochs_run",
+    "global_step",
+    "num_skipped_steps",
+    "num_nonfinite_steps",
+    "best_val_loss",
+    "best_val_step",
+)
+# Recorded since keep_best_checkpoint: a step checkpoint written before has none (no best yet).
+_BEST_FIELDS = ("best_val_loss", "best_val_step")
 
 
 @dataclass
@@ -44,6 +55,9 @@ class TrainingProgress:
         num_nonfinite_steps: steps dropped because a loss or the gradient norm was not finite.
         steps_per_epoch: windows per epoch, capped by ``max_steps_per_epoch``; set by
             :meth:`start`.
+        best_val_loss: the lowest ``val/loss`` so far (``keep_best_checkpoint``), ``None``
+            before the first; a step checkpoint records it, so a resumed run keeps its best.
+        best_val_step: the step of ``best_val_loss``.
     """
 
     seed: int
@@ -54,6 +68,8 @@ class TrainingProgress:
     num_skipped_steps: int = 0
     num_nonfinite_steps: int = 0
     steps_per_epoch: int = 0
+    best_val_loss: float | None = None
+    best_val_step: int | None = None
 
     def start(self, num_windows_per_epoch: int, resumed_mid_run: bool) -> None:
         """Fix the epoch length once the data loader exists.
@@ -113,6 +129,16 @@ class TrainingProgress:
         see [epoch close])."""
         return self.global_step >= (epoch + 1) * self.steps_per_epoch
 
+    def improves_best(self, val_loss: float) -> bool:
+        """Whether ``val_loss`` is lower than the best so far (any finite one is, at first)."""
+        if not math.isfinite(val_loss):
+            return False
+        return self.best_val_loss is None or val_loss < self.best_val_loss
+
+    def record_best(self, val_loss: float, step: int) -> None:
+        """``val_loss``, validated after ``step``, is the best so far (its weights are saved)."""
+        self.best_val_loss, self.best_val_step = val_loss, step
+
     def close_epoch(self) -> None:
         """Mark the current epoch finished; call before the epoch-end saves. See [epoch close]."""
         self.epochs_run += 1
@@ -136,6 +162,9 @@ class TrainingProgress:
             training.TOTAL_EPOCHS_KEY: self.total_epochs,
             training.MAX_STEPS_KEY: self.max_steps_per_epoch,
             training.DATALOADER_KEY: None,
+            # keep_best_checkpoint's best so far (the CheckpointClient of a sharded full-weight
+            # model takes none: such a run's epoch resume starts a new best).
+            **{name: getattr(self, name) for name in _BEST_FIELDS},
         }
 
     def for_checkpoint_client(self) -> Any:
@@ -168,6 +197,8 @@ class TrainingProgress:
                 f"config key 'resume_from_checkpoint': the checkpoint has no recipe state ({err}); "
                 "is checkpointer.recipe_checkpoint the recipe_state.pt of this recipe's run?"
             ) from None
+        for name in _BEST_FIELDS:  # none in a checkpoint written without them
+            setattr(self, name, ckpt_dict.get(name))
         if self.seed != saved_seed:
             warnings.warn(
                 f"config seed differs from the checkpoint's; using {saved_seed}.", stacklevel=2
@@ -188,7 +219,8 @@ class TrainingProgress:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Undo :meth:`state_dict`."""
         for name in PROGRESS_FIELDS:
-            setattr(self, name, state[name])
+            if name in state or name not in _BEST_FIELDS:
+                setattr(self, name, state[name])
 
     def metrics(self) -> dict[str, float]:
         """The counters as logged scalars."""

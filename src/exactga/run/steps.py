@@ -56,12 +56,27 @@ from exactga.runtime.distributed import host_group, is_rank_zero, log_rank_zero,
 # 4. on a logged step: the loss, the learning rate, the loss tokens per second per rank since
 #    the last logged step (every rank's tokens over the world size), the profiler's and the
 #    recipe's own metrics; every rank takes part (the loss is one all-reduce), rank 0 writes;
-# 5. a step checkpoint when one is due;
+# 5. a step checkpoint when one is due (at a step the recipe validates after, once the
+#    validation is logged: see [the best checkpoint]);
 # 6. once the recipe asks for the next window, a stop that SIGINT or SIGTERM asked for (see [every
 #    rank stops at one step]).
 # At an epoch's end the epoch closes before both saves (see [epoch close] in exactga.run.progress),
 # then the epoch checkpoint, then, when step checkpoints are on or a stop waits, one of the
 # closed epoch.
+
+# Note [the best checkpoint]
+# With ``keep_best_checkpoint`` (and ``dataset_val``), each validation whose ``val/loss`` is
+# lower than the best so far saves the model's weights for users (the files of an epoch
+# folder, through the same checkpointer) as ``best/`` beside the epoch folders, with
+# ``best/best_validation.json`` naming the step and the figure (``Checkpoints.save_best``:
+# written under a hidden name, then renamed over the previous best). The best figure and its
+# step are counters of the run (``TrainingProgress.best_val_loss``), so a step checkpoint
+# records them and a resumed run compares with the same best as an uninterrupted one. For that,
+# a step checkpoint due at a step the recipe validates after is written once the validation is
+# logged (the recipe validates after ``end_step``): it records that validation's best, and the
+# step's metrics are flushed with it. The figure is the same on every rank (all-reduced), so
+# every rank takes the same decision and joins the collective save; a non-finite figure is
+# never the best.
 
 # Note [every rank stops at one step]
 # A signal asks for a stop (see [stop at a step boundary] in exactga.launch.stopping); the run
@@ -118,6 +133,18 @@ class Checkpoints(Protocol):
     def save_step(self, model: Any, optimizer: Any, dataloader: Any) -> Path: ...
 
     def save_epoch(self, model: Any, optimizer: Any, epoch: int) -> None: ...
+
+    def save_best(self, model: Any, step: int, val_loss: float) -> Path: ...
+
+
+class Validates(Protocol):
+    """What the step book reads of a recipe's validation
+    (``exactga.validation.held_out.Validation``)."""
+
+    keep_best: bool
+    after_log: Callable[[int, dict[str, float]], None] | None
+
+    def due(self, step: int, *, epoch_end: bool = False) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -185,6 +212,9 @@ class StepBook:
         metric_logger: where logged metrics go; ``None`` on ranks that do not write.
         window_metrics: the recipe's own metrics of a logged window (every rank calls it).
         track: wraps each epoch's windows (the distiller's ``track``), or ``None``.
+        validation: the recipe's validation (``dataset_val``), or ``None``: a step checkpoint
+            due at a validated step waits for its figure, and ``keep_best_checkpoint`` keeps
+            the best weights; see [the best checkpoint].
         world_size: ranks, for tokens per second per rank; the process group's by default.
         show_progress: draw the progress bar; on global rank 0 by default.
         clock: seconds, for the tokens-per-second figure; injected by tests.
@@ -204,6 +234,7 @@ class StepBook:
         metric_logger: Any | None,
         window_metrics: Callable[[Window], dict[str, float]] | None = None,
         track: Callable[[Iterable[Window]], Iterable[Window]] | None = None,
+        validation: Validates | None = None,
         world_size: int | None = None,
         show_progress: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -236,6 +267,10 @@ class StepBook:
         self._stop_at_epoch_end: signal.Signals | None = None
         self._stop_group: Any = None  # made at the first stop check (a collective)
         self._stop_group_made = False
+        self.validation = validation
+        self._save_after_validation = False  # see [the best checkpoint]
+        if validation is not None:
+            validation.after_log = self._validated
 
     def epochs(self) -> range:
         """The epochs still to train (all of them, or what a resume left)."""
@@ -249,6 +284,7 @@ class StepBook:
         timed = self.profiler.timed(self.track(windows) if self.track else windows)
         for window in timed:
             yield TrainingWindow(window, self.context, self.progress.global_step + 1)
+            self._save_if_still_due()  # a validation the recipe did not run
             self._stop_if_asked()  # every step ends at a boundary
 
     def training(self, windows: Iterable[Window]) -> Iterator[TrainingWindow]:
@@ -305,14 +341,45 @@ class StepBook:
             logged = self._log(window, outcome, metrics or {})
         self._pbar.update(1)  # after the log's figures, so the bar is drawn once a step
         if progress.should_save_step_checkpoint(self.save_every_n_steps, self._epoch):
-            self.save_step_checkpoint()
-            flush_metric_logger(self.metric_logger)  # [resumed TensorBoard run]
+            if self.validation is not None and self.validation.due(progress.global_step):
+                self._save_after_validation = True  # see [the best checkpoint]
+            else:
+                self._save_step_checkpoint_and_flush()
         return StepReport(
             step=progress.global_step,
             skipped=outcome.skipped,
             loss=logged.get("loss"),
             metrics=logged,
         )
+
+    def _save_step_checkpoint_and_flush(self) -> None:
+        self.save_step_checkpoint()
+        flush_metric_logger(self.metric_logger)  # [resumed TensorBoard run]
+
+    def _validated(self, step: int, metrics: dict[str, float]) -> None:
+        """After the recipe's validation at ``step`` is logged (every rank): a new best's
+        weights, then the step checkpoint that waited for it; see [the best checkpoint]."""
+        assert self.validation is not None
+        val_loss = metrics.get("val/loss")
+        if self.validation.keep_best and val_loss is not None:
+            self._keep_if_best(step, val_loss)
+        self._save_if_still_due()
+
+    def _keep_if_best(self, step: int, val_loss: float) -> None:
+        progress = self.progress
+        if not progress.improves_best(val_loss):
+            return
+        before = progress.best_val_loss
+        path = self.checkpoints.save_best(self.context.model, step, val_loss)
+        progress.record_best(val_loss, step)
+        was = f" (the best was {before:.4f})" if before is not None else ""
+        log_rank_zero(f"exactga: best val/loss {val_loss:.4f} at step {step}{was}: saved {path}")
+
+    def _save_if_still_due(self) -> None:
+        """The step checkpoint that waited for the step's validation, if it is still due."""
+        if self._save_after_validation:
+            self._save_after_validation = False
+            self._save_step_checkpoint_and_flush()
 
     def save_step_checkpoint(self) -> Path:
         """A step checkpoint of the run as it stands (every rank calls this); its folder."""
@@ -402,8 +469,7 @@ class StepBook:
         self.progress.close_epoch()  # before both saves: see [epoch close] in exactga.run.progress
         self.checkpoints.save_epoch(self.context.model, self.optimizer, epoch)
         if self.save_every_n_steps:
-            self.save_step_checkpoint()
-            flush_metric_logger(self.metric_logger)
+            self._save_step_checkpoint_and_flush()
         signum, self._stop_at_epoch_end = self._stop_at_epoch_end, None
         if self.progress.epochs_run >= self.progress.total_epochs:
             stop_request().training = False  # complete: a signal from now on stops at once

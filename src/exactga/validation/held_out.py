@@ -258,6 +258,12 @@ class Validation:
             ``None``: at the end of each epoch only.
         metric_logger: where the figure's ``val/*`` scalars go; ``None`` on ranks that do not
             write.
+        keep_best: ``keep_best_checkpoint``: the run's ``StepBook`` saves the weights of each
+            new lowest ``val/loss`` (see [the best checkpoint] in exactga.run.steps).
+
+    Attributes:
+        after_log: called on every rank with the step and the logged scalars once a figure is
+            logged; the run's ``StepBook`` sets it (the best checkpoint, the step's checkpoint).
     """
 
     def __init__(
@@ -266,10 +272,13 @@ class Validation:
         *,
         every_n_steps: int | None,
         metric_logger: Any | None,
+        keep_best: bool = False,
     ) -> None:
         self.validation_set = validation_set
         self.every_n_steps = every_n_steps
         self.metric_logger = metric_logger
+        self.keep_best = keep_best
+        self.after_log: Callable[[int, dict[str, float]], None] | None = None
         self._last_step: int | None = None  # an epoch's last step is validated once
 
     def due(self, step: int, *, epoch_end: bool = False) -> bool:
@@ -280,12 +289,15 @@ class Validation:
         return epoch_end or (self.every_n_steps is not None and step % self.every_n_steps == 0)
 
     def log(self, figure: ValidationFigure, step: int) -> None:
-        """``figure`` to the metric logger at ``step`` and one console line (rank 0)."""
+        """``figure`` to the metric logger at ``step`` and one console line (rank 0), then
+        :attr:`after_log` (every rank: the figure is every rank's)."""
         self._last_step = step
         metrics = figure.metrics()
         if self.metric_logger is not None and metrics:
             self.metric_logger.log_dict(metrics, step=step)
         log_rank_zero(figure.line(step))
+        if self.after_log is not None:
+            self.after_log(step, metrics)
 
 
 def validation_from_settings(
@@ -300,7 +312,8 @@ def validation_from_settings(
     emptied: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Validation | None:
     """The recipe's validation from its typed settings (``dataset_val``,
-    ``run_val_every_n_steps``, ``batch_size_val``, ``max_val_batches``), or ``None`` without
+    ``run_val_every_n_steps``, ``batch_size_val``, ``max_val_batches``,
+    ``keep_best_checkpoint``), or ``None`` without
     ``dataset_val``. The set is built and checked as the training set is (any dataset builder,
     or a list of them; rows checked), and collated with the training loader's ``collate_fn``
     and ``pad_to_multiple_of``, or with ``collate`` (DPO's pairs), fillers made by ``emptied``
@@ -334,4 +347,5 @@ def validation_from_settings(
         validation_set,
         every_n_steps=settings.run_val_every_n_steps,
         metric_logger=metric_logger,
+        keep_best=settings.keep_best_checkpoint,
     )

@@ -354,7 +354,7 @@ class RunStart:
             total_epochs: the run's epochs where the recipe derives them (PPO: from
                 ``num_steps``); the config's ``epochs`` by default.
             book_settings: the step bookkeeping's settings; the config's by default.
-            step_book_extras: ``window_metrics``, ``track``: see ``StepBook``.
+            step_book_extras: ``window_metrics``, ``track``, ``validation``: see ``StepBook``.
         """
         cfg, runtime, progress = self.settings, self.runtime, self.progress
         _check_normalizer_ranks(normalizer, runtime)
