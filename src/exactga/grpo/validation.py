@@ -27,7 +27,6 @@ are restored afterwards, so a run trains bit-identically with and without valida
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from exactga.grpo.rewards import score_completions, successes
 from exactga.grpo.rollout_step import RolloutRuntime, StepSettings
 from exactga.grpo.rollouts import completion_text, generate_rollouts
 from exactga.grpo.schema import GrpoDistributedConfig
+from exactga.validation.held_out import training_rng_kept
 
 
 class HeldOutPrompts:
@@ -129,7 +129,7 @@ def held_out_rewards(
     all-reduce of three numbers under data parallelism."""
     sharded = runtime.dp_size > 1
     sums = torch.zeros(3, dtype=torch.float64)  # reward sum, successes, completions
-    with _training_rng_kept(runtime.device):
+    with training_rng_kept(runtime.device):
         for prompts in held_out.batches():
             rewards, succeeded = _score_batch(
                 model,
@@ -207,18 +207,6 @@ def _generate(
         precision=runtime.precision,
     )
     return rollouts
-
-
-@contextlib.contextmanager
-def _training_rng_kept(device: torch.device) -> Iterator[None]:
-    """The CPU RNG's state, and ``device``'s where it is an accelerator, restored on exit
-    (generation draws from its own generators; this keeps a reward's draws out too)."""
-    on_accelerator = device.type != "cpu"
-    with torch.random.fork_rng(
-        devices=[device] if on_accelerator else [],
-        device_type=device.type if on_accelerator else None,
-    ):
-        yield
 
 
 def held_out_prompts_from_settings(

@@ -27,7 +27,6 @@ validation.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,6 +47,7 @@ from exactga.ppo.trajectory import (
     record_forwards,
 )
 from exactga.runtime.precision import Precision
+from exactga.validation.held_out import eval_mode, training_rng_kept
 
 
 class HeldOutPpoPrompts:
@@ -113,7 +113,7 @@ def held_out_ppo(
     unwhitened = replace(settings, whiten_rewards=False)
     score_sum = value_loss_sum = 0.0
     num_value_positions = 0
-    with _training_rng_kept(device), _eval_mode(models.policy), _eval_mode(models.value):
+    with training_rng_kept(device), eval_mode(models.policy), eval_mode(models.value):
         for rows, prompts in held_out.batches():
             trajectories = generate_responses(
                 models.policy,
@@ -140,29 +140,6 @@ def held_out_ppo(
         value_loss_sum=value_loss_sum,
         num_value_positions=num_value_positions,
     )
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode within, each submodule's own mode restored after."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-@contextlib.contextmanager
-def _training_rng_kept(device: torch.device) -> Iterator[None]:
-    """The CPU RNG's state, and ``device``'s where it is an accelerator, restored on exit."""
-    on_accelerator = device.type != "cpu"
-    with torch.random.fork_rng(
-        devices=[device] if on_accelerator else [],
-        device_type=device.type if on_accelerator else None,
-    ):
-        yield
 
 
 def held_out_ppo_prompts_from_settings(

@@ -1,14 +1,19 @@
 """Validation during training, for every family that validates: the validation set, the sums
 of a held-out loss over every scored token of every rank, when to validate and where it goes.
 
-A recipe with ``dataset_val`` builds its :class:`Validation` with
-:func:`validation_from_settings` and, every ``run_val_every_n_steps`` optimizer steps and at the
-end of each epoch, calls its family's figure: ``exactga.sft.validation.validation_loss`` (the
-loss and perplexity), ``exactga.kd.validation.distillation_validation_loss`` (the student's
-class loss, the KD loss and their mix), ``exactga.dpo.validation.preference_validation_loss``
-(the per-pair loss, reward accuracy and margins). Each is :func:`loss_sums` over its figures;
-without ``dataset_val`` nothing here runs. See [validation loss as one batch], [validation set
-order] and docs/validation.md.
+A recipe with ``dataset_val`` builds its :class:`Validation` and, every
+``run_val_every_n_steps`` optimizer steps and at the end of each epoch, calls its family's
+figure. Three are :func:`loss_sums` over a validation set:
+- ``exactga.sft.validation.validation_loss``: the loss and perplexity;
+- ``exactga.kd.validation.distillation_validation_loss``: the student's class loss, the KD loss
+  and their mix;
+- ``exactga.dpo.validation.preference_validation_loss``: the per-pair loss, reward accuracy and
+  margins (KTO's over its examples).
+``exactga.grpo.validation`` and ``exactga.ppo.validation`` generate for held-out prompts and
+score them (reward mean, success rate; PPO's value loss), with the same schedule and logging and
+the same RNG and mode keeping (:func:`training_rng_kept`, :func:`eval_mode`). Without
+``dataset_val`` nothing here runs. See [validation loss as one batch], [validation set order]
+and docs/validation.md.
 
 Note [validation loss as one batch]
 The figure is the validation set's loss as if it were one batch on one device: the sum of the
@@ -164,9 +169,9 @@ def loss_sums(
     sharded = dp_group is not None and dist.get_world_size(dp_group) > 1
     means: list[torch.Tensor] = []
     counts: list[int] = []
-    with _rng_kept(device), torch.no_grad(), contextlib.ExitStack() as modes:
+    with training_rng_kept(device), torch.no_grad(), contextlib.ExitStack() as modes:
         for model in models:
-            modes.enter_context(_eval_mode(model))
+            modes.enter_context(eval_mode(model))
         for batch in validation_set.batches():
             num_units = units.count(batch)
             if num_units == 0 and not sharded:
@@ -202,7 +207,7 @@ def _collective_device(group: dist.ProcessGroup) -> torch.device:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model`` in eval mode within, each submodule's own mode restored after (a module a
     recipe keeps in eval mode stays so)."""
     modes = [(module, module.training) for module in model.modules()]
@@ -215,8 +220,10 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _rng_kept(device: torch.device) -> Iterator[None]:
-    """The CPU RNG's state, and ``device``'s where it is an accelerator, restored on exit."""
+def training_rng_kept(device: torch.device) -> Iterator[None]:
+    """The CPU RNG's state, and ``device``'s where it is an accelerator, restored on exit: a
+    validation (its dropout-free forwards, a reward's or a sampler's draws) takes nothing from
+    training's random streams."""
     on_accelerator = device.type != "cpu"
     with torch.random.fork_rng(
         devices=[device] if on_accelerator else [],
@@ -253,7 +260,8 @@ class Validation:
     :func:`validation_from_settings` when the config has no ``dataset_val``.
 
     Args:
-        validation_set: this rank's share of the set.
+        validation_set: this rank's share of the set: a :class:`ValidationSet` of samples, or
+            a family's own held-out prompts (GRPO's and PPO's, which generate before they score).
         every_n_steps: validate after every such optimizer step (``run_val_every_n_steps``);
             ``None``: at the end of each epoch only.
         metric_logger: where the figure's ``val/*`` scalars go; ``None`` on ranks that do not
@@ -268,7 +276,7 @@ class Validation:
 
     def __init__(
         self,
-        validation_set: ValidationSet,
+        validation_set: Any,
         *,
         every_n_steps: int | None,
         metric_logger: Any | None,
