@@ -32,8 +32,8 @@ gives each one's median over ``--repeats``. Validation tokenizes its rows on acc
 recipes' datasets do, and that time is in its figure; the training window is collated once,
 outside the timed step, so the share is if anything overstated.
 
-Run from the repository root (default: both models; about 30 seconds for the tiny model and
-4 to 6 minutes for the 1B one on 2 CPU cores)::
+Run from the repository root (default: both models; about 3 minutes on 2 CPU cores, the tiny
+model 20 s idle to 100 s under load, the 1B one 90 s or more)::
 
     HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/validation_cost.py
 
