@@ -214,7 +214,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             terms=self._dpo_terms,
             device=self._runtime.device,
             precision=self._runtime.precision,
-            dp_group=self._runtime.dp_group,
         )
         self._validation.log(figure, step)  # val/loss, val/rewards/..., a console line
 

@@ -164,7 +164,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._validation.validation_set,
             device=self._runtime.device,
             precision=self._runtime.precision,
-            dp_group=self._runtime.dp_group,
         )
         self._validation.log(figure, step)  # val/loss, val/perplexity and a console line
 

@@ -172,9 +172,7 @@ class KDRecipeDistributed(FTRecipeInterface):
         validation] in exactga.kd.validation."""
         if self._validation is None or not self._validation.due(step, epoch_end=epoch_end):
             return
-        figure = distillation_validation_loss(
-            self._distiller, self._validation.validation_set, dp_group=self._runtime.dp_group
-        )
+        figure = distillation_validation_loss(self._distiller, self._validation.validation_set)
         self._validation.log(figure, step)  # val/loss, val/class_loss, val/kd_loss, ...
 
     def cleanup(self) -> None:

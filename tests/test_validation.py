@@ -57,6 +57,7 @@ def _validation_set(rows: list, batch_size: int, num_replicas: int = 1, rank: in
         collate=collate,
         num_replicas=num_replicas,
         rank=rank,
+        dp_group=dist.group.WORLD if num_replicas > 1 else None,
     )
 
 
@@ -125,9 +126,7 @@ def _two_rank_worker(rank: int) -> list[dict]:
     results = []
     for batch_size in (1, 3):
         validation_set = _validation_set(_rows(), batch_size, num_replicas=2, rank=rank)
-        figure = validation_loss(
-            model, loss_fn, validation_set, device=CPU, dp_group=dist.group.WORLD
-        )
+        figure = validation_loss(model, loss_fn, validation_set, device=CPU)
         results.append(
             {
                 "batch_size": batch_size,

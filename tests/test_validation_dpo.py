@@ -37,6 +37,7 @@ def _validation_set(pairs: list, batch_size: int, num_replicas: int = 1, rank: i
         num_replicas=num_replicas,
         rank=rank,
         emptied=PreferencePairs().emptied,
+        dp_group=dist.group.WORLD if num_replicas > 1 else None,
     )
 
 
@@ -133,7 +134,6 @@ def _two_rank_worker(rank: int) -> list[dict]:
             validation_set,
             case.reference(),
             device=CPU,
-            dp_group=dist.group.WORLD,
         )
         results.append(
             {"batch_size": batch_size, "figure": vars(figure), "own": validation_set.indices}
@@ -205,6 +205,7 @@ def _kto_two_rank_worker(rank: int) -> list[dict]:
         num_replicas=2,
         rank=rank,
         emptied=case.terms.units().emptied,
+        dp_group=dist.group.WORLD,
     )
     figure = preference_validation_loss(
         case.model,
@@ -213,7 +214,6 @@ def _kto_two_rank_worker(rank: int) -> list[dict]:
         frozen_model_reference(case.ref_model),
         terms=case.terms,
         device=CPU,
-        dp_group=dist.group.WORLD,
     )
     return [vars(figure)]
 

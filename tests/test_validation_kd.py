@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from oracle_utils import reference_loss
 from test_validation import _relative, _rows, _validation_set
@@ -130,7 +129,7 @@ def _two_rank_worker(rank: int) -> list[dict]:
     results = []
     for batch_size in (1, 3):
         validation_set = _validation_set(_rows(), batch_size, num_replicas=2, rank=rank)
-        figure = distillation_validation_loss(distiller, validation_set, dp_group=dist.group.WORLD)
+        figure = distillation_validation_loss(distiller, validation_set)
         results.append(
             {
                 "batch_size": batch_size,

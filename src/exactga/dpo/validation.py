@@ -38,7 +38,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from exactga.accumulation.loss_units import IGNORE_INDEX
@@ -167,14 +166,13 @@ def preference_validation_loss(
     terms: DpoTerms = DPO,
     device: torch.device,
     precision: Precision | None = None,
-    dp_group: dist.ProcessGroup | None = None,
 ) -> PreferenceValidationLoss | KtoValidationLoss:
     """The per-pair loss, reward accuracy and margins of the whole validation set as one batch,
     over every data-parallel rank; see [preference validation]. ``reference`` is what the loss
     step reads reference log-probs from (``lora_reference``, ``frozen_model_reference``; None for
     a reference-free loss), never a precomputed table. The policy in eval mode, no gradient, the
-    RNG states restored after; every rank of ``dp_group`` calls it. One host read, and under
-    data parallelism one all-reduce of six numbers, per call. For an unpaired loss (KTO),
+    RNG states restored after; every rank of the set's ``dp_group`` calls it. One host read,
+    and under data parallelism one all-reduce of six numbers, per call. For an unpaired loss (KTO),
     :func:`kto_validation_loss`.
     """
     if terms.unpaired:
@@ -185,7 +183,6 @@ def preference_validation_loss(
             reference,
             device=device,
             precision=precision,
-            dp_group=dp_group,
         )
 
     def batch_means(batch: dict[str, Any]) -> torch.Tensor:
@@ -208,7 +205,6 @@ def preference_validation_loss(
         PreferencePairs(IGNORE_INDEX),  # checks every pair has both responses
         models=(model,),
         device=device,
-        dp_group=dp_group,
     )
     return PreferenceValidationLoss(
         loss=sums.mean(0),
@@ -229,7 +225,6 @@ def kto_validation_loss(
     *,
     device: torch.device,
     precision: Precision | None = None,
-    dp_group: dist.ProcessGroup | None = None,
 ) -> KtoValidationLoss:
     """KTO's loss over every validation example of every rank against the set's reference point;
     see [preference validation]. Two passes over the set (the reference point, then the
@@ -241,7 +236,7 @@ def kto_validation_loss(
         num_examples = batch["tokens"].size(0) // 2  # a filler's one too (it weighs 0)
         return point.contribution(batch).double() / num_examples
 
-    common = {"models": (model,), "device": device, "dp_group": dp_group}
+    common = {"models": (model,), "device": device}
     log_ratios = loss_sums(validation_set, mismatched_log_ratio, units, **common)
     z = max(0.0, log_ratios.mean(0)) if log_ratios.num_units else 0.0
     point.value = torch.tensor(z, dtype=torch.float64, device=device)

@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from exactga.accumulation.loss_units import ShiftedTokens
 from exactga.kd.distillation import Distiller
@@ -85,20 +84,18 @@ class DistillationValidationLoss:
 def distillation_validation_loss(
     distiller: Distiller,
     validation_set: ValidationSet,
-    *,
-    dp_group: dist.ProcessGroup | None = None,
 ) -> DistillationValidationLoss:
     """The student's class loss, the KD loss and their mix on the whole validation set as one
     batch, over every data-parallel rank; see [distillation validation]. Both models in eval
-    mode, no gradient, the RNG states restored after; every rank of ``dp_group`` calls it. One
-    host read, and under data parallelism one all-reduce of three numbers, per call."""
+    mode, no gradient, the RNG states restored after; every rank of the set's ``dp_group``
+    calls it. One host read, and under data parallelism one all-reduce of three numbers, per
+    call."""
     sums = loss_sums(
         validation_set,
         lambda batch: torch.stack(distiller.part_losses(batch)),
         ShiftedTokens(distiller.loss_fn),  # checks the class loss's denominator, as training
         models=(distiller.student, distiller.teacher),
         device=distiller.device,
-        dp_group=dp_group,
     )
     return DistillationValidationLoss(
         class_loss=sums.mean(0),

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from exactga.accumulation.loss_units import ShiftedTokens
@@ -67,7 +66,6 @@ def validation_loss(
     *,
     device: torch.device,
     precision: Precision | None = None,
-    dp_group: dist.ProcessGroup | None = None,
 ) -> ValidationLoss:
     """The loss of the whole validation set as one batch, over every data-parallel rank.
 
@@ -75,8 +73,9 @@ def validation_loss(
     ``validation_set`` on every rank, its loss under ``loss_fn`` (with ``precision``'s autocast,
     as in training), summed and divided by their number; the same to fp32 rounding whatever the
     batch size, the number of ranks or the split. Without gradients, in eval mode, with the RNG
-    states restored after it (see [validation set order]); every rank of ``dp_group`` calls it.
-    One host read, and under data parallelism one all-reduce of two numbers, per call.
+    states restored after it (see [validation set order]); every rank of the set's
+    ``dp_group`` calls it. One host read, and under data parallelism one all-reduce of two
+    numbers, per call.
     """
     sums = loss_sums(
         validation_set,
@@ -84,7 +83,6 @@ def validation_loss(
         ShiftedTokens(loss_fn),  # also checks the loss's own denominator on the first batch
         models=(model,),
         device=device,
-        dp_group=dp_group,
     )
     return ValidationLoss(
         loss=sums.mean(0), num_tokens=sums.num_units, num_samples=validation_set.num_samples

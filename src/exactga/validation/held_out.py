@@ -84,6 +84,8 @@ class ValidationSet:
             (``max_val_batches``); ``None`` reads them all.
         num_replicas: data-parallel ranks reading the set.
         rank: this process's data-parallel rank.
+        dp_group: the process group of those ranks, over which a figure's sums are added
+            (``None``: one process); kept with the set so that no caller can leave it out.
         ignore_index: the loss's ignore index, which a filler's labels take.
         emptied: how a filler is made of a collated batch (``LossUnits.emptied``: DPO's one pair
             marked as none); by default every label ignored.
@@ -103,6 +105,7 @@ class ValidationSet:
         rank: int = 0,
         ignore_index: int = IGNORE_INDEX,
         emptied: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         num_samples = len(dataset)  # type: ignore[arg-type]
         if num_samples == 0:
@@ -112,6 +115,7 @@ class ValidationSet:
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate = collate
+        self.dp_group = dp_group
         self.emptied = emptied or (lambda batch: masked_labels(batch, ignore_index))
         self.num_samples = num_samples  # over every rank
         self.indices = list(range(rank, num_samples, num_replicas))
@@ -152,7 +156,6 @@ def loss_sums(
     *,
     models: Sequence[nn.Module],
     device: torch.device,
-    dp_group: dist.ProcessGroup | None = None,
 ) -> LossSums:
     """The sums of [validation loss as one batch], for one figure or several over the same
     units (``units``: the training normaliser's, scored tokens after the shift or pairs).
@@ -163,9 +166,10 @@ def loss_sums(
     mean times the batch's host count is its sum; the sums
     (fp64) and counts of every batch and rank are added. ``models`` run in eval mode, without
     gradients, the RNG states restored after (see [validation set order]); every rank of
-    ``dp_group`` calls it, and a rank with fewer batches runs zero-weight fillers. One host
-    read, and under data parallelism one all-reduce of ``parts + 1`` numbers, per call.
+    the set's ``dp_group`` calls it, and a rank with fewer batches runs zero-weight fillers. One
+    host read, and under data parallelism one all-reduce of ``parts + 1`` numbers, per call.
     """
+    dp_group = validation_set.dp_group
     sharded = dp_group is not None and dist.get_world_size(dp_group) > 1
     means: list[torch.Tensor] = []
     counts: list[int] = []
@@ -241,6 +245,9 @@ class _Runtime(Protocol):
 
     @property
     def dp_rank(self) -> int: ...
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None: ...
 
 
 class ValidationFigure(Protocol):
@@ -350,6 +357,7 @@ def validation_from_settings(
         rank=runtime.dp_rank,
         ignore_index=ignore_index,
         emptied=emptied,
+        dp_group=runtime.dp_group,
     )
     return Validation(
         validation_set,
