@@ -1,8 +1,8 @@
-"""Tiny tokenizer folders laid out as Qwen3's and Gemma 3's releases, written on demand.
+"""Tiny tokenizer folders laid out as Qwen3's, Gemma 3's and gpt-oss's releases, written on demand.
 
-Shared by tests/test_tokenizers_qwen3_gemma3.py (our tokenizers against transformers' from the
-same files) and tests/test_recipe_model_families.py (the families trained through ``tune run``
-with their own tokenizers). Nothing here is a test.
+Shared by tests/test_tokenizers_qwen3_gemma3.py and tests/test_tokenizer_gpt_oss.py (our
+tokenizers against transformers' from the same files) and tests/test_recipe_model_families.py
+(the families trained through ``tune run`` with their own tokenizers). Nothing here is a test.
 
 For Qwen3 a byte-level BPE trained here with ``tokenizers`` (``vocab.json``, ``merges.txt``,
 ``tokenizer.json``, and a ``tokenizer_config.json`` with Qwen3's added tokens and chat template);
@@ -23,6 +23,15 @@ The chat templates in tests/assets/tokenizers/ are the released ones, copied byt
   models/gemma3/convert_gemma3_weights.py, which wrote the released ``tokenizer_config.json``;
   the same as the ``google/gemma-3-270m-it`` template huggingface.js's
   packages/ollama-utils/src/chat-template-automap.ts holds at fe42e68).
+- ``gpt_oss_chat_template.jinja``: gpt-oss's (``openai/gpt-oss-20b``'s ``chat_template.jinja`` at
+  the Hub commit cbf31f6, "Update chat_template.jinja (#94)" of 2025-08-08, as
+  EchoCog/gpt-oss-20b's clone of the Hub repository holds it; byte for byte llama.cpp's
+  models/templates/openai-gpt-oss-120b.jinja, its copy of the 120B's, at 1eeb523). The revision
+  before it (#82) wrote no blank line after the developer message's instructions.
+
+For gpt-oss a byte-level BPE trained here with o200k's pre-tokenizer, its ``tokenizer.json`` with
+the harmony tokens at their ids (the release's ``tokenizer_config.json`` adds nothing the tests
+read: transformers loads the file with the release's bos, eos and pad tokens).
 """
 
 from __future__ import annotations
@@ -236,4 +245,76 @@ def write_gemma3_folder(folder: Path) -> Path:
 
     converted = AutoTokenizer.from_pretrained(str(folder))
     converted.backend_tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+# gpt-oss's added tokens and their ids (o200k_harmony: openai/harmony's
+# src/tiktoken_ext/public_encodings.rs; the release's tokenizer.json holds 199998-200018).
+GPT_OSS_SPECIAL_TOKENS: dict[str, int] = {
+    "<|startoftext|>": 199998,
+    "<|endoftext|>": 199999,
+    "<|reserved_200000|>": 200000,
+    "<|reserved_200001|>": 200001,
+    "<|return|>": 200002,
+    "<|constrain|>": 200003,
+    "<|reserved_200004|>": 200004,
+    "<|channel|>": 200005,
+    "<|start|>": 200006,
+    "<|end|>": 200007,
+    "<|message|>": 200008,
+    "<|reserved_200009|>": 200009,
+    "<|reserved_200010|>": 200010,
+    "<|reserved_200011|>": 200011,
+    "<|call|>": 200012,
+    **{f"<|reserved_{i}|>": i for i in range(200013, 200018)},
+    "<|endofprompt|>": 200018,
+}
+# o200k's pre-tokenizer pattern (tiktoken's o200k_base, which o200k_harmony keeps).
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+
+def write_gpt_oss_folder(folder: Path) -> Path:
+    """gpt-oss's tokenizer.json for a tiny byte-level BPE with o200k's pre-tokenizer (no
+    normalizer) and the harmony tokens at their ids, all special, as the release's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator(CORPUS.splitlines(), trainer)
+    spec = json.loads(bpe.to_str())
+    # The added tokens also go into the model's vocab to keep their ids (see write_qwen3_folder).
+    spec["model"]["vocab"].update(GPT_OSS_SPECIAL_TOKENS)
+    spec["added_tokens"] = [
+        {
+            "id": token_id,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for content, token_id in GPT_OSS_SPECIAL_TOKENS.items()
+    ]
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
     return folder

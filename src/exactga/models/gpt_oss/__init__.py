@@ -4,6 +4,7 @@
 ``gpt_oss``/``lora_gpt_oss`` take every shape argument; the sized builders (``gpt_oss_20b``,
 ``gpt_oss_120b`` and their ``lora_`` twins) the released configs. ``GPT_OSS_FORMAT`` converts
 weights to and from Hugging Face's names and layouts, the released MXFP4 experts included.
+``gpt_oss_tokenizer`` reads the released ``tokenizer.json`` with the harmony chat format.
 """
 
 from exactga.models.gpt_oss._component_builders import (
@@ -20,15 +21,25 @@ from exactga.models.gpt_oss._model_builders import (
     lora_gpt_oss_120b,
 )
 from exactga.models.gpt_oss._mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from exactga.models.gpt_oss._tokenizer import (
+    GptOssTokenizer,
+    HarmonyToMessages,
+    gpt_oss_tokenizer,
+    harmony_messages,
+)
 
 __all__ = [
     "BUILDER_ARGUMENTS",
     "GPT_OSS_FORMAT",
+    "GptOssTokenizer",
+    "HarmonyToMessages",
     "dequantize_mxfp4",
     "gpt_oss",
     "gpt_oss_120b",
     "gpt_oss_20b",
     "gpt_oss_layer_types",
+    "gpt_oss_tokenizer",
+    "harmony_messages",
     "lora_gpt_oss",
     "lora_gpt_oss_120b",
     "lora_gpt_oss_20b",
