@@ -1,13 +1,14 @@
-"""Every Qwen3, Qwen3 MoE and Gemma 3 config (configs/qwen3/, configs/qwen3_moe/, configs/gemma3/)
-runs on tiny shapes through ``tune run`` (issue #41: "Every new config passes the stock-config
-sweep on tiny shapes").
+"""Every Qwen3, Qwen3 MoE, Gemma 3 and gpt-oss config (configs/qwen3/, configs/qwen3_moe/,
+configs/gemma3/, configs/gpt_oss/) runs on tiny shapes through ``tune run`` (issue #41: "Every new
+config passes the stock-config sweep on tiny shapes"; issue #65).
 
 Each config is adapted as tools/stock_configs.py adapts torchtune's stock configs: a tiny model
 of the same family built with the family's own component builder (``exactga.models.qwen3.qwen3``
 / ``lora_qwen3``, ``exactga.models.qwen3_moe.qwen3_moe`` / ``lora_qwen3_moe``,
-``exactga.models.gemma3.gemma3`` / ``lora_gemma3``) and every argument the config's sized builder
-passes it except the sizes (Gemma 3: a window shorter than the sequences, one local and one
-global layer; Qwen3 MoE: 4 experts, 2 per token), the tiny tokenizer, local data, a seeded
+``exactga.models.gemma3.gemma3`` / ``lora_gemma3``, ``exactga.models.gpt_oss.gpt_oss`` /
+``lora_gpt_oss``) and every argument the config's sized builder passes it except the sizes (Gemma 3
+and gpt-oss: a window shorter than the sequences, one local and one global layer; Qwen3 MoE and
+gpt-oss: 4 experts, 2 per token), the tiny tokenizer, local data, a seeded
 initial checkpoint in the family's HF layout (``initialized_hf_checkpointer`` with the config's
 ``model_type``), ``device: cpu``, 2 steps (GRPO: completions of 16 tokens at most); every other
 key as shipped (dtype, master weights, optimizer, loss, activation checkpointing, micro-batching,
@@ -20,8 +21,8 @@ logger, ...). By recipe:
 - LoRA DPO (one device and distributed): ``adapted_dpo_config`` of
   tests/test_dpo_stock_configs.py (the bundled preference pairs, 512 tokens).
 
-Qwen3 MoE's fine-tuning configs keep their ``router_aux_loss_coef``: their runs add the router's
-balance term (docs/moe.md).
+Qwen3 MoE's and gpt-oss's fine-tuning configs keep their ``router_aux_loss_coef``: their runs add
+the router's balance term (docs/moe.md).
 
 Which recipe runs a config is the registry's (``exactga.launch.registry``, which tests/
 test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py): the
@@ -47,8 +48,9 @@ from exactga.launch import registry
 from exactga.models.gemma3._component_builders import FULL as GLOBAL_LAYER
 from exactga.models.gemma3._component_builders import SLIDING as LOCAL_LAYER
 from exactga.models.gemma3._component_builders import gemma3_layer_types
+from exactga.models.gpt_oss import gpt_oss_layer_types
 
-FAMILIES = ("qwen3", "qwen3_moe", "gemma3")
+FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "gpt_oss")
 DPO_RECIPES = ("lora_dpo_single_device", "lora_dpo_distributed")
 GRPO = stock_configs.GRPO
 DISTRIBUTED_RECIPES = {entry.name for entry in registry.RECIPES if entry.supports_distributed}
@@ -166,8 +168,8 @@ def _plain(value: object) -> object:
 
 def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> None:
     """``model`` is the family's component builder with the sized builder's arguments but the
-    sizes, and builds; Gemma 3's has a local and a global layer, its window shorter than the
-    sequences."""
+    sizes, and builds; Gemma 3's and gpt-oss's have a local and a global layer, the window shorter
+    than the sequences."""
     assert model._component_ == _family_builder(stock_model), what
     _, arguments = stock_configs.stock_component_call(stock_model)
     tiny = OmegaConf.to_container(model, resolve=True)
@@ -176,7 +178,10 @@ def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> 
         assert _plain(tiny[key]) == _plain(arguments[key]), f"{what}: {key}"
     assert tiny["num_layers"] == stock_configs.TINY_SIZES["num_layers"], what
     if "sliding_window" in tiny:
-        kinds = gemma3_layer_types(tiny["num_layers"], tiny["sliding_window_pattern"])
+        if "sliding_window_pattern" in tiny:
+            kinds = gemma3_layer_types(tiny["num_layers"], tiny["sliding_window_pattern"])
+        else:  # gpt-oss: the builder's default, layers alternating
+            kinds = gpt_oss_layer_types(tiny["num_layers"])
         assert set(kinds) == {LOCAL_LAYER, GLOBAL_LAYER}, f"{what}: {kinds}"
         assert tiny["sliding_window"] < stock_configs.TOKENIZER_MAX_SEQ_LEN, what
     with torch.device("cpu"):

@@ -1,12 +1,12 @@
-"""Checks on the Qwen3, Qwen3 MoE and Gemma 3 configs in configs/qwen3/, configs/qwen3_moe/ and
-configs/gemma3/, fast and offline.
+"""Checks on the Qwen3, Qwen3 MoE, Gemma 3 and gpt-oss configs in configs/qwen3/,
+configs/qwen3_moe/, configs/gemma3/ and configs/gpt_oss/, fast and offline.
 
 exactga builds these families itself (exactga.models.qwen3, exactga.models.qwen3_moe,
-exactga.models.gemma3; torchtune 0.6.1 has none of them), so there is no stock config of the same
-name to compare with: each config is checked against its recipe's schema, the released
-checkpoints and exactga's keys. As in
-tests/test_model_configs.py, models are built on the meta device (nothing allocated or downloaded),
-tokenizers are only resolved to their builder (their files are absent), and no recipe is run.
+exactga.models.gemma3, exactga.models.gpt_oss; torchtune 0.6.1 has none of them), so there is
+no stock config of the same name to compare with: each config is checked against its recipe's
+schema, the released checkpoints and exactga's keys. As in tests/test_model_configs.py, models
+are built on the meta device (nothing allocated or downloaded), tokenizers are only resolved to
+their builder (their files are absent), and no recipe is run.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class Release:
     files: tuple[str, ...]
 
 
-def _shards(count: int) -> tuple[str, ...]:
-    return tuple(f"model-{i:05}-of-{count:05}.safetensors" for i in range(1, count + 1))
+def _shards(count: int, first: int = 1) -> tuple[str, ...]:
+    return tuple(f"model-{i:05}-of-{count:05}.safetensors" for i in range(first, count + 1))
 
 
 # Ranges from the released config.json files; measured counts in the comments.
@@ -106,6 +106,12 @@ RELEASES = {
     # 2 x 151,936 x 2,048 (untied) + 48 layers x 623.1M (128 experts of 3 x 2,048 x 768 each):
     # 30,532,122,624, the release's 30.5e9; 3.3e9 active per token.
     "Qwen/Qwen3-30B-A3B": Release((30.4e9, 30.6e9), _shards(16)),
+    # 2 x 201,088 x 2,880 (untied) + 24 layers of 32 experts (3 x 2,880 x 2,880 and biases each)
+    # and biased attention with sinks: 20,914,757,184, 3.6e9 active per token. The release's
+    # files are numbered from 0.
+    "openai/gpt-oss-20b": Release((20.8e9, 21.0e9), _shards(2, first=0)),
+    # 36 layers of 128 experts: 116,829,156,672, 5.1e9 active per token.
+    "openai/gpt-oss-120b": Release((116.7e9, 116.9e9), _shards(14, first=0)),
 }
 
 
@@ -123,6 +129,7 @@ class Case:
 QWEN3_0_6B, QWEN3_8B = "Qwen/Qwen3-0.6B", "Qwen/Qwen3-8B"
 QWEN3_30B_A3B = "Qwen/Qwen3-30B-A3B"
 GEMMA3_1B, GEMMA3_4B = "google/gemma-3-1b-it", "google/gemma-3-4b-it"
+GPT_OSS_20B, GPT_OSS_120B = "openai/gpt-oss-20b", "openai/gpt-oss-120b"
 CASES = {
     "qwen3/0.6B_full_single_device": Case("full_finetune_single_device", 1, QWEN3_0_6B),
     "qwen3/8B_full": Case("full_finetune_distributed", 2, QWEN3_8B),
@@ -154,6 +161,12 @@ CASES = {
     "gemma3/4B_to_1B_KD_lora_distributed": Case(
         "knowledge_distillation_distributed", 2, GEMMA3_1B, GEMMA3_4B
     ),
+    "gpt_oss/20B_lora_single_device": Case("lora_finetune_single_device", 1, GPT_OSS_20B),
+    "gpt_oss/20B_full": Case("full_finetune_distributed", 8, GPT_OSS_20B),
+    "gpt_oss/20B_lora": Case("lora_finetune_distributed", 2, GPT_OSS_20B),
+    "gpt_oss/120B_lora": Case("lora_finetune_distributed", 8, GPT_OSS_120B),
+    "gpt_oss/20B_lora_dpo": Case("lora_dpo_distributed", 2, GPT_OSS_20B),
+    "gpt_oss/20B_grpo": Case(GRPO, 8, GPT_OSS_20B),
 }
 NAMES = list(CASES)
 
@@ -176,6 +189,9 @@ FAMILIES = {
     ),
     "gemma3": Family(
         "GEMMA3", "exactga.models.gemma3.gemma3_tokenizer", {"path": "tokenizer.json"}
+    ),
+    "gpt_oss": Family(
+        "GPT_OSS", "exactga.models.gpt_oss.gpt_oss_tokenizer", {"path": "tokenizer.json"}
     ),
 }
 CHECKPOINTER = "exactga.models.checkpointer.FullModelHFCheckpointer"
@@ -351,7 +367,7 @@ def test_validates_against_its_recipe(name: str) -> None:
 
 # The released config.json's router_aux_loss_coef: the weight transformers gives the balance
 # loss of these models when it adds it.
-RELEASE_ROUTER_AUX_LOSS_COEF = {QWEN3_30B_A3B: 0.001}
+RELEASE_ROUTER_AUX_LOSS_COEF = {QWEN3_30B_A3B: 0.001, GPT_OSS_20B: 0.9, GPT_OSS_120B: 0.9}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -12,8 +12,9 @@ every weight random (sinks, all biases and norm scales away from their init).
 - MXFP4: our dequantisation equals transformers' ``convert_moe_packed_tensors`` bit for bit on
   random blocks and scales, in fp32 and bf16.
 - ours -> HF: the checkpointer's save loads with ``from_pretrained`` (no missing or unexpected
-  key) and gives our logits; the attention and output LoRA adapters load in PEFT with our
-  logits, the experts' and routers' are left out of the PEFT file with a warning.
+  key) and gives our logits; the LoRA adapters load in PEFT with our logits: attention and
+  output as LoRA linears, the experts' and router's on their parameters (``target_parameters``);
+  a DoRA router adapter, which PEFT cannot hold, is left out with a warning.
 - training: the sinks get non-zero gradients; the router statistics are HF's router logits,
   the balance term on them HF's ``aux_loss`` over ``top_k``, and the recipes' ``RouterBalance``
   term ``coef`` times it; the grouped-matmul experts are the loop's, forward and backward; LoRA
@@ -371,12 +372,19 @@ def test_lora_starts_as_its_base_and_adapts_experts(hf_folder: Path) -> None:
         assert relative_error(base(ids), adapted) < BOUND
 
 
-def test_peft_loads_the_attention_and_output_adapters(hf_folder: Path, tmp_path: Path) -> None:
-    """The PEFT file holds what PEFT can load into transformers' model (attention, output);
-    the experts' and routers' adapters are left out with a warning."""
+def test_peft_loads_every_adapter(hf_folder: Path, tmp_path: Path) -> None:
+    """The PEFT file and config hold every adapter: attention and output as PEFT's LoRA
+    linears, the experts' and the router's on their parameters (``target_parameters``);
+    ``PeftModel.from_pretrained`` gives our logits."""
     modules = ["q_proj", "k_proj", "v_proj", "output_proj"]
     lora = lora_gpt_oss(
-        modules, apply_lora_to_output=True, **tiny_kwargs(), lora_rank=4, lora_alpha=8
+        modules,
+        apply_lora_to_mlp=True,
+        apply_lora_to_router=True,
+        apply_lora_to_output=True,
+        **tiny_kwargs(),
+        lora_rank=4,
+        lora_alpha=8,
     )
     lora.load_state_dict(ours_from(hf_folder).state_dict(), strict=False)
     with torch.no_grad():
@@ -391,30 +399,41 @@ def test_peft_loads_the_attention_and_output_adapters(hf_folder: Path, tmp_path:
         folder / "adapter_model.safetensors",
         metadata={"format": "pt"},
     )
-    peft_config = tune_to_peft_adapter_config(
-        {"r": 4, "lora_alpha": 8, "target_modules": [*modules, "output"], "peft_type": "LORA"},
-        base_model_name_or_path=str(hf_folder),
+    # torchtune's config as the LoRA recipes write it (w1/w2/w3 for the experts' adapters).
+    targets = [*modules, "w1", "w2", "w3", "output"]
+    peft_config = GPT_OSS_FORMAT.peft_config(
+        tune_to_peft_adapter_config(
+            {"r": 4, "lora_alpha": 8, "target_modules": targets, "peft_type": "LORA"},
+            base_model_name_or_path=str(hf_folder),
+        ),
+        adapter,
     )
     (folder / "adapter_config.json").write_text(json.dumps(peft_config))
     peft_model = peft.PeftModel.from_pretrained(load_hf_model(hf_folder), folder).eval()
     ids = tokens()
     with torch.no_grad():
         error = relative_error(lora.eval()(ids), peft_model(ids).logits)
-    print(f"gpt-oss logits, LoRA adapter in PEFT: relative difference {error:.2e}")
+    print(f"gpt-oss logits, LoRA adapter (experts and router too) in PEFT: {error:.2e}")
     assert error < BOUND
     with torch.no_grad(), peft_model.disable_adapter():  # the adapters are not zero
         assert relative_error(lora(ids), peft_model(ids).logits) > 1e-3
-    experts = lora_gpt_oss(
+
+
+def test_a_dora_router_adapter_is_left_out_of_the_peft_file_with_a_warning() -> None:
+    dora = lora_gpt_oss(
         ["q_proj"],
-        apply_lora_to_mlp=True,
         apply_lora_to_router=True,
         **tiny_kwargs(),
         lora_rank=4,
         lora_alpha=8,
+        use_dora=True,
     )
-    with pytest.warns(UserWarning, match="experts or routers"):
-        kept = GPT_OSS_FORMAT.adapter_to_peft(get_adapter_state_dict(experts.state_dict()), {})
+    adapter = get_adapter_state_dict(dora.state_dict())
+    with pytest.warns(UserWarning, match="DoRA router adapters"):
+        kept = GPT_OSS_FORMAT.adapter_to_peft(adapter, {})
     assert kept and not any(".mlp." in key for key in kept)
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}
+    assert "target_parameters" not in GPT_OSS_FORMAT.peft_config(config, adapter)
 
 
 def test_sized_builders_have_the_released_parameter_counts() -> None:

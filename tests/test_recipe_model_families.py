@@ -1,18 +1,24 @@
-"""Qwen3 and Gemma 3 fine-tuned through ``tune run``: exact splits, outputs transformers and PEFT
-load as the fine-tuned model (issue #41).
+"""Qwen3, Qwen3 MoE, Gemma 3 and gpt-oss fine-tuned through ``tune run``: exact splits, outputs
+transformers and PEFT load as the fine-tuned model (issues #41, #65).
 
 For each family a tiny random model made with transformers' own class (``save_pretrained``; Qwen3
 tied as its small releases are, Gemma 3 with a local and a global layer and a window shorter than
-the rows) is read through exactga's checkpointer (``model_type: QWEN3`` / ``GEMMA3``) and trained
-with the family's own tokenizer (tiny files laid out as the release's, tests/tokenizer_files.py)
-on the bundled instruction data, full and LoRA, on one device and on 2 gloo ranks, with the loss
-the families' configs use (the output projection fused with the loss, docs/large_vocab.md):
+the rows, gpt-oss with a sliding and a full layer, a window of 16 on longer rows, its sinks and
+biases moved away from transformers' init) is read through exactga's checkpointer (``model_type:
+QWEN3`` / ``QWEN3_MOE`` / ``GEMMA3`` / ``GPT_OSS``) and trained with the family's own tokenizer
+(tiny files laid out as the release's, tests/tokenizer_files.py; gpt-oss: configs/tiny/'s, its
+harmony tokenizer being another change's) on the bundled instruction data, full and LoRA, on one
+device and on 2 gloo ranks, with the loss the families' configs use (the output projection fused
+with the loss, docs/large_vocab.md):
 
 - split invariance at the fp32 floor: 2x2 on one device lands where 4x1 does; 2 ranks (2x1 and
   1x2 per rank) land where the same recipe on one rank does (4x1);
 - every output folder loads back as the fine-tuned model, within 1e-4 (relative L2 of the logits):
   ``AutoModelForCausalLM.from_pretrained(epoch_0)`` and, for LoRA, ``PeftModel.from_pretrained(
-  base, epoch_0/adapter)`` against our builder with the run's weights.
+  base, epoch_0/adapter)`` against our builder with the run's weights (gpt-oss's adapters on
+  attention, experts and routers alike);
+- the router's balance term (Qwen3 MoE, gpt-oss): on, it moves the step, 2 ranks still land where
+  1 rank does (gpt-oss: full and LoRA); gpt-oss's sinks train, to the same values in every split.
 
 Launches: two (tests/many_runs.py): the one-device and one-rank runs, and the 2-rank runs, shared
 with tests/test_family_config_sweep.py's runs (tests/family_runs.py).
@@ -57,6 +63,17 @@ LORA = {
 # family -> (transformers class and config, our builder's arguments, tokenizer section,
 # checkpointer model_type)
 QWEN3_VOCAB = 151_936  # the tiny tokenizer keeps Qwen3's special-token ids (151643-151668)
+TINY_VOCAB = 2048  # configs/tiny/tokenizer.model's 2000 pieces, rounded up
+# gpt-oss's YaRN, rescaled to the tiny rows: positions past the original 64 are interpolated.
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150_000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+}
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {
         "hf_class": "Qwen3ForCausalLM",
@@ -141,6 +158,55 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "write_tokenizer": write_qwen3_folder,
         "model_type": "QWEN3_MOE",
     },
+    "gpt_oss": {
+        "hf_class": "GptOssForCausalLM",
+        "hf_config_class": "GptOssConfig",
+        "hf_config": {
+            "vocab_size": TINY_VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 2,  # layer_types' default: a sliding layer, then a full one
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 16,  # shorter than the rows: the window matters
+            "max_position_embeddings": 256,  # YaRN's factor times its original 64
+            "rope_parameters": GPT_OSS_YARN,
+        },
+        "builder": "exactga.models.gpt_oss.gpt_oss",
+        "model": {
+            "vocab_size": TINY_VOCAB,
+            "embed_dim": 64,
+            "intermediate_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 16,
+            "max_seq_len": 256,
+            "rope_scaling_factor": GPT_OSS_YARN["factor"],
+            "rope_original_max_seq_len": GPT_OSS_YARN["original_max_position_embeddings"],
+        },
+        # Adapters on attention, experts and the router too: PEFT holds them all (docs/moe.md).
+        "lora": {"apply_lora_to_router": True},
+        # transformers' init leaves every bias at zero: moved, so the runs train and save them.
+        "perturb": "biases_and_sinks",
+        # transformers runs gpt-oss's sinks in its eager attention (sdpa has no sink column).
+        "hf_load": {"attn_implementation": "eager"},
+        # The harmony tokenizer is another change's: the tiny tokenizer of configs/tiny/.
+        "tokenizer": lambda folder: {
+            "_component_": "torchtune.models.llama2.llama2_tokenizer",
+            "path": str(REPO_ROOT / "configs" / "tiny" / "tokenizer.model"),
+            "max_seq_len": 256,
+            "prompt_template": None,
+        },
+        "write_tokenizer": lambda folder: folder,
+        "model_type": "GPT_OSS",
+    },
     "gemma3": {
         "hf_class": "Gemma3ForCausalLM",
         "hf_config_class": "Gemma3TextConfig",
@@ -216,16 +282,25 @@ OUTPUTS = [("full", 1, 4, 1), ("full_distributed", 2, 2, 1), ("lora", 1, 4, 1)]
 OUTPUTS += [("lora_distributed", 2, 1, 2)]
 
 
-# The router balance term of Qwen3 MoE (docs/moe.md, [router balance as a loss term]): runs of
-# full fine-tuning with the term on, name -> (split, router_balance). global_batch balances each
-# micro-batch over every rank, so 2 ranks x 2 samples take the step 1 rank x 4 samples takes;
-# micro_batch balances each rank's 2 alone, and 1 x 4 on one device balances 1 at a time.
+# The router balance term of Qwen3 MoE and gpt-oss (docs/moe.md, [router balance as a loss
+# term]): runs with the term on, name -> (family, split, router_balance). global_batch balances
+# each micro-batch over every rank, so 2 ranks x 2 samples take the step 1 rank x 4 samples
+# takes; micro_batch balances each rank's 2 alone, and 1 x 4 on one device balances 1 at a time.
 ROUTER_COEF = 0.05  # large enough that the term's gradient shows above fp32 rounding
 ROUTER_RUNS = {
-    "global-1rank-4x1": (("full_distributed", 1, 4, 1), "global_batch"),
-    "global-2rank-2x1": (("full_distributed", 2, 2, 1), "global_batch"),
-    "micro-2rank-2x1": (("full_distributed", 2, 2, 1), "micro_batch"),
-    "global-1rank-1x4": (("full_distributed", 1, 1, 4), "global_batch"),
+    "global-1rank-4x1": ("qwen3_moe", ("full_distributed", 1, 4, 1), "global_batch"),
+    "global-2rank-2x1": ("qwen3_moe", ("full_distributed", 2, 2, 1), "global_batch"),
+    "micro-2rank-2x1": ("qwen3_moe", ("full_distributed", 2, 2, 1), "micro_batch"),
+    "global-1rank-1x4": ("qwen3_moe", ("full_distributed", 1, 1, 4), "global_batch"),
+    "gpt_oss-global-1rank-4x1": ("gpt_oss", ("full_distributed", 1, 4, 1), "global_batch"),
+    "gpt_oss-global-2rank-2x1": ("gpt_oss", ("full_distributed", 2, 2, 1), "global_batch"),
+    "gpt_oss-lora-global-1rank-4x1": ("gpt_oss", ("lora_distributed", 1, 4, 1), "global_batch"),
+    "gpt_oss-lora-global-2rank-2x1": ("gpt_oss", ("lora_distributed", 2, 2, 1), "global_batch"),
+}
+# gpt-oss with the term on: split -> the split it must land on (as PARITY, the term off).
+GPT_OSS_ROUTER_PARITY = {
+    "gpt_oss-global-2rank-2x1": "gpt_oss-global-1rank-4x1",
+    "gpt_oss-lora-global-2rank-2x1": "gpt_oss-lora-global-1rank-4x1",
 }
 
 
@@ -240,8 +315,20 @@ def _write_hf_base(family: str, folder: Path) -> Path:
     torch.manual_seed(0)
     hf_config = getattr(transformers, spec["hf_config_class"])(**spec["hf_config"])
     model = getattr(transformers, spec["hf_class"])(hf_config)
+    if spec.get("perturb") == "biases_and_sinks":
+        _perturb_biases_and_sinks(model)
     model.save_pretrained(folder)
     return folder
+
+
+def _perturb_biases_and_sinks(model: torch.nn.Module) -> None:
+    """Every bias and sink random (transformers initialises the biases at zero)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                scale = 1.0 if name.endswith("sinks") else 0.1
+                parameter.copy_(scale * torch.randn(parameter.shape, generator=generator))
 
 
 def _model_section(family: str, adapters: bool) -> dict[str, Any]:
@@ -315,10 +402,10 @@ def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
             for split in splits:
                 out = root / family / _split_id(split)
                 runs.append(run_of(_args(configs[split[0]], split, out), out)[1])
-    for name, (split, objective) in ROUTER_RUNS.items():
+    for name, (family, split, objective) in ROUTER_RUNS.items():
         out = root / "router" / name
         router = [f"router_aux_loss_coef={ROUTER_COEF}", f"router_balance={objective}"]
-        args = _args(configs_of["qwen3_moe"][split[0]], split, out) + router
+        args = _args(configs_of[family][split[0]], split, out) + router
         (two if split[1] > 1 else one).append(run_of(args, out)[1])
     return one, two
 
@@ -363,13 +450,9 @@ def test_a_split_lands_where_the_full_batch_does(runs, family, split):
     adapters = KINDS[split[0]][2]
     reference = _trained(runs(family, PARITY[split]), adapters)
     got = _trained(runs(family, split), adapters)
-    initial = _initial(family, runs.root, adapters, reference)
-    keys = sorted(k for k in reference if not adapters or "lora_b" in k)
-    diff = torch.cat([(got[k] - reference[k]).flatten().double() for k in keys]).norm()
-    update = torch.cat([(reference[k] - initial[k]).flatten().double() for k in keys]).norm()
-    print(f"{family} {_split_id(split)}: relative L2 {diff / update:.3e}")
-    assert update > 0
-    assert diff / update <= PARITY_TOLERANCE
+    gap = _update_gap(got, reference, _initial(family, runs.root, adapters, reference), adapters)
+    print(f"{family} {_split_id(split)}: relative L2 {gap:.3e}")
+    assert gap <= PARITY_TOLERANCE
 
 
 def _tokens(vocab: int) -> torch.Tensor:
@@ -411,13 +494,14 @@ def test_outputs_load_in_transformers_and_peft_as_the_fine_tuned_model(runs, fam
     base_folder = runs.root / family / "hf_base"
     tuned = _our_logits(family, runs.root, out, adapters, tokens)
     auto = transformers.AutoModelForCausalLM
+    load = FAMILIES[family].get("hf_load", {})
     with torch.no_grad():
-        base = auto.from_pretrained(base_folder).eval()(tokens).logits
-        merged = auto.from_pretrained(out / "epoch_0").eval()(tokens).logits
+        base = auto.from_pretrained(base_folder, **load).eval()(tokens).logits
+        merged = auto.from_pretrained(out / "epoch_0", **load).eval()(tokens).logits
     gaps = {"from_pretrained(epoch_0)": _rel(merged, tuned)}
     if adapters:
         with_adapter = peft.PeftModel.from_pretrained(
-            auto.from_pretrained(base_folder), out / "epoch_0" / "adapter"
+            auto.from_pretrained(base_folder, **load), out / "epoch_0" / "adapter"
         ).eval()
         with torch.no_grad():
             gaps["PeftModel(base, epoch_0/adapter)"] = _rel(with_adapter(tokens).logits, tuned)
@@ -435,13 +519,23 @@ def _router_run(runs, name: str) -> Path:
 
 
 def _weights_gap(runs, got: str, reference: str) -> float:
-    """Relative L2 of two router runs' trained weights, over the reference's update."""
-    ref = _trained(_router_run(runs, reference), adapters=False)
-    new = _trained(_router_run(runs, got), adapters=False)
-    initial = load_file(runs.root / "qwen3_moe" / "hf_base" / "model.safetensors")
-    keys = sorted(ref)
-    diff = torch.cat([(new[k] - ref[k]).flatten().double() for k in keys]).norm()
-    update = torch.cat([(ref[k] - initial[k]).flatten().double() for k in keys]).norm()
+    """Relative L2 of two router runs' trained weights (LoRA: the adapters' ``lora_b``, the
+    first step's update), over the reference's update."""
+    family, (kind, *_), _ = ROUTER_RUNS[reference]
+    adapters = KINDS[kind][2]
+    ref = _trained(_router_run(runs, reference), adapters)
+    new = _trained(_router_run(runs, got), adapters)
+    return _update_gap(new, ref, _initial(family, runs.root, adapters, ref), adapters)
+
+
+def _update_gap(got: dict, reference: dict, initial: dict, adapters: bool, keys=None) -> float:
+    """Relative L2 of ``got - reference`` over ``reference - initial``, on ``keys`` (default
+    every key, LoRA's ``lora_b`` only)."""
+    if keys is None:
+        keys = sorted(k for k in reference if not adapters or "lora_b" in k)
+    diff = torch.cat([(got[k] - reference[k]).flatten().double() for k in keys]).norm()
+    update = torch.cat([(reference[k] - initial[k]).flatten().double() for k in keys]).norm()
+    assert update > 0, keys
     return (diff / update).item()
 
 
@@ -479,3 +573,45 @@ def test_expert_load_metrics_are_logged(runs):
         assert all(0.0 < e <= torch.log(torch.tensor(8.0)).item() + 1e-6 for e in entropies)
     balance = scalars["router/balance_loss"]
     assert len(balance) == STEPS and all(b > 0 for b in balance)
+
+
+# --- gpt-oss: its sinks, and exact splits with the balance term on ----------------------------
+
+
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.parametrize("split", [s for s in PARITY if not KINDS[s[0]][2]], ids=_split_id)
+def test_gpt_oss_sinks_train_and_their_step_is_split_invariant(runs, split):
+    """Full fine-tuning moves every layer's sinks (plain SGD: the step is the gradient, so the
+    gradient is non-zero) to the same place under any split."""
+    reference = _trained(runs("gpt_oss", PARITY[split]), adapters=False)
+    got = _trained(runs("gpt_oss", split), adapters=False)
+    initial = _initial("gpt_oss", runs.root, False, reference)
+    sinks = sorted(k for k in reference if k.endswith(".sinks"))
+    assert len(sinks) == FAMILIES["gpt_oss"]["hf_config"]["num_hidden_layers"]
+    for key in sinks:
+        assert (reference[key] - initial[key]).abs().min() > 0, f"a head's sink did not move: {key}"
+    gap = _update_gap(got, reference, initial, adapters=False, keys=sinks)
+    print(f"gpt_oss sinks {_split_id(split)}: relative L2 {gap:.3e}")
+    assert gap <= PARITY_TOLERANCE
+
+
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.parametrize("split", list(GPT_OSS_ROUTER_PARITY))
+def test_gpt_oss_splits_land_together_with_the_balance_term_on(runs, split):
+    reference = GPT_OSS_ROUTER_PARITY[split]
+    gap = _weights_gap(runs, split, reference)
+    family, (kind, *_), _ = ROUTER_RUNS[reference]
+    plain = _trained(runs(family, ROUTER_RUNS[reference][1]), KINDS[kind][2])
+    term = _trained(_router_run(runs, reference), KINDS[kind][2])
+    moved = max((term[k] - plain[k]).abs().max().item() for k in term)
+    print(f"router {split} vs {reference}: relative L2 {gap:.3e}; the term moved {moved:.2e}")
+    assert moved > 0, "the balance term changed nothing"
+    assert gap <= PARITY_TOLERANCE
+
+
+@pytest.mark.xdist_group(GROUP)
+def test_gpt_oss_lora_trains_the_expert_and_router_adapters(runs):
+    adapter = _trained(runs("gpt_oss", ("lora", 1, 4, 1)), adapters=True)
+    for part in (".mlp.experts.w1.", ".mlp.experts.w2.", ".mlp.experts.w3.", ".mlp.router.gate."):
+        trained = [v for k, v in adapter.items() if part in k and "lora_b" in k]
+        assert len(trained) == 2 and all(v.abs().max() > 0 for v in trained), part

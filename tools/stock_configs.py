@@ -29,9 +29,10 @@ Everything else (dtype, optimizer with ``fused``, compile, activation checkpoint
 logger, batch size, accumulation) stays as shipped; in our configs also exactga's keys and their
 TensorBoard logger.
 
-exactga's Qwen3, Qwen3 MoE and Gemma 3 configs (tests/test_family_config_sweep.py) are adapted the
-same way, on the single-device SFT recipes (``SINGLE_DEVICE_RECIPES``) and GRPO too; a mixture
-of experts' tiny layers have 4 experts of width 32, 2 per token.
+exactga's Qwen3, Qwen3 MoE, Gemma 3 and gpt-oss configs (tests/test_family_config_sweep.py) are
+adapted the same way, on the single-device SFT recipes (``SINGLE_DEVICE_RECIPES``) and GRPO too;
+a mixture of experts' tiny layers have 4 experts of width 32, 2 per token; gpt-oss's two tiny
+layers are its sliding one and its full one, the window half the sequences.
 """
 
 from __future__ import annotations
@@ -204,10 +205,16 @@ def tiny_model(
         sizes["query_pre_attn_scalar"] = head_dim
     if "sliding_window_size" in arguments:  # gemma2: a window shorter than the sequences
         sizes["sliding_window_size"] = TOKENIZER_MAX_SEQ_LEN // 2
-    if "sliding_window" in arguments:  # gemma3
+    if "sliding_window_pattern" in arguments:  # gemma3
         sizes.update(_tiny_gemma3_layers(arguments))
-    if "num_experts" in arguments:  # qwen3_moe: a few narrow experts, still top-k of several
-        sizes.update(TINY_EXPERTS, moe_intermediate_dim=width // 2)
+    elif "sliding_window" in arguments:  # gpt_oss: its sliding layers alternate with full ones
+        assert arguments.get("layer_types") is None, "a layer_types list would need its own sizing"
+        sizes["sliding_window"] = TOKENIZER_MAX_SEQ_LEN // 2
+    if "num_experts" in arguments:  # qwen3_moe, gpt_oss: a few narrow experts, top-k of several
+        # Qwen3 MoE's experts have a width of their own; gpt-oss's are intermediate_dim wide.
+        widths = ("moe_intermediate_dim", "intermediate_dim")
+        expert_width = next(key for key in widths if key in arguments)
+        sizes.update(TINY_EXPERTS, **{expert_width: width // 2})
     model = {"_component_": path, **arguments, **sizes}
 
     base_path = path.replace(".lora_", ".")

@@ -93,6 +93,7 @@ class LoraSettings:
     attn_modules: tuple[str, ...]
     apply_to_mlp: bool
     apply_to_output: bool
+    apply_to_router: bool = False  # a mixture of experts' router gates (``mlp.router.gate``)
 
     @classmethod
     def from_config(cls, cfg_model: DictConfig) -> LoraSettings:
@@ -109,6 +110,7 @@ class LoraSettings:
             apply_to_mlp=cfg_model.apply_lora_to_mlp,
             # A builder that takes no such argument puts no adapter on the output.
             apply_to_output=bool(_builder_argument(cfg_model, "apply_lora_to_output")),
+            apply_to_router=bool(_builder_argument(cfg_model, "apply_lora_to_router")),
         )
 
     def adapter_config(self) -> dict[str, Any]:
@@ -153,8 +155,11 @@ def load_lora_weights(
     lora_missing = lora_unexpected = None
     if adapters is not None:
         lora_missing, lora_unexpected = load(model, adapters)
+    # torchtune's check knows a key as an adapter's by its module's name; the router's adapted
+    # linear is named ``gate`` (``layers.N.mlp.router.gate.lora_a.weight``).
+    router = ["gate"] if settings.apply_to_router else []
     validate_missing_and_unexpected_for_lora(
-        lora_attn_modules=list(settings.attn_modules),
+        lora_attn_modules=[*settings.attn_modules, *router],
         apply_lora_to_mlp=settings.apply_to_mlp,
         apply_lora_to_output=settings.apply_to_output,
         base_missing=base_missing,

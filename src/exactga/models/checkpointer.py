@@ -106,9 +106,12 @@ class FullModelHFCheckpointer(_TorchtuneHFCheckpointer):
                 f"('{training.ADAPTER_KEY}')."
             )
         if training.ADAPTER_CONFIG in state_dict:
-            peft_config = convert_weights.tune_to_peft_adapter_config(
-                adapter_config=state_dict[training.ADAPTER_CONFIG],
-                base_model_name_or_path=self.repo_id,
+            peft_config = self.hf_format.peft_config(
+                convert_weights.tune_to_peft_adapter_config(
+                    adapter_config=state_dict[training.ADAPTER_CONFIG],
+                    base_model_name_or_path=self.repo_id,
+                ),
+                state_dict.get(training.ADAPTER_KEY, {}),
             )
             path = (epoch_dir / ADAPTER_CONFIG_FNAME).with_suffix(".json")
             _write_atomically(path, lambda tmp: tmp.write_text(json.dumps(peft_config)))

@@ -39,6 +39,9 @@ class HFFormat:
         saved_config: the ``config.json`` of the weights a save writes, from the one read: the
             same for most families; a multimodal release's text config when only its text
             decoder is trained (Gemma 3 4B and up).
+        peft_config: PEFT's ``adapter_config.json`` for an adapter (torchtune's keys), from the
+            one torchtune's ``tune_to_peft_adapter_config`` writes: the same for most families;
+            gpt-oss's adds the 3-d expert parameters PEFT targets (``target_parameters``).
     """
 
     architecture: str
@@ -48,6 +51,7 @@ class HFFormat:
     adapter_to_peft: Conversion
     hf_config: Callable[[Mapping[str, Any]], dict[str, Any]]
     saved_config: Callable[[Mapping[str, Any]], dict[str, Any]] = dict
+    peft_config: Callable[[dict[str, Any], StateDict], dict[str, Any]] = lambda config, _: config
 
 
 # torchtune adapter parameter -> PEFT's (PEFT drops its adapter name, "default", on save and keeps
@@ -57,7 +61,7 @@ _PEFT_PARAMETERS = {
     "lora_b.weight": "lora_B.weight",
     "magnitude": "lora_magnitude_vector",
 }
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 
 
 def peft_adapter(adapter: StateDict, weight_to_hf: Callable[[str], str]) -> StateDict:
@@ -77,7 +81,7 @@ def peft_adapter(adapter: StateDict, weight_to_hf: Callable[[str], str]) -> Stat
             raise ValueError(f"'{key}' is no LoRA/DoRA adapter parameter")
         module = key[: -len(parameter) - 1]
         hf_module = weight_to_hf(f"{module}.weight").removesuffix(".weight")
-        converted[f"{_PEFT_PREFIX}{hf_module}.{_PEFT_PARAMETERS[parameter]}"] = value
+        converted[f"{PEFT_PREFIX}{hf_module}.{_PEFT_PARAMETERS[parameter]}"] = value
     return converted
 
 

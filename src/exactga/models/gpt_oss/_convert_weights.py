@@ -30,7 +30,13 @@ import torch
 
 from exactga.models.gpt_oss._component_builders import gpt_oss, gpt_oss_layer_types
 from exactga.models.gpt_oss._mxfp4 import dequantize_mxfp4
-from exactga.models.hf_format import HFFormat, StateDict, builder_arguments, peft_adapter
+from exactga.models.hf_format import (
+    PEFT_PREFIX,
+    HFFormat,
+    StateDict,
+    builder_arguments,
+    peft_adapter,
+)
 
 # Whole-name patterns: HF <-> torchtune, ``{}`` the layer index.
 _LAYER_NAMES = {
@@ -55,7 +61,13 @@ _TOP_NAMES = {
 }
 _LAYER_TO_HF = {tune: hf for hf, tune in _LAYER_NAMES.items()}
 _TOP_TO_HF = {tune: hf for hf, tune in _TOP_NAMES.items()}
-_TUNE_ADAPTER_WITHOUT_PEFT = re.compile(r"layers\.\d+\.mlp\.(experts\.w[123]|router\.gate)\..+")
+_EXPERT_ADAPTER = re.compile(r"layers\.(\d+)\.mlp\.experts\.(w[123]\.lora_[ab]\.weight)")
+_ROUTER_ADAPTER = re.compile(r"layers\.(\d+)\.mlp\.router\.gate\.(lora_[ab]\.weight|magnitude)")
+# PEFT's LoRA linears in transformers' model, and the parameters it targets for the rest.
+_PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
+# gate_up_proj first: PEFT wraps it innermost (its keys under experts.base_layer).
+_PEFT_EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+_PEFT_ROUTER_TARGET = "mlp.router.weight"
 _HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _TUNE_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_TENSORS = (
@@ -182,22 +194,101 @@ def _weight_to_hf(key: str) -> str:
 
 
 def adapter_to_peft(adapter_state_dict: StateDict, config: Mapping[str, Any]) -> StateDict:
-    """torchtune's gpt-oss adapter in PEFT's names: the attention and output adapters. The
-    experts' stacked adapters and the router's are left out with a warning: transformers'
-    ``GptOssForCausalLM`` holds the experts as 3-d parameters and its router as no
-    ``nn.Linear``, which PEFT's LoRA cannot target as torchtune trains them; torchtune's
-    ``adapter_model.pt`` and the merged full weights hold them."""
-    left_out = [key for key in adapter_state_dict if _TUNE_ADAPTER_WITHOUT_PEFT.fullmatch(key)]
-    if left_out:
+    """torchtune's gpt-oss adapter in PEFT's names and layouts, every adapter of it.
+
+    The attention and output adapters are PEFT LoRA linears (``target_modules``). The experts'
+    and the router's weights are no ``nn.Linear`` in transformers' ``GptOssForCausalLM``, so
+    PEFT targets the parameters themselves (``target_parameters``, :func:`peft_config`):
+
+    - ``experts.down_proj`` ``[E, I, D]``: ``w2``'s pairs, PEFT's ``lora_A`` ``[E r, I]``
+      (rows expert-major) and ``lora_B`` ``[D, r E]`` (columns rank-major);
+    - ``experts.gate_up_proj`` ``[E, D, 2I]``, gate and up interleaved: ``w1``'s and ``w3``'s
+      pairs as one adapter of rank ``2r`` whose ``lora_A`` stacks both ``A`` and whose
+      ``lora_B`` is block-diagonal (gate rows from ``w1``'s ``B``, up rows from ``w3``'s), the
+      same update exactly; ``alpha`` doubles with the rank (``rank_pattern``/
+      ``alpha_pattern``), so the scale stays ``alpha / r``. PEFT wraps the module once per
+      parameter, the first named innermost: ``gate_up_proj``'s keys are under
+      ``experts.base_layer``;
+    - ``router.weight`` ``[E, D]``: the gate's pair as it is.
+
+    A DoRA router adapter (a magnitude) has no PEFT form on a parameter: it is left out with
+    a warning (``adapter_model.pt`` and the merged weights hold it).
+    """
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    routers: dict[str, dict[str, torch.Tensor]] = {}
+    rest: StateDict = {}
+    for key, value in adapter_state_dict.items():
+        if match := _EXPERT_ADAPTER.fullmatch(key):
+            experts.setdefault(match.group(1), {})[match.group(2)] = value
+        elif match := _ROUTER_ADAPTER.fullmatch(key):
+            routers.setdefault(match.group(1), {})[match.group(2)] = value
+        else:
+            rest[key] = value
+    converted = peft_adapter(rest, _weight_to_hf)
+    for layer, factors in experts.items():
+        converted.update(_experts_to_peft(layer, factors))
+    dora_routers = [layer for layer, factors in routers.items() if "magnitude" in factors]
+    if dora_routers:
         warnings.warn(
-            f"the PEFT adapter file leaves out {len(left_out)} adapter tensors of the experts "
-            f"or routers (e.g. '{left_out[0]}'), which PEFT cannot target in transformers' "
-            "GptOssForCausalLM; adapter_model.pt (torchtune's format) and the merged model "
-            "weights hold them.",
+            f"the PEFT adapter file leaves out the DoRA router adapters of layers {dora_routers}: "
+            "PEFT has no DoRA on a parameter (target_parameters); adapter_model.pt (torchtune's "
+            "format) and the merged model weights hold them.",
             stacklevel=2,
         )
-    kept = {key: value for key, value in adapter_state_dict.items() if key not in left_out}
-    return peft_adapter(kept, _weight_to_hf)
+    for layer, factors in routers.items():
+        if layer not in dora_routers:
+            prefix = f"{PEFT_PREFIX}model.layers.{layer}.mlp.router"
+            converted[f"{prefix}.lora_A.weight"] = factors["lora_a.weight"]
+            converted[f"{prefix}.lora_B.weight"] = factors["lora_b.weight"]
+    return converted
+
+
+def _experts_to_peft(layer: str, factors: dict[str, torch.Tensor]) -> StateDict:
+    """One layer's stacked expert pairs (``w1.lora_a.weight`` ``[E, r, D]``, ``w1.lora_b.weight``
+    ``[E, I, r]``, ...) as PEFT's 3-d parameter adapters; see :func:`adapter_to_peft`."""
+    try:
+        a1, b1 = factors["w1.lora_a.weight"], factors["w1.lora_b.weight"]
+        a3, b3 = factors["w3.lora_a.weight"], factors["w3.lora_b.weight"]
+        a2, b2 = factors["w2.lora_a.weight"], factors["w2.lora_b.weight"]
+    except KeyError as missing:
+        raise ValueError(f"layer {layer}'s expert adapters lack {missing}") from None
+    num_experts, inner, rank = b1.shape
+    # gate_up: rank 2r, B [2I, 2r, E] block-diagonal, gate rows even and up rows odd.
+    gate_up_b = b1.new_zeros(2 * inner, 2 * rank, num_experts)
+    gate_up_b[0::2, :rank] = b1.permute(1, 2, 0)
+    gate_up_b[1::2, rank:] = b3.permute(1, 2, 0)
+    prefix = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts"
+    return {
+        f"{prefix}.base_layer.lora_A.weight": torch.cat((a1, a3), dim=1).flatten(0, 1),
+        f"{prefix}.base_layer.lora_B.weight": gate_up_b.flatten(1, 2),
+        f"{prefix}.lora_A.weight": a2.flatten(0, 1).contiguous(),
+        f"{prefix}.lora_B.weight": b2.permute(1, 2, 0).flatten(1, 2).contiguous(),
+    }
+
+
+def peft_config(adapter_config: dict[str, Any], adapter_state_dict: StateDict) -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` for a gpt-oss adapter: the attention and output modules
+    (``target_modules``; torchtune's names of the experts' linears, which transformers' model has
+    not, dropped), and the experts' and router's parameters the adapter adapts
+    (``target_parameters``, ``gate_up_proj`` of rank and alpha doubled); see
+    :func:`adapter_to_peft`."""
+    keys = list(adapter_state_dict)
+    rank, alpha = adapter_config["r"], adapter_config["lora_alpha"]
+    config = {
+        **adapter_config,
+        "target_modules": [m for m in adapter_config["target_modules"] if m in _PEFT_MODULES],
+    }
+    targets = []
+    if any(_EXPERT_ADAPTER.fullmatch(key) for key in keys):
+        targets += _PEFT_EXPERT_TARGETS
+        config["rank_pattern"] = {"gate_up_proj": 2 * rank}
+        config["alpha_pattern"] = {"gate_up_proj": 2 * alpha}
+    routers = [m.group(2) for key in keys if (m := _ROUTER_ADAPTER.fullmatch(key))]
+    if routers and "magnitude" not in routers:
+        targets.append(_PEFT_ROUTER_TARGET)
+    if targets:
+        config["target_parameters"] = targets
+    return config
 
 
 def hf_config(builder_kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -254,4 +345,5 @@ GPT_OSS_FORMAT = HFFormat(
     adapter_to_peft=adapter_to_peft,
     hf_config=hf_config,
     saved_config=saved_config,
+    peft_config=peft_config,
 )
