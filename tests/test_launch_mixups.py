@@ -303,6 +303,22 @@ def test_a_file_of_two_names_by_path_under_torchrun_trains_a_one_device_config_o
 
 
 @pytest.mark.slow
+def test_the_distributed_name_without_torchrun_trains_a_one_device_config_as_one_rank(
+    tmp_path: Path,
+) -> None:
+    """[one recipe, two launches], rule 2: the name typed decides where torchrun does not."""
+    out = tmp_path / "out"
+    overrides = tiny_args(out, max_steps_per_epoch=1)[3:]
+    args = ["exactga/full_finetune_distributed", "--config", "exactga/tiny/full_single_device"]
+    proc = run_tune([*args, *overrides])
+    output = output_of(proc)
+    assert proc.returncode == 0, output[-4000:]
+    assert "full_finetune_distributed: model" in output, output[-4000:]
+    assert "No torchrun environment (RANK is not set): training as one rank" in output
+    assert (out / TRAINED).is_file()
+
+
+@pytest.mark.slow
 def test_a_single_device_only_recipe_by_path_under_torchrun_is_refused_before_anything_is_written(
     tmp_path: Path,
 ) -> None:

@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 DISK_LOGGER = {"metric_logger._component_": "torchtune.training.metric_logging.DiskLogger"}
 # Metrics that measure time or speed, not what was computed.
 VOLATILE = ("time/", "throughput/", "tokens_per_second", "normalization/saved")
-# name (also the tiny config's): (recipe, processes, overrides)
+# name (also the tiny config's): (recipe file under recipes/, processes, overrides); the one file of
+# torchtune's two names runs distributed under torchrun (2 processes), else on one device.
 RUNS = {
     "full_single_device": ("full_finetune", 1, {"max_steps_per_epoch": 8}),
     "lora_single_device": ("lora_finetune", 1, {"max_steps_per_epoch": 8}),
