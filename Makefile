@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 demo: install
-	$(VENV)/bin/tune run recipes/full_finetune_single_device.py \
+	$(VENV)/bin/tune run recipes/full_finetune.py \
 		--config configs/tiny/full_single_device.yaml
 
 test: install

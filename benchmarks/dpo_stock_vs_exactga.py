@@ -80,7 +80,7 @@ from exactga.parity.scoring import relative_l2  # noqa: E402
 
 CONFIG = REPO_ROOT / "configs/tiny/lora_dpo_single_device.yaml"
 STOCK_RECIPE = "lora_dpo_single_device"
-OUR_RECIPE = "recipes/lora_dpo_single_device.py"
+OUR_RECIPE = "recipes/lora_dpo.py"
 # Keys that only exactga's recipe reads; stock's config leaves out those the tiny config has.
 OUR_KEYS = (
     "loss_normalization",

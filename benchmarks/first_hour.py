@@ -1,6 +1,6 @@
 """The first hour's figure: how long ``make demo`` takes, on an idle machine and beside a busy one.
 
-Launches the demo, ``tune run recipes/full_finetune_single_device.py --config
+Launches the demo, ``tune run recipes/full_finetune.py --config
 configs/tiny/full_single_device.yaml`` from the repository root, as a real subprocess in its own
 output folder, under four conditions:
 
@@ -57,7 +57,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util import tensor_util
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RECIPE = "recipes/full_finetune_single_device.py"
+RECIPE = "recipes/full_finetune.py"
 CONFIG = "configs/tiny/full_single_device.yaml"
 LOADS = ("idle", "busy")
 THREADS = ("auto", "torch_default")

@@ -4,7 +4,7 @@ For each ``dataset.train_on_input`` in {False, True} and optimizer in {SGD, Adam
 optimizer steps on the tiny default config (a smaller model, no clipping) twice, as batch size
 8 with no accumulation (8x1) and as batch size 1 accumulated over 8 micro-batches (1x8), once
 with torchtune's built-in ``full_finetune_single_device`` and once with
-``recipes/full_finetune_single_device.py``. Every run is a real ``tune run`` subprocess in its
+``recipes/full_finetune.py``. Every run is a real ``tune run`` subprocess in its
 own output folder and starts from the same seeded checkpoint. It prints a markdown table of
 
     rel-L2 = ||w_8x1 - w_1x8|| / ||w_8x1 - w_init||
@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/full_single_device.yaml"
-OUR_RECIPE = "recipes/full_finetune_single_device.py"
+OUR_RECIPE = "recipes/full_finetune.py"
 STOCK_RECIPE = "full_finetune_single_device"
 NUM_STEPS = 12
 WINDOW = 8  # samples per optimizer step: 8x1 and 1x8 see the same ones

@@ -8,7 +8,7 @@ of an 8B model with AdamW do not fit one card):
   count the labels on the device, loss times that count, backward, ``scale_grads(model, 1 /
   num_tokens)``, optimizer step, ``zero_grad``, ``running_loss.item()``. The scale pass is
   also timed inside each step with CUDA events.
-- **exactga**: ``recipes/full_finetune_single_device.py``'s step: ``LossNormalizer`` opens the
+- **exactga**: ``recipes/full_finetune.py``'s step: ``LossNormalizer`` opens the
   window (host token count), ``exactga.accumulation.step.train_window`` runs forward, backward (no
   scaling at ga=1) and the optimizer step under the recipe's profiler hook, then
   ``window.local_mean_loss()`` as a logged step reads it.
@@ -150,7 +150,7 @@ class Stock:
 
 
 class Exact:
-    """exactga's step at ga=1, as ``recipes/full_finetune_single_device.py`` runs it."""
+    """exactga's step at ga=1, as ``recipes/full_finetune.py`` runs it."""
 
     def __init__(self, model, loss_fn, optimizer, every_n: int) -> None:
         self.model, self.optimizer = model, optimizer

@@ -1,7 +1,7 @@
 """Tokens/s and MFU of the tiny config on a CUDA GPU: stock torchtune 0.6.1 against exactga.
 
 Launches ``tune run full_finetune_single_device`` (stock, the recipe in torchtune's wheel) and
-``tune run recipes/full_finetune_single_device.py`` (exactga) on ``configs/tiny/
+``tune run recipes/full_finetune.py`` (exactga) on ``configs/tiny/
 full_single_device.yaml`` with ``device=cuda dtype=bf16``, one after the other, alternating
 (stock, exactga, exactga, stock, ...), each in its own folder from the same seeded checkpoint,
 so both read the same batches. Per run:
@@ -44,7 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/full_single_device.yaml"
 RECIPES = {
     "stock": "full_finetune_single_device",
-    "exactga": "recipes/full_finetune_single_device.py",
+    "exactga": "recipes/full_finetune.py",
 }
 WARMUP_STEPS = 2
 PHASES = ("data", "forward", "backward", "optimizer")

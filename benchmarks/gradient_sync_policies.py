@@ -3,7 +3,7 @@
 Two data-parallel ranks (gloo on CPU; NCCL when each rank has a GPU) build the tiny model of
 ``configs/tiny/full_distributed.yaml`` (torchtune's ``llama3_2`` builder, the config's sizes,
 fp32) and shard it with torchtune's ``training.shard_model`` (FSDP2) over the ``("dp", "tp")``
-mesh, as recipes/full_finetune_distributed.py does. For each ga in ``--ga`` the ranks then run
+mesh, as recipes/full_finetune.py does. For each ga in ``--ga`` the ranks then run
 rounds of two optimizer steps, one per policy, on the *same* synthetic window (the order flips
 every round), through the recipe's own pieces: ``LossNormalizer`` windows (token count reduced
 over the dp group, loss scaled before backward), ``exactga.sft.loss.causal_lm_loss`` and

@@ -4,7 +4,7 @@ For ``dataset.train_on_input`` in {False, True}, distils the tiny teacher into t
 student (configs/tiny/kd_single_device.yaml, a smaller student and a teacher twice its width,
 fp32, AdamW, no clipping) for 12 optimizer steps as 8x1, 1x8 and 2x4 (batch size x
 accumulation), once with torchtune's built-in ``knowledge_distillation_single_device`` and once
-with ``recipes/knowledge_distillation_single_device.py``, on the same data in the same order,
+with ``recipes/knowledge_distillation.py``, on the same data in the same order,
 and from each recipe's own initial adapters (a one-step run at learning rate 0). Every run is a
 real ``tune run`` subprocess. It prints a markdown table of
 
@@ -39,7 +39,7 @@ from exactga.parity.scoring import relative_l2  # noqa: E402
 CONFIG = "configs/tiny/kd_single_device.yaml"
 RECIPES = {
     "stock 0.6.1": "knowledge_distillation_single_device",
-    "exactga": "recipes/knowledge_distillation_single_device.py",
+    "exactga": "recipes/knowledge_distillation.py",
 }
 SPLITS = {"8x1": (8, 1), "1x8": (1, 8), "2x4": (2, 4)}
 COMMON = [

@@ -6,7 +6,7 @@ sampler's fixed seed 0), with the same global batch:
 
 - ``stock``: torchtune's built-in ``full_finetune_single_device`` (post_scale normalisation,
   micro-batches of ``batch_size`` in the loader's order);
-- ``fixed``, ``by_length``: ``recipes/full_finetune_single_device.py`` with that
+- ``fixed``, ``by_length``: ``recipes/full_finetune.py`` with that
   ``micro_batching``, ``batch_size x gradient_accumulation_steps`` as given;
 - ``token_budget``: the same recipe with ``batch_size = bsz * ga`` and
   ``gradient_accumulation_steps: 1``, so each window holds the same samples and the budget
@@ -78,7 +78,7 @@ from exactga.parity.scoring import relative_l2
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOCK_RECIPE = "full_finetune_single_device"
-OUR_RECIPE = "recipes/full_finetune_single_device.py"
+OUR_RECIPE = "recipes/full_finetune.py"
 STOCK = "stock"
 REFERENCE = "fixed"  # every run's weights are compared with this one's
 PACKED = "packed"

@@ -4,7 +4,7 @@
 the token count, then a ``scale_grads`` pass over every gradient) and ``exact`` (exactga: loss
 scaled before backward, no gradient pass) each train their own copy of the same model (same
 initial weights, own optimizer) on the same data. Every step is driven as
-``recipes/full_finetune_single_device.py`` drives it: ``GroupingNormalizer(loss_fn, ga, mode=...)``
+``recipes/full_finetune.py`` drives it: ``GroupingNormalizer(loss_fn, ga, mode=...)``
 opens the window (host token counts), then per micro-batch forward, ``window.scale(loss,
 mb).backward()``, then ``window.finish_gradients(model)``, optimizer step, ``zero_grad``.
 

@@ -75,10 +75,10 @@ PRECISIONS = {
 # torchao compiles its optimizer step on first use (40 s on 2 CPU cores); eager is the same step.
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 RECIPES = {
-    ("full", 1): ("recipes/full_finetune_single_device.py", "configs/tiny/full_single_device.yaml"),
-    ("full", 2): ("recipes/full_finetune_distributed.py", "configs/tiny/full_distributed.yaml"),
-    ("lora", 1): ("recipes/lora_finetune_single_device.py", "configs/tiny/lora_single_device.yaml"),
-    ("lora", 2): ("recipes/lora_finetune_distributed.py", "configs/tiny/lora_distributed.yaml"),
+    ("full", 1): ("recipes/full_finetune.py", "configs/tiny/full_single_device.yaml"),
+    ("full", 2): ("recipes/full_finetune.py", "configs/tiny/full_distributed.yaml"),
+    ("lora", 1): ("recipes/lora_finetune.py", "configs/tiny/lora_single_device.yaml"),
+    ("lora", 2): ("recipes/lora_finetune.py", "configs/tiny/lora_distributed.yaml"),
 }
 
 

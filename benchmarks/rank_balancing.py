@@ -1,7 +1,7 @@
 """Length-balanced ranks: step time and rank imbalance with ``rank_balancing`` none and
 by_tokens, on 2 gloo ranks, and the imbalance expected at 8, 64 and 512 ranks.
 
-Part 1, measured: trains the tiny distributed config (``recipes/full_finetune_distributed.py
+Part 1, measured: trains the tiny distributed config (``recipes/full_finetune.py
 --config configs/tiny/full_distributed.yaml``, on 2 gloo ranks of one thread each) at each
 per-rank split (default ``1x8`` and ``4x2``: batch_size x gradient_accumulation_steps), once with
 ``rank_balancing=none`` (stock's deal: rank r reads every 2nd sample of the shuffled order) and
@@ -58,7 +58,7 @@ from exactga.data.rank_balancing import deal_by_length, planned_positions
 from exactga.parity.scoring import relative_l2
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RECIPE = "recipes/full_finetune_distributed.py"
+RECIPE = "recipes/full_finetune.py"
 CONFIG = "configs/tiny/full_distributed.yaml"
 BALANCINGS = ("none", "by_tokens")
 INDEX_LINE = re.compile(r"exactga: length index of ([\d,]+) samples in ([\d.]+) s")

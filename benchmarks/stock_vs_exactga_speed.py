@@ -1,7 +1,7 @@
 """Per-step time: stock torchtune 0.6.1 recipe versus exactga's drop-in, on the same config.
 
 Launches ``tune run full_finetune_single_device --config <yaml>`` (stock) and
-``tune run recipes/full_finetune_single_device.py --config <yaml>`` (exactga) as real
+``tune run recipes/full_finetune.py --config <yaml>`` (exactga) as real
 subprocesses, alternating (the order flips every repeat: stock, exactga, exactga, stock, ...),
 each in its own output folder and from the same seeded checkpoint. Both recipes log the
 ``loss`` scalar to TensorBoard at every step (the config's ``log_every_n_steps`` must be 1);
@@ -41,7 +41,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {
     "stock": "full_finetune_single_device",
-    "exactga": "recipes/full_finetune_single_device.py",
+    "exactga": "recipes/full_finetune.py",
 }
 WARMUP_STEPS = 2
 

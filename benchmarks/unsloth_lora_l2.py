@@ -2,7 +2,7 @@
 
 Unsloth compared the LoRA weights trained with batch size 16 and no accumulation against batch
 size 1 accumulated over 16 micro-batches, by the L2 norm of their difference (blog post in
-docs/math.md §9). This script does the same through ``recipes/lora_finetune_single_device.py``
+docs/math.md §9). This script does the same through ``recipes/lora_finetune.py``
 (a real ``tune run`` per run) for each ``loss_normalization`` mode:
 
     naive       mean of micro-batch means / ga (the pre-fix Hugging Face Trainer)
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RECIPE = "recipes/lora_finetune_single_device.py"
+RECIPE = "recipes/lora_finetune.py"
 CONFIG = "configs/tiny/lora_single_device.yaml"
 MODES = ("naive", "post_scale", "exact")
 SPLITS = {"16x1": (16, 1), "1x16": (1, 16)}

@@ -12,7 +12,7 @@ too (``fixed``, ``by_length``, ``token_budget``: how a window's samples are grou
 micro-batches, which changes no step; the baselines run ``fixed`` only, a DPO config's ``naive``
 also ``token_budget``). A split ``BxG`` trains on one device; ``BxGxN`` trains data-parallel over
 the N processes of a distributed launch, sharded with FSDP2 exactly as
-recipes/full_finetune_distributed.py and recipes/lora_finetune_distributed.py shard, its window
+recipes/full_finetune.py and recipes/lora_finetune.py shard, its window
 token count reduced over the data-parallel group, each rank reading its share of the same global
 batches. Every run takes the recipes' own step (``exactga.accumulation.step.train_window``). Rank 0
 writes into ``<output_dir>/parity/``:

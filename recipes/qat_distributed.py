@@ -7,7 +7,7 @@ can fake-quantise round its weights (and activations) to the target grid in the 
 saved weights are the trained full-precision ones, in the checkpointer's format, which
 ``tune run quantize`` then converts, as stock (docs/qat.md). ``fake_quant_after_n_steps`` trains
 without fake quantisation for that many steps first. What differs from stock, as in
-recipes/full_finetune_distributed.py: the loss of each optimizer step is exactly the full-batch
+recipes/full_finetune.py: the loss of each optimizer step is exactly the full-batch
 loss of the window over every data-parallel rank, whatever the split into ranks and
 micro-batches; ``device: cpu`` runs (gloo); ``gradient_sync``.
 

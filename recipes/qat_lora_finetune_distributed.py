@@ -8,7 +8,7 @@ the checkpointer, in PEFT's format with ``adapter_config.json``; merged full wei
 for torchtune's ``QATLoRALinear``: the frozen base weight (and the input activations) are
 fake-quantised in the forward, the adapters are not. The merged weights are saved in full
 precision for ``tune run quantize`` to convert, as stock (docs/qat.md). What differs from stock,
-as in recipes/lora_finetune_distributed.py: the loss of each optimizer step is exactly the
+as in recipes/lora_finetune.py: the loss of each optimizer step is exactly the
 full-batch loss of the window over every data-parallel rank, whatever the split into ranks and
 micro-batches; ``device: cpu`` runs (gloo); the initial adapters do not depend on the number of
 ranks; ``gradient_sync``.
@@ -57,7 +57,7 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
           adapters are made trainable, as stock (``exactga.qat.fake_quant.prepare_for_qat``). Not
           with DoRA (stock's rule).
         - Exact accumulation over micro-batches *and* data-parallel ranks, as in
-          recipes/full_finetune_distributed.py: one all-reduce of the window's loss-token count
+          recipes/full_finetune.py: one all-reduce of the window's loss-token count
           over the data-parallel group per step, each micro-batch loss scaled by ``dp_size *
           batch_tokens / window_tokens`` before backward; an empty micro-batch still runs with
           weight 0, and a window empty on every rank skips its step (``skipped_steps``).

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT, SMALL_MODEL, load_adapters, load_weights, output_of, run_tune
 from torchtune import config
 
-LORA_SINGLE = ("recipes/lora_dpo_single_device.py", "configs/tiny/lora_dpo_single_device.yaml")
-LORA_DISTRIBUTED = ("recipes/lora_dpo_distributed.py", "configs/tiny/lora_dpo_distributed.yaml")
+LORA_SINGLE = ("recipes/lora_dpo.py", "configs/tiny/lora_dpo_single_device.yaml")
+LORA_DISTRIBUTED = ("recipes/lora_dpo.py", "configs/tiny/lora_dpo_distributed.yaml")
 FULL_DISTRIBUTED = ("recipes/full_dpo_distributed.py", "configs/tiny/full_dpo_distributed.yaml")
 
 # Two windows of 8 pairs and a partial one of 4 in each epoch (splits of batch size 1, 2, 4).

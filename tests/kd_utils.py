@@ -29,8 +29,8 @@ from recipe_utils import (
 from tiny_runs import SMALL_TEACHER
 from torchtune import config
 
-KD_RECIPE = "recipes/knowledge_distillation_single_device.py"
-KD_DISTRIBUTED_RECIPE = "recipes/knowledge_distillation_distributed.py"
+KD_RECIPE = "recipes/knowledge_distillation.py"
+KD_DISTRIBUTED_RECIPE = "recipes/knowledge_distillation.py"
 KD_TINY_CONFIG = "configs/tiny/kd_single_device.yaml"
 KD_DISTRIBUTED_CONFIG = "configs/tiny/kd_distributed.yaml"
 

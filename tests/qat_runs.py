@@ -23,7 +23,7 @@ from recipe_utils import SMALL_MODEL, latest_step_checkpoint, launch_and_kill
 
 FULL = ("recipes/qat_distributed.py", "configs/tiny/qat_distributed.yaml")
 LORA = ("recipes/qat_lora_finetune_distributed.py", "configs/tiny/qat_lora_distributed.yaml")
-PLAIN_FULL = ("recipes/full_finetune_distributed.py", "configs/tiny/full_distributed.yaml")
+PLAIN_FULL = ("recipes/full_finetune.py", "configs/tiny/full_distributed.yaml")
 INT8_ACT_INT4_WEIGHT = "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer"
 INT4_WEIGHT_ONLY = "torchtune.training.quantization.Int4WeightOnlyQATQuantizer"
 STEPS = 12  # the AdamW runs

@@ -31,7 +31,7 @@ from zygote import tune_command
 from exactga.parity.scoring import relative_l2  # noqa: F401 - re-exported for the tests
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RECIPE = "recipes/full_finetune_single_device.py"
+RECIPE = "recipes/full_finetune.py"
 TINY_CONFIG = "configs/tiny/full_single_device.yaml"
 
 # What a full fine-tuning run writes: its initial checkpoint and the trained weights of epoch 0.
@@ -104,7 +104,7 @@ def read_scalars(log_root: Path | str) -> dict[str, list[float]]:
     return {tag: [v for _, v in sorted(values)] for tag, values in scalars.items()}
 
 
-LORA_RECIPE = "recipes/lora_finetune_single_device.py"
+LORA_RECIPE = "recipes/lora_finetune.py"
 LORA_TINY_CONFIG = "configs/tiny/lora_single_device.yaml"
 QLORA_TINY_CONFIG = "configs/tiny/qlora_single_device.yaml"
 

@@ -229,6 +229,7 @@ ALLOWED_IMPORTS = {
     # the loader and the profiler too.
     "wiring": {
         "config",
+        "launch",  # which of a recipe file's two schemas a launch runs (exactga.launch.twins)
         "runtime",
         "data",
         "accumulation",
@@ -472,7 +473,8 @@ def test_recipes_let_the_library_choose_the_attention_kernels(recipe: Path) -> N
     """Every training recipe applies ``cudnn_attention`` through ``exactga.runtime.kernels`` (see
     [cuDNN attention and variable shapes]) and none sets torch's backend flags itself."""
     source = recipe.read_text()
-    assert "Runtime.single_device(cfg)" in source or "Runtime.distributed(cfg" in source
+    runtimes = ("Runtime.for_settings(cfg", "Runtime.single_device(cfg)", "Runtime.distributed(cfg")
+    assert any(runtime in source for runtime in runtimes)
     assert "enable_cudnn_sdp" not in source and "sdpa_kernel" not in source
     from exactga.runtime.runtime import Runtime
 

@@ -49,8 +49,8 @@ from recipe_utils import (
 pytestmark = pytest.mark.slow
 
 DATA = REPO_ROOT / "configs/tiny/data.json"
-FULL_DISTRIBUTED = ("recipes/full_finetune_distributed.py", "configs/tiny/full_distributed.yaml")
-LORA_DISTRIBUTED = ("recipes/lora_finetune_distributed.py", "configs/tiny/lora_distributed.yaml")
+FULL_DISTRIBUTED = ("recipes/full_finetune.py", "configs/tiny/full_distributed.yaml")
+LORA_DISTRIBUTED = ("recipes/lora_finetune.py", "configs/tiny/lora_distributed.yaml")
 PARITY = ("recipes/ga_parity.py", "configs/tiny/ga_parity_full.yaml")
 MAX_MESSAGE_LINES = 6
 # What a launch prints once the config is validated and once a model is built.
@@ -336,7 +336,7 @@ def test_under_torchrun_a_bad_data_file_is_one_message_without_the_launchers_tra
 
 def test_a_config_file_that_does_not_exist_is_one_message(tmp_path):
     out = tmp_path / "out"
-    args = ["recipes/full_finetune_single_device.py", "--config", "configs/tiny/nope.yaml"]
+    args = ["recipes/full_finetune.py", "--config", "configs/tiny/nope.yaml"]
     names = ["--config configs/tiny/nope.yaml: no such file", str(REPO_ROOT), "'tune ls'"]
     assert_fails_naming(run_tune([*args, f"output_dir={out}"]), out, names)
 

@@ -12,7 +12,7 @@ from recipe_utils import REPO_ROOT
 
 from exactga.launch import cli
 
-RECIPE = "recipes/full_finetune_single_device.py"
+RECIPE = "recipes/full_finetune.py"
 CONFIG = str(REPO_ROOT / "configs/tiny/full_single_device.yaml")
 
 

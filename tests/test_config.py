@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from tiny_runs import recipe_script
 from unit_utils import CONFIGS, stock_configs, tiny_config
 
 from exactga.config.schemas import FullFinetuneSingleDeviceConfig
@@ -34,7 +35,7 @@ def test_every_stock_torchtune_config_is_accepted_unchanged(path: Path) -> None:
 def test_every_shipped_config_is_known_to_its_recipe(path: Path) -> None:
     validate(OmegaConf.load(path))
     first_lines = path.read_text().splitlines()[:25]
-    assert any(f"tune run recipes/{RECIPE}.py" in line for line in first_lines)
+    assert any(f"tune run {recipe_script(RECIPE)}" in line for line in first_lines)
 
 
 def tiny_cfg(**overrides: object):
@@ -123,7 +124,7 @@ def test_shipped_distributed_config_is_known_to_its_recipe() -> None:
     path = CONFIGS / "tiny" / "full_distributed.yaml"
     validate_config(OmegaConf.load(path), FullFinetuneDistributedConfig, DISTRIBUTED)
     first_lines = path.read_text().splitlines()[:25]
-    assert any(f"recipes/{DISTRIBUTED}.py" in line for line in first_lines)
+    assert any(recipe_script(DISTRIBUTED) in line for line in first_lines)
 
 
 def test_resume_from_checkpoint_takes_stocks_two_values_and_auto(tmp_path: Path) -> None:

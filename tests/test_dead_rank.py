@@ -1,6 +1,6 @@
 """A rank that dies mid-training ends the whole launch within a bounded time, naming the rank.
 
-recipes/full_finetune_distributed.py on 2 CPU ranks (gloo) through the real ``tune run``. Once
+recipes/full_finetune.py on 2 CPU ranks (gloo) through the real ``tune run``. Once
 rank 0's progress bar shows a finished step, rank 1 is sent SIGKILL (no Python handler runs, as
 when the kernel's OOM killer takes a rank). torchrun's elastic agent, which ``tune run`` runs
 in its own process, polls its ranks, sees the exit, sends the surviving rank SIGTERM and exits
@@ -28,7 +28,7 @@ from recipe_utils import REPO_ROOT, SMALL_MODEL, TUNE, tune_env
 
 pytestmark = pytest.mark.slow
 
-DISTRIBUTED = "recipes/full_finetune_distributed.py"
+DISTRIBUTED = "recipes/full_finetune.py"
 DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
 START_TIMEOUT_S = 120  # two ranks starting on a busy 2-core machine
 EXIT_TIMEOUT_S = 60  # the bound under test

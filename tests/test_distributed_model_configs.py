@@ -18,6 +18,7 @@ import stock_configs
 import torch
 from omegaconf import OmegaConf
 from stock_configs import FULL, LORA
+from tiny_runs import recipe_script
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import get_adapter_params
@@ -139,7 +140,7 @@ def test_header_has_download_and_launch_commands(name: str) -> None:
     header = config_header(name)
     assert "tune download" in header
     recipe = RECIPE_OF[name]
-    launch = f"recipes/{recipe}.py --config configs/{name}.yaml"
+    launch = f"{recipe_script(recipe)} --config configs/{name}.yaml"
     launches = [line for line in header.splitlines() if launch in line]
     assert launches and all("tune run --nproc_per_node " in line for line in launches)
     # ... plus at least one override example on top of the plain launch command.

@@ -10,6 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT, run_tune
 from test_bad_input_launch import assert_fails_naming
+from tiny_runs import recipe_script
 from unit_utils import stock_configs
 
 from exactga.config.options import NormMode
@@ -46,7 +47,7 @@ def test_every_shipped_dpo_config_is_known_to_its_recipe(recipe: str, monkeypatc
     monkeypatch.chdir(REPO_ROOT)
     path = REPO_ROOT / "configs" / "tiny" / f"{recipe}.yaml"
     validate_config(OmegaConf.load(path), SCHEMAS[recipe], recipe, check_files=True)
-    assert f"recipes/{recipe}.py" in "\n".join(path.read_text().splitlines()[:12])
+    assert recipe_script(recipe) in "\n".join(path.read_text().splitlines()[:12])
 
 
 @pytest.mark.parametrize(
@@ -77,7 +78,7 @@ def test_a_pair_without_a_rejected_answer_fails_naming_its_row(tmp_path: Path) -
     data.write_text(json.dumps(rows))
     out = tmp_path / "run"
     args = [
-        "recipes/lora_dpo_single_device.py",
+        "recipes/lora_dpo.py",
         *("--config", "configs/tiny/lora_dpo_single_device.yaml"),
         f"dataset.data_files={data}",
         f"output_dir={out}",

@@ -22,6 +22,7 @@ import stock_configs
 from many_runs import Run, launch_runs
 from omegaconf import DictConfig, OmegaConf
 from recipe_utils import REPO_ROOT
+from tiny_runs import recipe_script
 
 SINGLE, DISTRIBUTED, FULL = "lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"
 ALL = [
@@ -84,7 +85,7 @@ def _run(root: Path, recipe: str, name: str) -> tuple[int, Run]:
     config_path = out / "config.yaml"
     OmegaConf.save(adapted_dpo_config(name, recipe, out), config_path)
     return (0 if recipe == SINGLE else 2), Run(
-        f"recipes/{recipe}.py", ["--config", str(config_path)], out
+        recipe_script(recipe), ["--config", str(config_path)], out
     )
 
 

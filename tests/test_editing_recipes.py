@@ -54,7 +54,7 @@ COMMON = {
     "log_every_n_steps": 2,
 }
 
-# The loop's lines the edits replace, as recipes/full_finetune_single_device.py has them.
+# The loop's lines the edits replace, as recipes/full_finetune.py has them.
 LOSS_LINE = "loss = self._loss_step(batch)  # forward and mean loss: edit here"
 STEP_LINE = "outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)"
 END_STEP_LINE = "steps.end_step(window, outcome)"

@@ -42,6 +42,7 @@ from many_runs import Run
 from omegaconf import DictConfig, OmegaConf
 from recipe_utils import REPO_ROOT, read_scalars
 from test_dpo_stock_configs import PAIRS, adapted_dpo_config
+from tiny_runs import recipe_script
 from torchtune import config
 
 from exactga.launch import registry
@@ -90,7 +91,7 @@ def _run(root: Path, recipe: str, name: str) -> Run:
     out.mkdir(parents=True)
     config_path = out / "config.yaml"
     OmegaConf.save(adapted(recipe, name, out), config_path)
-    return Run(f"recipes/{recipe}.py", ["--config", str(config_path)], out)
+    return Run(recipe_script(recipe), ["--config", str(config_path)], out)
 
 
 def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from tiny_runs import recipe_script
 from tokenizer_files import QWEN3_SPECIAL_TOKENS
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
@@ -234,7 +235,7 @@ def _folder(release: str) -> str:
 def _launch(name: str) -> str:
     case = CASES[name]
     devices = f"--nproc_per_node {case.devices} " if case.devices > 1 else ""
-    return f"tune run {devices}recipes/{case.recipe}.py --config configs/{name}.yaml"
+    return f"tune run {devices}{recipe_script(case.recipe)} --config configs/{name}.yaml"
 
 
 def _downloads(name: str) -> dict[str, str]:

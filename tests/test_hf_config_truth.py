@@ -695,13 +695,13 @@ def _launch(root: Path, folders: dict[str, Path]) -> None:
         OmegaConf.save(cfg, cfg_path)
         runs.append(
             Run(
-                "recipes/full_finetune_single_device.py",
+                "recipes/full_finetune.py",
                 _run_args(cfg_path, root / family / "out"),
                 root / family,
             )
         )
     refused = [*_run_args(root / "qwen3.yaml", root / "refused" / "out"), "model.rope_base=1e6"]
-    runs.append(Run("recipes/full_finetune_single_device.py", refused, root / "refused"))
+    runs.append(Run("recipes/full_finetune.py", refused, root / "refused"))
     launch_runs(runs, nproc=0, go_on_after_failure=True)
 
 

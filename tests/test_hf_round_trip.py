@@ -35,6 +35,7 @@ from recipe_utils import (
     read_scalars,
     run_tune,
 )
+from tiny_runs import recipe_script
 from torchtune import config, training
 from torchtune.training import FullModelHFCheckpointer
 
@@ -123,7 +124,7 @@ def _args(name: str, base: Path, out: Path) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     args = [
         *head,
-        f"recipes/{recipe}.py",
+        recipe_script(recipe),
         "--config",
         str(_hf_config(name, base, out.parent)),
         *(f"{key}={value}" for key, value in SMALL_MODEL.items()),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
+from tiny_runs import recipe_script
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import get_adapter_params
@@ -72,7 +73,7 @@ def test_header_has_launch_command(name: str) -> None:
     recipe = "knowledge_distillation_" + (
         "distributed" if "distributed" in name else "single_device"
     )
-    assert f"recipes/{recipe}.py" in config_header(name)
+    assert recipe_script(recipe) in config_header(name)
     assert f"configs/{name}.yaml" in config_header(name)
 
 

@@ -17,6 +17,7 @@ import pytest
 import stock_configs
 from omegaconf import OmegaConf
 from recipe_utils import output_of, run_tune
+from tiny_runs import recipe_script
 
 SINGLE, DISTRIBUTED = stock_configs.KD_RECIPES
 ALL = [
@@ -38,7 +39,7 @@ def _launch(root: Path, recipe: str, name: str) -> None:
     config_path = out / "config.yaml"
     OmegaConf.save(stock_configs.adapted_config(name, recipe, out), config_path)
     head = ["--nproc_per_node", "2"] if recipe == DISTRIBUTED else []
-    proc = run_tune([*head, f"recipes/{recipe}.py", "--config", str(config_path)], timeout=600)
+    proc = run_tune([*head, recipe_script(recipe), "--config", str(config_path)], timeout=600)
     (out / "output.txt").write_text(output_of(proc))
     (out / "returncode").write_text(str(proc.returncode))
 

@@ -33,7 +33,7 @@ from recipe_utils import (
     tiny_args,
 )
 
-from exactga.launch import mixups, registry
+from exactga.launch import mixups, registry, twins
 
 TORCHTUNE_RECIPES = Path(torchtune.__file__).resolve().parents[1] / "recipes"
 SCHEMA_MODULES = (
@@ -124,9 +124,14 @@ def test_a_stock_recipe_name_with_an_exactga_config_names_the_command_that_runs_
 @pytest.mark.parametrize(
     ("recipe", "suggested"),
     [
-        ("exactga/full_finetune_single_devic", "exactga/full_finetune_single_device"),
-        ("full_finetune_single_devic", "full_finetune_single_device"),
-        ("recipes/lora_finetune_single_device.py", "exactga/lora_finetune_single_device"),
+        ("exactga/full_finetune_single_devic", "'exactga/full_finetune_single_device'"),
+        ("full_finetune_single_devic", "'full_finetune_single_device'"),
+        # torchtune's file name, and the one file of both of its names
+        ("recipes/lora_finetune_single_device.py", "'exactga/lora_finetune_single_device'"),
+        (
+            "recipes/lora_finetune.py",
+            "'exactga/lora_finetune_single_device' or 'exactga/lora_finetune_distributed'",
+        ),
     ],
 )
 def test_a_recipe_that_is_no_name_file_or_module_is_one_message_with_the_nearest_name(
@@ -135,7 +140,7 @@ def test_a_recipe_that_is_no_name_file_or_module_is_one_message_with_the_nearest
     monkeypatch.chdir(tmp_path)  # no recipes/ folder here
     status, printed = _tune_run(monkeypatch, recipe, "--config", "exactga/tiny/full_single_device")
     assert status == 1 and "Traceback" not in printed
-    assert f"Did you mean '{suggested}'?" in printed
+    assert f"Did you mean {suggested}?" in printed
 
 
 def test_an_exactga_single_device_name_under_torchrun_names_its_distributed_twin(
@@ -150,10 +155,10 @@ def test_an_exactga_single_device_name_under_torchrun_names_its_distributed_twin
 @pytest.mark.parametrize(
     ("recipe", "by_path"),
     [
-        ("recipes/full_finetune_single_device.py", False),  # imported as recipes.<name>
+        ("recipes/full_finetune.py", False),  # imported as recipes.<name>
         (str(REPO_ROOT / RECIPE), True),
-        ("./recipes/full_finetune_single_device.py", True),
-        ("recipes/../recipes/full_finetune_single_device.py", True),
+        ("./recipes/full_finetune.py", True),
+        ("recipes/../recipes/full_finetune.py", True),
         ("recipes/no_such_recipe.py", False),
     ],
 )
@@ -171,31 +176,96 @@ def _single_device_check(monkeypatch, world_size: str, recipe_file: Path, **glob
     return mixups.single_device_problem(recipe_file, globals_)
 
 
-def test_a_single_device_recipe_or_its_copy_refuses_several_processes(monkeypatch, tmp_path):
-    shipped = REPO_ROOT / RECIPE
-    problem = _single_device_check(
-        monkeypatch, "2", shipped, RECIPE_NAME="full_finetune_single_device"
-    )
-    assert problem is not None and "exactga/full_finetune_distributed" in problem
-    copy = tmp_path / "my_recipe.py"  # a copy that renamed RECIPE_NAME: its source tells
-    copy.write_text(shipped.read_text().replace('"full_finetune_single_device"', '"mine"'))
-    problem = _single_device_check(monkeypatch, "2", copy, RECIPE_NAME="mine")
-    assert problem is not None and "my_recipe.py trains on one device" in problem
+def test_a_single_device_only_recipe_or_its_copy_refuses_several_processes(monkeypatch, tmp_path):
     ppo = REPO_ROOT / "recipes/ppo_full_finetune_single_device.py"
     problem = _single_device_check(
         monkeypatch, "4", ppo, RECIPE_NAME="ppo_full_finetune_single_device"
     )
     assert problem is not None and "no distributed version" in problem
-    # one process, or a recipe that takes several: nothing to refuse
+    copy = tmp_path / "my_recipe.py"  # a copy that renamed RECIPE_NAME: its source tells
+    copy.write_text(ppo.read_text().replace('"ppo_full_finetune_single_device"', '"mine"'))
+    problem = _single_device_check(monkeypatch, "2", copy, RECIPE_NAME="mine")
+    assert problem is not None and "my_recipe.py trains on one device" in problem
+    # one process: nothing to refuse
     assert (
-        _single_device_check(monkeypatch, "1", shipped, RECIPE_NAME="full_finetune_single_device")
+        _single_device_check(monkeypatch, "1", ppo, RECIPE_NAME="ppo_full_finetune_single_device")
         is None
     )
-    distributed = REPO_ROOT / "recipes/full_finetune_distributed.py"
-    assert (
-        _single_device_check(monkeypatch, "2", distributed, RECIPE_NAME="full_finetune_distributed")
-        is None
+
+
+def test_a_file_of_two_names_or_its_copy_takes_several_processes(monkeypatch, tmp_path):
+    """Under torchrun the one file of torchtune's twins trains on every rank, whatever its
+    config ([one recipe, two launches]): nothing to refuse, for it or a renamed copy."""
+    shipped = REPO_ROOT / RECIPE
+    assert _single_device_check(monkeypatch, "2", shipped, RECIPE_NAME="full_finetune") is None
+    copy = tmp_path / "my_recipe.py"
+    copy.write_text(shipped.read_text().replace('"full_finetune"', '"mine"'))
+    assert _single_device_check(monkeypatch, "2", copy, RECIPE_NAME="mine") is None
+
+
+@pytest.mark.parametrize(
+    ("environment", "keys", "launched"),
+    [
+        ({}, {"model", "batch_size"}, "full_finetune_single_device"),
+        ({}, {"model", "fsdp_cpu_offload"}, "full_finetune_distributed"),  # a distributed config
+        ({"RANK": "0"}, {"model"}, "full_finetune_distributed"),  # torchrun, any config
+        (
+            {twins.LAUNCHED_AS_ENV: "full_finetune_distributed"},
+            {"model"},
+            "full_finetune_distributed",
+        ),
+        (
+            {twins.LAUNCHED_AS_ENV: "full_finetune_single_device"},
+            {"gradient_sync"},  # the single-device schema then names the key
+            "full_finetune_single_device",
+        ),
+        ({twins.LAUNCHED_AS_ENV: "lora_dpo_distributed"}, {"model"}, "full_finetune_single_device"),
+    ],
+)
+def test_a_launch_of_a_file_of_two_names_runs_as_one_of_them(
+    monkeypatch, environment: dict[str, str], keys: set[str], launched: str
+) -> None:
+    """[one recipe, two launches]: torchrun, else the exactga name launched (another family's
+    is no answer), else the config."""
+    for variable in ("RANK", twins.LAUNCHED_AS_ENV):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    assert twins.launched_as("full_finetune", keys) == launched
+
+
+def test_the_recipes_check_of_a_mixed_up_config_takes_the_name_the_launch_runs_as(
+    monkeypatch,
+) -> None:
+    """run_recipe asks the family checks with the name validated_config will pick."""
+    from exactga.launch import cli
+
+    for variable in ("RANK", twins.LAUNCHED_AS_ENV):
+        monkeypatch.delenv(variable, raising=False)
+    one_file = {"RECIPE_NAME": "lora_finetune"}
+    single = ["x.py", "--config", str(registry.config_path("tiny/lora_single_device"))]
+    distributed = ["x.py", "--config", str(registry.config_path("tiny/lora_distributed"))]
+    assert cli._launched_name(one_file, single) == "lora_finetune_single_device"
+    assert cli._launched_name(one_file, distributed) == "lora_finetune_distributed"
+    assert cli._launched_name(one_file, [*single, "gradient_sync=once_per_window"]) == (
+        "lora_finetune_distributed"
     )
+    assert (
+        cli._launched_name(
+            one_file,
+            [
+                *distributed,
+                "~gradient_sync",
+                "~rank_balancing",
+                "~fsdp_cpu_offload",
+                "~fsdp_reshard_after_forward",
+            ],
+        )
+        == "lora_finetune_single_device"
+    )
+    monkeypatch.setenv("RANK", "1")
+    assert cli._launched_name(one_file, single) == "lora_finetune_distributed"
+    assert cli._launched_name({"RECIPE_NAME": "qat_distributed"}, single) == "qat_distributed"
 
 
 def test_the_single_device_runtime_refuses_several_processes(monkeypatch) -> None:
@@ -212,9 +282,11 @@ def test_the_single_device_runtime_refuses_several_processes(monkeypatch) -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("copy", [False, True], ids=["shipped", "tune_cp_copy"])
-def test_a_single_device_recipe_by_path_under_torchrun_is_refused_before_anything_is_written(
+def test_a_file_of_two_names_by_path_under_torchrun_trains_a_one_device_config_on_every_rank(
     tmp_path: Path, copy: bool
 ) -> None:
+    """Where torchtune's single-device file under torchrun trained the whole run once per
+    process into one folder, the one file runs its distributed schema: each rank its share."""
     out = tmp_path / "out"
     args = tiny_args(out, max_steps_per_epoch=1)
     cwd = REPO_ROOT
@@ -225,10 +297,46 @@ def test_a_single_device_recipe_by_path_under_torchrun_is_refused_before_anythin
         args[:3] = ["my_recipe.py", "--config", str(REPO_ROOT / TINY_CONFIG)]
     proc = run_tune(["--nproc_per_node", "2", *args], cwd=cwd)
     output = output_of(proc)
+    assert proc.returncode == 0, output[-4000:]
+    assert "full_finetune_distributed: model" in output, output[-4000:]  # the config summary
+    assert (out / INITIAL).is_file() and (out / TRAINED).is_file()
+
+
+@pytest.mark.slow
+def test_the_distributed_name_without_torchrun_trains_a_one_device_config_as_one_rank(
+    tmp_path: Path,
+) -> None:
+    """[one recipe, two launches], rule 2: the name typed decides where torchrun does not."""
+    out = tmp_path / "out"
+    overrides = tiny_args(out, max_steps_per_epoch=1)[3:]
+    args = ["exactga/full_finetune_distributed", "--config", "exactga/tiny/full_single_device"]
+    proc = run_tune([*args, *overrides])
+    output = output_of(proc)
+    assert proc.returncode == 0, output[-4000:]
+    assert "full_finetune_distributed: model" in output, output[-4000:]
+    assert "No torchrun environment (RANK is not set): training as one rank" in output
+    assert (out / TRAINED).is_file()
+
+
+@pytest.mark.slow
+def test_a_single_device_only_recipe_by_path_under_torchrun_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    args = [
+        "--nproc_per_node",
+        "2",
+        "recipes/ppo_full_finetune_single_device.py",
+        "--config",
+        "configs/tiny/ppo_single_device.yaml",
+        f"output_dir={out}",
+    ]
+    proc = run_tune(args)
+    output = output_of(proc)
     assert proc.returncode == 1, output[-4000:]
     assert output.count("exactga: ") == 1 and "Traceback" not in output, output[-4000:]
     assert "trains on one device, but this launch starts 2 processes" in output
-    assert "tune run --nproc_per_node 2 exactga/full_finetune_distributed --config" in output
+    assert "no distributed version" in output
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
@@ -332,3 +440,17 @@ def test_a_recipe_that_trains_every_weight_refuses_a_lora_model_and_only_that() 
         for path in lora:
             problem = mixups.lora_model_problem(recipe, _model_of(path), ["--config", "c.yaml"])
             assert problem is not None and "tune run exactga/" in problem, path
+
+
+def test_the_launcher_tells_the_recipe_the_exactga_name_it_was_given(monkeypatch) -> None:
+    """[one recipe, two launches], rule 2: tune run's wrap records an exactga name, and clears
+    what an outer launch recorded when given a path."""
+    import os
+
+    from exactga.launch import cli
+
+    monkeypatch.setenv(twins.LAUNCHED_AS_ENV, "an outer launch's")
+    cli.record_launched_name("exactga/full_finetune_distributed")
+    assert os.environ[twins.LAUNCHED_AS_ENV] == "full_finetune_distributed"
+    cli.record_launched_name("recipes/full_finetune.py")
+    assert twins.LAUNCHED_AS_ENV not in os.environ

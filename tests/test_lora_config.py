@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from tiny_runs import recipe_script
 from unit_utils import CONFIGS, stock_configs, tiny_config
 
 from exactga.config.schemas import LoraFinetuneSingleDeviceConfig
@@ -49,7 +50,7 @@ def test_every_stock_torchtune_config_is_accepted_unchanged(path: Path) -> None:
 def test_every_shipped_config_is_known_to_its_recipe(path: Path) -> None:
     cfg = validate(OmegaConf.load(path))
     first_lines = path.read_text().splitlines()[:25]
-    launch = f"tune run recipes/{RECIPE}.py --config configs/{path.parent.name}/{path.name}"
+    launch = f"tune run {recipe_script(RECIPE)} --config configs/{path.parent.name}/{path.name}"
     assert any(launch in line for line in first_lines), launch
     assert cfg.loss_normalization == "exact"
 

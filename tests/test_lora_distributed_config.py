@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from tiny_runs import recipe_script
 from unit_utils import CONFIGS, stock_configs, tiny_config
 
 from exactga.config.schemas import LoraFinetuneDistributedConfig
@@ -37,7 +38,7 @@ def test_tiny_config_is_known_to_its_recipe() -> None:
     cfg = validate(OmegaConf.load(TINY))
     assert cfg.device == "cpu" and cfg.loss_normalization == "exact"
     header = "\n".join(TINY.read_text().splitlines()[:25])
-    assert f"tune run --nproc_per_node 2 recipes/{RECIPE}.py" in header  # one node
+    assert f"tune run --nproc_per_node 2 {recipe_script(RECIPE)}" in header  # one node
     assert "--nnodes 2" in header and "--rdzv_endpoint" in header  # several
 
 

@@ -14,7 +14,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import get_adapter_params
 from unit_utils import assert_matches_stock_config, config_header, load_config
 
-RECIPE = "recipes/lora_finetune_single_device.py"
+RECIPE = "recipes/lora_finetune.py"
 
 # config (relative to configs/, no suffix) -> (output tag, min params, max params), base model
 MODEL_CONFIGS = {

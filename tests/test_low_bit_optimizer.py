@@ -1,4 +1,4 @@
-"""torchao's 8-bit AdamW in recipes/lora_finetune_single_device.py, through the real ``tune run``.
+"""torchao's 8-bit AdamW in recipes/lora_finetune.py, through the real ``tune run``.
 
 The LoRA docs and configs/tiny/qlora_single_device.yaml offer
 ``optimizer._component_=torchao.optim.AdamW8bit``. What exactga does with it is what is tested:

@@ -54,7 +54,7 @@ from recipe_utils import (
 # The tests read the module's shared launches (one group: the fixtures are made once).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("micro_batching_recipes")]
 
-DISTRIBUTED = "recipes/full_finetune_distributed.py"
+DISTRIBUTED = "recipes/full_finetune.py"
 DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
 COUNTER = REPO_ROOT / "tests/collective_counter"
 ADAPTERS = "epoch_0/adapter_model.pt"

@@ -14,7 +14,7 @@ from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from unit_utils import assert_matches_stock_config, config_header, load_config
 
-RECIPE = "recipes/full_finetune_single_device.py"
+RECIPE = "recipes/full_finetune.py"
 
 # config (relative to configs/, no suffix) -> (output tag, min params, max params)
 MODEL_CONFIGS = {

@@ -26,6 +26,7 @@ from many_runs import Run, launch_runs
 from omegaconf import DictConfig, OmegaConf
 from oracle_utils import flat, lr_for_unit_update, reference_gradient, step_gap, trainable
 from recipe_utils import REPO_ROOT, SMALL_MODEL, load_adapters
+from tiny_runs import recipe_script
 from torchtune import config
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training import FullModelHFCheckpointer
@@ -178,7 +179,7 @@ def _prepare(recipe: str, output_dir: Path) -> dict[str, Any]:
     config_file = REPO_ROOT / "configs" / "tiny" / f"{RECIPES[recipe][0]}.yaml"
     args = [f"{key}={'null' if value is None else value}" for key, value in overrides.items()]
     args += [f"optimizer.lr={lr!r}", "~optimizer.weight_decay"]
-    run = Run(f"recipes/{recipe}.py", ["--config", str(config_file), *args], output_dir)
+    run = Run(recipe_script(recipe), ["--config", str(config_file), *args], output_dir)
     return {"student": student, "initial": initial, "gradient": gradient, "lr": lr, "run": run}
 
 

@@ -1,4 +1,4 @@
-"""recipes/full_finetune_distributed.py through the real ``tune run --nproc_per_node 2`` on CPU.
+"""recipes/full_finetune.py through the real ``tune run --nproc_per_node 2`` on CPU.
 
 Tier (b) of docs/contributing.md point 9, gloo ranks, offline. All runs of the module are made
 once, in a module fixture, by one launch per number of ranks (tests/many_runs.py: each run still
@@ -36,9 +36,9 @@ from recipe_utils import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("full_distributed")]
 
-SINGLE = "recipes/full_finetune_single_device.py"
+SINGLE = "recipes/full_finetune.py"
 SINGLE_CONFIG = "configs/tiny/full_single_device.yaml"
-DISTRIBUTED = "recipes/full_finetune_distributed.py"
+DISTRIBUTED = "recipes/full_finetune.py"
 DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
 TRAINED = "epoch_0/model-00001-of-00001.safetensors"
 INITIAL = "base_model/model.safetensors"
@@ -214,7 +214,7 @@ def test_rank_and_accumulation_splits_match_one_rank(runs, name):
 
 
 def test_without_torchrun_the_recipe_trains_as_one_rank(runs):
-    """``tune run recipes/full_finetune_distributed.py`` with no ``--nproc_per_node`` says so
+    """``tune run recipes/full_finetune.py`` with no ``--nproc_per_node`` says so
     and trains the one-device weights, instead of failing on torch's missing RANK."""
     run, reference = runs["no_torchrun_8x1"], runs["1rank_8x1"]
     output = (run / "output.txt").read_text()

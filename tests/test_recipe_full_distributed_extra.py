@@ -1,4 +1,4 @@
-"""``optimizer_in_bwd`` and tensor parallelism in recipes/full_finetune_distributed.py, through
+"""``optimizer_in_bwd`` and tensor parallelism in recipes/full_finetune.py, through
 the real ``tune run``.
 
 Tier (b) of docs/contributing.md point 9, 2 gloo ranks on CPU, offline. Under FSDP2 the
@@ -28,9 +28,9 @@ from recipe_utils import (
 
 pytestmark = pytest.mark.slow
 
-DISTRIBUTED = "recipes/full_finetune_distributed.py"
+DISTRIBUTED = "recipes/full_finetune.py"
 DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
-SINGLE = "recipes/full_finetune_single_device.py"
+SINGLE = "recipes/full_finetune.py"
 SINGLE_CONFIG = "configs/tiny/full_single_device.yaml"
 TOLERANCE = 1e-5
 

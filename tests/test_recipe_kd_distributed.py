@@ -1,4 +1,4 @@
-"""recipes/knowledge_distillation_distributed.py on 2 gloo CPU ranks, through ``tune run``.
+"""recipes/knowledge_distillation.py on 2 gloo CPU ranks, through ``tune run``.
 
 Tier (b) of docs/contributing.md point 9. Two data-parallel ranks, student and teacher both
 sharded, must distil into the adapters one rank does with the same global batch (the 1-rank 8x1

@@ -1,4 +1,4 @@
-"""recipes/knowledge_distillation_single_device.py run through the real ``tune run`` on CPU.
+"""recipes/knowledge_distillation.py run through the real ``tune run`` on CPU.
 
 Tier (b) of docs/contributing.md point 9: the tiny KD config (a teacher twice as wide as the small
 student), on the shipped data, in a subprocess, offline. The recipe is never imported; everything

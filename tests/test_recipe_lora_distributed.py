@@ -1,4 +1,4 @@
-"""recipes/lora_finetune_distributed.py through the real ``tune run --nproc_per_node N`` on CPU.
+"""recipes/lora_finetune.py through the real ``tune run --nproc_per_node N`` on CPU.
 
 Tier (b) of docs/contributing.md point 9, gloo ranks, offline. All runs are made once, in a module
 fixture, by one launch per number of ranks (tests/many_runs.py: each run still goes through the
@@ -37,9 +37,9 @@ from recipe_utils import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lora_distributed")]
 
-RECIPE = "recipes/lora_finetune_distributed.py"
+RECIPE = "recipes/lora_finetune.py"
 CONFIG = "configs/tiny/lora_distributed.yaml"
-SINGLE_RECIPE = "recipes/lora_finetune_single_device.py"
+SINGLE_RECIPE = "recipes/lora_finetune.py"
 SINGLE_CONFIG = "configs/tiny/lora_single_device.yaml"
 ADAPTERS = "epoch_0/adapter_model.pt"
 PEFT_ADAPTERS = "epoch_0/adapter/adapter_model.safetensors"

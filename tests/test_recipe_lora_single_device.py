@@ -1,4 +1,4 @@
-"""recipes/lora_finetune_single_device.py run through the real ``tune run`` on CPU.
+"""recipes/lora_finetune.py run through the real ``tune run`` on CPU.
 
 Tier (b) of docs/contributing.md point 9: the tiny LoRA config with a smaller model, on the shipped
 data, in a subprocess, offline. The recipe is never imported; everything is read back from what a

@@ -36,6 +36,7 @@ from many_runs import Run, run_of
 from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT
 from safetensors.torch import load_file
+from tiny_runs import recipe_script
 from tokenizer_files import write_gemma3_folder, write_qwen3_folder
 from torchtune import config, training
 
@@ -372,7 +373,7 @@ def _args(cfg: Path, split: tuple[str, int, int, int], out: Path) -> list[str]:
     head = ["--nproc_per_node", str(ranks)] if ranks > 1 else []
     return [
         *head,
-        f"recipes/{recipe}.py",
+        recipe_script(recipe),
         "--config",
         str(cfg),
         f"output_dir={out}",

@@ -76,13 +76,13 @@ LAUNCHES = {
     "lora_single_device": (0, LORA_RECIPE, LORA_TINY_CONFIG, SHORT),
     "full_distributed": (
         2,
-        "recipes/full_finetune_distributed.py",
+        "recipes/full_finetune.py",
         "configs/tiny/full_distributed.yaml",
         SHORT,
     ),
     "lora_distributed": (
         1,
-        "recipes/lora_finetune_distributed.py",
+        "recipes/lora_finetune.py",
         "configs/tiny/lora_distributed.yaml",
         SHORT,
     ),

@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 from recipe_utils import REPO_ROOT, logged_steps, output_of, run_tune
 
-from exactga.launch import registry
+from exactga.launch import registry, twins
 
 CONFIGS = sorted(
     p.relative_to(REPO_ROOT / "configs") for p in (REPO_ROOT / "configs").rglob("*.yaml")
@@ -37,7 +37,9 @@ def _tune(*args: str) -> str:
 
 
 def test_every_recipe_and_config_file_is_registered_once() -> None:
-    assert sorted(entry.name for entry in registry.RECIPES) == RECIPE_FILES
+    assert sorted({entry.recipe_file for entry in registry.RECIPES}) == RECIPE_FILES
+    names = [entry.name for entry in registry.RECIPES]
+    assert len(set(names)) == len(names)
     listed = [config for entry in registry.RECIPES for config in entry.configs]
     assert sorted(listed) == sorted(str(p.with_suffix("")) for p in CONFIGS)
     assert len(set(listed)) == len(listed)
@@ -51,7 +53,39 @@ def test_every_recipe_and_config_file_is_registered_once() -> None:
 def test_a_config_is_listed_under_the_recipe_its_header_launches(recipe: str, config: str):
     header = registry.config_path(config).read_text().split("\n\n")[0]
     launched = re.search(r"recipes/(\w+)\.py", header)
-    assert launched is not None and launched.group(1) == recipe
+    entry = registry.recipe_entry(recipe)
+    assert launched is not None and launched.group(1) == entry.recipe_file
+    if entry.file:  # one file, two names: the header launches this one ([one recipe, two launches])
+        assert ("--nproc_per_node" in header) == entry.supports_distributed
+
+
+def test_torchtunes_twin_names_share_one_file_and_only_the_distributed_one_takes_torchrun() -> None:
+    families = {entry.file for entry in registry.RECIPES if entry.file}
+    assert families == {"full_finetune", "lora_finetune", "knowledge_distillation", "lora_dpo"}
+    for family in families:
+        single = registry.recipe_entry(family + "_single_device")
+        distributed = registry.recipe_entry(family + "_distributed")
+        assert single.recipe_file == distributed.recipe_file == family
+        assert not single.supports_distributed and distributed.supports_distributed
+        assert registry.distributed_twin(single.name) == distributed.name
+
+
+def test_distributed_only_keys_are_what_the_distributed_twins_schemas_add() -> None:
+    """[one recipe, two launches], rule 3: a config with one of these keys is a distributed
+    twin's; no single-device schema reads one."""
+    import dataclasses
+
+    from exactga.config.schemas import FULL_FINETUNE, LORA_FINETUNE
+    from exactga.dpo.schema import LORA_DPO
+    from exactga.kd.schema import KNOWLEDGE_DISTILLATION
+
+    def keys(schema: type) -> set[str]:
+        return {f.name for f in dataclasses.fields(schema)}
+
+    pairs = (FULL_FINETUNE, LORA_FINETUNE, KNOWLEDGE_DISTILLATION, LORA_DPO)
+    added = set().union(*(keys(p.distributed) - keys(p.single_device) for p in pairs))
+    assert added == twins.DISTRIBUTED_ONLY_KEYS
+    assert all(keys(p.single_device) <= keys(p.distributed) for p in pairs)
 
 
 def test_tune_ls_lists_exactgas_after_the_stock_ones_which_keep_their_names() -> None:
@@ -77,10 +111,11 @@ def test_tune_ls_lists_exactgas_after_the_stock_ones_which_keep_their_names() ->
 
 def test_tune_cp_copies_exactgas_files(tmp_path: Path) -> None:
     _tune("cp", "exactga/lora_finetune_distributed", str(tmp_path / "mine"))
+    _tune("cp", "exactga/lora_finetune_single_device", str(tmp_path / "mine_too"))
     _tune("cp", "exactga/tiny/lora_distributed", str(tmp_path / "mine_config"))
-    assert (tmp_path / "mine.py").read_text() == (
-        REPO_ROOT / "recipes/lora_finetune_distributed.py"
-    ).read_text()
+    shipped = (REPO_ROOT / "recipes/lora_finetune.py").read_text()
+    # Either name: the one file, whose one step a copy edits.
+    assert (tmp_path / "mine.py").read_text() == shipped == (tmp_path / "mine_too.py").read_text()
     assert (tmp_path / "mine_config.yaml").read_bytes() == (
         REPO_ROOT / "configs/tiny/lora_distributed.yaml"
     ).read_bytes()

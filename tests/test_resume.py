@@ -97,7 +97,7 @@ SCENARIOS = {
     "lora_bf16_master": ([LORA_RECIPE, "--config", LORA_TINY_CONFIG], {"dtype": "bf16"}),
     "full_2ranks": (
         [
-            *("--nproc_per_node", "2", "recipes/full_finetune_distributed.py"),
+            *("--nproc_per_node", "2", "recipes/full_finetune.py"),
             *("--config", "configs/tiny/full_distributed.yaml"),
         ],
         {},

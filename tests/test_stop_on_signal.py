@@ -46,12 +46,12 @@ SETTINGS = {**SMALL_MODEL, "max_steps_per_epoch": 6, "epochs": 2}  # 12 steps
 FINAL = "epoch_1/model-00001-of-00001.safetensors"
 HEADS = {
     0: [
-        "recipes/full_finetune_single_device.py",
+        "recipes/full_finetune.py",
         "--config",
         "configs/tiny/full_single_device.yaml",
     ],
     2: [
-        *("--nproc_per_node", "2", "recipes/full_finetune_distributed.py"),
+        *("--nproc_per_node", "2", "recipes/full_finetune.py"),
         *("--config", "configs/tiny/full_distributed.yaml"),
     ],
 }

@@ -19,9 +19,12 @@ from typing import Any
 
 import pytest
 from omegaconf import DictConfig, ListConfig
+from tiny_runs import recipe_script
 from unit_utils import tiny_config
 
+from exactga.config.schemas import TwinSchemas
 from exactga.config.validation import torchtune_config, typed_settings, validate_config
+from exactga.launch import registry
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "src" / "exactga"
@@ -73,16 +76,38 @@ def _schema(dotted: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+SCHEMA_MODULES = ("config.schemas", "dpo.schema", "kd.schema", "grpo.schema", "ppo.schema")
+
+
+def _named(name: str) -> Any:
+    """A schema, a ``TwinSchemas`` or a type alias that a recipe names, by its name."""
+    modules = (importlib.import_module(f"exactga.{module}") for module in SCHEMA_MODULES)
+    return next(getattr(module, name) for module in modules if hasattr(module, name))
+
+
+def _schemas(named: Any) -> set[type]:
+    """The schemas a recipe's named object stands for: a twin pair's two, a union's members."""
+    if isinstance(named, TwinSchemas):
+        return {named.single_device, named.distributed}
+    return set(typing.get_args(named)) or {named}
+
+
 def test_every_training_recipe_is_checked_here() -> None:
+    """Each recipe file validates with its schema, or its twin schemas where one file serves
+    two of torchtune's names (registry: ``recipe_file``)."""
     recipes = {
         path.stem: re.search(r"validated_config\(cfg, (\w+), RECIPE_NAME\)", path.read_text())
         for path in sorted((REPO / "recipes").glob("*.py"))
         if path.stem != "ga_parity"
     }
-    assert set(recipes) == set(RECIPE_SCHEMAS)
+    names_of_file: dict[str, set[str]] = {}
+    for name in RECIPE_SCHEMAS:
+        names_of_file.setdefault(registry.recipe_entry(name).recipe_file, set()).add(name)
+    assert set(recipes) == set(names_of_file)
     for recipe, found in recipes.items():
         assert found, f"recipes/{recipe}.py does not read its settings through validated_config"
-        assert RECIPE_SCHEMAS[recipe][0].endswith(f".{found.group(1)}"), recipe
+        expected = {_schema(RECIPE_SCHEMAS[name][0]) for name in names_of_file[recipe]}
+        assert _schemas(_named(found.group(1))) == expected, recipe
 
 
 def _is_component(value: Any) -> bool:
@@ -216,10 +241,11 @@ def test_the_check_catches_a_reader_that_takes_a_config(tmp_path: Path) -> None:
 def test_recipes_hand_their_setup_the_typed_settings(recipe: str) -> None:
     """A recipe's ``__init__`` and ``setup`` take its schema's settings, and hands exactga's
     readers the settings, never the validated DictConfig (``torchtune_config``)."""
-    text = (REPO / "recipes" / f"{recipe}.py").read_text()
-    schema = RECIPE_SCHEMAS[recipe][0].rpartition(".")[2]
-    assert f"def __init__(self, cfg: {schema}) -> None:" in text
-    assert f"def setup(self, cfg: {schema}) -> None:" in text
+    text = (REPO / recipe_script(recipe)).read_text()
+    schema = _schema(RECIPE_SCHEMAS[recipe][0])
+    for method in ("__init__", "setup"):  # the schema, or the union of a file's two
+        annotated = re.search(rf"def {method}\(self, cfg: (\w+)\) -> None:", text)
+        assert annotated is not None and schema in _schemas(_named(annotated.group(1))), method
     assert "cfg.get(" not in text, f"{recipe}: a default below the schema"
     raw = re.findall(r"(\w+(?:\.\w+)?)\(\s*torchtune_config\(cfg\)", text)
     assert raw == [], raw

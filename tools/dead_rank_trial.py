@@ -5,7 +5,7 @@ the one-node case. Here two ``tune run --nnodes 2 --nproc_per_node 1`` agents ru
 machine, each as a node of its own, and meet through torchrun's c10d rendezvous on
 ``127.0.0.1`` (the multi-node launch of docs/launching.md; c10d assigns the global ranks, so no
 ``--node_rank`` is needed: torchrun reads it only for the static backend). They train
-recipes/full_finetune_distributed.py on the tiny config shrunk as in the tests (2 layers x 64),
+recipes/full_finetune.py on the tiny config shrunk as in the tests (2 layers x 64),
 gloo on CPU. Once a training step has finished, the worker of the *second* agent is sent
 ``--signal``:
 
@@ -84,7 +84,7 @@ def agent_command(port: int, out: Path) -> list[str]:
         "--nnodes", "2", "--nproc_per_node", "1",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
         "--rdzv_id", "dead_rank_trial",
-        "recipes/full_finetune_distributed.py",
+        "recipes/full_finetune.py",
         "--config", "configs/tiny/full_distributed.yaml",
         f"output_dir={out / 'run'}",
         *OVERRIDES,

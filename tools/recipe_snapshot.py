@@ -34,24 +34,25 @@ REPO = Path(__file__).resolve().parents[1]
 DISK_LOGGER = {"metric_logger._component_": "torchtune.training.metric_logging.DiskLogger"}
 # Metrics that measure time or speed, not what was computed.
 VOLATILE = ("time/", "throughput/", "tokens_per_second", "normalization/saved")
-# name (also the tiny config's): (recipe, processes, overrides)
+# name (also the tiny config's): (recipe file under recipes/, processes, overrides); the one file of
+# torchtune's two names runs distributed under torchrun (2 processes), else on one device.
 RUNS = {
-    "full_single_device": ("full_finetune_single_device", 1, {"max_steps_per_epoch": 8}),
-    "lora_single_device": ("lora_finetune_single_device", 1, {"max_steps_per_epoch": 8}),
-    "full_distributed": ("full_finetune_distributed", 2, {"max_steps_per_epoch": 8}),
-    "lora_distributed": ("lora_finetune_distributed", 2, {"max_steps_per_epoch": 8}),
+    "full_single_device": ("full_finetune", 1, {"max_steps_per_epoch": 8}),
+    "lora_single_device": ("lora_finetune", 1, {"max_steps_per_epoch": 8}),
+    "full_distributed": ("full_finetune", 2, {"max_steps_per_epoch": 8}),
+    "lora_distributed": ("lora_finetune", 2, {"max_steps_per_epoch": 8}),
     "kd_single_device": (
-        "knowledge_distillation_single_device",
+        "knowledge_distillation",
         1,
         {**SMALL_TEACHER, "max_steps_per_epoch": 8},
     ),
     "kd_distributed": (
-        "knowledge_distillation_distributed",
+        "knowledge_distillation",
         2,
         {**SMALL_TEACHER, "max_steps_per_epoch": 8},
     ),
-    "lora_dpo_single_device": ("lora_dpo_single_device", 1, {"max_steps_per_epoch": 6}),
-    "lora_dpo_distributed": ("lora_dpo_distributed", 2, {"max_steps_per_epoch": 6}),
+    "lora_dpo_single_device": ("lora_dpo", 1, {"max_steps_per_epoch": 6}),
+    "lora_dpo_distributed": ("lora_dpo", 2, {"max_steps_per_epoch": 6}),
     "full_dpo_distributed": ("full_dpo_distributed", 2, {"max_steps_per_epoch": 6}),
     "grpo_distributed": ("grpo_full_finetune_distributed", 2, {"num_steps": 4}),
     # A group size that divides the small model's widths (64, 128).

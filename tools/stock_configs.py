@@ -48,6 +48,7 @@ from unittest import mock
 
 import torchtune
 from omegaconf import DictConfig, OmegaConf
+from tiny_runs import recipe_script
 from torchtune._recipe_registry import get_all_recipes
 from torchtune.config._utils import _get_component_from_path
 
@@ -352,7 +353,7 @@ def launch_args(
     return [
         "--nproc_per_node",
         str(nproc_per_node),
-        f"recipes/{recipe}.py",
+        recipe_script(recipe),
         "--config",
         str(config_path),
     ]

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from exactga.launch.registry import recipe_entry
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TUNE = Path(sys.executable).parent / "tune"
 
@@ -34,6 +36,13 @@ SMALL_TEACHER = {
     "teacher_model.num_kv_heads": 2,
     "teacher_model.intermediate_dim": 256,
 }
+
+
+def recipe_script(name: str) -> str:
+    """The file ``tune run`` launches by path for exactga's recipe ``name``, from the repository
+    root: ``recipes/<file>.py`` (torchtune's two names of a family share one file)."""
+    entry = recipe_entry(name)
+    return f"recipes/{entry.recipe_file if entry is not None else name}.py"
 
 
 def tune_env(extra_env: dict[str, str | None] | None = None) -> dict[str, str]:

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from recipe_utils import load_weights, output_of, read_scalars, relative_l2, run_tune
 
-FULL_SINGLE = ("recipes/full_finetune_single_device.py", "configs/tiny/full_single_device.yaml")
-LORA_SINGLE = ("recipes/lora_finetune_single_device.py", "configs/tiny/lora_single_device.yaml")
-FULL_DISTRIBUTED = ("recipes/full_finetune_distributed.py", "configs/tiny/full_distributed.yaml")
-LORA_DISTRIBUTED = ("recipes/lora_finetune_distributed.py", "configs/tiny/lora_distributed.yaml")
+FULL_SINGLE = ("recipes/full_finetune.py", "configs/tiny/full_single_device.yaml")
+LORA_SINGLE = ("recipes/lora_finetune.py", "configs/tiny/lora_single_device.yaml")
+FULL_DISTRIBUTED = ("recipes/full_finetune.py", "configs/tiny/full_distributed.yaml")
+LORA_DISTRIBUTED = ("recipes/lora_finetune.py", "configs/tiny/lora_distributed.yaml")
 
 # EXACTGA_GPU_DRY_RUN=1: the rehearsal of tests/gpu/conftest.py, these tests on the CPU.
 DRY_RUN = os.environ.get("EXACTGA_GPU_DRY_RUN") == "1"

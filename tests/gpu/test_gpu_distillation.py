@@ -18,11 +18,11 @@ from cuda_runs import BF16_CURVE_RTOL, Launch, all_finite, launch_all, max_relat
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.xdist_group("gpu_distillation")]
 
 KD_SINGLE = (
-    "recipes/knowledge_distillation_single_device.py",
+    "recipes/knowledge_distillation.py",
     "configs/tiny/kd_single_device.yaml",
 )
 KD_DISTRIBUTED = (
-    "recipes/knowledge_distillation_distributed.py",
+    "recipes/knowledge_distillation.py",
     "configs/tiny/kd_distributed.yaml",
 )
 STEPS = 6

@@ -37,9 +37,9 @@ from exactga.parity.scoring import PRECISION_FLOOR_FACTOR
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.xdist_group("gpu_preference_rl")]
 
-LORA_DPO_SINGLE = ("recipes/lora_dpo_single_device.py", "configs/tiny/lora_dpo_single_device.yaml")
+LORA_DPO_SINGLE = ("recipes/lora_dpo.py", "configs/tiny/lora_dpo_single_device.yaml")
 LORA_DPO_DISTRIBUTED = (
-    "recipes/lora_dpo_distributed.py",
+    "recipes/lora_dpo.py",
     "configs/tiny/lora_dpo_distributed.yaml",
 )
 FULL_DPO_DISTRIBUTED = (

@@ -24,7 +24,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig
@@ -182,6 +182,9 @@ class SingleDeviceRecipeConfig(TrainingRunConfig):
 
     # The recipes that add a mixture-of-experts router's balance term to their loss.
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = True
+    # The schemas of runs on every rank of a process group (FSDP2): ``Runtime.for_settings``
+    # starts the group for them, and runs one device for the others.
+    DISTRIBUTED: ClassVar[bool] = False
 
     @classmethod
     def check_router_balance(cls, cfg: DictConfig) -> None:
@@ -372,6 +375,8 @@ class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig, ValidationKeys):
 class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
     """``full_finetune_distributed``: the single-device keys plus the distributed ones."""
 
+    DISTRIBUTED: ClassVar[bool] = True
+
     # Sharding and parallelism (torchtune 0.6.1's keys).
     fsdp_cpu_offload: bool = False
     fsdp_reshard_after_forward: bool = True
@@ -407,6 +412,8 @@ class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
 class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
     """``lora_finetune_distributed``: the single-device LoRA keys plus the distributed ones."""
 
+    DISTRIBUTED: ClassVar[bool] = True
+
     # Sharding (torchtune 0.6.1's keys; stock LoRA has no tensor parallelism).
     fsdp_cpu_offload: bool = False
     fsdp_reshard_after_forward: bool = True
@@ -425,6 +432,22 @@ class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
         _warn_cpu_offload_ignored(cfg)
         if cfg.fsdp is not None:
             _warn_once("config key 'fsdp' is ignored, as by stock torchtune; use fsdp_cpu_offload.")
+
+
+class TwinSchemas(NamedTuple):
+    """The two schemas of one recipe file that torchtune lists under two names: a launch's
+    config is checked against one of them (see [one recipe, two launches] in
+    exactga.launch.twins); the distributed one takes every key of the other. (No dataclass:
+    the schemas' dataclasses are the config keys.)"""
+
+    single_device: type[SingleDeviceRecipeConfig]
+    distributed: type[SingleDeviceRecipeConfig]
+
+
+FULL_FINETUNE = TwinSchemas(FullFinetuneSingleDeviceConfig, FullFinetuneDistributedConfig)
+FullFinetuneConfig = FullFinetuneSingleDeviceConfig | FullFinetuneDistributedConfig
+LORA_FINETUNE = TwinSchemas(LoraFinetuneSingleDeviceConfig, LoraFinetuneDistributedConfig)
+LoraFinetuneConfig = LoraFinetuneSingleDeviceConfig | LoraFinetuneDistributedConfig
 
 
 def check_qat(cfg: DictConfig) -> None:
@@ -447,6 +470,8 @@ class QatDistributedConfig(FullFinetuneSingleDeviceConfig):
     """``qat_distributed``: full fine-tuning with torchao's fake quantisation (docs/qat.md).
     The sharding keys of ``full_finetune_distributed`` but no tensor parallelism, which stock's
     QAT recipe does not have."""
+
+    DISTRIBUTED: ClassVar[bool] = True
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
 

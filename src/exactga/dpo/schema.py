@@ -21,6 +21,7 @@ from exactga.config.schemas import (
     FullFinetuneDistributedConfig,
     LoraFinetuneDistributedConfig,
     LoraFinetuneSingleDeviceConfig,
+    TwinSchemas,
     max_seq_len_of,
 )
 
@@ -175,6 +176,10 @@ class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig, DpoLossKeys):
     def check_flags(cls, cfg: DictConfig) -> None:
         check_preference_keys(cfg)  # first: stock's own checks would name post_scale otherwise
         super().check_flags(cfg)
+
+
+LORA_DPO = TwinSchemas(LoraDpoSingleDeviceConfig, LoraDpoDistributedConfig)
+LoraDpoConfig = LoraDpoSingleDeviceConfig | LoraDpoDistributedConfig
 
 
 @dataclass

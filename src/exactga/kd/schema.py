@@ -7,7 +7,11 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING, DictConfig
 
-from exactga.config.schemas import LoraFinetuneDistributedConfig, LoraFinetuneSingleDeviceConfig
+from exactga.config.schemas import (
+    LoraFinetuneDistributedConfig,
+    LoraFinetuneSingleDeviceConfig,
+    TwinSchemas,
+)
 
 
 @dataclass
@@ -47,3 +51,11 @@ class KnowledgeDistillationDistributedConfig(LoraFinetuneDistributedConfig, Dist
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
         cls.check_kd_ratio(cfg)
+
+
+KNOWLEDGE_DISTILLATION = TwinSchemas(
+    KnowledgeDistillationSingleDeviceConfig, KnowledgeDistillationDistributedConfig
+)
+KnowledgeDistillationConfig = (
+    KnowledgeDistillationSingleDeviceConfig | KnowledgeDistillationDistributedConfig
+)

@@ -49,6 +49,7 @@ from exactga.launch.mixups import (
     single_device_problem,
     tune_run_problem,
 )
+from exactga.launch.registry import PREFIX, RECIPES, recipe_entry
 from exactga.launch.stopping import (
     LAUNCH_COMMAND_ENV,
     LAUNCHER_STOP_FILE_ENV,
@@ -57,6 +58,7 @@ from exactga.launch.stopping import (
     is_a_rank_of_the_launcher_wrap,
     stopping_on_signals,
 )
+from exactga.launch.twins import LAUNCHED_AS_ENV, launched_as
 
 TRACEBACK_ENV = "EXACTGA_TRACEBACK"
 # How a rank's error file marks a user error for the launcher (see [user errors]).
@@ -78,7 +80,7 @@ def run_recipe(recipe_main: Callable[[], Any]) -> int:
         single_device_problem(recipe_file, recipe_function.__globals__)
         or _missing_config(sys.argv)
         or _command_line_problem(sys.argv)
-        or _mixed_up_config(recipe_function.__globals__.get("RECIPE_NAME"), sys.argv)
+        or _mixed_up_config(_launched_name(recipe_function.__globals__, sys.argv), sys.argv)
     )
     if problem is not None:
         _print_user_error(problem)
@@ -174,6 +176,31 @@ def _config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
             overrides.append(arg)
         position += 1
     return config_path, overrides
+
+
+def _launched_name(recipe_globals: dict[str, Any], argv: list[str]) -> object:
+    """The recipe's ``RECIPE_NAME``; for a file that serves two of torchtune's names (its
+    ``RECIPE_NAME`` their family's, ``full_finetune``), the one this launch runs as, as its
+    ``validated_config`` will pick it (see [one recipe, two launches])."""
+    name = recipe_globals.get("RECIPE_NAME")
+    if not any(entry.file and entry.file == name for entry in RECIPES):
+        return name
+    return launched_as(str(name), _config_keys(argv))
+
+
+def _config_keys(argv: list[str]) -> set[str]:
+    """The top-level keys of the launch's config: its file's and its overrides' (``~key``
+    drops one), as torchtune's parser will merge them."""
+    config_path, overrides = _config_and_overrides(argv[1:])
+    yaml_args, _ = _read_config_file(config_path) if config_path else ({}, None)
+    keys = set(yaml_args)
+    for arg in overrides:
+        key = arg.partition("=")[0]
+        if key.startswith("~"):
+            keys.discard(key[1:])  # a dotted one drops a key inside a section: no top key
+        else:
+            keys.add(key.split(".")[0])
+    return keys
 
 
 def _mixed_up_config(recipe_name: object, argv: list[str]) -> str | None:
@@ -350,11 +377,22 @@ def refuse_launch_mixups(run_module: Any) -> None:
         if problem is not None:
             print(f"\nexactga: {problem}", file=sys.stderr)
             raise SystemExit(1)
+        record_launched_name(args.recipe)
         return run_cmd(self, args)
 
     checked_run_cmd._exactga_checked = True  # type: ignore[attr-defined]
     run_class._get_recipe = get_recipe_or_file
     run_class._run_cmd = checked_run_cmd
+
+
+def record_launched_name(recipe: str) -> None:
+    """Tell the recipe's process (this one, or torchrun's ranks) the exactga name ``tune run``
+    was given, for a file that serves two names; nothing for a path (see [one recipe, two
+    launches] in exactga.launch.twins)."""
+    if recipe.startswith(PREFIX) and recipe_entry(recipe.removeprefix(PREFIX)) is not None:
+        os.environ[LAUNCHED_AS_ENV] = recipe.removeprefix(PREFIX)
+    else:
+        os.environ.pop(LAUNCHED_AS_ENV, None)
 
 
 def _torchrun_options(run_module: Any) -> dict[str, bool]:

@@ -6,13 +6,16 @@ torchtune's, or exactga's under ``exactga/``: see exactga.launch.registry), else
 into a dotted module name and imported. Several ordinary commands then train something other
 than asked, with exit status 0, or end in a traceback that does not say what to type instead:
 
-- a single-device recipe by path (or a user's copy of one) under ``--nproc_per_node N``:
-  torchtune refuses single-device recipes it knows by name, but a path is imported under
+- a single-device-only recipe by path (PPO, or a user's copy of it) under ``--nproc_per_node
+  N``: torchtune refuses single-device recipes it knows by name, but a path is imported under
   torchrun as any script, so N processes each train the whole run into one output folder.
   The recipe refuses it itself, before anything is written: ``run_recipe`` asks
   :func:`single_device_problem`, which reads the recipe's ``RECIPE_NAME`` (a copy keeps it) or
   its source (a copy that renamed it still calls ``Runtime.single_device``);
-  ``Runtime.single_device`` refuses too, for a copy that skips ``run_recipe``;
+  ``Runtime.single_device`` refuses too, for a copy that skips ``run_recipe``. A file that
+  serves both of torchtune's names (``recipes/full_finetune.py``) trains on every rank under
+  torchrun instead, whatever its config (see [one recipe, two launches] in
+  exactga.launch.twins);
 - a stock recipe name with a config written for exactga (``tune run lora_finetune_single_device
   --config configs/qwen3/0.6B_lora_single_device.yaml``): torchtune's own recipe runs and ignores
   exactga's keys (:data:`~exactga.launch.registry.EXACTGA_ONLY_KEYS`). Refused by the launcher
@@ -25,8 +28,8 @@ than asked, with exit status 0, or end in a traceback that does not say what to 
 - a recipe that is neither a listed name, nor a file, nor a module (a typo in
   ``exactga/full_finetune_single_devic``, ``recipes/x.py`` from a folder without ``recipes/``):
   one message naming the nearest names instead of runpy's traceback;
-- an exactga single-device recipe by name under torchrun: torchtune's own refusal, with its
-  distributed twin named;
+- an exactga single-device recipe name under torchrun: torchtune's own refusal, with its
+  distributed twin named (for the four families with one file, the same file's other name);
 - a config whose ``loss`` is another recipe family's (a DPO config given to a fine-tuning recipe,
   or back): a traceback at the first batch, or start-up; refused by ``run_recipe``
   (:func:`recipe_family_problem`) with the recipe that trains it; likewise a LoRA model given to
@@ -50,6 +53,7 @@ from typing import Any
 from exactga.launch.registry import (
     EXACTGA_ONLY_KEYS,
     PREFIX,
+    RECIPES,
     distributed_twin,
     recipe_entry,
     recipe_of_config,
@@ -110,9 +114,15 @@ def single_device_refusal(
     if suggestion is None:
         suggestion = f"tune run --nproc_per_node N {PREFIX}{twin} --config <config> ..."
     return (
-        f"{what} Run its distributed twin, {twin} (recipes/{twin}.py in exactga's folder): "
+        f"{what} Run its distributed twin, {twin} ({_recipe_file(twin)} in exactga's folder): "
         f"{suggestion}; or run this one without torchrun options."
     )
+
+
+def _recipe_file(name: str) -> str:
+    """The file of exactga's recipe ``name``, as the docs give it (``recipes/x.py``)."""
+    entry = recipe_entry(name)
+    return f"recipes/{entry.recipe_file if entry is not None else name}.py"
 
 
 def _calls_single_device_runtime(recipe_file: Path) -> bool:
@@ -369,7 +379,7 @@ def _stock_recipe_with_exactga_config(recipe: str, config_file: str | None) -> s
     return (
         f"'{recipe}' is torchtune's own recipe, which does not read this config's exactga keys "
         f"({shown}) and would train without them, without a word. Run exactga's recipe: "
-        f"{command} (or recipes/{recipe}.py in exactga's folder){written_for}. For torchtune's "
+        f"{command} (or {_recipe_file(recipe)} in exactga's folder){written_for}. For torchtune's "
         "own, give it a config without exactga's keys."
     )
 
@@ -408,11 +418,11 @@ def _importable(recipe: str) -> bool:
 def _no_such_recipe(recipe: str, listed: Mapping[str, bool]) -> str:
     stem = Path(recipe).stem
     candidates = list(listed)
-    if recipe_entry(stem) is not None:
-        nearest = [PREFIX + stem]
-    else:
+    # A file's name (the names of a file that serves two: recipes/full_finetune.py).
+    nearest = [PREFIX + e.name for e in RECIPES if stem in (e.name, e.recipe_file)]
+    if not nearest:
         nearest = difflib.get_close_matches(recipe, candidates, n=1, cutoff=0.6)
-    hint = f" Did you mean '{nearest[0]}'?" if nearest else ""
+    hint = f" Did you mean {' or '.join(repr(n) for n in nearest[:2])}?" if nearest else ""
     return (
         f"tune run {recipe}: no such recipe: not a name 'tune ls' lists, nor a file or module "
         f"found from the working directory {Path.cwd()}.{hint} exactga's recipes run from any "

@@ -39,6 +39,13 @@ class RecipeEntry:
     name: str
     configs: tuple[str, ...]
     supports_distributed: bool
+    # The file's name under recipes/ (without ``.py``) where it is not ``name``: torchtune's
+    # twins share one file (see [one recipe, two launches] in exactga.launch.twins).
+    file: str = ""
+
+    @property
+    def recipe_file(self) -> str:
+        return self.file or self.name
 
 
 # Each config is listed under the recipe its header launches (tests/test_registry.py checks
@@ -58,6 +65,7 @@ RECIPES = (
             "gemma3/1B_full_single_device",
         ),
         supports_distributed=False,
+        file="full_finetune",
     ),
     RecipeEntry(
         "full_finetune_distributed",
@@ -74,6 +82,7 @@ RECIPES = (
             "gpt_oss/20B_full",
         ),
         supports_distributed=True,
+        file="full_finetune",
     ),
     RecipeEntry(
         "lora_finetune_single_device",
@@ -97,6 +106,7 @@ RECIPES = (
             "gpt_oss/20B_lora_single_device",
         ),
         supports_distributed=False,
+        file="lora_finetune",
     ),
     RecipeEntry(
         "lora_finetune_distributed",
@@ -114,6 +124,7 @@ RECIPES = (
             "gpt_oss/120B_lora",
         ),
         supports_distributed=True,
+        file="lora_finetune",
     ),
     RecipeEntry(
         "knowledge_distillation_single_device",
@@ -125,6 +136,7 @@ RECIPES = (
             "gemma3/4B_to_1B_KD_lora_single_device",
         ),
         supports_distributed=False,
+        file="knowledge_distillation",
     ),
     RecipeEntry(
         "knowledge_distillation_distributed",
@@ -136,6 +148,7 @@ RECIPES = (
             "gemma3/4B_to_1B_KD_lora_distributed",
         ),
         supports_distributed=True,
+        file="knowledge_distillation",
     ),
     RecipeEntry(
         "lora_dpo_single_device",
@@ -145,11 +158,13 @@ RECIPES = (
             "gemma3/1B_lora_dpo_single_device",
         ),
         supports_distributed=False,
+        file="lora_dpo",
     ),
     RecipeEntry(
         "lora_dpo_distributed",
         ("tiny/lora_dpo_distributed", "qwen3_moe/30B_A3B_lora_dpo", "gpt_oss/20B_lora_dpo"),
         supports_distributed=True,
+        file="lora_dpo",
     ),
     RecipeEntry("full_dpo_distributed", ("tiny/full_dpo_distributed",), True),
     RecipeEntry("qat_distributed", ("tiny/qat_distributed",), True),
@@ -290,7 +305,7 @@ def add_to_torchtune_registry(registry_module: Any) -> None:
         registry_module.get_all_recipes().append(
             registry_module.Recipe(
                 name=name,
-                file_path=str(recipe_path(entry.name)),
+                file_path=str(recipe_path(entry.recipe_file)),
                 configs=configs,
                 supports_distributed=entry.supports_distributed,
             )

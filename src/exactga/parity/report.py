@@ -353,7 +353,7 @@ class Distillation:
             f"**Objective: knowledge distillation.** Every run distils the frozen teacher "
             f"(`{self.teacher}`) into the student: loss = {1 - r:g} x `{self.loss}` + {r:g} x "
             f"`{self.kd_loss}` (`kd_ratio: {r:g}`), with the loss step of "
-            "recipes/knowledge_distillation_single_device.py. `post_scale` is stock torchtune "
+            "recipes/knowledge_distillation.py. `post_scale` is stock torchtune "
             "0.6.1's KD recipe's weighting (see [stock kd weighting] in exactga.kd.distillation)."
         )
 

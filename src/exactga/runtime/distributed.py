@@ -62,8 +62,9 @@ def init_distributed(device: torch.device, offload_ops_to_cpu: bool = False) -> 
 
 
 def _init_single_rank(backend: str) -> None:
-    """A process group of this process alone, for a distributed recipe started without torchrun
-    (``tune run recipes/<distributed recipe>.py`` with no ``--nproc_per_node``): it then trains
+    """A process group of this process alone, for a distributed run started without torchrun
+    (``tune run exactga/<name>_distributed``, or a recipe file with a distributed config, with
+    no ``--nproc_per_node``: [one recipe, two launches] in exactga.launch.twins): it then trains
     as one rank instead of failing with torch's "environment variable RANK expected"."""
     log.warning(
         "No torchrun environment (RANK is not set): training as one rank. For N processes "

@@ -2,9 +2,10 @@
 policy, the attention kernels, the CPU threads, under torchrun the process group and the
 ("dp", "tp") mesh, and the seed (see [setup order], 1, in exactga.wiring.run_start).
 
-A recipe's ``__init__`` builds it first (``Runtime.single_device(cfg)`` or
-``Runtime.distributed(cfg)``) and hands it to ``RunStart``; what the run builds against it (the
-model, the counters, the step) is the wiring's, above this package.
+A recipe's ``__init__`` builds it first (``Runtime.for_settings(cfg)`` in a file that serves
+both of torchtune's names, else ``Runtime.single_device(cfg)`` or ``Runtime.distributed(cfg)``)
+and hands it to ``RunStart``; what the run builds against it (the model, the counters, the step)
+is the wiring's, above this package.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from exactga.runtime.threads import use_cpu_threads
 class Runtime:
     """Where and how a run computes, read from the config once (see [setup order], 1).
 
-    Build it with :meth:`single_device` or :meth:`distributed`; a recipe passes it to
+    Build it with :meth:`for_settings`, :meth:`single_device` or :meth:`distributed`; a recipe
+    passes it to
     ``RunStart`` and reads ``device``, ``precision`` and, distributed, ``dp_size``.
     """
 
@@ -46,6 +48,18 @@ class Runtime:
     # Sharded full-weight recipes (their schemas have enable_async_checkpointing) read their
     # weights through torchtune's CheckpointClient, as stock does.
     checkpoint_client: bool = False
+
+    @classmethod
+    def for_settings(
+        cls, cfg: SingleDeviceRecipeConfig, *, tensor_parallel: bool = False
+    ) -> Runtime:
+        """The runtime of the schema the launch chose for a recipe file that serves both of
+        torchtune's names ([one recipe, two launches] in exactga.launch.twins): every rank of
+        a process group for a distributed schema (``tensor_parallel``: as in
+        :meth:`distributed`), else one device."""
+        if cfg.DISTRIBUTED:
+            return cls.distributed(cfg, tensor_parallel=tensor_parallel)
+        return cls.single_device(cfg)
 
     @classmethod
     def single_device(cls, cfg: SingleDeviceRecipeConfig) -> Runtime:

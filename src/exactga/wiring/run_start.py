@@ -2,7 +2,7 @@
 
 A training recipe reads, top to bottom::
 
-    self._runtime = Runtime.single_device(cfg)         # or Runtime.distributed(cfg)
+    self._runtime = Runtime.for_settings(cfg)          # one device, or every rank
     ...
     start = RunStart(cfg, self._runtime, fingerprint_keys)  # resume point, logger, weights
     self._model = start.build_model(cfg.model, start.full_weights())
@@ -37,10 +37,11 @@ from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.accumulation.window_statistics import WindowStatistic
 from exactga.checkpoints.contents import RunCheckpoints
-from exactga.config.schemas import SingleDeviceRecipeConfig
+from exactga.config.schemas import SingleDeviceRecipeConfig, TwinSchemas
 from exactga.config.validation import Settings, torchtune_config, typed_settings
 from exactga.data.loader import dataloader_from_settings
 from exactga.data.micro_batching import MicroBatchingSettings
+from exactga.launch.twins import DISTRIBUTED, launched_as
 from exactga.lora.adapters import LoraSettings
 from exactga.model_build.frozen import build_frozen_model, freeze_model
 from exactga.model_build.trained import (
@@ -68,16 +69,26 @@ from exactga.runtime.runtime import Runtime
 log = utils.get_logger("INFO")
 
 
-def validated_config(cfg: DictConfig, schema: type[Settings], recipe_name: str) -> Settings:
+def validated_config(
+    cfg: DictConfig, schema: type[Settings] | TwinSchemas, recipe_name: str
+) -> Settings:
     """The recipe's config checked strictly against ``schema`` before anything is built (see
     ``exactga.run.resume.validate_run_config``), then summed up in three lines on rank 0, the
     whole resolved config written to the output folder; returned as ``schema``'s typed
     settings, which the recipe reads as it read the config (``cfg.batch_size``) and hands down
     (see [typed settings] in exactga.config.validation).
 
+    A recipe file that serves both of torchtune's names gives its ``TwinSchemas`` and its
+    family as ``recipe_name`` (``full_finetune``): the launch picks the schema and the name
+    (``full_finetune_distributed``), see [one recipe, two launches] in exactga.launch.twins.
+
     Raises:
         ValueError: naming the key or file at fault.
     """
+    if isinstance(schema, TwinSchemas):
+        recipe_name = launched_as(recipe_name, cfg.keys())
+        distributed = recipe_name.endswith(DISTRIBUTED)
+        schema = schema.distributed if distributed else schema.single_device
     cfg = validate_run_config(cfg, schema, recipe_name)
     cfg = models_from_folders(cfg)  # config.json is the truth of a Hugging Face folder
     log_config_summary(recipe_name, cfg)  # the whole config: <output_dir>/resolved_config.yaml

@@ -53,12 +53,12 @@ from recipe_utils import SMALL_MODEL, output_of, run_tune  # noqa: E402
 STEPS = 8
 # name (also the config's and the data file's): (recipe, number of processes)
 RUNS = {
-    "full_single_device": ("recipes/full_finetune_single_device.py", 1),
-    "lora_single_device": ("recipes/lora_finetune_single_device.py", 1),
-    "full_distributed": ("recipes/full_finetune_distributed.py", 2),
-    "lora_distributed": ("recipes/lora_finetune_distributed.py", 2),
-    "kd_single_device": ("recipes/knowledge_distillation_single_device.py", 1),
-    "kd_distributed": ("recipes/knowledge_distillation_distributed.py", 2),
+    "full_single_device": ("recipes/full_finetune.py", 1),
+    "lora_single_device": ("recipes/lora_finetune.py", 1),
+    "full_distributed": ("recipes/full_finetune.py", 2),
+    "lora_distributed": ("recipes/lora_finetune.py", 2),
+    "kd_single_device": ("recipes/knowledge_distillation.py", 1),
+    "kd_distributed": ("recipes/knowledge_distillation.py", 2),
 }
 OVERRIDES = {
     **SMALL_MODEL,

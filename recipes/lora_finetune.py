@@ -1,22 +1,34 @@
-"""LoRA and QLoRA fine-tuning on one device, with exact gradient accumulation.
+"""LoRA and QLoRA fine-tuning with exact gradient accumulation, on one device or with FSDP2 on
+every rank of one node or many, GPUs or CPUs.
 
-A drop-in for torchtune 0.6.1's ``lora_finetune_single_device``: its configs run unchanged, and
-it writes the same artefacts (adapter weights in torchtune's format and, through the checkpointer,
-in PEFT's format with ``adapter_config.json``; merged full weights unless
-``save_adapter_weights_only``). Only the adapters train. What differs is the loss of each
-optimizer step, which here is exactly the full-batch loss of the accumulation window whatever
-the split into micro-batches, with no pass over the gradients; see
-``exactga.accumulation.normalization`` and docs/math.md.
+A drop-in for torchtune 0.6.1's ``lora_finetune_single_device`` and ``lora_finetune_distributed``:
+this one file runs under both names (``tune ls``: ``exactga/<name>``), and their configs run
+unchanged, with the same artefacts, written by rank 0 (adapter weights in torchtune's format and,
+through the checkpointer, in PEFT's format with ``adapter_config.json``; merged full weights unless
+``save_adapter_weights_only``). Only the adapters train. Under torchrun it trains on every rank,
+else on one device (or as one rank, launched as the distributed name or with a distributed
+config): see [one recipe, two launches] in exactga.launch.twins. What differs from stock: the loss
+of each optimizer step is exactly the full-batch loss of the window over every data-parallel
+rank, whatever the split into ranks and micro-batches, with no pass over the gradients; ranks may
+hold very different token counts, or none; ``device: cpu`` runs distributed (gloo), which stock
+0.6.1 does not; the initial adapters do not depend on the number of ranks; and gradients may be
+reduced once per window instead of after every micro-batch (``gradient_sync``). See
+``exactga.accumulation.normalization``, docs/math.md, docs/lora_finetune_single_device.md and
+docs/lora_finetune_distributed.md.
 
 Launch from the repository root (or any folder holding your copy of this file)::
 
-    tune run recipes/lora_finetune_single_device.py --config configs/tiny/lora_single_device.yaml
-    tune run recipes/lora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
-    tune run recipes/lora_finetune_single_device.py \\
+    tune run recipes/lora_finetune.py --config configs/tiny/lora_single_device.yaml
+    tune run recipes/lora_finetune.py --config configs/tiny/qlora_single_device.yaml
+    tune run recipes/lora_finetune.py \\
         --config configs/llama3_2/1B_lora_single_device.yaml gradient_accumulation_steps=16
+    tune run --nproc_per_node 2 recipes/lora_finetune.py --config configs/tiny/lora_distributed.yaml
+    # several nodes: the same command on each, through torchrun's rendezvous
+    tune run --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d \\
+        --rdzv_endpoint HOST:29500 --rdzv_id JOB recipes/lora_finetune.py --config llama3_1/70B_lora
 
-Copy this file to change the loop; the numerics stay in ``exactga``. See
-docs/lora_finetune_single_device.md.
+Copy this file to change the loop (``tune cp exactga/lora_finetune_single_device my.py``; the
+distributed name copies the same file); the numerics stay in ``exactga``.
 """
 
 import sys
@@ -27,7 +39,7 @@ from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
-from exactga.config.schemas import LoraFinetuneSingleDeviceConfig
+from exactga.config.schemas import LORA_FINETUNE, LoraFinetuneConfig
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
 from exactga.lora.adapters import LoraSettings
@@ -41,14 +53,18 @@ from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 
-RECIPE_NAME = "lora_finetune_single_device"
+# The family of torchtune's two names for this file: lora_finetune_single_device and
+# lora_finetune_distributed (see [one recipe, two launches] in exactga.launch.twins).
+RECIPE_NAME = "lora_finetune"
 
 
-class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
-    """LoRA, DoRA and QLoRA fine-tuning of a dense decoder on one device (GPU or CPU).
+class LoRAFinetuneRecipe(FTRecipeInterface):
+    """LoRA, DoRA and QLoRA fine-tuning of a dense decoder on one device (GPU or CPU), or with
+    FSDP2 on every rank.
 
     The base weights are frozen (NF4-quantised with a ``qlora_*`` builder or
-    ``quantize_base: True``); only the adapter parameters get gradients and optimizer state.
+    ``quantize_base: True``); only the adapter parameters get gradients and optimizer state, and
+    only they are reduced across ranks.
 
     Features (each a config key; defaults in ``exactga.config.schemas``):
         - Exact gradient accumulation (``gradient_accumulation_steps``): each window of micro-
@@ -57,29 +73,43 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
           one micro-batch no scaling op runs at all. An epoch's last, short window is a step of
           its own (``drop_partial_window: True`` drops it); a window without a loss token skips
           the optimizer step and is counted in the ``skipped_steps`` metric.
+        - Distributed, exact over micro-batches *and* data-parallel ranks, as in
+          recipes/full_finetune.py: one all-reduce of the window's loss-token count over the
+          data-parallel group per step, each micro-batch loss scaled by ``dp_size *
+          batch_tokens / window_tokens`` before backward; an empty micro-batch still runs with
+          weight 0, and a window empty on every rank skips its step (``skipped_steps``).
+        - ``gradient_sync`` (distributed): ``every_micro_batch`` (default, as stock) or
+          ``once_per_window`` (one reduce-scatter of the adapter gradients per step).
+        - FSDP2 through torchtune's ``shard_model`` over the data-parallel mesh (stock LoRA has
+          no tensor parallelism): ``fsdp_cpu_offload``, ``fsdp_reshard_after_forward``,
+          ``custom_sharded_layers``.
         - ``loss_normalization``: ``exact`` (default); ``post_scale`` (stock torchtune) and
           ``naive`` (mean of micro-batch means) exist for benchmarks and parity reports.
-        - ``micro_batching``: how each window's samples are cut into micro-batches, exact in
-          every mode: ``by_length`` (default: sorted by length, least padding), ``fixed`` (the
-          loader's order, as stock), ``token_budget`` (``micro_batch_tokens`` padded positions
-          per micro-batch). Logs ``throughput/padding_fraction``; see docs/micro_batching.md.
+        - ``micro_batching``: how each window's samples are cut into micro-batches (per rank),
+          exact in every mode: ``by_length`` (default: sorted by length, least padding),
+          ``fixed`` (the loader's order, as stock), ``token_budget`` (``micro_batch_tokens``
+          padded positions per micro-batch). Logs ``throughput/padding_fraction``; see
+          docs/micro_batching.md.
         - Precision (``dtype``: fp32 or bf16), activation checkpointing and offloading,
           ``compile``, ``clip_grad_norm``, learning-rate schedulers, low-bit optimizers
           (``torchao.optim.AdamW8bit``, bitsandbytes): as in torchtune. Under bf16 the
           adapters, their gradients and optimizer state are fp32 over the bf16 base
-          (``master_weights: fp32``, the default; ``none`` is stock's pure bf16), and are
-          written in the base's dtype (docs/precision.md).
-        - Checkpointing at each epoch's end: adapter weights and adapter config, plus merged
-          full weights unless ``save_adapter_weights_only``. With ``save_every_n_steps``, atomic
-          step checkpoints (adapters, optimizer, counters, RNG, data-loader position;
+          (``master_weights: fp32``, the default; ``none`` is stock's pure bf16; distributed,
+          the fp32 adapter shards are gathered in bf16 and their gradients reduced in fp32),
+          and are written in the base's dtype (docs/precision.md).
+        - Checkpointing at each epoch's end (distributed: gathered to and written by rank 0):
+          adapter weights and adapter config, plus merged full weights unless
+          ``save_adapter_weights_only``. With ``save_every_n_steps``, atomic step checkpoints
+          (adapters, optimizer, counters, RNG, data-loader position, every rank's;
           ``keep_last_n_checkpoints``) from which ``resume_from_checkpoint`` goes on with the
-          very next window (docs/reliability.md); without them it resumes at an epoch boundary
-          from the adapter checkpoint, as stock.
-        - ``nonfinite_loss``: a step with a NaN/inf loss is skipped (``skip``) or stops the run
-          with a checkpoint (``stop``); one host read per step, none per micro-batch.
-        - Logging through torchtune's metric loggers: ``loss`` (exact window loss), ``lr``,
-          ``tokens_per_second_per_gpu``, ``loss_tokens``, ``skipped_steps``, ``grad_norm`` when
-          clipping, and peak memory on GPU.
+          very next window, on the same world size (docs/reliability.md); without them it
+          resumes at an epoch boundary from the adapter checkpoint, as stock.
+        - ``nonfinite_loss``: a step with a NaN/inf loss (on any rank) is skipped (``skip``) or
+          stops the run with a checkpoint (``stop``); one host read per step, none per
+          micro-batch.
+        - Logging through torchtune's metric loggers, on rank 0: ``loss`` (the exact window
+          loss over all ranks), ``lr``, ``tokens_per_second_per_gpu``, ``loss_tokens``,
+          ``skipped_steps``, ``grad_norm`` when clipping, and peak memory on GPU.
         - Validation during training (``dataset_val``, ``run_val_every_n_steps``,
           ``batch_size_val``, ``max_val_batches``): the loss of the whole validation set as one
           batch over every rank, the same whatever its batch size or the number of ranks,
@@ -96,15 +126,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
-    def __init__(self, cfg: LoraFinetuneSingleDeviceConfig) -> None:
-        # Device, precision policy, kernels, threads and the seed; see [setup order].
-        self._runtime = Runtime.single_device(cfg)
+    def __init__(self, cfg: LoraFinetuneConfig) -> None:
+        # Device, precision policy, kernels, threads and the seed, and distributed the process
+        # group and the data-parallel mesh; see [setup order].
+        self._runtime = Runtime.for_settings(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: LoraFinetuneSingleDeviceConfig) -> None:
+    def setup(self, cfg: LoraFinetuneConfig) -> None:
         # Resume point, metric logger, torchtune's checkpointer and the frozen base it read.
         start = RunStart(cfg, self._runtime)
+        # Built on meta, adapters trainable, cast, compiled, sharded where distributed, loaded.
         self._model = start.build_model(cfg.model, start.adapter_weights(self._lora))
         self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
         self._tokenizer = config.instantiate(cfg.tokenizer)
@@ -112,6 +144,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
         # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
         self._router = RouterBalance.from_settings(cfg, self._model, self._runtime)
+        # Loss tokens are counted over every data-parallel rank: one all-reduce per window.
         normalizer = start.normalizer(self._loss_fn, units=self._router.units(self._loss_fn))
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
@@ -154,7 +187,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         with self._run as steps:  # the profiler, the progress bar and the closing report
             for curr_epoch in steps.epochs():
                 for window in steps.windows(curr_epoch):
-                    for batch in window:  # this rank's micro-batches, on the device
+                    for batch in window:  # this rank's micro-batches; fillers have weight 0
                         loss = self._loss_step(batch)  # forward and mean loss: edit here
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
@@ -178,14 +211,16 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._validation.log(figure, step)  # val/loss, val/perplexity and a console line
 
     def cleanup(self) -> None:
-        self._run.close()
+        self._run.close()  # the metric logger, and the process group where distributed
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: the config checked strictly and logged, then training."""
-    cfg = validated_config(cfg, LoraFinetuneSingleDeviceConfig, RECIPE_NAME)
-    recipe = LoRAFinetuneRecipeSingleDevice(cfg=cfg)
+    # The launch's schema, one device's or the distributed one's: see [one recipe, two
+    # launches] in exactga.launch.twins.
+    cfg = validated_config(cfg, LORA_FINETUNE, RECIPE_NAME)
+    recipe = LoRAFinetuneRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()
     recipe.cleanup()

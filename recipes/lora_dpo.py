@@ -1,21 +1,28 @@
-"""LoRA DPO with FSDP2 on one node or many, GPUs or CPUs, each step the full-batch step.
+"""LoRA DPO on one device or with FSDP2 on every rank of one node or many, GPUs or CPUs, whose
+every step is the full-batch step of its window.
 
-A drop-in for torchtune 0.6.1's ``lora_dpo_distributed``: its configs run unchanged, with the
-same artefacts written by rank 0 (adapters in torchtune's and PEFT's format, merged weights
-unless ``save_adapter_weights_only``). The reference is the policy with its adapters off. What
-differs: each step's loss is the mean per-pair DPO loss over every pair of the window on every
-rank, whatever the split into ranks and micro-batches (stock divides each micro-batch's mean by
-the accumulation count and lets FSDP average ranks); ranks may hold different numbers of pairs;
-``device: cpu`` runs (gloo), which stock 0.6.1 does not. See [pairs as loss units] in
-``exactga.dpo.preference`` and docs/dpo.md.
+A drop-in for torchtune 0.6.1's ``lora_dpo_single_device`` and ``lora_dpo_distributed``: this one
+file runs under both names (``tune ls``: ``exactga/<name>``), and their configs run unchanged,
+with the same artefacts, written by rank 0 (adapter weights in torchtune's and PEFT's format with
+``adapter_config.json``; merged full weights unless ``save_adapter_weights_only``). The reference
+is the policy with its adapters off. Under torchrun it trains on every rank, else on one device
+(or as one rank, launched as the distributed name or with a distributed config): see [one recipe,
+two launches] in exactga.launch.twins. What differs from stock is each optimizer step: the loss
+is the mean of torchtune's per-pair ``DPOLoss`` (or ``RSOLoss``) over every pair of the window on
+every rank, whatever the split into ranks and micro-batches, where stock divides each
+micro-batch's mean by the accumulation count and lets FSDP average ranks; ranks may hold
+different numbers of pairs; ``device: cpu`` runs distributed (gloo), which stock 0.6.1 does not.
+See [pairs as loss units] in ``exactga.dpo.preference`` and docs/dpo.md.
 
-Launch from the repository root::
+Launch from the repository root (or any folder holding your copy of this file)::
 
-    tune run --nproc_per_node 2 recipes/lora_dpo_distributed.py \\
-        --config configs/tiny/lora_dpo_distributed.yaml
-    tune run --nproc_per_node 8 recipes/lora_dpo_distributed.py --config llama3_1/8B_lora_dpo
+    tune run recipes/lora_dpo.py --config configs/tiny/lora_dpo_single_device.yaml
+    tune run recipes/lora_dpo.py --config llama3_1/8B_lora_dpo_single_device
+    tune run --nproc_per_node 2 recipes/lora_dpo.py --config configs/tiny/lora_dpo_distributed.yaml
+    tune run --nproc_per_node 8 recipes/lora_dpo.py --config llama3_1/8B_lora_dpo
 
-Copy this file to change the loop; the numerics stay in ``exactga``.
+Copy this file to change the loop (``tune cp exactga/lora_dpo_single_device my.py``; the
+distributed name copies the same file); the numerics stay in ``exactga``.
 """
 
 import sys
@@ -30,7 +37,7 @@ from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.dpo.log_probs import lora_reference
 from exactga.dpo.loss import dpo_micro_batch_loss
-from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LoraDpoDistributedConfig
+from exactga.dpo.schema import DPO_FINGERPRINT_KEYS, LORA_DPO, LoraDpoConfig
 from exactga.dpo.terms import DpoTerms
 from exactga.dpo.validation import preference_validation_from_settings, preference_validation_loss
 from exactga.dpo.wiring import preference_run
@@ -41,22 +48,27 @@ from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 
-RECIPE_NAME = "lora_dpo_distributed"
+# The family of torchtune's two names for this file: lora_dpo_single_device and
+# lora_dpo_distributed (see [one recipe, two launches] in exactga.launch.twins).
+RECIPE_NAME = "lora_dpo"
 
 
-class LoRADPORecipeDistributed(FTRecipeInterface):
-    """Direct preference optimisation of LoRA (DoRA, QLoRA) adapters with FSDP2.
+class LoRADPORecipe(FTRecipeInterface):
+    """Direct preference optimisation of LoRA (DoRA, QLoRA) adapters on one device, or with
+    FSDP2 on every rank.
 
-    The base is frozen and sharded; only the adapters train and are reduced across ranks. The
-    reference log-probs come from the same model with its adapters off, under no_grad.
+    The base weights are frozen (and sharded, distributed); only the adapters train and are
+    reduced across ranks. The reference log-probs come from the same model with its adapters
+    off, under no_grad, before the policy's forward.
 
     Features (each a config key; defaults in ``exactga.config.schemas`` and
     ``exactga.dpo.schema``):
-        - Exact accumulation over pairs, micro-batches and data-parallel ranks: one all-reduce
-          of the window's pair count per step, each micro-batch's mean loss over its pairs
-          scaled by ``dp_size * batch_pairs / window_pairs`` before backward. With
-          ``token_budget`` a rank with fewer micro-batches runs zero-weight fillers (one real
-          pair each, so FSDP's collectives pair up and the gradient is exactly unchanged).
+        - Exact accumulation over pairs (``gradient_accumulation_steps``), micro-batches and
+          data-parallel ranks: each window's pairs are counted on the host (distributed: one
+          all-reduce of the count per step) and each micro-batch's mean loss over its pairs is
+          scaled by ``dp_size * batch_pairs / window_pairs`` before backward. An epoch's last,
+          short window is a step of its own (``drop_partial_window: True`` drops it); stock
+          leaks its leftover micro-batches' gradient into the next epoch's first step.
         - ``loss`` beyond torchtune's ``DPOLoss`` and ``RSOLoss``: ``exactga.dpo.losses``'
           ``SimPOLoss`` and ``ORPOLoss`` (reference-free: no reference model is built or run;
           ORPO's NLL over the chosen tokens), ``IPOLoss``, and ``exactga.dpo.kto.KTOLoss`` on
@@ -68,15 +80,24 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
           averages per micro-batch); ``sequence_log_prob: mean`` length-normalises each
           response's log-prob (null: the loss's own). Off by default: stock's loss, by the same
           code.
-        - ``micro_batching`` on pairs per rank, log-probs only at response positions,
-          ``loss_normalization`` (``exact`` or stock's ``naive``), precision, master weights,
-          activation checkpointing and offloading, ``compile``, ``clip_grad_norm``,
-          ``gradient_sync``, FSDP2 keys (``fsdp_cpu_offload``, ``fsdp_reshard_after_forward``,
-          ``custom_sharded_layers``): as in the single-device DPO and distributed LoRA recipes.
-        - Checkpoints at each epoch's end, gathered to and written by rank 0; with
-          ``save_every_n_steps`` atomic step checkpoints that ``resume_from_checkpoint`` goes
-          on from with the next window on the same world size.
-        - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step everywhere or stops.
+        - ``micro_batching`` on pairs, per rank: ``by_length`` (default: pairs sorted by their
+          longer side), ``fixed`` (stock's order), ``token_budget`` (``micro_batch_tokens``
+          bounds the ``2 x pairs x longest`` positions of a micro-batch; distributed, a rank
+          with fewer micro-batches runs zero-weight fillers, one real pair each, so FSDP's
+          collectives pair up and the gradient is exactly unchanged). Exact in every mode.
+        - Log-probs only at response positions (the output projection runs nowhere else),
+          each term in fp32 at least, summed in fp64.
+        - ``loss_normalization``: ``exact`` (default) or ``naive``, stock's weighting (each
+          micro-batch's mean over its pairs divided by the number of micro-batches).
+        - Precision, ``master_weights``, activation checkpointing and offloading, ``compile``,
+          ``clip_grad_norm``, schedulers, low-bit optimizers, and distributed
+          ``gradient_sync`` and the FSDP2 keys (``fsdp_cpu_offload``,
+          ``fsdp_reshard_after_forward``, ``custom_sharded_layers``): as in the LoRA SFT recipe.
+        - Checkpoints at each epoch's end as stock (distributed: gathered to and written by
+          rank 0); with ``save_every_n_steps`` atomic step checkpoints that
+          ``resume_from_checkpoint`` goes on from with the next window, on the same world size.
+        - ``nonfinite_loss``: a NaN/inf loss (on any rank) skips the step everywhere (``skip``)
+          or stops (``stop``).
         - Validation (``dataset_val``, ``run_val_every_n_steps``, ``batch_size_val``,
           ``max_val_batches``): ``val/loss`` (the per-pair loss over every validation pair of
           every rank / their number), ``val/rewards/accuracy`` (a count of pairs over pairs),
@@ -86,10 +107,13 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
           (docs/validation.md).
           ``keep_best_checkpoint``: the weights of each new lowest ``val/loss`` as an epoch
           folder in ``best/``, resume-safe.
-        - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), ``pairs``,
-          stock's ``rewards/*`` and ``log_probs/*`` as means over the window's pairs on every
-          rank, ``tokens_per_second_per_gpu`` (rank 0's own tokens, padding excluded); with
-          ``rpo_alpha``, ``dpo_loss`` and ``chosen_nll``, the loss's two terms.
+        - Logging, on rank 0: ``loss`` (the exact window loss over all ranks), ``lr``,
+          ``pairs`` (the window's pairs), ``tokens_per_second_per_gpu`` (rank 0's pairs' own
+          tokens, padding excluded), stock's ``rewards/*`` and ``log_probs/*`` as means over
+          the window's pairs on every rank (stock logs the last micro-batch's), and the
+          profiler's scalars. Stock's ``logits/*`` (means over every padded position's logits)
+          are not logged: no logits exist off the responses. With ``rpo_alpha``: ``dpo_loss``
+          and ``chosen_nll``, the loss's two terms.
 
     Args:
         cfg: the validated config (see ``recipe_main``).
@@ -98,14 +122,14 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
         ValueError: bad values and impossible combinations of config keys, at start-up.
     """
 
-    def __init__(self, cfg: LoraDpoDistributedConfig) -> None:
-        # Device, process group, data-parallel mesh, precision policy, kernels, threads and
-        # the seed; see [setup order].
-        self._runtime = Runtime.distributed(cfg)
+    def __init__(self, cfg: LoraDpoConfig) -> None:
+        # Device, precision policy, kernels, threads and the seed, and distributed the process
+        # group and the data-parallel mesh; see [setup order].
+        self._runtime = Runtime.for_settings(cfg)
         self._lora = LoraSettings.from_config(cfg.model)  # read from the model, as stock does
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: LoraDpoDistributedConfig) -> None:
+    def setup(self, cfg: LoraDpoConfig) -> None:
         # Resume point, metric logger, torchtune's checkpointer and the frozen base it read.
         start = RunStart(cfg, self._runtime, DPO_FINGERPRINT_KEYS)
         self._model = start.build_model(cfg.model, start.adapter_weights(self._lora))
@@ -215,14 +239,16 @@ class LoRADPORecipeDistributed(FTRecipeInterface):
         self._validation.log(figure, step)  # val/loss, val/rewards/..., a console line
 
     def cleanup(self) -> None:
-        self._run.close()  # the metric logger and the process group
+        self._run.close()  # the metric logger, and the process group where distributed
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: the config checked strictly and logged, then training."""
-    cfg = validated_config(cfg, LoraDpoDistributedConfig, RECIPE_NAME)
-    recipe = LoRADPORecipeDistributed(cfg=cfg)
+    # The launch's schema, one device's or the distributed one's: see [one recipe, two
+    # launches] in exactga.launch.twins.
+    cfg = validated_config(cfg, LORA_DPO, RECIPE_NAME)
+    recipe = LoRADPORecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()
     recipe.cleanup()

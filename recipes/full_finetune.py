@@ -1,18 +1,31 @@
-"""Full fine-tuning on one device, with exact gradient accumulation.
+"""Full fine-tuning with exact gradient accumulation, on one device or with FSDP2 on every rank
+of one node or many, GPUs or CPUs.
 
-A drop-in for torchtune 0.6.1's ``full_finetune_single_device``: its configs run unchanged,
-with the same checkpointer outputs and metric names. What differs is the loss of each optimizer
-step, which here is exactly the full-batch loss of the accumulation window (sum of token losses
-over the window's loss tokens) whatever the split into micro-batches, with no pass over the
-gradients; see ``exactga.accumulation.normalization`` and docs/math.md.
+A drop-in for torchtune 0.6.1's ``full_finetune_single_device`` and ``full_finetune_distributed``:
+this one file runs under both names (``tune ls``: ``exactga/<name>``), and their configs run
+unchanged, with the same checkpointer outputs and metric names. Under torchrun it trains on every
+rank, else on one device (or as one rank, launched as the distributed name or with a distributed
+config): see [one recipe, two launches] in exactga.launch.twins. What differs from stock: the
+loss of each optimizer step is exactly the full-batch loss of the window over every data-parallel
+rank (sum of token losses over the window's loss tokens), whatever the split into ranks and
+micro-batches, with no pass over the gradients; ranks may hold very different token counts, or
+none; ``device: cpu`` runs distributed (gloo), which stock 0.6.1 does not; and gradients may be
+reduced once per window instead of after every micro-batch (``gradient_sync``). See
+``exactga.accumulation.normalization``, docs/math.md, docs/full_finetune_single_device.md and
+docs/full_finetune_distributed.md.
 
 Launch from the repository root (or any folder holding your copy of this file)::
 
-    tune run recipes/full_finetune_single_device.py --config configs/tiny/full_single_device.yaml
-    tune run recipes/full_finetune_single_device.py \\
+    tune run recipes/full_finetune.py --config configs/tiny/full_single_device.yaml
+    tune run recipes/full_finetune.py \\
         --config configs/llama3_2/1B_full_single_device.yaml gradient_accumulation_steps=8
+    tune run --nproc_per_node 2 recipes/full_finetune.py --config configs/tiny/full_distributed.yaml
+    # several nodes: the same command on each, through torchrun's rendezvous
+    tune run --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d \\
+        --rdzv_endpoint HOST:29500 --rdzv_id JOB recipes/full_finetune.py --config llama3_1/8B_full
 
-Copy this file to change the loop; the numerics stay in ``exactga``. docs/ has a page per recipe.
+Copy this file to change the loop (``tune cp exactga/full_finetune_single_device my.py``; the
+distributed name copies the same file); the numerics stay in ``exactga``.
 """
 
 import sys
@@ -23,7 +36,7 @@ from torchtune import config, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
-from exactga.config.schemas import FullFinetuneSingleDeviceConfig
+from exactga.config.schemas import FULL_FINETUNE, FullFinetuneConfig
 from exactga.data.loader import load_dataset, model_vocab_size
 from exactga.launch.cli import run_recipe
 from exactga.model_build.trained import build_loss
@@ -36,11 +49,14 @@ from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
 
-RECIPE_NAME = "full_finetune_single_device"
+# The family of torchtune's two names for this file: full_finetune_single_device and
+# full_finetune_distributed (see [one recipe, two launches] in exactga.launch.twins).
+RECIPE_NAME = "full_finetune"
 
 
-class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
-    """Full fine-tuning of a dense decoder (Llama, Qwen, ...) on one device (GPU or CPU).
+class FullFinetuneRecipe(FTRecipeInterface):
+    """Full fine-tuning of a dense decoder (Llama, Qwen, ...) on one device, GPU or CPU, or with
+    FSDP2 (and optional tensor parallelism) on every rank.
 
     Features (each a config key; defaults in ``exactga.config.schemas``):
         - Exact gradient accumulation (``gradient_accumulation_steps``): each window of micro-
@@ -49,27 +65,50 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
           one micro-batch no scaling op runs at all. An epoch's last, short window is a step of
           its own (``drop_partial_window: True`` drops it); a window without a loss token skips
           the optimizer step and is counted in the ``skipped_steps`` metric.
+        - Distributed, exact over micro-batches *and* data-parallel ranks: each rank's loss
+          token count goes into one all-reduce over the data-parallel group, which overlaps the
+          first forward; each micro-batch loss is scaled by ``dp_size * batch_tokens /
+          window_tokens``, which undoes FSDP's averaging. ``dp_size`` comes from the device
+          mesh, so tensor parallelism (``tensor_parallel_dim``, ``tensor_parallel_plan``) keeps
+          the count right. An empty micro-batch still runs on every rank with weight exactly 0
+          (FSDP needs the same collectives everywhere); a window empty on every rank skips its
+          step on every rank (``skipped_steps``).
+        - ``gradient_sync`` (distributed): ``every_micro_batch`` (default, as stock torchtune)
+          reduce-scatters gradients after each micro-batch; ``once_per_window`` once per step,
+          faster but with an unsharded copy of the gradients on every rank. Measured trade-off
+          in docs/full_finetune_distributed.md.
+        - FSDP2 through torchtune's ``shard_model``: ``fsdp_cpu_offload``,
+          ``fsdp_reshard_after_forward``, ``custom_sharded_layers``.
         - ``loss_normalization``: ``exact`` (default); ``post_scale`` (stock torchtune) and
           ``naive`` (mean of micro-batch means) exist for benchmarks and parity reports.
         - ``micro_batching``: how each window's samples are cut into micro-batches, exact in
           every mode: ``by_length`` (default: sorted by length, least padding), ``fixed`` (the
           loader's order, as stock), ``token_budget`` (``micro_batch_tokens`` padded positions
-          per micro-batch). Logs ``throughput/padding_fraction``; see docs/micro_batching.md.
-        - Precision (``dtype``: fp32 or bf16), activation checkpointing and offloading,
-          ``compile``, ``optimizer_in_bwd`` (needs ``gradient_accumulation_steps: 1``),
-          ``clip_grad_norm``, learning-rate schedulers: as in torchtune. ``master_weights:
-          fp32`` keeps weights, gradients and optimizer state in fp32 under bf16 autocast
-          (docs/precision.md); checkpoints for users are still written in ``dtype``.
-        - Checkpointing through torchtune's checkpointers at each epoch's end, and with
-          ``save_every_n_steps`` atomic step checkpoints (``keep_last_n_checkpoints``) holding
-          weights, optimizer, counters, RNG and data-loader position: ``resume_from_checkpoint``
-          then goes on with the very next window and ends where an uninterrupted run would
-          (see docs/reliability.md). Without step checkpoints it resumes at an epoch boundary.
-        - ``nonfinite_loss``: a step with a NaN/inf loss is skipped (``skip``) or stops the run
-          with a checkpoint (``stop``); one host read per step, none per micro-batch.
-        - Logging through torchtune's metric loggers: ``loss`` (exact window loss), ``lr``,
-          ``tokens_per_second_per_gpu``, ``loss_tokens``, ``skipped_steps``, ``grad_norm`` when
-          clipping, and peak memory on GPU.
+          per micro-batch; distributed, ranks with fewer micro-batches run zero-weight fillers
+          so FSDP's collectives pair up, ``throughput/rank_imbalance``). Logs
+          ``throughput/padding_fraction``; see docs/micro_batching.md.
+        - Precision (``dtype``: fp32 or bf16), activation checkpointing (distributed, also
+          selective with ``ac_mode``/``ac_option``) and offloading, ``compile``,
+          ``optimizer_in_bwd`` (needs ``gradient_accumulation_steps: 1``), ``clip_grad_norm``,
+          learning-rate schedulers: as in torchtune. ``master_weights: fp32`` keeps weights,
+          gradients and optimizer state in fp32 under bf16 autocast, or distributed shards
+          fp32 weights under FSDP2's bf16 ``MixedPrecisionPolicy`` with fp32 gradient
+          reduction (docs/precision.md); checkpoints for users are still written in ``dtype``.
+        - Checkpointing through torchtune's checkpointers (distributed: its checkpoint client,
+          written by rank 0; ``enable_async_checkpointing`` for intermediate distributed
+          checkpoints) at each epoch's end, and with ``save_every_n_steps`` atomic step
+          checkpoints (``keep_last_n_checkpoints``) holding weights, optimizer, counters, RNG
+          (every rank's) and data-loader position: ``resume_from_checkpoint`` then goes on with
+          the very next window, on the same world size, and ends where an uninterrupted run
+          would (see docs/reliability.md). Without step checkpoints it resumes at an epoch
+          boundary.
+        - ``nonfinite_loss``: a step with a NaN/inf loss (on any rank) is skipped (``skip``) or
+          stops the run with a checkpoint (``stop``); one host read per step, none per
+          micro-batch.
+        - Logging through torchtune's metric loggers, on rank 0: ``loss`` (the exact window
+          loss over all ranks: one extra all-reduce of one number on logged steps only),
+          ``lr``, ``tokens_per_second_per_gpu``, ``loss_tokens``, ``skipped_steps``,
+          ``grad_norm`` when clipping, and peak memory on GPU.
         - Validation during training (``dataset_val``, ``run_val_every_n_steps``,
           ``batch_size_val``, ``max_val_batches``): the loss of the whole validation set as one
           batch over every rank, the same whatever its batch size or the number of ranks,
@@ -86,14 +125,18 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             (``recipe_main``'s ``validate_run_config``; each schema's ``check_flags``).
     """
 
-    def __init__(self, cfg: FullFinetuneSingleDeviceConfig) -> None:
-        # Device, precision policy, kernels, threads and the seed; see [setup order].
-        self._runtime = Runtime.single_device(cfg)
+    def __init__(self, cfg: FullFinetuneConfig) -> None:
+        # Device, precision policy, kernels, threads and the seed, and distributed the process
+        # group and the ("dp", "tp") mesh; see [setup order].
+        self._runtime = Runtime.for_settings(cfg, tensor_parallel=True)
         self._clip_grad_norm = cfg.clip_grad_norm
 
-    def setup(self, cfg: FullFinetuneSingleDeviceConfig) -> None:
-        # Resume point, metric logger, torchtune's checkpointer and the weights it read.
+    def setup(self, cfg: FullFinetuneConfig) -> None:
+        # Resume point, metric logger, torchtune's checkpointer (distributed: its checkpoint
+        # client) and the weights it read.
         start = RunStart(cfg, self._runtime)
+        # Built on meta, cast, compiled, sharded (tensor-parallel first) where distributed, and
+        # loaded.
         self._model = start.build_model(cfg.model, start.full_weights())
         self._activations_ctx = start.activations_ctx  # activation offloading, or nothing
         self._tokenizer = config.instantiate(cfg.tokenizer)
@@ -103,6 +146,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._loss_fn = build_loss(cfg.loss, self._model, compile_loss=cfg.compile)
         # A mixture-of-experts model's router balance term (none for a dense one): docs/moe.md.
         self._router = RouterBalance.from_settings(cfg, self._model, self._runtime)
+        # Loss tokens are counted over every data-parallel rank: one all-reduce per window.
         normalizer = start.normalizer(self._loss_fn, units=self._router.units(self._loss_fn))
         # Row checks, data order and loader position: see [data order] in exactga.data.loader.
         dataset = load_dataset(cfg.dataset, self._tokenizer, model_vocab_size(self._model))
@@ -144,7 +188,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         with self._run as steps:  # the profiler, the progress bar and the closing report
             for curr_epoch in steps.epochs():
                 for window in steps.windows(curr_epoch):
-                    for batch in window:  # this rank's micro-batches, on the device
+                    for batch in window:  # this rank's micro-batches; fillers have weight 0
                         loss = self._loss_step(batch)  # forward and mean loss: edit here
                         window.backward(loss)  # weighed by its exact share, then backward
                     outcome = window.step(self._optimizer, clip_grad_norm=self._clip_grad_norm)
@@ -168,14 +212,16 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._validation.log(figure, step)  # val/loss, val/perplexity and a console line
 
     def cleanup(self) -> None:
-        self._run.close()
+        self._run.close()  # the metric logger, and the process group where distributed
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: the config checked strictly and logged, then training."""
-    cfg = validated_config(cfg, FullFinetuneSingleDeviceConfig, RECIPE_NAME)
-    recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
+    # The launch's schema, one device's or the distributed one's: see [one recipe, two
+    # launches] in exactga.launch.twins.
+    cfg = validated_config(cfg, FULL_FINETUNE, RECIPE_NAME)
+    recipe = FullFinetuneRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()
     recipe.cleanup()
