@@ -26,6 +26,8 @@ NOT_OURS = {
     "recipes/dev/grpo_full_finetune_distributed.py": "torchtune's own GRPO recipe (grpo.md)",
     "recipes/my_recipe.py": "a user's copy in launching.md's examples",
     "recipes/x.py": "a user's copy in launching.md's examples",
+    "$EXACTGA/recipes/full_finetune.py": "the clone's recipe by absolute path (launching.md)",
+    "$EXACTGA/configs/tiny/full_single_device.yaml": "its config, likewise (launching.md)",
     "configs/tiny/nope.yaml": "the missing config of reliability.md's message example",
     "docs/gpu_report_tests.md": "a report round two's command writes (gpu_report_round_two.md)",
     "tests/test_models_": "the prefix of tests/test_models_<family>.py (models.md)",
