@@ -109,7 +109,12 @@ def _best_runs(root: Path, nproc: int) -> list[Run]:
     one_rank = {**SPLITS["1rank_ga1"][1], **BEST}
     resumed = {**one_rank, "resume_from_checkpoint": True}
     return [
-        Run(RECIPE, grpo_args(out, **one_rank), root / "best_stopped", {STOP_AFTER_STEP: "2"}),
+        Run(
+            RECIPE,
+            grpo_args(out, **one_rank),
+            root / "best_stopped",
+            {STOP_AFTER_STEP: str(BEST_STOP)},
+        ),
         Run(RECIPE, grpo_args(out, **resumed), root / "best_resumed"),
     ]
 
