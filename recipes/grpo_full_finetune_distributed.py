@@ -41,12 +41,11 @@ from exactga.grpo.rollout_metrics import rollout_metrics
 from exactga.grpo.rollout_step import StepSettings, make_rollouts
 from exactga.grpo.rollouts import StepRollouts
 from exactga.grpo.schema import GRPO_FINGERPRINT_KEYS, GrpoDistributedConfig
-from exactga.grpo.validation import held_out_prompts_from_settings, held_out_rewards
+from exactga.grpo.validation import grpo_validation_from_settings, held_out_rewards
 from exactga.grpo.windows import ppo_epoch_windows
 from exactga.launch.cli import run_recipe
 from exactga.run.steps import StepBookSettings
 from exactga.runtime.runtime import Runtime
-from exactga.validation.held_out import Validation
 from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
@@ -86,7 +85,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
           section; ``run_val_every_n_steps``, ``batch_size_val``, ``max_val_batches``):
           ``val/reward_mean`` and ``val/success_rate`` of ``grpo_samples`` completions of each
           held-out prompt over every rank, seeded by (seed, prompt row, completion) only, so the
-          same on any rank layout and batch size (docs/validation.md).
+          same on any rank layout and batch size (docs/validation.md); with
+          ``keep_best_checkpoint`` the weights of each new highest ``val/reward_mean`` as an
+          epoch folder in ``best/``.
         - Rank-0-only logging: ``loss`` (the exact window loss over all ranks), rewards mean,
           spread, components and success rate, completion lengths, ``policy/kl``,
           ``policy/clip_fraction``, and the phases (generate, reward, reference, forward,
@@ -149,18 +150,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         # Validation during training (dataset_val; none without it): the rewards of held-out
         # prompts' completions, see [GRPO validation] in exactga.grpo.validation.
-        held_out = held_out_prompts_from_settings(
+        self._validation = grpo_validation_from_settings(
             cfg,
             tokenizer=self._tokenizer,
             model=self._model,
-            num_replicas=self._runtime.dp_size,
-            rank=self._runtime.dp_rank,
+            runtime=self._runtime,  # this rank's rows of the held-out prompts
+            metric_logger=start.metric_logger,
         )
-        self._validation = None
-        if held_out is not None:
-            self._validation = Validation(
-                held_out, every_n_steps=cfg.run_val_every_n_steps, metric_logger=start.metric_logger
-            )
         # Checkpoints, scheduler, profiler, logs: set up last. An epoch is at most num_steps
         # rollout steps, each ppo_epochs optimizer steps; step checkpoints only fall between
         # rollout steps, since the rollouts themselves are not saved.
@@ -174,6 +170,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             windows_per_epoch=min(len(self._dataloader), cfg.num_steps) * cfg.ppo_epochs,
             book_settings=replace(book_settings, save_every_n_steps=every),
             window_metrics=self._window_metrics,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _make_rollouts(

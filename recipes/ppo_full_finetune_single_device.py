@@ -50,10 +50,9 @@ from exactga.ppo.trajectory import (
     prompt_loader,
     trajectory_metrics,
 )
-from exactga.ppo.validation import held_out_ppo, held_out_ppo_prompts_from_settings
+from exactga.ppo.validation import held_out_ppo, ppo_validation_from_settings
 from exactga.run.steps import StepBookSettings
 from exactga.runtime.runtime import Runtime
-from exactga.validation.held_out import Validation
 from exactga.wiring.run_start import RunStart, validated_config
 
 log = utils.get_logger("INFO")
@@ -90,7 +89,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
           the recipe trains on; ``run_val_every_n_steps``, ``batch_size_val``,
           ``max_val_batches``): ``val/reward_mean`` (the reward model's score of one response
           to each held-out prompt, seeded by (seed, prompt row) only) and ``val/value_loss``
-          over every value position (docs/validation.md).
+          over every value position (docs/validation.md); with ``keep_best_checkpoint`` the
+          policy's and the value model's weights of each new highest ``val/reward_mean`` as
+          epoch folders in ``best/`` and ``value/best/``.
         - Logging: ``loss`` (the exact PPO-batch loss), stock's ``policy_loss``,
           ``value_loss``, ``ratios``, ``clipfrac``, ``approx_policy_kl`` as exact means over
           the PPO batch, and stock's trajectory statistics (``scores``, ``rlhf_reward``, ``kl``,
@@ -147,12 +148,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Validation during training (dataset_val; none without it): the reward model's score
         # and the value loss of held-out prompts' responses, see [PPO validation] in
         # exactga.ppo.validation.
-        held_out = held_out_ppo_prompts_from_settings(cfg, tokenizer=self._tokenizer, policy=policy)
-        self._validation = None
-        if held_out is not None:
-            self._validation = Validation(
-                held_out, every_n_steps=cfg.run_val_every_n_steps, metric_logger=start.metric_logger
-            )
+        self._validation = ppo_validation_from_settings(
+            cfg, tokenizer=self._tokenizer, policy=policy, metric_logger=start.metric_logger
+        )
         # Checkpoints, scheduler, profiler, logs: set up last. Step checkpoints only fall
         # between trajectory steps, since trajectories are not saved.
         steps_per_epoch = min(len(self._dataloader), self._trajectory_steps)
@@ -167,6 +165,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             total_epochs=math.ceil(self._trajectory_steps / steps_per_epoch),
             book_settings=replace(book_settings, save_every_n_steps=every),
             window_metrics=self._window_metrics,
+            validation=self._validation,  # its step checkpoints and keep_best_checkpoint
         )
 
     def _make_trajectories(self, prompts: list[dict[str, Any]], step: int) -> StepTrajectories:

@@ -74,7 +74,7 @@ def test_the_best_folder_is_an_epoch_folder_with_its_step_and_figure(tmp_path) -
     checkpoints, state = _run(tmp_path)
     out = tmp_path / "out"
     checkpoints.save_epoch(Weights(state), None, 0)  # the run's last epoch: weights only
-    best = checkpoints.save_best(Weights(state), 4, 2.5)
+    best = checkpoints.save_best(Weights(state), 4, "val/loss", 2.5)
     assert best == out / BEST_SUBDIR
     epoch_files = {p.name for p in (out / "epoch_0").iterdir()}
     assert {p.name for p in best.iterdir()} == epoch_files | {BEST_RECORD}
@@ -87,9 +87,9 @@ def test_the_best_folder_is_an_epoch_folder_with_its_step_and_figure(tmp_path) -
 
 def test_a_new_best_replaces_the_folder_whole(tmp_path) -> None:
     checkpoints, state = _run(tmp_path)
-    checkpoints.save_best(Weights(state), 4, 2.5)
+    checkpoints.save_best(Weights(state), 4, "val/loss", 2.5)
     later = {key: value + 1 for key, value in state.items()}
-    best = checkpoints.save_best(Weights(later), 8, 2.0)
+    best = checkpoints.save_best(Weights(later), 8, "val/loss", 2.0)
     assert json.loads((best / BEST_RECORD).read_text()) == {
         "step": 8,
         "epoch": 0,

@@ -15,19 +15,28 @@ The ``token_mean`` runs at ``ppo_epochs`` 1 under GA 4 and on 2 ranks also valid
 step on 5 held-out prompts (issue #64; exactga.grpo.validation): in 1 batch of 5 on one rank, in
 batches of 1 on two (3 prompts and 2 plus a filler group); the figures agree, and the GA 4 run's
 losses are still the parity report's, bit for bit, so validating changes no training step.
+
+``keep_best_checkpoint`` (docs/validation.md, "The best checkpoint") rides on these launches:
+a 2-rank run of 3 one-step epochs validates at each epoch's end, and ``best/`` must hold the
+epoch folder of its highest ``val/reward_mean``; a one-rank run of the same config stops
+after step 2 (a SIGTERM it sends itself, tests/many_runs.py) and is resumed, and keeps that
+best.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from grpo_utils import RECIPE, SPLITS, grpo_args, initial_weights, trained_weights
-from many_runs import Run, launch_runs
-from recipe_utils import read_scalars, relative_l2
+from many_runs import STOP_AFTER_STEP, Run, launch_runs
+from recipe_utils import load_weights, logged_steps, read_scalars, relative_l2
+
+from exactga.checkpoints.contents import BEST_RECORD
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grpo")]
 
@@ -77,6 +86,39 @@ def _runs(root: Path, nproc: int) -> list[Run]:
     return runs
 
 
+# keep_best_checkpoint: three epochs of one rollout step, validated at each epoch's end.
+BEST = {
+    "epochs": 3,
+    "num_steps": 1,
+    "dataset_val": "${dataset}",
+    "batch_size_val": 1,
+    "max_val_batches": HELD_OUT,
+    "keep_best_checkpoint": True,
+}
+BEST_STOP = 2  # the stopped one-rank run's last step, before its resume
+WEIGHTS = "model-00001-of-00001.safetensors"
+
+
+def _best_runs(root: Path, nproc: int) -> list[Run]:
+    """The 2-rank best run; or, on one rank, the run that stops after ``BEST_STOP`` and its
+    resume, both in ``root / "best_resumed_run"``."""
+    if nproc == 2:
+        out = root / "best"
+        return [Run(RECIPE, grpo_args(out, **SPLITS["2ranks_ga2"][1], **BEST), out)]
+    out = root / "best_resumed_run"
+    one_rank = {**SPLITS["1rank_ga1"][1], **BEST}
+    resumed = {**one_rank, "resume_from_checkpoint": True}
+    return [
+        Run(
+            RECIPE,
+            grpo_args(out, **one_rank),
+            root / "best_stopped",
+            {STOP_AFTER_STEP: str(BEST_STOP)},
+        ),
+        Run(RECIPE, grpo_args(out, **resumed), root / "best_resumed"),
+    ]
+
+
 PARITY = "ga_parity_token_mean"
 
 
@@ -105,12 +147,14 @@ def runs(run_once) -> Path:
         # grpo_rewards; before the caller's own path (a worktree's src/), not instead of it.
         paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]
         tests_on_path = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-        launch_runs([*_runs(root, 0), _parity_run(root)], nproc=0, extra_env=tests_on_path)
-        launch_runs(_runs(root, 2), nproc=2, extra_env=tests_on_path)
+        one_rank = [*_runs(root, 0), _parity_run(root), *_best_runs(root, 0)]
+        # go on after the stopped run (a stop exits with the signal's status)
+        launch_runs(one_rank, nproc=0, extra_env=tests_on_path, go_on_after_failure=True)
+        launch_runs([*_runs(root, 2), *_best_runs(root, 2)], nproc=2, extra_env=tests_on_path)
 
     root = run_once("grpo_parity_runs", make)
     for folder in root.iterdir():
-        if (folder / "returncode").exists():
+        if (folder / "returncode").exists() and folder.name != "best_stopped":
             output = (folder / "output.txt").read_text()
             assert (folder / "returncode").read_text() == "0", f"{folder.name}\n{output[-4000:]}"
     return root
@@ -169,3 +213,62 @@ def test_validation_is_the_same_on_one_rank_and_two(runs) -> None:
     one_rank, two_ranks = figures.values()
     assert len(one_rank) == PPO[1]  # after each step; the epoch's end is step 2, validated once
     assert two_ranks == pytest.approx(one_rank, rel=1e-6)
+
+
+def _best(out: Path) -> tuple[dict, dict]:
+    """The record of ``out``'s ``best/`` and its weights."""
+    best = out / "best"
+    return json.loads((best / BEST_RECORD).read_text()), load_weights(best / WEIGHTS)
+
+
+def test_the_best_checkpoint_holds_the_highest_reward_on_two_ranks(runs) -> None:
+    """``best/`` is the epoch folder of the first highest val/reward_mean (each epoch is one
+    step), bit for bit, written by rank 0 after a decision every rank took alike (else a rank
+    would wait in the gather of a save the other skipped); one console line per new best."""
+    series = logged_steps(runs / "best" / "logs", "val/reward_mean")
+    output = (runs / "best" / "output.txt").read_text()
+    print(f"val/reward_mean per step: {series}")
+    assert list(series) == [1, 2, 3]
+    best_step = max(series, key=series.__getitem__)  # the first of the highest
+    assert best_step != 3 and series[best_step] > min(series.values()), "pick another seed"
+    record, weights = _best(runs / "best")
+    assert record["step"] == best_step and record["epoch"] == best_step - 1
+    assert record["val/reward_mean"] == pytest.approx(series[best_step], rel=1e-6)
+    for epoch in range(3):
+        saved = trained_weights(runs / "best", epoch)
+        same = all(weights[name].equal(weight) for name, weight in saved.items())
+        assert same == (epoch == best_step - 1), epoch
+    improvements, highest = 0, -math.inf
+    for figure in series.values():  # in step order
+        if figure > highest:
+            improvements, highest = improvements + 1, figure
+    assert output.count("exactga: best val/reward_mean") == improvements, output[-4000:]
+
+
+def test_a_resumed_run_keeps_the_uninterrupted_best(runs) -> None:
+    """The one-rank run stopped after step 2 and resumed validates step 3, whose figure is below
+    the best of steps 1 and 2: it keeps the uninterrupted (2-rank) run's best step, figure and
+    weights (within the layouts' floor), and prints no new best. A resume that forgot the best
+    its checkpoint recorded would take step 3's."""
+    status = (runs / "best_stopped" / "returncode").read_text()
+    assert status != "0", "the run did not stop"
+    assert (
+        f"stopped by SIGTERM after step {BEST_STOP}"
+        in (runs / "best_stopped" / "output.txt").read_text()
+    )
+    resumed_output = (runs / "best_resumed" / "output.txt").read_text()
+    assert (runs / "best_resumed" / "returncode").read_text() == "0", resumed_output[-4000:]
+    assert "Resuming from step checkpoint" in resumed_output
+    series = logged_steps(runs / "best" / "logs", "val/reward_mean")
+    best_step = max(series, key=series.__getitem__)
+    assert best_step <= BEST_STOP and series[3] < series[best_step], "pick another seed"
+    assert "exactga: best" not in resumed_output
+    (record, weights), (resumed, resumed_weights) = (
+        _best(runs / "best"),
+        _best(runs / "best_resumed_run"),
+    )
+    print(f"uninterrupted {record}, resumed {resumed}")
+    assert resumed["step"] == record["step"]
+    assert resumed["val/reward_mean"] == pytest.approx(record["val/reward_mean"], rel=1e-6)
+    initial = initial_weights(runs / "best")
+    assert relative_l2(resumed_weights, weights, initial) <= FLOOR

@@ -17,6 +17,13 @@ the same figures; the uninterrupted run validates after every trajectory step, a
 run, which does not, still ends on its weights and losses exactly, so validating changes no
 training step.
 
+``keep_best_checkpoint`` (docs/validation.md, "The best checkpoint"), in the same launch: a run
+of four epochs of one trajectory step (8 training prompts, the held-out set the same 8)
+validates at each epoch's end; its last two figures tie, and ``best/`` and ``value/best/`` must
+hold the policy's and the value model's epoch folders of the first highest ``val/reward_mean``.
+The same run stopped after step 12 (a SIGTERM it sends itself, tests/many_runs.py) and resumed
+keeps that best, where a resume that forgot it would take the tie's later step.
+
 Launches: the killed one; every other run in one (tests/many_runs.py), the GA parity report on
 the same step's config included. The adapted stock config
 (``mistral/7B_full_ppo_low_memory``: batch 128, ``compile``, bf16, minutes on CPU) is validated
@@ -25,6 +32,8 @@ in process, and trained in that launch only with ``EXACTGA_PPO_STOCK_CONFIG=1``.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 import time
@@ -33,7 +42,7 @@ from pathlib import Path
 
 import pytest
 import stock_configs
-from many_runs import Run, launch_runs
+from many_runs import STOP_AFTER_STEP, Run, launch_runs
 from omegaconf import OmegaConf
 from recipe_utils import (
     REPO_ROOT,
@@ -44,6 +53,7 @@ from recipe_utils import (
     relative_l2,
 )
 
+from exactga.checkpoints.contents import BEST_RECORD
 from exactga.config.validation import validate_config
 from exactga.ppo.schema import PpoFullFinetuneSingleDeviceConfig
 
@@ -86,6 +96,17 @@ VALIDATED = {  # split -> how its validation batches the held-out prompts
 TRAJECTORY_STEPS = 3  # killed after 1 or 2, resumed for the rest
 STEPS_PER_TRAJECTORY = 4  # ppo_epochs 2 x batch_size 8 / ppo_batch_size 4
 RESUMABLE = {**STEP, "num_steps": 8 * TRAJECTORY_STEPS, "save_every_n_steps": 1}
+# keep_best_checkpoint: four epochs of one trajectory step (8 prompts), validated at each end.
+BEST = {
+    **STEP,
+    **SGD,
+    "num_steps": 32,
+    "seed": 1,  # a tie between the last two figures, and the highest not the last
+    "dataset.split": "train[:8]",
+    "dataset_val": "${dataset}",
+    "keep_best_checkpoint": True,
+}
+BEST_STOP = 12  # the stopped run's last step, before its resume
 STOCK = "mistral/7B_full_ppo_low_memory"
 TRAIN_STOCK = bool(os.environ.get("EXACTGA_PPO_STOCK_CONFIG"))
 
@@ -151,6 +172,7 @@ def runs(run_once) -> Path:
             max_val_batches=2,
         )
         runs.append(Run(RECIPE, uninterrupted[1:], root / "uninterrupted"))
+        runs += _best_runs(root)
         if not (killed / "kill_failed").exists():
             (killed / "checkpoint").write_text(str(latest_step_checkpoint(killed / "run")))
             resume = ppo_args(
@@ -172,9 +194,22 @@ def runs(run_once) -> Path:
             out.mkdir()
             OmegaConf.save(stock_configs.adapted_ppo_config(STOCK, out), out / "config.yaml")
             runs.append(Run(RECIPE, ["--config", str(out / "config.yaml")], out))
-        launch_runs(runs, nproc=0, timeout_per_run=900)
+        # go on after the stopped run (a stop exits with the signal's status)
+        launch_runs(runs, nproc=0, timeout_per_run=900, go_on_after_failure=True)
 
     return run_once("ppo_runs", make)
+
+
+def _best_runs(root: Path) -> list[Run]:
+    """The best run; the same run stopped after ``BEST_STOP``, then resumed (in one folder)."""
+    out = root / "best_resumed_run"
+    stop = {STOP_AFTER_STEP: str(BEST_STOP)}
+    resume = ppo_args(out, **BEST, resume_from_checkpoint=True)
+    return [
+        Run(RECIPE, ppo_args(root / "best", **BEST)[1:], root / "best"),
+        Run(RECIPE, ppo_args(out, **BEST)[1:], root / "best_stopped", stop),
+        Run(RECIPE, resume[1:], root / "best_resumed"),
+    ]
 
 
 def _launched(folder: Path) -> tuple[int, str]:
@@ -277,3 +312,70 @@ def test_the_stock_config_is_known_to_the_recipe(tmp_path, runs) -> None:
     if TRAIN_STOCK:
         _ok(runs / "stock")
         assert all(w for w in _weights(runs / "stock"))
+
+
+def _best(out: Path) -> tuple[dict, dict, dict]:
+    """The record of ``out``'s ``best/``, the policy's weights in it and the value model's in
+    ``value/best/``."""
+    file = "model-00001-of-00001.safetensors"
+    best = out / "best"
+    return (
+        json.loads((best / BEST_RECORD).read_text()),
+        load_weights(best / file),
+        load_weights(out / "value" / "best" / file),
+    )
+
+
+def _equal(one: dict, other: dict) -> bool:
+    return one.keys() == other.keys() and all(one[name].equal(other[name]) for name in one)
+
+
+def test_the_best_checkpoint_holds_the_first_highest_reward(runs) -> None:
+    """``best/`` and ``value/best/`` are the policy's and the value model's epoch folders of the
+    first highest val/reward_mean (each epoch one trajectory step of 4 optimizer steps), bit for
+    bit; the later step of the same figure is not the best (its value model differs; its
+    policy, which no longer changes there, does not); one line per new best."""
+    _ok(runs / "best")
+    series = logged_steps(runs / "best" / "logs", "val/reward_mean")
+    print(f"val/reward_mean per step: {series}")
+    assert list(series) == [4, 8, 12, 16]
+    best_step = max(series, key=series.__getitem__)  # the first of the highest
+    later_ties = [step for step in series if step > best_step and series[step] == series[best_step]]
+    assert later_ties and series[best_step] > min(series.values()), "pick another seed"
+    record, policy, value = _best(runs / "best")
+    epoch = best_step // STEPS_PER_TRAJECTORY - 1
+    assert (record["step"], record["epoch"]) == (best_step, epoch)
+    assert record["val/reward_mean"] == pytest.approx(series[best_step], rel=1e-6)
+    file = "model-00001-of-00001.safetensors"
+    for other in range(4):  # the policy stops changing in the tie (its responses all alike)
+        saved_policy = load_weights(runs / "best" / f"epoch_{other}" / file)
+        saved_value = load_weights(runs / "best" / "value" / f"epoch_{other}" / file)
+        same = _equal(policy, saved_policy) and _equal(value, saved_value)
+        assert same == (other == epoch), other
+    improvements, highest = 0, -math.inf
+    for figure in series.values():  # in step order
+        if figure > highest:
+            improvements, highest = improvements + 1, figure
+    output = _launched(runs / "best")[1]
+    assert output.count("exactga: best val/reward_mean") == improvements, output[-4000:]
+
+
+def test_a_resumed_run_keeps_the_uninterrupted_best(runs) -> None:
+    """Stopped after step 12 (the best, in the uninterrupted run) and resumed, the run validates
+    step 16, a tie: it prints no new best and ends with the uninterrupted run's best, bit for
+    bit (one device). A resume that forgot the best its checkpoint recorded would take step 16."""
+    status, stopped = _launched(runs / "best_stopped")
+    assert status != 0 and f"stopped by SIGTERM after step {BEST_STOP}" in stopped, stopped[-4000:]
+    status, output = _launched(runs / "best_resumed")
+    assert status == 0, output[-4000:]
+    assert "Resuming from step checkpoint" in output
+    series = logged_steps(runs / "best" / "logs", "val/reward_mean")
+    assert max(series, key=series.__getitem__) == BEST_STOP, "pick another seed"
+    assert "exactga: best" not in output
+    (record, *weights), (resumed, *resumed_weights) = (
+        _best(runs / "best"),
+        _best(runs / "best_resumed_run"),
+    )
+    print(f"uninterrupted {record}, resumed {resumed}")
+    assert resumed == record
+    assert all(_equal(r, w) for r, w in zip(resumed_weights, weights, strict=True))

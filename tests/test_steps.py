@@ -20,6 +20,7 @@ from exactga.accumulation.step import StepContext, StepOutcome
 from exactga.config.options import NonFinitePolicy
 from exactga.run.progress import TrainingProgress
 from exactga.run.steps import NonFiniteLossError, StepBook, StepBookSettings
+from exactga.validation.held_out import HIGHEST_REWARD_MEAN, LOWEST_VAL_LOSS, BestFigure
 
 
 class Recorder:
@@ -53,8 +54,8 @@ class Recorder:
     def save_epoch(self, model, optimizer, epoch: int) -> None:
         self.calls.append(("epoch checkpoint", epoch))
 
-    def save_best(self, model, step: int, val_loss: float) -> Path:
-        self.calls.append(("best", step, val_loss))
+    def save_best(self, model, step: int, name: str, figure: float) -> Path:
+        self.calls.append(("best", step, figure))
         return Path("best")
 
 
@@ -343,11 +344,14 @@ def test_print_report_as_the_docs_show_it_works_on_every_step(capsys) -> None:
 
 
 class ScriptedValidation:
-    """Stands in for a recipe's ``Validation``: due at the steps of ``losses``, whose
-    ``val/loss`` it logs (through the hook the step book sets, as ``Validation.log`` does)."""
+    """Stands in for a recipe's ``Validation``: due at the steps of ``losses``, whose figures
+    it logs as its ``best``'s scalar (through the hook the step book sets, as
+    ``Validation.log`` does)."""
 
-    def __init__(self, losses: dict[int, float], keep_best: bool = True) -> None:
-        self.losses, self.keep_best, self.after_log = losses, keep_best, None
+    def __init__(
+        self, losses: dict[int, float], keep_best: bool = True, best: BestFigure = LOWEST_VAL_LOSS
+    ) -> None:
+        self.losses, self.keep_best, self.best, self.after_log = losses, keep_best, best, None
 
     def due(self, step: int, *, epoch_end: bool = False) -> bool:
         return step in self.losses
@@ -355,15 +359,19 @@ class ScriptedValidation:
     def validate_if_due(self, step: int, recorder: Recorder) -> None:  # the recipe's
         if self.due(step):
             recorder.calls.append(("validated", step))
-            self.after_log(step, {"val/loss": self.losses[step]})
+            self.after_log(step, {self.best.name: self.losses[step], "val/other": -1.0})
 
 
-def _validated_run(losses: dict[int, float], progress: TrainingProgress | None = None):
+def _validated_run(
+    losses: dict[int, float],
+    progress: TrainingProgress | None = None,
+    best: BestFigure = LOWEST_VAL_LOSS,
+):
     """Two epochs of two steps, step checkpoints every step, validating as a recipe does after
     ``end_step`` and before ``end_epoch``; the recorder's calls (a step checkpoint with the best
     step it records) and the progress."""
     recorder = Recorder()
-    validation = ScriptedValidation(losses)
+    validation = ScriptedValidation(losses, best=best)
     book, _ = _book(recorder, validation=validation, clock=Clock(*range(10)))
     if progress is not None:  # resumed: its counters, and its best
         book.progress.load_state_dict(progress.state_dict())
@@ -396,7 +404,7 @@ def test_the_best_is_saved_on_improvement_before_the_steps_checkpoint() -> None:
         ("validated", 4),
         ("step checkpoint", 4, 2),
     ]
-    assert (progress.best_val_loss, progress.best_val_step) == (2.0, 2)
+    assert (progress.best_val_figure, progress.best_val_step) == (2.0, 2)
 
 
 def test_a_resumed_run_compares_with_the_checkpoints_best() -> None:
@@ -410,7 +418,21 @@ def test_a_resumed_run_compares_with_the_checkpoints_best() -> None:
     before.record_best(2.0, 2)
     calls, progress = _validated_run({3: 2.5, 4: 1.0}, progress=before)
     assert [call for call in calls if call[0] == "best"] == [("best", 4, 1.0)]
-    assert (progress.best_val_loss, progress.best_val_step) == (1.0, 4)
+    assert (progress.best_val_figure, progress.best_val_step) == (1.0, 4)
+
+
+def test_a_reward_keeps_the_highest_and_a_tie_the_earlier() -> None:
+    """GRPO's and PPO's figure (``HIGHEST_REWARD_MEAN``): a higher val/reward_mean is a new
+    best, a lower one or an equal one is not (the earlier weights stay), a NaN never is."""
+    rewards = {1: 0.25, 2: 0.5, 3: 0.5, 4: math.nan}
+    calls, progress = _validated_run(rewards, best=HIGHEST_REWARD_MEAN)
+    assert [call for call in calls if call[0] == "best"] == [("best", 1, 0.25), ("best", 2, 0.5)]
+    assert (progress.best_val_figure, progress.best_val_step) == (0.5, 2)
+    calls, progress = _validated_run({1: 0.5, 2: 0.25, 3: 0.75}, best=HIGHEST_REWARD_MEAN)
+    assert [call for call in calls if call[0] == "best"] == [("best", 1, 0.5), ("best", 3, 0.75)]
+    # The same figures ranked as a loss: the lowest.
+    calls, _ = _validated_run({1: 0.5, 2: 0.25, 3: 0.75})
+    assert [call for call in calls if call[0] == "best"] == [("best", 1, 0.5), ("best", 2, 0.25)]
 
 
 def test_without_keep_best_no_best_is_saved_and_checkpoints_still_follow_validation() -> None:
@@ -422,7 +444,7 @@ def test_without_keep_best_no_best_is_saved_and_checkpoints_still_follow_validat
     assert ("step checkpoint",) not in recorder.calls  # waits for the validation
     validation.validate_if_due(1, recorder)
     assert recorder.calls[-2:] == [("validated", 1), ("step checkpoint",)]
-    assert book.progress.best_val_loss is None
+    assert book.progress.best_val_figure is None
 
 
 def test_a_step_checkpoint_waiting_for_a_validation_the_recipe_skips_is_still_written() -> None:

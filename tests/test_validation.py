@@ -27,6 +27,7 @@ from exactga.config.validation import validate_config
 from exactga.data.collation import micro_batch_collate
 from exactga.data.micro_batching import MicroBatchingSettings
 from exactga.grpo.schema import GrpoDistributedConfig
+from exactga.ppo.schema import PpoFullFinetuneSingleDeviceConfig
 from exactga.sft.validation import validation_loss
 from exactga.validation.held_out import Validation, ValidationSet
 
@@ -213,10 +214,15 @@ def test_validation_keys_need_dataset_val() -> None:
     best = tiny_config("full_single_device", keep_best_checkpoint=True)
     with pytest.raises(ValueError, match="'keep_best_checkpoint' needs dataset_val.*=false"):
         validate_config(best, FullFinetuneSingleDeviceConfig, "full_finetune_single_device")
-    grpo = tiny_config("grpo_distributed", keep_best_checkpoint=True)
-    grpo.dataset_val = OmegaConf.to_container(grpo.dataset)
-    with pytest.raises(ValueError, match="'keep_best_checkpoint': this recipe validates but"):
-        validate_config(grpo, GrpoDistributedConfig, "grpo_full_finetune_distributed")
+    for name, schema, recipe in (
+        ("grpo_distributed", GrpoDistributedConfig, "grpo_full_finetune_distributed"),
+        ("ppo_single_device", PpoFullFinetuneSingleDeviceConfig, "ppo_full_finetune_single_device"),
+    ):
+        rl = tiny_config(name, keep_best_checkpoint=True)
+        with pytest.raises(ValueError, match="'keep_best_checkpoint' needs dataset_val"):
+            validate_config(rl, schema, recipe)
+        rl.dataset_val = OmegaConf.to_container(rl.dataset)
+        validate_config(rl, schema, recipe)  # GRPO and PPO keep the best too
 
 
 def test_a_split_of_the_training_data_is_disjoint_from_it_and_covers_it() -> None:

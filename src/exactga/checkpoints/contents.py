@@ -13,8 +13,9 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from exactga.runtime import distributed
 log = utils.get_logger("INFO")
 
 BEST_SUBDIR = "best"  # keep_best_checkpoint: beside the epoch folders
-BEST_RECORD = "best_validation.json"  # in it: the step and the val/loss of its weights
+BEST_RECORD = "best_validation.json"  # in it: the step and the figure of its weights
 
 
 @dataclass
@@ -94,32 +95,50 @@ class RunCheckpoints:
                 ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate
             )
 
-    def save_best(self, model: nn.Module, step: int, val_loss: float) -> Path:
+    def save_best(self, model: nn.Module, step: int, name: str, figure: float) -> Path:
         """The weights for users, the files of a last epoch's folder (no recipe or optimizer
         state), as ``best/`` beside the epoch folders, with ``best/best_validation.json``
-        naming ``step`` and ``val_loss``; the previous best is replaced atomically. Every rank
+        naming ``step`` and the figure (``name``: ``figure``); the previous best is replaced
+        atomically. A module of several models (PPO's policy and value) writes each through its
+        own checkpointer, beside its own epoch folders, the first's folder returned. Every rank
         calls this; the folder. See [the best checkpoint] in exactga.run.steps."""
-        assert self.parts is None, "a module of several models keeps no best checkpoint"
+        # The epoch the step trained in (as epoch_N counts): validation runs before it closes.
+        record = {"step": step, "epoch": self.progress.epochs_run, name: figure}
+        if self.parts:  # one device: each part's weights through its checkpointer
+            folders = [
+                self._replace_best(
+                    writer, record, partial(_write_weights, writer, getattr(model, part))
+                )
+                for part, writer in self.parts.items()
+            ]
+            return folders[0]
         writer = self.epoch_writer._get_checkpointer() if self._client_writes else self.epoch_writer
+        return self._replace_best(writer, record, partial(self._write_best_weights, model, writer))
+
+    def _write_best_weights(self, model: nn.Module, writer: Any) -> None:
+        """The trained model's weights as ``writer``'s ``epoch_0`` (every rank calls this)."""
+        if self.lora is not None:
+            self._save_adapters(model, None, 0, intermediate=False)
+        elif self.sharded:
+            state = training.gather_cpu_state_dict(
+                model, distributed.is_rank_zero(), device=self.device
+            )
+            if distributed.is_rank_zero():
+                writer.save_checkpoint({training.MODEL_KEY: state}, epoch=0)
+        else:
+            _write_weights(writer, model)
+
+    def _replace_best(self, writer: Any, record: dict[str, Any], write: Callable[[], None]) -> Path:
+        """``write()`` into a hidden folder beside ``writer``'s epoch folders, ``record``
+        beside the weights, renamed over ``best/``; every rank calls this, rank 0 writes."""
         final = Path(writer._output_dir) / BEST_SUBDIR
         staging = final.with_name(f".{BEST_SUBDIR}.tmp")  # the writer's epoch_0/ goes in it
         if distributed.is_rank_zero():
             shutil.rmtree(staging, ignore_errors=True)
         with _writing_into(writer, staging), _torchtune_info_quiet():
-            if self.lora is not None:
-                self._save_adapters(model, None, 0, intermediate=False)
-            elif self.sharded:
-                state = training.gather_cpu_state_dict(
-                    model, distributed.is_rank_zero(), device=self.device
-                )
-                if distributed.is_rank_zero():
-                    writer.save_checkpoint({training.MODEL_KEY: state}, epoch=0)
-            else:
-                writer.save_checkpoint({training.MODEL_KEY: model.state_dict()}, epoch=0)
+            write()
         if distributed.is_rank_zero():
             written = staging / "epoch_0"
-            # The epoch the step trained in (as epoch_N counts): validation runs before it closes.
-            record = {"step": step, "epoch": self.progress.epochs_run, "val/loss": val_loss}
             write_json_synced(written / BEST_RECORD, record)
             sync_tree(written)
             replace_dir(written, final)
@@ -212,6 +231,11 @@ class RunCheckpoints:
             if self.sharded:
                 log.info(f"Checkpoint gathered and written in {time.perf_counter() - start:.2f} s")
         distributed.barrier()
+
+
+def _write_weights(writer: Any, model: nn.Module) -> None:
+    """``model``'s weights alone as ``writer``'s ``epoch_0`` (one device)."""
+    writer.save_checkpoint({training.MODEL_KEY: model.state_dict()}, epoch=0)
 
 
 @contextlib.contextmanager

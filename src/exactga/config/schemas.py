@@ -288,12 +288,10 @@ class ValidationKeys:
     batch_size_val: Optional[int] = None  # null: batch_size; the figure does not depend on it
     # Only the first max_val_batches x batch_size_val samples of the set; null: all of them.
     max_val_batches: Optional[int] = None
-    # After each validation whose val/loss is the lowest so far, the weights as an epoch
-    # folder in <checkpointer.output_dir>/best/ (docs/validation.md, "The best checkpoint").
+    # After each validation whose figure is the best so far (the lowest val/loss; GRPO's and
+    # PPO's highest val/reward_mean), the weights as an epoch folder in
+    # <checkpointer.output_dir>/best/ (docs/validation.md, "The best checkpoint").
     keep_best_checkpoint: bool = False
-
-    # Whether the recipe keeps the best checkpoint (GRPO's and PPO's do not yet).
-    BEST_CHECKPOINT: ClassVar[bool] = True
 
     @classmethod
     def check_validation(cls, cfg: DictConfig) -> None:
@@ -308,16 +306,9 @@ class ValidationKeys:
             if cfg.keep_best_checkpoint:
                 raise ValueError(
                     "config key 'keep_best_checkpoint' needs dataset_val: the best checkpoint is "
-                    "the one of the lowest val/loss; set dataset_val (and run_val_every_n_steps) "
-                    "or keep_best_checkpoint=false."
+                    "the one of the best validation figure; set dataset_val (and "
+                    "run_val_every_n_steps) or keep_best_checkpoint=false."
                 )
-            return
-        if cfg.keep_best_checkpoint and not cls.BEST_CHECKPOINT:
-            raise ValueError(
-                "config key 'keep_best_checkpoint': this recipe validates but does not keep a "
-                "best checkpoint yet (the fine-tuning, distillation and DPO recipes do; "
-                "docs/validation.md); remove keep_best_checkpoint."
-            )
 
 
 _VALIDATION_OPTIONS = ("run_val_every_n_steps", "batch_size_val", "max_val_batches")

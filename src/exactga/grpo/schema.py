@@ -104,7 +104,6 @@ class GrpoDistributedConfig(FullFinetuneDistributedConfig, RolloutKeys):
     ``gradient_accumulation_steps`` micro-batches."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
-    BEST_CHECKPOINT: ClassVar[bool] = False  # keep_best_checkpoint refused: see the base schema
 
     num_steps: int = MISSING  # rollout steps of the run at most (each is ppo_epochs steps)
     save_every_n_epochs: int | None = None  # stock's key; epoch checkpoints are written always

@@ -43,7 +43,8 @@ from exactga.grpo.rewards import score_completions, successes
 from exactga.grpo.rollout_step import RolloutRuntime, StepSettings
 from exactga.grpo.rollouts import completion_text, generate_rollouts
 from exactga.grpo.schema import GrpoDistributedConfig
-from exactga.validation.held_out import training_rng_kept
+from exactga.runtime.runtime import Runtime
+from exactga.validation.held_out import HIGHEST_REWARD_MEAN, Validation, training_rng_kept
 
 
 class HeldOutPrompts:
@@ -105,7 +106,7 @@ class HeldOutRewards:
 
     def metrics(self) -> dict[str, float]:
         """``val/reward_mean`` and, where a reward defines success, ``val/success_rate``."""
-        metrics = {"val/reward_mean": self.reward_sum / self.num_completions}
+        metrics = {HIGHEST_REWARD_MEAN.name: self.reward_sum / self.num_completions}
         if self.defines_success:
             metrics["val/success_rate"] = self.num_succeeded / self.num_completions
         return metrics
@@ -209,17 +210,18 @@ def _generate(
     return rollouts
 
 
-def held_out_prompts_from_settings(
+def grpo_validation_from_settings(
     settings: GrpoDistributedConfig,
     *,
     tokenizer: Any,
     model: nn.Module,
-    num_replicas: int,
-    rank: int,
-) -> HeldOutPrompts | None:
-    """The held-out prompts of ``dataset_val`` (any prompt dataset section the recipe trains
-    on), each checked against ``model`` at start-up as training's are; ``None`` without
-    ``dataset_val``."""
+    runtime: Runtime,
+    metric_logger: Any | None,
+) -> Validation | None:
+    """The recipe's validation on the held-out prompts of ``dataset_val`` (any prompt dataset
+    section the recipe trains on), each checked against ``model`` at start-up as training's
+    are, this rank's rows of them; ``keep_best_checkpoint`` keeps the weights of the highest
+    ``val/reward_mean``. ``None`` without ``dataset_val``."""
     if settings.dataset_val is None:
         return None
     dataset = config.instantiate(settings.dataset_val, tokenizer)
@@ -230,10 +232,17 @@ def held_out_prompts_from_settings(
             prompt_index=prompt["index"],
             max_generated_tokens=settings.max_generated_tokens,
         )
-    return HeldOutPrompts(
+    held_out = HeldOutPrompts(
         dataset,
         batch_size=settings.batch_size_val or settings.batch_size,
         max_batches=settings.max_val_batches,
-        num_replicas=num_replicas,
-        rank=rank,
+        num_replicas=runtime.dp_size,
+        rank=runtime.dp_rank,
+    )
+    return Validation(
+        held_out,
+        every_n_steps=settings.run_val_every_n_steps,
+        metric_logger=metric_logger,
+        keep_best=settings.keep_best_checkpoint,
+        best=HIGHEST_REWARD_MEAN,
     )

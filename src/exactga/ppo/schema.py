@@ -59,7 +59,6 @@ class PpoFullFinetuneSingleDeviceConfig(FullFinetuneSingleDeviceConfig):
     micro-batches."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
-    BEST_CHECKPOINT: ClassVar[bool] = False  # keep_best_checkpoint refused: see the base schema
 
     model: Any = None  # not read: stock's PPO names its models policy_model and the one below
     policy_model: Any = MISSING

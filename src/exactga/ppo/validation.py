@@ -47,7 +47,12 @@ from exactga.ppo.trajectory import (
     record_forwards,
 )
 from exactga.runtime.precision import Precision
-from exactga.validation.held_out import eval_mode, training_rng_kept
+from exactga.validation.held_out import (
+    HIGHEST_REWARD_MEAN,
+    Validation,
+    eval_mode,
+    training_rng_kept,
+)
 
 
 class HeldOutPpoPrompts:
@@ -87,7 +92,7 @@ class HeldOutPpo:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "val/reward_mean": self.score_sum / self.num_prompts,
+            HIGHEST_REWARD_MEAN.name: self.score_sum / self.num_prompts,
             "val/value_loss": self.value_loss_sum / self.num_value_positions,
         }
 
@@ -142,12 +147,17 @@ def held_out_ppo(
     )
 
 
-def held_out_ppo_prompts_from_settings(
-    settings: PpoFullFinetuneSingleDeviceConfig, *, tokenizer: Any, policy: nn.Module
-) -> HeldOutPpoPrompts | None:
-    """The held-out prompts of ``dataset_val`` (any dataset section the recipe trains on, rows
-    checked), each checked against the policy at start-up as training's are; ``None`` without
-    ``dataset_val``."""
+def ppo_validation_from_settings(
+    settings: PpoFullFinetuneSingleDeviceConfig,
+    *,
+    tokenizer: Any,
+    policy: nn.Module,
+    metric_logger: Any | None,
+) -> Validation | None:
+    """The recipe's validation on the held-out prompts of ``dataset_val`` (any dataset section
+    the recipe trains on, rows checked), each checked against the policy at start-up as
+    training's are; ``keep_best_checkpoint`` keeps the weights (the policy's and the value
+    model's) of the highest ``val/reward_mean``. ``None`` without ``dataset_val``."""
     if settings.dataset_val is None:
         return None
     dataset = load_dataset(
@@ -160,8 +170,15 @@ def held_out_ppo_prompts_from_settings(
             prompt_index=row,
             max_generated_tokens=settings.max_generated_tokens,
         )
-    return HeldOutPpoPrompts(
+    held_out = HeldOutPpoPrompts(
         dataset,
         batch_size=settings.batch_size_val or settings.batch_size,
         max_batches=settings.max_val_batches,
+    )
+    return Validation(
+        held_out,
+        every_n_steps=settings.run_val_every_n_steps,
+        metric_logger=metric_logger,
+        keep_best=settings.keep_best_checkpoint,
+        best=HIGHEST_REWARD_MEAN,
     )

@@ -9,7 +9,6 @@ records. A counter changes only in a method here, so a reader finds every place
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,11 +33,11 @@ PROGRESS_FIELDS = (
     "global_step",
     "num_skipped_steps",
     "num_nonfinite_steps",
-    "best_val_loss",
+    "best_val_figure",
     "best_val_step",
 )
 # Recorded since keep_best_checkpoint: a step checkpoint written before has none (no best yet).
-_BEST_FIELDS = ("best_val_loss", "best_val_step")
+_BEST_FIELDS = ("best_val_figure", "best_val_step")
 
 
 @dataclass
@@ -55,9 +54,10 @@ class TrainingProgress:
         num_nonfinite_steps: steps dropped because a loss or the gradient norm was not finite.
         steps_per_epoch: windows per epoch, capped by ``max_steps_per_epoch``; set by
             :meth:`start`.
-        best_val_loss: the lowest ``val/loss`` so far (``keep_best_checkpoint``), ``None``
-            before the first; a step checkpoint records it, so a resumed run keeps its best.
-        best_val_step: the step of ``best_val_loss``.
+        best_val_figure: the best validation figure so far (``keep_best_checkpoint``: the
+            family's, e.g. the lowest ``val/loss``), ``None`` before the first; a step
+            checkpoint records it, so a resumed run keeps its best.
+        best_val_step: the step of ``best_val_figure``.
     """
 
     seed: int
@@ -68,7 +68,7 @@ class TrainingProgress:
     num_skipped_steps: int = 0
     num_nonfinite_steps: int = 0
     steps_per_epoch: int = 0
-    best_val_loss: float | None = None
+    best_val_figure: float | None = None
     best_val_step: int | None = None
 
     def start(self, num_windows_per_epoch: int, resumed_mid_run: bool) -> None:
@@ -129,15 +129,9 @@ class TrainingProgress:
         see [epoch close])."""
         return self.global_step >= (epoch + 1) * self.steps_per_epoch
 
-    def improves_best(self, val_loss: float) -> bool:
-        """Whether ``val_loss`` is lower than the best so far (any finite one is, at first)."""
-        if not math.isfinite(val_loss):
-            return False
-        return self.best_val_loss is None or val_loss < self.best_val_loss
-
-    def record_best(self, val_loss: float, step: int) -> None:
-        """``val_loss``, validated after ``step``, is the best so far (its weights are saved)."""
-        self.best_val_loss, self.best_val_step = val_loss, step
+    def record_best(self, figure: float, step: int) -> None:
+        """``figure``, validated after ``step``, is the best so far (its weights are saved)."""
+        self.best_val_figure, self.best_val_step = figure, step
 
     def close_epoch(self) -> None:
         """Mark the current epoch finished; call before the epoch-end saves. See [epoch close]."""

@@ -65,18 +65,20 @@ from exactga.runtime.distributed import host_group, is_rank_zero, log_rank_zero,
 # closed epoch.
 
 # Note [the best checkpoint]
-# With ``keep_best_checkpoint`` (and ``dataset_val``), each validation whose ``val/loss`` is
-# lower than the best so far saves the model's weights for users (the files of an epoch
-# folder, through the same checkpointer) as ``best/`` beside the epoch folders, with
-# ``best/best_validation.json`` naming the step and the figure (``Checkpoints.save_best``:
-# written under a hidden name, then renamed over the previous best). The best figure and its
-# step are counters of the run (``TrainingProgress.best_val_loss``), so a step checkpoint
-# records them and a resumed run compares with the same best as an uninterrupted one. For that,
-# a step checkpoint due at a step the recipe validates after is written once the validation is
-# logged (the recipe validates after ``end_step``): it records that validation's best, and the
-# step's metrics are flushed with it. The figure is the same on every rank (all-reduced), so
-# every rank takes the same decision and joins the collective save; a non-finite figure is
-# never the best.
+# With ``keep_best_checkpoint`` (and ``dataset_val``), each validation whose figure beats the
+# best so far saves the model's weights for users (the files of an epoch folder, through the
+# same checkpointer; each model of PPO's beside its own epoch folders) as ``best/`` beside the
+# epoch folders, with ``best/best_validation.json`` naming the step and the figure
+# (``Checkpoints.save_best``: written under a hidden name, then renamed over the previous best).
+# Which figure and which way is the family's validation's (``Validation.best``: the lowest
+# ``val/loss`` of the loss families, GRPO's and PPO's highest ``val/reward_mean``); a tie keeps
+# the earlier best and a non-finite figure is never the best. The best figure and its step are
+# counters of the run (``TrainingProgress.best_val_figure``), so a step checkpoint records them
+# and a resumed run compares with the same best as an uninterrupted one. For that, a step
+# checkpoint due at a step the recipe validates after is written once the validation is logged
+# (the recipe validates after ``end_step``): it records that validation's best, and the step's
+# metrics are flushed with it. The figure is the same on every rank (all-reduced), so every
+# rank takes the same decision and joins the collective save.
 
 # Note [every rank stops at one step]
 # A signal asks for a stop (see [stop at a step boundary] in exactga.launch.stopping); the run
@@ -134,7 +136,16 @@ class Checkpoints(Protocol):
 
     def save_epoch(self, model: Any, optimizer: Any, epoch: int) -> None: ...
 
-    def save_best(self, model: Any, step: int, val_loss: float) -> Path: ...
+    def save_best(self, model: Any, step: int, name: str, figure: float) -> Path: ...
+
+
+class RanksFigures(Protocol):
+    """Which figure the best checkpoint is ranked by, and which way
+    (``exactga.validation.held_out.BestFigure``)."""
+
+    name: str
+
+    def improves(self, value: float, best: float | None) -> bool: ...
 
 
 class Validates(Protocol):
@@ -142,6 +153,7 @@ class Validates(Protocol):
     (``exactga.validation.held_out.Validation``)."""
 
     keep_best: bool
+    best: RanksFigures
     after_log: Callable[[int, dict[str, float]], None] | None
 
     def due(self, step: int, *, epoch_end: bool = False) -> bool: ...
@@ -293,6 +305,7 @@ class StepBook:
         last of them; see [every rank stops at one step]."""
         for window in windows:
             yield TrainingWindow(window, self.context, self.progress.global_step + 1)
+            self._save_if_still_due()  # a validation the recipe did not run
         self._stop_if_asked()
 
     def open_epoch(self, epoch: int) -> None:
@@ -360,20 +373,21 @@ class StepBook:
         """After the recipe's validation at ``step`` is logged (every rank): a new best's
         weights, then the step checkpoint that waited for it; see [the best checkpoint]."""
         assert self.validation is not None
-        val_loss = metrics.get("val/loss")
-        if self.validation.keep_best and val_loss is not None:
-            self._keep_if_best(step, val_loss)
+        figure = metrics.get(self.validation.best.name)
+        if self.validation.keep_best and figure is not None:
+            self._keep_if_best(step, figure)
         self._save_if_still_due()
 
-    def _keep_if_best(self, step: int, val_loss: float) -> None:
-        progress = self.progress
-        if not progress.improves_best(val_loss):
+    def _keep_if_best(self, step: int, figure: float) -> None:
+        assert self.validation is not None
+        progress, name = self.progress, self.validation.best.name
+        before = progress.best_val_figure
+        if not self.validation.best.improves(figure, before):
             return
-        before = progress.best_val_loss
-        path = self.checkpoints.save_best(self.context.model, step, val_loss)
-        progress.record_best(val_loss, step)
+        path = self.checkpoints.save_best(self.context.model, step, name, figure)
+        progress.record_best(figure, step)
         was = f" (the best was {before:.4f})" if before is not None else ""
-        log_rank_zero(f"exactga: best val/loss {val_loss:.4f} at step {step}{was}: saved {path}")
+        log_rank_zero(f"exactga: best {name} {figure:.4f} at step {step}{was}: saved {path}")
 
     def _save_if_still_due(self) -> None:
         """The step checkpoint that waited for the step's validation, if it is still due."""

@@ -262,6 +262,35 @@ class ValidationFigure(Protocol):
     def line(self, step: int) -> str: ...
 
 
+@dataclass(frozen=True)
+class BestFigure:
+    """Which logged validation scalar ``keep_best_checkpoint`` ranks the weights by, and which
+    way; each family's validation declares its own (:data:`LOWEST_VAL_LOSS`,
+    :data:`HIGHEST_REWARD_MEAN`), so no recipe decides it. See [the best checkpoint] in
+    exactga.run.steps."""
+
+    name: str  # the scalar among the figure's metrics
+    higher_is_better: bool
+
+    def improves(self, value: float, best: float | None) -> bool:
+        """Whether ``value`` beats ``best`` (``None``: no best yet); a tie keeps the earlier
+        best, and a non-finite value is never the best."""
+        if not math.isfinite(value):
+            return False
+        if best is None:
+            return True
+        return value > best if self.higher_is_better else value < best
+
+    def __str__(self) -> str:
+        return f"the {'highest' if self.higher_is_better else 'lowest'} {self.name}"
+
+
+# The loss families' (fine-tuning, distillation, DPO): the held-out loss.
+LOWEST_VAL_LOSS = BestFigure("val/loss", higher_is_better=False)
+# GRPO's and PPO's: the mean reward of the held-out prompts' completions.
+HIGHEST_REWARD_MEAN = BestFigure("val/reward_mean", higher_is_better=True)
+
+
 class Validation:
     """When a recipe validates, what on, and where the figures go; ``None`` from
     :func:`validation_from_settings` when the config has no ``dataset_val``.
@@ -274,7 +303,9 @@ class Validation:
         metric_logger: where the figure's ``val/*`` scalars go; ``None`` on ranks that do not
             write.
         keep_best: ``keep_best_checkpoint``: the run's ``StepBook`` saves the weights of each
-            new lowest ``val/loss`` (see [the best checkpoint] in exactga.run.steps).
+            new best ``best`` (see [the best checkpoint] in exactga.run.steps).
+        best: the figure the best checkpoint is ranked by, the family's: the held-out loss
+            by default, GRPO's and PPO's reward mean (their ``*_validation_from_settings``).
 
     Attributes:
         after_log: called on every rank with the step and the logged scalars once a figure is
@@ -288,11 +319,13 @@ class Validation:
         every_n_steps: int | None,
         metric_logger: Any | None,
         keep_best: bool = False,
+        best: BestFigure = LOWEST_VAL_LOSS,
     ) -> None:
         self.validation_set = validation_set
         self.every_n_steps = every_n_steps
         self.metric_logger = metric_logger
         self.keep_best = keep_best
+        self.best = best
         self.after_log: Callable[[int, dict[str, float]], None] | None = None
         self._last_step: int | None = None  # an epoch's last step is validated once
 
@@ -363,5 +396,5 @@ def validation_from_settings(
         validation_set,
         every_n_steps=settings.run_val_every_n_steps,
         metric_logger=metric_logger,
-        keep_best=settings.keep_best_checkpoint,
+        keep_best=settings.keep_best_checkpoint,  # ranked by the default, LOWEST_VAL_LOSS
     )
