@@ -47,7 +47,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +124,8 @@ class Count:
 
     dispatched: dict[str, int]
     launching: dict[str, int]
-    inductor: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
-    operators: Counter[str] = field(default_factory=Counter)  # launching, both phases
+    inductor: dict[str, int]  # none when nothing is compiled
+    operators: Counter[str]  # the launching ones, both phases
 
     def kernels(self, phase: str | None = None) -> int:
         """Launches: the launching aten operators and inductor's kernels."""
