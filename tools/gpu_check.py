@@ -66,6 +66,9 @@ BENCHMARKS = {
     "hf_trainer_peer": ["benchmarks/hf_trainer_peer.py", "--splits"],
     # The same benchmark again, so that a plan can put other work between its runs.
     "gpu_1b_packed_rows": ["benchmarks/gpu_1b_variable_length.py"],
+    # Counted on meta and the CPU (no CUDA needed): the host's launches a micro-batch, eager and
+    # compiled, to set beside a GPU profile's.
+    "kernel_counts": ["benchmarks/kernel_counts.py"],
 }
 # [round three]
 # Issue #46's measurements in the order they are worth device minutes, as one command
