@@ -8,6 +8,7 @@ server that made the imports once forks the launch) where a fresh process shows 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -59,6 +60,19 @@ def run_tune(
         text=True,
         timeout=timeout,
     )
+
+
+def tune_in_process(*args: str) -> str:
+    """What ``tune <args>`` prints (``ls``, ``cp``: no recipe runs), run in this interpreter by
+    torchtune's own parser; the start-up hook has patched its registry here as in any other. A
+    ``tune`` process of its own would spend about 7 s of CPU importing torchtune for a copy."""
+    from torchtune._cli.tune import TuneCLIParser
+
+    parser = TuneCLIParser()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        parser.run(parser._parser.parse_args(list(args)))
+    return printed.getvalue()
 
 
 def tiny_args(output_dir: Path | str, **overrides: object) -> list[str]:

@@ -34,7 +34,7 @@ from recipe_utils import (
     read_scalars,
     relative_l2,
     run_tune,
-    tune_env,
+    tune_in_process,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("editing_recipes")]
@@ -71,17 +71,6 @@ CLIP = (
     "outcome = window.step(self._optimizer, clip=lambda params: "
     f"torch.nn.utils.clip_grad_value_(params, {CLIP_VALUE}))"
 )
-
-
-def _tune_cp(*args: str) -> None:
-    import subprocess
-
-    from recipe_utils import TUNE
-
-    proc = subprocess.run(
-        [str(TUNE), "cp", *args], env=tune_env(), capture_output=True, text=True, check=False
-    )
-    assert proc.returncode == 0, output_of(proc)
 
 
 def _edited(source: str, edits: list[tuple[str, str]]) -> str:
@@ -147,9 +136,11 @@ def _run(folder: Path, recipe: str, name: str, **overrides: object) -> Path:
 
 
 def _copy(family: Family, folder: Path) -> None:
-    """The recipe and its config, copied as a user copies them, the config then edited."""
-    _tune_cp(family.recipe, str(folder / "stock_copy.py"))
-    _tune_cp(family.config, str(folder / "my_config.yaml"))
+    """The recipe and its config, copied as a user copies them (``tune cp``, by torchtune's own
+    parser in this process: tests/test_registry.py checks what it copies), the config then
+    edited."""
+    tune_in_process("cp", family.recipe, str(folder / "stock_copy.py"))
+    tune_in_process("cp", family.config, str(folder / "my_config.yaml"))
     if family.config_edits:
         cfg = OmegaConf.load(folder / "my_config.yaml")
         for key, value in family.config_edits.items():

@@ -34,10 +34,9 @@ from recipe_utils import (
     load_adapters,
     logged_steps,
     lora_tiny_args,
-    output_of,
     relative_l2,
-    run_tune,
 )
+from torchao_eager_runs import EAGER, GROUP, STOPPED_STATUS, eager_runs, stopped_and_resumed
 
 pytestmark = pytest.mark.slow
 
@@ -159,38 +158,49 @@ def test_lora_fp32_adapters_are_closer_to_fp32_lora_than_pure_bf16(trained, opti
         assert rel_pure / 2 <= rel_master <= rel_pure
 
 
-def test_bf16_stochastic_rounding_optimizer_trains_and_resumes_bit_identically(tmp_path):
+SR_STEPS = 3
+
+
+def planned_runs(root: Path) -> list[Run]:
+    """The stochastic-rounding runs, for tests/torchao_eager_runs.py's launch (with
+    tests/test_low_bit_optimizer.py's: torchao's optimizer step eagerly, ``table.EAGER``)."""
+
+    def args_of(out: Path) -> list[str]:
+        settings = {"max_steps_per_epoch": SR_STEPS, "save_every_n_steps": 1, "dtype": "bf16"}
+        return [*lora_tiny_args(out, **settings), *table.PRECISIONS["bf16_sr"]]
+
+    assert EAGER == table.EAGER
+    return stopped_and_resumed(root, args_of, stop_after=SR_STEPS - 1)
+
+
+def _status_and_output(folder: Path) -> tuple[int, str]:
+    return int((folder / "returncode").read_text()), (folder / "output.txt").read_text()
+
+
+@pytest.mark.xdist_group(GROUP)
+def test_bf16_stochastic_rounding_optimizer_trains_and_resumes_bit_identically(run_once):
     """Pure bf16 LoRA (``master_weights: none``) with torchao's AdamW rounding stochastically:
-    it trains from config, and a run resumed from its step-2 checkpoint ends on the adapters of
-    the uninterrupted run, bit for bit (the rounding draws from the RNG the checkpoint holds)."""
-    out = tmp_path / "run"
-    steps = 3
-    args = [
-        *lora_tiny_args(out, max_steps_per_epoch=steps, save_every_n_steps=1, dtype="bf16"),
-        *table.PRECISIONS["bf16_sr"],
-    ]
-    proc = run_tune(args, extra_env=table.EAGER)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
+    it trains from config, and a run stopped after step 2 and resumed from its step checkpoint
+    ends on the adapters of the uninterrupted run, bit for bit (the rounding draws from the RNG
+    the checkpoint holds)."""
+    root = eager_runs(run_once, "bf16_stochastic_rounding")
+    status, output = _status_and_output(root / "uninterrupted")
+    assert status == 0, output[-4000:]
     adapters = "epoch_0/adapter_model.pt"
-    uninterrupted = load_adapters(out / adapters)
+    uninterrupted = load_adapters(root / "uninterrupted" / "out" / adapters)
     assert {t.dtype for t in uninterrupted.values()} == {torch.bfloat16}
     assert any(float(t.abs().max()) > 0 for k, t in uninterrupted.items() if "lora_b" in k)
 
-    checkpoints = out / "step_checkpoints"
-    for path in sorted((checkpoints / f"step_{steps:06d}").iterdir()):
-        path.unlink()
-    (checkpoints / f"step_{steps:06d}").rmdir()
-    (out / adapters).unlink()
-    resumed_logs = out / "resumed_logs"
-    resume = ["resume_from_checkpoint=True", f"metric_logger.log_dir={resumed_logs}"]
-    proc = run_tune([*args, *resume], extra_env=table.EAGER)
-    assert proc.returncode == 0, output_of(proc)[-4000:]
-    assert "Resuming from step checkpoint" in output_of(proc)
-    resumed = load_adapters(out / adapters)
+    status, output = _status_and_output(root / "stopped")
+    assert status == STOPPED_STATUS, output[-4000:]
+    status, output = _status_and_output(root / "resumed")
+    assert status == 0, output[-4000:]
+    assert "Resuming from step checkpoint" in output
+    resumed = load_adapters(root / "stopped" / "out" / adapters)
     for key, tensor in uninterrupted.items():
         assert torch.equal(resumed[key], tensor), key
     # Only the last step trained again (a run retrained from step 0 would end on the same
     # adapters: same seed, same data), with the uninterrupted run's loss.
-    losses = logged_steps(resumed_logs)
-    assert list(losses) == [steps], f"the resumed run logged steps {list(losses)}"
-    assert losses[steps] == logged_steps(out / "logs")[steps]
+    losses = logged_steps(root / "resumed" / "logs")
+    assert list(losses) == [SR_STEPS], f"the resumed run logged steps {list(losses)}"
+    assert losses[SR_STEPS] == logged_steps(root / "uninterrupted" / "out" / "logs")[SR_STEPS]

@@ -5,16 +5,14 @@ any folder. Stock names keep meaning stock recipes."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 import os
 import re
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from recipe_utils import REPO_ROOT, logged_steps, output_of, run_tune
+from recipe_utils import REPO_ROOT, logged_steps, output_of, run_tune, tune_in_process
 
 from exactga.launch import registry, twins
 
@@ -22,18 +20,6 @@ CONFIGS = sorted(
     p.relative_to(REPO_ROOT / "configs") for p in (REPO_ROOT / "configs").rglob("*.yaml")
 )
 RECIPE_FILES = sorted(p.stem for p in (REPO_ROOT / "recipes").glob("*.py") if p.stem != "__init__")
-
-
-def _tune(*args: str) -> str:
-    """What ``tune <args>`` prints, run in-process by torchtune's own parser (the start-up hook
-    has patched its registry in this interpreter as in any other)."""
-    from torchtune._cli.tune import TuneCLIParser
-
-    parser = TuneCLIParser()
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        parser.run(parser._parser.parse_args(list(args)))
-    return printed.getvalue()
 
 
 def test_every_recipe_and_config_file_is_registered_once() -> None:
@@ -89,7 +75,7 @@ def test_distributed_only_keys_are_what_the_distributed_twins_schemas_add() -> N
 
 
 def test_tune_ls_lists_exactgas_after_the_stock_ones_which_keep_their_names() -> None:
-    rows = [line.split() for line in _tune("ls").splitlines()[1:]]
+    rows = [line.split() for line in tune_in_process("ls").splitlines()[1:]]
     names = [name for row in rows for name in row]
     assert "exactga/full_finetune_single_device" in names
     assert "exactga/tiny/full_single_device" in names and "exactga/llama3_1/8B_lora" in names
@@ -110,9 +96,9 @@ def test_tune_ls_lists_exactgas_after_the_stock_ones_which_keep_their_names() ->
 
 
 def test_tune_cp_copies_exactgas_files(tmp_path: Path) -> None:
-    _tune("cp", "exactga/lora_finetune_distributed", str(tmp_path / "mine"))
-    _tune("cp", "exactga/lora_finetune_single_device", str(tmp_path / "mine_too"))
-    _tune("cp", "exactga/tiny/lora_distributed", str(tmp_path / "mine_config"))
+    tune_in_process("cp", "exactga/lora_finetune_distributed", str(tmp_path / "mine"))
+    tune_in_process("cp", "exactga/lora_finetune_single_device", str(tmp_path / "mine_too"))
+    tune_in_process("cp", "exactga/tiny/lora_distributed", str(tmp_path / "mine_config"))
     shipped = (REPO_ROOT / "recipes/lora_finetune.py").read_text()
     # Either name: the one file, whose one step a copy edits.
     assert (tmp_path / "mine.py").read_text() == shipped == (tmp_path / "mine_too.py").read_text()
@@ -146,8 +132,8 @@ def copied_and_edited(tmp_path_factory) -> tuple[Path, str]:
     """A folder outside the repository holding ``tune cp``'s copies, the recipe edited to print
     each step's loss, run there with no path override and the machine's own thread choice."""
     folder = tmp_path_factory.mktemp("my_project")
-    _tune("cp", "exactga/full_finetune_single_device", str(folder / "my_recipe.py"))
-    _tune("cp", "exactga/tiny/full_single_device", str(folder / "my_config.yaml"))
+    tune_in_process("cp", "exactga/full_finetune_single_device", str(folder / "my_recipe.py"))
+    tune_in_process("cp", "exactga/tiny/full_single_device", str(folder / "my_config.yaml"))
     recipe = (folder / "my_recipe.py").read_text()
     line = re.search(r"\n( +)steps\.end_step\(window, outcome\)[^\n]*", recipe)
     assert line is not None, "the loop's end_step line moved: update this test and the docs"
