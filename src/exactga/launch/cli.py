@@ -145,6 +145,11 @@ def _command_line_problem(argv: list[str]) -> str | None:
     if problem is not None:
         return problem
     for arg in overrides:
+        if arg.startswith("~") and not _has_dotted_key(yaml_args, arg[1:].split("=")[0]):
+            return f"command-line override '{arg}': the config has no key {arg[1:]!r} to remove."
+    if _merges(overrides, yaml_args):
+        return None  # the common case: one merge, not one per override
+    for arg in overrides:  # one of them fails: find which, to name it
         problem = _override_value_problem(arg, yaml_args)
         if problem is not None:
             return problem
@@ -155,9 +160,10 @@ def _command_line_problem(argv: list[str]) -> str | None:
 # torchtune's parser takes ``--config <file>`` and overrides of the form ``key=value`` (one
 # ``=``: it splits on every one), ``~key`` to drop a key, values read as YAML by omegaconf. Each
 # other form fails inside it with a traceback, so ``run_recipe`` checks the arguments first, the
-# values by handing each override alone to torchtune's own merge (the same rules, ``None`` and
-# ``max_filename`` included); a key that is well formed but unknown is left to
-# ``validate_config``, which suggests the nearest one.
+# values by handing them to torchtune's own merge (the same rules, ``None`` and
+# ``max_filename`` included): all at once, and where that fails each alone, to name the one at
+# fault (a merge per override cost 0.3 s of CPU at 16 overrides); a key that is well formed but
+# unknown is left to ``validate_config``, which suggests the nearest one.
 
 
 def _config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
@@ -271,9 +277,24 @@ def _read_config_file(path: str) -> tuple[dict[str, Any], str | None]:
     return OmegaConf.to_container(loaded, resolve=False), None
 
 
+def _merges(overrides: list[str], yaml_args: dict[str, Any]) -> bool:
+    """Whether torchtune's merge takes the config file with all ``overrides`` at once."""
+    import copy
+    from argparse import Namespace
+
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    try:  # a copy: a ~key override removes the key in place
+        _merge_yaml_and_cli_args(Namespace(**copy.deepcopy(yaml_args)), overrides)
+    except Exception:  # which override, and why, is _override_value_problem's to say
+        return False
+    return True
+
+
 def _override_value_problem(arg: str, yaml_args: dict[str, Any]) -> str | None:
     """torchtune's merge of the config file with this one override, or the message saying
-    why it fails: a value that is not YAML, or a ``~key`` it cannot remove."""
+    why it fails: a value that is not YAML, or a component it cannot remove (a ``~key`` with
+    no key to remove is refused before)."""
     import copy
     from argparse import Namespace
 
@@ -281,8 +302,6 @@ def _override_value_problem(arg: str, yaml_args: dict[str, Any]) -> str | None:
     from omegaconf.errors import OmegaConfBaseException
     from torchtune.config._utils import _merge_yaml_and_cli_args
 
-    if arg.startswith("~") and not _has_dotted_key(yaml_args, arg[1:].split("=")[0]):
-        return f"command-line override '{arg}': the config has no key {arg[1:]!r} to remove."
     try:  # a copy: a ~key override removes the key in place
         _merge_yaml_and_cli_args(Namespace(**copy.deepcopy(yaml_args)), [arg])
     except ValueError:  # torchtune refuses to remove a section with a _component_
