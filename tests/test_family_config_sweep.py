@@ -25,9 +25,17 @@ Qwen3 MoE's and gpt-oss's fine-tuning configs keep their ``router_aux_loss_coef`
 the router's balance term (docs/moe.md).
 
 Which recipe runs a config is the registry's (``exactga.launch.registry``, which tests/
-test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py): the
-single-device runs one after another in one process, the distributed ones on 2 gloo ranks, shared
-with tests/test_recipe_model_families.py's runs (tests/family_runs.py).
+test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py), shared
+with tests/test_recipe_model_families.py's runs (tests/family_runs.py): in one process one after
+another, the single-device runs and the distributed configs' runs as one rank (the recipe started
+without torchrun, exactga.runtime.distributed); on 2 gloo ranks, the distributed configs that train
+the router's balance term, whose statistics every rank's micro-batch joins (``global_batch``) in
+the shipped dtype. What the sweep checks is that each config adapts and trains; these families on 2
+ranks are tests/test_recipe_model_families.py's (full and LoRA, fp32, the term on and off), each
+distributed recipe's 2-rank behaviour its own module's (tests/test_recipe_kd_distributed.py,
+tests/test_recipe_dpo_distributed.py, tests/test_recipe_grpo.py, ...), and the stock configs' keys
+on 2 ranks tests/test_stock_distributed_configs.py's: a second rank would double the CPU of those
+runs for nothing checked here.
 """
 
 from __future__ import annotations
@@ -93,13 +101,19 @@ def _run(root: Path, recipe: str, name: str) -> Run:
     return Run(f"recipes/{recipe}.py", ["--config", str(config_path)], out)
 
 
+def _trains_the_router_term(name: str) -> bool:
+    return stock_configs.stock_config(name).get("router_aux_loss_coef", 0) > 0
+
+
 def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
-    """The single-device configs' runs (one process, no torchrun) and the distributed ones
-    (2 gloo ranks), for tests/family_runs.py to launch."""
-    return (
-        [_run(root, recipe, name) for recipe, name in SINGLE_DEVICE],
-        [_run(root, recipe, name) for recipe, name in DISTRIBUTED],
-    )
+    """The runs of one process, no torchrun (the single-device configs, and the distributed ones
+    as one rank), and the 2-rank runs (the distributed configs that train the router's balance
+    term), for tests/family_runs.py to launch; see the module's docstring."""
+    one, two = [], []
+    for recipe, name in SINGLE_DEVICE + DISTRIBUTED:
+        on_two_ranks = (recipe, name) in DISTRIBUTED and _trains_the_router_term(name)
+        (two if on_two_ranks else one).append(_run(root, recipe, name))
+    return one, two
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +124,7 @@ def single_device_runs(run_once) -> Path:
 
 @pytest.fixture(scope="module")
 def distributed_runs(run_once) -> Path:
-    """Every distributed config's run's folder's parent."""
+    """Every distributed config's run's folder's parent (one rank, or 2: planned_runs)."""
     return family_runs(run_once, "sweep")
 
 
