@@ -28,14 +28,15 @@ Which recipe runs a config is the registry's (``exactga.launch.registry``, which
 test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py), shared
 with tests/test_recipe_model_families.py's runs (tests/family_runs.py): in one process one after
 another, the single-device runs and the distributed configs' runs as one rank (the recipe started
-without torchrun, exactga.runtime.distributed); on 2 gloo ranks, the distributed configs that train
-the router's balance term, whose statistics every rank's micro-batch joins (``global_batch``) in
-the shipped dtype. What the sweep checks is that each config adapts and trains; these families on 2
-ranks are tests/test_recipe_model_families.py's (full and LoRA, fp32, the term on and off), each
-distributed recipe's 2-rank behaviour its own module's (tests/test_recipe_kd_distributed.py,
-tests/test_recipe_dpo_distributed.py, tests/test_recipe_grpo.py, ...), and the stock configs' keys
-on 2 ranks tests/test_stock_distributed_configs.py's: a second rank would double the CPU of those
-runs for nothing checked here.
+without torchrun, exactga.runtime.distributed); on 2 gloo ranks, one distributed config of each
+recipe and family that trains the router's balance term, whose statistics every rank's
+micro-batch joins (``global_batch``) in the shipped dtype. What the sweep checks is that each
+config adapts and trains; these families on 2 ranks are tests/test_recipe_model_families.py's
+(full and LoRA, fp32, the term on and off), each distributed recipe's 2-rank behaviour its own
+module's (tests/test_recipe_kd_distributed.py, tests/test_recipe_dpo_distributed.py,
+tests/test_recipe_grpo.py, ...), and the stock configs' keys on 2 ranks
+tests/test_stock_distributed_configs.py's: a second rank would double the CPU of those runs for
+nothing checked here.
 """
 
 from __future__ import annotations
@@ -107,12 +108,19 @@ def _trains_the_router_term(name: str) -> bool:
 
 def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
     """The runs of one process, no torchrun (the single-device configs, and the distributed ones
-    as one rank), and the 2-rank runs (the distributed configs that train the router's balance
-    term), for tests/family_runs.py to launch; see the module's docstring."""
-    one, two = [], []
+    as one rank), and the 2-rank runs (a distributed config of each recipe and family that
+    trains the router's balance term), for tests/family_runs.py to launch; see the module's
+    docstring."""
+    one, two, on_two_ranks = [], [], set()
     for recipe, name in SINGLE_DEVICE + DISTRIBUTED:
-        on_two_ranks = (recipe, name) in DISTRIBUTED and _trains_the_router_term(name)
-        (two if on_two_ranks else one).append(_run(root, recipe, name))
+        # One config per recipe and family: on tiny shapes, gpt-oss's 20B_lora and 120B_lora
+        # differ in nothing but their paths.
+        first = (recipe, name.split("/")[1]) not in on_two_ranks
+        if (recipe, name) in DISTRIBUTED and _trains_the_router_term(name) and first:
+            on_two_ranks.add((recipe, name.split("/")[1]))
+            two.append(_run(root, recipe, name))
+        else:
+            one.append(_run(root, recipe, name))
     return one, two
 
 
