@@ -65,6 +65,17 @@ class Run(NamedTuple):
     env: dict[str, str] | None = None
 
 
+def named_run(name: str, args: list[str], folder: Path) -> Run:
+    """exactga's recipe ``name`` as ``tune run exactga/<name>`` starts it: its file, with the
+    name recorded for the file that serves two of torchtune's names (a distributed one without
+    torchrun runs as one rank; see [one recipe, two launches] in exactga.launch.twins)."""
+    from tiny_runs import recipe_script
+
+    from exactga.launch.twins import LAUNCHED_AS_ENV
+
+    return Run(recipe_script(name), args, folder, {LAUNCHED_AS_ENV: name})
+
+
 def run_of(args: Sequence[str], folder: Path) -> tuple[int, Run]:
     """The ranks (0: no torchrun) and the run of ``tune run *args``, whose only launcher
     option may be ``--nproc_per_node N``; its output is kept in ``folder``."""

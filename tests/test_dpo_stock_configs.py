@@ -8,8 +8,11 @@ tokens (the pairs' longest; at 64 most responses would be cut away). Full DPO's
 ``ref_checkpointer`` reads the same initial weights as its ``checkpointer``. Every other key
 stays as shipped: bf16, fused AdamW, the DPO loss and its beta, batch size, accumulation,
 activation checkpointing, scheduler, DiskLogger. All five adapt in CI; one per recipe runs
-there, all five with ``EXACTGA_ALL_DPO_STOCK_CONFIGS=1``, in one launch per rank count
-(tests/many_runs.py).
+there, all five with ``EXACTGA_ALL_DPO_STOCK_CONFIGS=1``, one after another in one process
+(tests/many_runs.py): the distributed recipes start without torchrun and train as one rank
+(exactga.runtime.distributed). What is checked here is that the configs run unchanged; both
+distributed DPO recipes on 2 ranks are tests/test_recipe_dpo_distributed.py's, so a second rank
+would double those runs' CPU for nothing checked here.
 """
 
 from __future__ import annotations
@@ -19,10 +22,9 @@ from pathlib import Path
 
 import pytest
 import stock_configs
-from many_runs import Run, launch_runs
+from many_runs import Run, launch_runs, named_run
 from omegaconf import DictConfig, OmegaConf
 from recipe_utils import REPO_ROOT
-from tiny_runs import recipe_script
 
 SINGLE, DISTRIBUTED, FULL = "lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"
 ALL = [
@@ -78,29 +80,22 @@ def adapted_dpo_config(name: str, recipe: str, output_dir: Path) -> DictConfig:
     return cfg
 
 
-def _run(root: Path, recipe: str, name: str) -> tuple[int, Run]:
-    """The adapted config's run and its rank count (0: one process, no torchrun)."""
+def _run(root: Path, recipe: str, name: str) -> Run:
+    """The adapted config's run."""
     out = root / name
     out.mkdir(parents=True)
     config_path = out / "config.yaml"
     OmegaConf.save(adapted_dpo_config(name, recipe, out), config_path)
-    return (0 if recipe == SINGLE else 2), Run(
-        recipe_script(recipe), ["--config", str(config_path)], out
-    )
+    return named_run(recipe, ["--config", str(config_path)], out)
 
 
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
-    """Every selected config's run: the one-device ones in one launch, the 2-rank ones in
-    another (tests/many_runs.py: each still the recipe as ``tune run`` starts it)."""
+    """Every selected config's run, one after another in one process, no torchrun
+    (tests/many_runs.py: each still the recipe as ``tune run`` starts it)."""
 
     def launch_all(root: Path) -> None:
-        by_ranks: dict[int, list[Run]] = {}
-        for recipe, name in SELECTION:
-            nproc, run = _run(root, recipe, name)
-            by_ranks.setdefault(nproc, []).append(run)
-        for nproc, group in by_ranks.items():
-            launch_runs(group, nproc=nproc)
+        launch_runs([_run(root, recipe, name) for recipe, name in SELECTION], nproc=0)
 
     return run_once("dpo_stock_runs", launch_all)
 

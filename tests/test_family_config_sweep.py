@@ -25,9 +25,18 @@ Qwen3 MoE's and gpt-oss's fine-tuning configs keep their ``router_aux_loss_coef`
 the router's balance term (docs/moe.md).
 
 Which recipe runs a config is the registry's (``exactga.launch.registry``, which tests/
-test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py): the
-single-device runs one after another in one process, the distributed ones on 2 gloo ranks, shared
-with tests/test_recipe_model_families.py's runs (tests/family_runs.py).
+test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py), shared
+with tests/test_recipe_model_families.py's runs (tests/family_runs.py): in one process one after
+another, the single-device runs and the distributed configs' runs as one rank (the recipe started
+without torchrun, exactga.runtime.distributed); on 2 gloo ranks, one distributed config of each
+recipe and family that trains the router's balance term, whose statistics every rank's
+micro-batch joins (``global_batch``) in the shipped dtype. What the sweep checks is that each
+config adapts and trains; these families on 2 ranks are tests/test_recipe_model_families.py's
+(full and LoRA, fp32, the term on and off), each distributed recipe's 2-rank behaviour its own
+module's (tests/test_recipe_kd_distributed.py, tests/test_recipe_dpo_distributed.py,
+tests/test_recipe_grpo.py, ...), and the stock configs' keys on 2 ranks
+tests/test_stock_distributed_configs.py's: a second rank would double the CPU of those runs for
+nothing checked here.
 """
 
 from __future__ import annotations
@@ -38,11 +47,10 @@ import pytest
 import stock_configs
 import torch
 from family_runs import GROUP, family_runs
-from many_runs import Run
+from many_runs import Run, named_run
 from omegaconf import DictConfig, OmegaConf
 from recipe_utils import REPO_ROOT, read_scalars
 from test_dpo_stock_configs import PAIRS, adapted_dpo_config
-from tiny_runs import recipe_script
 from torchtune import config
 
 from exactga.launch import registry
@@ -91,16 +99,29 @@ def _run(root: Path, recipe: str, name: str) -> Run:
     out.mkdir(parents=True)
     config_path = out / "config.yaml"
     OmegaConf.save(adapted(recipe, name, out), config_path)
-    return Run(recipe_script(recipe), ["--config", str(config_path)], out)
+    return named_run(recipe, ["--config", str(config_path)], out)
+
+
+def _trains_the_router_term(name: str) -> bool:
+    return stock_configs.stock_config(name).get("router_aux_loss_coef", 0) > 0
 
 
 def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
-    """The single-device configs' runs (one process, no torchrun) and the distributed ones
-    (2 gloo ranks), for tests/family_runs.py to launch."""
-    return (
-        [_run(root, recipe, name) for recipe, name in SINGLE_DEVICE],
-        [_run(root, recipe, name) for recipe, name in DISTRIBUTED],
-    )
+    """The runs of one process, no torchrun (the single-device configs, and the distributed ones
+    as one rank), and the 2-rank runs (a distributed config of each recipe and family that
+    trains the router's balance term), for tests/family_runs.py to launch; see the module's
+    docstring."""
+    one, two, on_two_ranks = [], [], set()
+    for recipe, name in SINGLE_DEVICE + DISTRIBUTED:
+        # One config per recipe and family: on tiny shapes, gpt-oss's 20B_lora and 120B_lora
+        # differ in nothing but their paths.
+        first = (recipe, name.split("/")[1]) not in on_two_ranks
+        if (recipe, name) in DISTRIBUTED and _trains_the_router_term(name) and first:
+            on_two_ranks.add((recipe, name.split("/")[1]))
+            two.append(_run(root, recipe, name))
+        else:
+            one.append(_run(root, recipe, name))
+    return one, two
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +132,7 @@ def single_device_runs(run_once) -> Path:
 
 @pytest.fixture(scope="module")
 def distributed_runs(run_once) -> Path:
-    """Every distributed config's run's folder's parent."""
+    """Every distributed config's run's folder's parent (one rank, or 2: planned_runs)."""
     return family_runs(run_once, "sweep")
 
 

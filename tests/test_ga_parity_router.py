@@ -47,6 +47,11 @@ def _config(output_dir: Path, coef: float) -> DictConfig:
     return validate_run_config(cfg, GaParityConfig, "ga_parity")
 
 
+# The report's two tests read one module fixture: one xdist group, so one worker makes it (each
+# worker would make a module fixture of its own).
+ROUTER_REPORT = pytest.mark.xdist_group("ga_parity_router")
+
+
 @pytest.fixture(scope="module")
 def router_report(tmp_path_factory) -> Path:
     registry.register_config_resolvers()
@@ -61,6 +66,7 @@ def router_report(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow  # eight runs in process, about 20 s
+@ROUTER_REPORT
 def test_the_router_terms_gap_stands_beside_the_token_losss(router_report: Path) -> None:
     summary = json.loads((router_report / "summary.json").read_text())
     assert summary["router"] == {"router_aux_loss_coef": 0.01, "router_balance": "micro_batch"}
@@ -86,6 +92,7 @@ def test_the_router_terms_gap_stands_beside_the_token_losss(router_report: Path)
 
 
 @pytest.mark.slow
+@ROUTER_REPORT
 def test_the_report_prints_the_router_section_and_judges_the_token_loss(
     router_report: Path,
 ) -> None:

@@ -3,21 +3,24 @@
 Each is adapted by tools/stock_configs.py (tiny student and teacher of the same family, the
 teacher twice as wide, tiny tokenizer, data and initial checkpoints, ``device: cpu``, 2 steps;
 every other key as shipped: bf16, fused AdamW, chunked losses, ``kd_ratio``, scheduler,
-profiler section, DiskLogger). All four adapt in CI; two launch there (one per family, one per
-recipe), and all four launch with ``EXACTGA_ALL_KD_STOCK_CONFIGS=1``.
+profiler section, DiskLogger). All four adapt in CI; two run there (one per family, one per
+recipe), and all four with ``EXACTGA_ALL_KD_STOCK_CONFIGS=1``, one after another in one process
+(tests/many_runs.py: each still the recipe as ``tune run`` starts it). The distributed recipe
+starts without torchrun and trains as one rank (exactga.runtime.distributed): what is checked
+here is that the configs run unchanged; the recipe on 2 ranks is
+tests/test_recipe_kd_distributed.py's, so a second rank would double its CPU for nothing checked
+here.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import stock_configs
+from many_runs import Run, launch_runs, named_run
 from omegaconf import OmegaConf
-from recipe_utils import output_of, run_tune
-from tiny_runs import recipe_script
 
 SINGLE, DISTRIBUTED = stock_configs.KD_RECIPES
 ALL = [
@@ -33,23 +36,19 @@ def _params(launches):
     return [pytest.param(r, n, id=n) for r, n in launches]
 
 
-def _launch(root: Path, recipe: str, name: str) -> None:
+def _run(root: Path, recipe: str, name: str) -> Run:
+    """The adapted config's run."""
     out = root / name
     out.mkdir(parents=True)
     config_path = out / "config.yaml"
     OmegaConf.save(stock_configs.adapted_config(name, recipe, out), config_path)
-    head = ["--nproc_per_node", "2"] if recipe == DISTRIBUTED else []
-    proc = run_tune([*head, recipe_script(recipe), "--config", str(config_path)], timeout=600)
-    (out / "output.txt").write_text(output_of(proc))
-    (out / "returncode").write_text(str(proc.returncode))
+    return named_run(recipe, ["--config", str(config_path)], out)
 
 
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
     def launch_all(root: Path) -> None:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            for future in [pool.submit(_launch, root, r, n) for r, n in SELECTION]:
-                future.result()
+        launch_runs([_run(root, recipe, name) for recipe, name in SELECTION], nproc=0)
 
     return run_once("kd_stock_runs", launch_all)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torchao.dtypes.nf4tensor import NF4Tensor
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import get_adapter_params
@@ -42,8 +43,33 @@ def test_header_has_download_and_launch_commands(name: str) -> None:
     )
 
 
+@pytest.fixture
+def nf4_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QLoRA's base weights quantized once per shape: each layer's weight still becomes an
+    NF4Tensor of its own (a detached copy, so the parameter count stays per layer), but the
+    quantization, whose meta kernels cost about 0.1 s a call on CPU whatever the size (over 500
+    calls for these configs, a minute of CPU), runs once for each distinct shape. On the meta
+    device there is no data, so a weight's NF4Tensor depends on its shape alone."""
+    from torchao.dtypes import nf4tensor
+    from torchtune.modules.low_precision import nf4_linear
+    from torchtune.modules.peft import lora
+
+    quantized: dict[tuple, torch.Tensor] = {}
+
+    def to_nf4(tensor: torch.Tensor, block_size: int = 64, scaler_block_size: int = 256):
+        if not tensor.is_meta:
+            return nf4tensor.to_nf4(tensor, block_size, scaler_block_size)
+        key = (tuple(tensor.shape), tensor.dtype, block_size, scaler_block_size)
+        if key not in quantized:
+            quantized[key] = nf4tensor.to_nf4(tensor, block_size, scaler_block_size)
+        return quantized[key].detach()
+
+    monkeypatch.setattr(lora, "to_nf4", to_nf4)
+    monkeypatch.setattr(nf4_linear, "to_nf4", to_nf4)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_model_builds_on_meta_with_adapters(name: str) -> None:
+def test_model_builds_on_meta_with_adapters(name: str, nf4_once_per_shape: None) -> None:
     """Base size in range; only the adapters would train (a small fraction of the weights)."""
     _, lo, hi = MODEL_CONFIGS[name]
     cfg = load_config(name)
@@ -57,6 +83,7 @@ def test_model_builds_on_meta_with_adapters(name: str) -> None:
     assert all(".lora_" in key for key in adapters)
     if "qlora" in name:
         assert "qlora" in cfg.model._component_
+        assert any(isinstance(p, NF4Tensor) for p in model.parameters())
 
 
 @pytest.mark.parametrize("name", NAMES)
