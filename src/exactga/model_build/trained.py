@@ -33,6 +33,7 @@ from torchtune.training.activations import apply_selective_activation_checkpoint
 
 from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.lora.adapters import LoraSettings, load_lora_weights
+from exactga.models.document_attention import accept_document_lengths
 from exactga.models.hf_config import (
     CONFIG_JSON,
     missing_arguments_message,
@@ -226,7 +227,7 @@ def build_model(
     lora = isinstance(weights, AdapterWeights)
     on = torch.device("meta") if parallelism is not None else device
     with training.set_default_dtype(precision.compute_dtype), on:
-        model = config.instantiate(cfg_model)
+        model = accept_document_lengths(config.instantiate(cfg_model))
         if quantizer is not None and lora:  # QATLoRALinear's new adapters: trainable below
             prepare_for_qat(model, quantizer, lora=True)
     adapter_params = get_adapter_params(model) if lora else None

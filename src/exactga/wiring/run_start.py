@@ -52,6 +52,7 @@ from exactga.model_build.trained import (
     build_model,
     models_from_folders,
 )
+from exactga.models.document_attention import accept_document_lengths
 from exactga.profiling import profiler_from_settings
 from exactga.qat.fake_quant import quantizer_from_config
 from exactga.run.metric_logging import (
@@ -457,7 +458,7 @@ def _frozen_on_device(
 ) -> nn.Module:
     """``cfg_model`` built on ``device`` in ``dtype``, loaded and frozen (one device)."""
     with training.set_default_dtype(dtype), device:
-        model = config.instantiate(cfg_model)
+        model = accept_document_lengths(config.instantiate(cfg_model))
     model.load_state_dict(state_dict)
     freeze_model(model)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
