@@ -13,7 +13,7 @@ sampler's fixed seed 0), with the same global batch:
   (``micro_batch_tokens``) alone decides the split;
 - ``packed``: ``bsz x ga`` with ``micro_batching: packed``: the window's samples packed whole
   into rows of ``--packed-row`` positions (one micro-batch shape), each document attended alone
-  off CUDA (exactga.models.document_attention); ``packed_dense``: the same rows under the dense
+  off CUDA (exactga.runtime.document_attention); ``packed_dense``: the same rows under the dense
   block-causal mask instead (``EXACTGA_DENSE_PACKED_MASK=1``, the path before per-document
   attention);
   ``packed_m<m>``: the same with ``pad_to_multiple_of: m`` (``--packed-multiple``), which trims

@@ -2,7 +2,7 @@
 
 ``benchmarks/micro_batching.py`` times whole runs, one configuration after another, so a shared
 machine's changing load lands on them unevenly. This one times the two attention paths of
-``micro_batching: packed`` (exactga.models.document_attention) on the very same rows in one
+``micro_batching: packed`` (exactga.runtime.document_attention) on the very same rows in one
 process, alternating A B B A row by row so that a change in load hits both alike: the
 config's model (default the tiny config's, fp32), the bundled data tokenized at
 ``tokenizer.max_seq_len``, each window of ``--window`` samples packed into rows of ``--row``
@@ -37,7 +37,7 @@ from torchtune.modules.attention_utils import create_block_causal_mask
 from exactga.data.loader import load_dataset
 from exactga.data.micro_batching import first_fit_decreasing
 from exactga.data.packing import pack_samples
-from exactga.models.document_attention import accept_document_lengths
+from exactga.runtime.document_attention import accept_document_lengths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Unit tier: per-document attention for packed rows (exactga.models.document_attention).
+"""Unit tier: per-document attention for packed rows (exactga.runtime.document_attention).
 
 A packed row off CUDA carries its document lengths as its mask, and every family's attention
 runs each document's span alone; the dense block-causal mask it replaces computes the whole
@@ -21,11 +21,11 @@ from torchtune.modules.attention_utils import create_block_causal_mask
 from unit_utils import tiny_model
 
 from exactga.data.packing import DENSE_PACKED_MASK, pack_samples
-from exactga.models.document_attention import DocumentLengths, accept_document_lengths
 from exactga.models.gemma3 import gemma3
 from exactga.models.gpt_oss import gpt_oss
 from exactga.models.qwen3 import qwen3
 from exactga.models.qwen3_moe import qwen3_moe
+from exactga.runtime.document_attention import DocumentLengths, accept_document_lengths
 
 BOUND = 1e-5  # relative L2, fp32: the kernels' rounding, not a masking difference (that is O(1))
 VOCAB = 64

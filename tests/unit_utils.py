@@ -27,7 +27,7 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga.accumulation.loss_units import IGNORE_INDEX, shift_labels
-from exactga.models.document_attention import accept_document_lengths
+from exactga.runtime.document_attention import accept_document_lengths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"

@@ -32,9 +32,9 @@ positions and its response counted on its own labels (see exactga.dpo.preference
 The mask, chosen here (:func:`document_mask`) for every recipe: on CUDA (where torchtune's
 attention runs flex attention on a ``BlockMask``, which skips the blocks across documents) a
 ``BlockMask`` made by ``packed_block_causal_mask``; elsewhere the row's document lengths
-(:class:`~exactga.models.document_attention.DocumentLengths`), on which every family's
+(:class:`~exactga.runtime.document_attention.DocumentLengths`), on which every family's
 attention attends each document alone (see [per-document attention is exact] in
-exactga.models.document_attention) instead of computing the whole row and masking it. The
+exactga.runtime.document_attention) instead of computing the whole row and masking it. The
 dense ``(1, N, N)`` boolean mask SDPA takes (torchtune's ``create_block_causal_mask``) is the
 reference the per-document path is tested against, and what ``EXACTGA_DENSE_PACKED_MASK=1``
 gives instead (benchmarks/micro_batching.py times both).
@@ -52,7 +52,7 @@ from torchtune.modules.attention_utils import create_block_causal_mask, packed_b
 from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
 
 from exactga.data.micro_batching import PAIR_INDEX, is_pair
-from exactga.models.document_attention import DocumentLengths
+from exactga.runtime.document_attention import DocumentLengths
 
 # Which positions of a packed row of preference pairs belong to each of its sequences; see
 # [packed rows are exact].

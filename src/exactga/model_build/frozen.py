@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtune import config, training
 
 from exactga.model_build.trained import init_rope
-from exactga.models.document_attention import accept_document_lengths
+from exactga.runtime.document_attention import accept_document_lengths
 
 # Note [frozen forwards run under no_grad]
 # A frozen model's forward must build no autograd graph and keep no activations: its outputs

@@ -33,7 +33,6 @@ from torchtune.training.activations import apply_selective_activation_checkpoint
 
 from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.lora.adapters import LoraSettings, load_lora_weights
-from exactga.models.document_attention import accept_document_lengths
 from exactga.models.hf_config import (
     CONFIG_JSON,
     missing_arguments_message,
@@ -44,6 +43,7 @@ from exactga.models.moe import moe_blocks, router_recording_context_fn
 from exactga.qat.fake_quant import prepare_for_qat
 from exactga.run.resume import ResumePoint, checkpointer_source
 from exactga.runtime import distributed
+from exactga.runtime.document_attention import accept_document_lengths
 from exactga.runtime.precision import Precision
 from exactga.runtime.runtime import parameters_offloaded_to_cpu
 

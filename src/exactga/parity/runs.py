@@ -27,10 +27,10 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga.model_build.frozen import build_frozen_model
 from exactga.model_build.trained import init_rope
-from exactga.models.document_attention import accept_document_lengths
 from exactga.parity.scoring import ParityRun, RunSummary
 from exactga.qat.fake_quant import prepare_for_qat
 from exactga.runtime import distributed
+from exactga.runtime.document_attention import accept_document_lengths
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -52,7 +52,6 @@ from exactga.model_build.trained import (
     build_model,
     models_from_folders,
 )
-from exactga.models.document_attention import accept_document_lengths
 from exactga.profiling import profiler_from_settings
 from exactga.qat.fake_quant import quantizer_from_config
 from exactga.run.metric_logging import (
@@ -65,6 +64,7 @@ from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import checkpointer_source, start_run, validate_run_config
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.runtime import distributed
+from exactga.runtime.document_attention import accept_document_lengths
 from exactga.runtime.runtime import Runtime
 
 log = utils.get_logger("INFO")

@@ -13,7 +13,7 @@ What differs from torchtune 0.6.1's modules, and why:
   ``num_heads``. This module takes any of torchtune's masks: a boolean ``[b, s, s]``
   (block-)causal mask, ``None`` (causal), a ``BlockMask``, or a ``[b, s, cache_len]`` mask with
   a KV-cache; a sliding layer narrows whichever it is given to its window. A packed row's
-  :class:`~exactga.models.document_attention.DocumentLengths` (off CUDA) runs each document
+  :class:`~exactga.runtime.document_attention.DocumentLengths` (off CUDA) runs each document
   alone, the window narrowed within it.
 
 The window, as transformers defines it (``sliding_window_overlay``: ``kv_idx > q_idx -
@@ -42,7 +42,7 @@ from torch.nn.attention.flex_attention import (
 from torchtune.modules import MultiHeadAttention
 from torchtune.modules.attention_utils import _MaskType
 
-from exactga.models.document_attention import DocumentLengths, attend_per_document
+from exactga.runtime.document_attention import DocumentLengths, attend_per_document
 
 
 class WindowedBlockMasks:
