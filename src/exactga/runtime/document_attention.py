@@ -42,7 +42,7 @@ class DocumentLengths(torch.Tensor):
         return torch.tensor([seq_lens], dtype=torch.long).as_subclass(DocumentLengths)
 
 
-@torch.compiler.disable(recursive=False)  # the spans are Python ints: one graph per row otherwise
+@torch.compiler.disable  # the spans are Python ints: traced, every row would recompile
 def attend_per_document(
     q: torch.Tensor,
     k: torch.Tensor,
