@@ -1,6 +1,6 @@
 """Length-aware micro-batching: stock torchtune 0.6.1 versus exactga's ``micro_batching`` modes.
 
-Trains the same config six ways, each a real ``tune run`` subprocess in its own output folder,
+Trains the same config seven ways, each a real ``tune run`` subprocess in its own output folder,
 from the same seeded checkpoint, on the same samples in the same order (``seed``, and the
 sampler's fixed seed 0), with the same global batch:
 
@@ -12,7 +12,10 @@ sampler's fixed seed 0), with the same global batch:
   ``gradient_accumulation_steps: 1``, so each window holds the same samples and the budget
   (``micro_batch_tokens``) alone decides the split;
 - ``packed``: ``bsz x ga`` with ``micro_batching: packed``: the window's samples packed whole
-  into rows of ``--packed-row`` positions with a document mask (one micro-batch shape);
+  into rows of ``--packed-row`` positions (one micro-batch shape), each document attended alone
+  off CUDA (exactga.runtime.document_attention); ``packed_dense``: the same rows under the dense
+  block-causal mask instead (``EXACTGA_DENSE_PACKED_MASK=1``, the path before per-document
+  attention);
   ``packed_m<m>``: the same with ``pad_to_multiple_of: m`` (``--packed-multiple``), which trims
   each row's unfilled end to a multiple of ``m``: less padding, a few more shapes.
 Every run gets ``model.max_seq_len`` of at least the packed row (a packed row is one sequence
@@ -26,7 +29,7 @@ less than wall time; loss tokens per second; the padding share of the positions 
 (the end-of-run ``exactga: padding was ...`` line); the distinct micro-batch shapes of the epoch
 (the ``throughput/micro_batch_shapes`` scalar); peak memory; and how far the trained weights
 land from the ``fixed`` run's, ``||w - w_fixed|| / ||w_fixed - w_init||``. Below the table,
-``packed``'s speed against ``token_budget``, pair by pair.
+``packed``'s speed against ``token_budget``'s and against ``packed_dense``'s, pair by pair.
 
 Peak memory is the peak RSS of the ``tune`` process, read with ``os.wait4`` for that child alone
 (``RUSAGE_CHILDREN`` would be the maximum over every child so far); on a GPU also the
@@ -39,7 +42,8 @@ Run from the repository root (default: the tiny config at ``tokenizer.max_seq_le
     HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/micro_batching.py
 
 ``--config`` takes any full single-device config; ``--set KEY=VALUE`` adds an override to every
-run (after the benchmark's own, so it wins); ``--max-seq-len 0`` keeps the config's
+run (after the benchmark's own, so it wins); ``--skip NAME`` leaves a configuration out (not
+``stock`` or ``fixed``, which the table measures against); ``--max-seq-len 0`` keeps the config's
 ``tokenizer.max_seq_len``; ``--repeats N`` runs each configuration N times, the order reversed
 every other repeat (stock, fixed, by_length, token_budget, packed, then the reverse, ...) so that a
 change in machine load hits every configuration alike; ``--out DIR`` keeps the run folders
@@ -70,10 +74,13 @@ from pathlib import Path
 
 import numpy
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
+from exactga.data.packing import DENSE_PACKED_MASK
+from exactga.launch.registry import EXACTGA_ONLY_KEYS
 from exactga.parity.scoring import relative_l2
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +89,7 @@ OUR_RECIPE = "recipes/full_finetune.py"
 STOCK = "stock"
 REFERENCE = "fixed"  # every run's weights are compared with this one's
 PACKED = "packed"
+PACKED_DENSE = "packed_dense"  # packed under the dense mask: per-document attention's baseline
 BUDGET = "token_budget"  # packed's speed is also given against this one's
 INIT_WEIGHTS = "base_model/model.safetensors"  # written by exactga.models.random_init_checkpointer
 # exactga.data.micro_batching.PaddingMeter.summary's end-of-run line.
@@ -97,6 +105,7 @@ class RunSpec:
     name: str
     recipe: str
     overrides: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the run's process
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,8 @@ class RunResult:
 
 
 def run_specs(args: argparse.Namespace) -> list[RunSpec]:
-    """The six configurations, each with the same global batch of ``bsz * ga`` samples."""
+    """The configurations not ``--skip``-ped, each with the same global batch of ``bsz * ga``
+    samples."""
     split = (f"batch_size={args.batch_size}", f"gradient_accumulation_steps={args.ga}")
     ours = ("loss_normalization=exact", "log_timings=True", "saved_latency_every_n_steps=0")
     budget = (
@@ -137,18 +147,32 @@ def run_specs(args: argparse.Namespace) -> list[RunSpec]:
     )
     packed = (*split, *ours, "micro_batching=packed", f"micro_batch_tokens={args.packed_row}")
     trimmed = (*packed, f"pad_to_multiple_of={args.packed_multiple}")
-    return [
+    specs = [
         RunSpec(STOCK, STOCK_RECIPE, split),
         RunSpec(REFERENCE, OUR_RECIPE, (*split, *ours, "micro_batching=fixed")),
         RunSpec("by_length", OUR_RECIPE, (*split, *ours, "micro_batching=by_length")),
         RunSpec("token_budget", OUR_RECIPE, (*budget, *ours)),
         RunSpec(PACKED, OUR_RECIPE, packed),
+        RunSpec(PACKED_DENSE, OUR_RECIPE, packed, env=((DENSE_PACKED_MASK, "1"),)),
         RunSpec(f"{PACKED}_m{args.packed_multiple}", OUR_RECIPE, trimmed),
     ]
+    return [spec for spec in specs if spec.name not in args.skip]
+
+
+def write_stock_config(config: str, out_root: Path) -> Path:
+    """``config`` without exactga's keys, for stock's recipe: exactga's launcher refuses to run
+    torchtune's own recipe on a config that carries them (it would ignore them silently)."""
+    cfg = OmegaConf.load(config)
+    for key in EXACTGA_ONLY_KEYS:
+        cfg.pop(key, None)
+    stock_config = out_root / "stock_config.yaml"
+    OmegaConf.save(cfg, stock_config)
+    return stock_config
 
 
 def tune_command(spec: RunSpec, args: argparse.Namespace, output_dir: Path) -> list[str]:
-    """The ``tune run`` command line of one run; ``--set`` comes last so that it wins."""
+    """The ``tune run`` command line of one run; ``--set`` comes last so that it wins. Stock
+    runs the config without exactga's keys (:func:`write_stock_config`, next to the runs)."""
     common = [
         f"output_dir={output_dir}",
         "epochs=1",
@@ -164,7 +188,10 @@ def tune_command(spec: RunSpec, args: argparse.Namespace, output_dir: Path) -> l
     common.append(f"model.max_seq_len={max(args.max_seq_len, args.packed_row)}")
     tune = Path(sys.executable).with_name("tune")
     overrides = [*common, *spec.overrides, *args.set]
-    return [str(tune), "run", spec.recipe, "--config", args.config, *overrides]
+    config = args.config
+    if spec.name == STOCK:
+        config = write_stock_config(args.config, output_dir.parent)
+    return [str(tune), "run", spec.recipe, "--config", str(config), *overrides]
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -177,8 +204,14 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14, 15
 
 
-def launch(command: list[str], log_path: Path, omp_threads: int) -> ChildUsage:
-    """Run ``command`` with its output in ``log_path``, sampling its CPU time as it runs.
+def launch(
+    command: list[str],
+    log_path: Path,
+    omp_threads: int,
+    extra_env: tuple[tuple[str, str], ...] = (),
+) -> ChildUsage:
+    """Run ``command`` with its output in ``log_path`` and ``extra_env`` added to its
+    environment, sampling its CPU time as it runs.
 
     ``os.wait4`` reaps this child alone and returns its own resource usage, so ``ru_maxrss`` is
     this run's peak and not the largest of every run so far.
@@ -189,6 +222,7 @@ def launch(command: list[str], log_path: Path, omp_threads: int) -> ChildUsage:
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": str(omp_threads),
         "PYTHONUNBUFFERED": "1",
+        **dict(extra_env),
     }
     trace: list[tuple[float, float]] = []
     start = time.perf_counter()
@@ -263,7 +297,7 @@ def measure(spec: RunSpec, repeat: int, args: argparse.Namespace, out_root: Path
     """Train one run and read back what it measured."""
     output_dir = out_root / f"{spec.name}-{repeat}"
     log_path = out_root / f"{spec.name}-{repeat}.log"
-    usage = launch(tune_command(spec, args, output_dir), log_path, args.omp_threads)
+    usage = launch(tune_command(spec, args, output_dir), log_path, args.omp_threads, spec.env)
     scalars = read_scalars(output_dir / "logs")
     loss = scalars["loss"]
     steps = timed_steps(loss, args.warmup_steps)
@@ -394,21 +428,29 @@ def format_table(results: list[RunResult], specs: list[RunSpec]) -> list[str]:
 
 def packed_against_budget(results: list[RunResult]) -> list[str]:
     """Each packed run's step time as a share of the same repeat's token_budget run's (wall and
-    CPU), the median over repeats: above 1, packing costs more than the padding it saves."""
-    lines = []
-    budget = {r.repeat: r for r in results if r.spec.name == BUDGET}
-    for name in dict.fromkeys(r.spec.name for r in results if r.spec.name.startswith(PACKED)):
-        pairs = [(r, budget[r.repeat]) for r in results if r.spec.name == name]
-        wall = [statistics.median(r.step_ms) / statistics.median(b.step_ms) for r, b in pairs]
-        text = f"- {name} / token_budget, ms/step: {statistics.median(wall):.2f}x"
-        if all(r.step_cpu_ms and b.step_cpu_ms for r, b in pairs):
-            cpu = [
-                statistics.median(r.step_cpu_ms) / statistics.median(b.step_cpu_ms)
-                for r, b in pairs
-            ]
-            text += f"; CPU ms/step: {statistics.median(cpu):.2f}x"
-        lines.append(text + f" ({len(pairs)} pair(s))")
-    return lines
+    CPU), the median over repeats: above 1, packing costs more than the padding it saves; and
+    ``packed``'s as a share of ``packed_dense``'s: what per-document attention saves."""
+    names = dict.fromkeys(r.spec.name for r in results if r.spec.name.startswith(PACKED))
+    return [
+        *(step_time_ratio(results, name, BUDGET) for name in names),
+        step_time_ratio(results, PACKED, PACKED_DENSE),
+    ]
+
+
+def step_time_ratio(results: list[RunResult], name: str, baseline: str) -> str:
+    """``name``'s step time over ``baseline``'s, each repeat's pair, the median over repeats."""
+    base = {r.repeat: r for r in results if r.spec.name == baseline}
+    pairs = [(r, base[r.repeat]) for r in results if r.spec.name == name and r.repeat in base]
+    if not pairs:
+        return f"- {name} / {baseline}: not both run"
+    wall = [statistics.median(r.step_ms) / statistics.median(b.step_ms) for r, b in pairs]
+    text = f"- {name} / {baseline}, ms/step: {statistics.median(wall):.2f}x"
+    if all(r.step_cpu_ms and b.step_cpu_ms for r, b in pairs):
+        cpu = [
+            statistics.median(r.step_cpu_ms) / statistics.median(b.step_cpu_ms) for r, b in pairs
+        ]
+        text += f"; CPU ms/step: {statistics.median(cpu):.2f}x"
+    return text + f" ({len(pairs)} pair(s))"
 
 
 def footnotes(args: argparse.Namespace, results: list[RunResult]) -> list[str]:
@@ -433,7 +475,9 @@ def footnotes(args: argparse.Namespace, results: list[RunResult]) -> list[str]:
         "was ...` line).",
         f"- packed runs {args.batch_size} x {args.ga} with micro_batch_tokens={args.packed_row} "
         f"(positions per row); packed_m{args.packed_multiple} adds pad_to_multiple_of="
-        f"{args.packed_multiple}. shapes: the distinct micro-batch shapes in the epoch (the "
+        f"{args.packed_multiple}; packed_dense runs packed's rows under the dense block-causal "
+        "mask (EXACTGA_DENSE_PACKED_MASK=1) where packed attends each document alone. shapes: "
+        "the distinct micro-batch shapes in the epoch (the "
         "`throughput/micro_batch_shapes` scalar's last value).",
         "- †: stock logs neither loss tokens nor padding; these are the fixed run's, which "
         "trains the same samples in the same order cut into the same micro-batches (its loss "
@@ -493,7 +537,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="extra override, all runs"
     )
     parser.add_argument("--out", type=Path, default=None, help="keep run folders here")
+    parser.add_argument(
+        "--skip", action="append", default=[], metavar="NAME", help="leave this run out"
+    )
     args = parser.parse_args(argv)
+    if {STOCK, REFERENCE} & set(args.skip):
+        parser.error(f"the table measures every run against {STOCK} and {REFERENCE}")
     if args.warmup_steps < 1 or args.max_steps <= args.warmup_steps:
         # Step 1's start is not logged, so it cannot be timed: warm-up covers it.
         parser.error("need 1 <= --warmup-steps < --max-steps")

@@ -27,6 +27,7 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga.accumulation.loss_units import IGNORE_INDEX, shift_labels
+from exactga.runtime.document_attention import accept_document_lengths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"
@@ -65,7 +66,7 @@ def tiny_model(
         intermediate_dim=intermediate_dim,
         **kwargs,
     )
-    return model.to(dtype)
+    return accept_document_lengths(model.to(dtype))  # packed rows' mask, as a recipe's model
 
 
 def tiny_lora() -> nn.Module:
@@ -95,7 +96,7 @@ def tiny_lora() -> nn.Module:
             if "lora_b" in name:
                 param.normal_(std=0.05)
     set_trainable_params(model, get_adapter_params(model))
-    return model
+    return accept_document_lengths(model)  # packed rows' mask, as a recipe's model
 
 
 def make_rows(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

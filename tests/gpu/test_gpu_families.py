@@ -282,8 +282,8 @@ def long_gemma3(state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module
 
 def document_block_mask(lengths: list[int]) -> BlockMask | torch.Tensor:
     """The mask a packed row of these documents carries in the recipes (the window is the
-    model's to add): on CUDA flex attention's ``BlockMask``, on the CPU rehearsal the dense
-    block-causal mask that SDPA takes there."""
+    model's to add): on CUDA flex attention's ``BlockMask``, on the CPU rehearsal the row's
+    ``DocumentLengths`` (each document attended alone)."""
     return document_mask(lengths, flex=uses_flex_attention(DEVICE))
 
 

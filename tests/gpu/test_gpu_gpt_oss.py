@@ -36,6 +36,7 @@ from test_gpu_families import (
 )
 from torch import nn
 from torchtune import training
+from torchtune.modules.attention_utils import create_block_causal_mask
 
 from exactga.data.packing import document_mask, uses_flex_attention
 from exactga.models.gpt_oss import gpt_oss
@@ -83,15 +84,17 @@ def test_gpt_oss_gives_transformers_logits_in_fp32_and_bf16(folder_and_state, re
 
 def _packed_gradients(state: dict[str, torch.Tensor], flex: bool) -> dict[str, torch.Tensor]:
     """Every parameter's gradient of one packed row's logits against fixed random weights, under
-    the per-document mask the recipes' collation builds (``flex``: a ``BlockMask``)."""
+    the per-document mask the recipes' collation builds on CUDA (``flex``: a ``BlockMask``) or
+    the dense block-causal mask."""
     with training.set_default_dtype(torch.float32), torch.device(DEVICE):
         model = build()
     model.load_state_dict(state, strict=True)
     ids = gpt_oss_cpu.tokens()[:1].repeat(1, 2)[:, : sum(DOCUMENTS)].to(DEVICE)
     positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None].to(DEVICE)
-    mask = document_mask(DOCUMENTS, flex=flex)
-    if not flex:
-        mask = mask.to(DEVICE)
+    if flex:
+        mask = document_mask(DOCUMENTS, flex=True)
+    else:
+        mask = create_block_causal_mask([torch.tensor(DOCUMENTS)]).to(DEVICE)
     logits = model(ids, mask=mask, input_pos=positions)
     probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     (logits * probe).sum().backward()

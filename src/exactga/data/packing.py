@@ -29,13 +29,20 @@ Preference pairs pack both their sides as two documents of one row, and the row 
 ``B + j``, the row order of ``collate_pairs``, so each side's log-prob is summed over its own
 positions and its response counted on its own labels (see exactga.dpo.preference).
 
-The mask is torchtune's: on CUDA (where torchtune's attention runs flex attention on a
-``BlockMask``) a ``BlockMask`` made by ``packed_block_causal_mask``, elsewhere a dense
-``(1, N, N)`` boolean mask that SDPA takes.
+The mask, chosen here (:func:`document_mask`) for every recipe: on CUDA (where torchtune's
+attention runs flex attention on a ``BlockMask``, which skips the blocks across documents) a
+``BlockMask`` made by ``packed_block_causal_mask``; elsewhere the row's document lengths
+(:class:`~exactga.runtime.document_attention.DocumentLengths`), on which every family's
+attention attends each document alone (see [per-document attention is exact] in
+exactga.runtime.document_attention) instead of computing the whole row and masking it. The
+dense ``(1, N, N)`` boolean mask SDPA takes (torchtune's ``create_block_causal_mask``) is the
+reference the per-document path is tested against, and what ``EXACTGA_DENSE_PACKED_MASK=1``
+gives instead (benchmarks/micro_batching.py times both).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,6 +52,7 @@ from torchtune.modules.attention_utils import create_block_causal_mask, packed_b
 from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
 
 from exactga.data.micro_batching import PAIR_INDEX, is_pair
+from exactga.runtime.document_attention import DocumentLengths
 
 # Which positions of a packed row of preference pairs belong to each of its sequences; see
 # [packed rows are exact].
@@ -66,11 +74,21 @@ def uses_flex_attention(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda" and _SUPPORTS_FLEX_ATTENTION
 
 
+# Set to 1: packed rows off CUDA carry the dense block-causal mask, not their document lengths
+# (the slower reference; benchmarks/micro_batching.py's ``packed_dense``).
+DENSE_PACKED_MASK = "EXACTGA_DENSE_PACKED_MASK"
+
+
 def document_mask(seq_lens: Sequence[int], flex: bool) -> Any:
-    """The block-causal mask of one row whose documents have these lengths, as ``(1, N, N)``
-    booleans (SDPA), or with ``flex`` as torchtune's ``BlockMask`` on CUDA."""
+    """What one row whose documents have these lengths carries as its ``mask``: with ``flex``
+    torchtune's ``BlockMask`` (CUDA), else its :class:`DocumentLengths` (each document attended
+    alone), or under ``EXACTGA_DENSE_PACKED_MASK=1`` the ``(1, N, N)`` block-causal booleans."""
     lengths = [torch.tensor(list(seq_lens), dtype=torch.long)]
-    return packed_block_causal_mask(lengths) if flex else create_block_causal_mask(lengths)
+    if flex:
+        return packed_block_causal_mask(lengths)
+    if os.environ.get(DENSE_PACKED_MASK) == "1":
+        return create_block_causal_mask(lengths)
+    return DocumentLengths.of(list(seq_lens))
 
 
 class _Row:

@@ -12,7 +12,9 @@ What differs from torchtune 0.6.1's modules, and why:
   even when a KV-cache shifts the queries' slots, and caches keys already repeated to
   ``num_heads``. This module takes any of torchtune's masks: a boolean ``[b, s, s]``
   (block-)causal mask, ``None`` (causal), a ``BlockMask``, or a ``[b, s, cache_len]`` mask with
-  a KV-cache; a sliding layer narrows whichever it is given to its window.
+  a KV-cache; a sliding layer narrows whichever it is given to its window. A packed row's
+  :class:`~exactga.runtime.document_attention.DocumentLengths` (off CUDA) runs each document
+  alone, the window narrowed within it.
 
 The window, as transformers defines it (``sliding_window_overlay``: ``kv_idx > q_idx -
 sliding_window``): a query attends to itself and the ``sliding_window - 1`` slots before it, so
@@ -39,6 +41,8 @@ from torch.nn.attention.flex_attention import (
 )
 from torchtune.modules import MultiHeadAttention
 from torchtune.modules.attention_utils import _MaskType
+
+from exactga.runtime.document_attention import DocumentLengths, attend_per_document
 
 
 class WindowedBlockMasks:
@@ -168,8 +172,11 @@ class Gemma3Attention(MultiHeadAttention):
             v = self.v_proj(y).view(b, y.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)
             if cache_in_use:
                 k, v = self.kv_cache.update(k, v)
-        mask = self._layer_mask(mask, query_slots, k.shape[2], default_causal=not cache_in_use)
-        output = self._attend(q, k, v, mask)
+        if isinstance(mask, DocumentLengths):  # a packed row off CUDA: each document alone
+            output = attend_per_document(q, k, v, mask, self._attend_document)
+        else:
+            mask = self._layer_mask(mask, query_slots, k.shape[2], default_causal=not cache_in_use)
+            output = self._attend(q, k, v, mask)
         return self.output_proj(output.transpose(1, 2).reshape(b, s_x, -1))
 
     def _normed_rotated_heads(
@@ -213,6 +220,17 @@ class Gemma3Attention(MultiHeadAttention):
         if mask.dtype == torch.bool:
             return mask & band
         return mask.masked_fill(~band, float("-inf"))  # an additive float mask
+
+    def _attend_document(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """:meth:`_attend` on one document's span: causal, narrowed to the window in a sliding
+        layer when the document is longer than it (the window counts slots within the document,
+        as on the whole row; see [per-document attention is exact])."""
+        length = q.shape[2]
+        if self.sliding_window is None or length <= self.sliding_window:
+            return self._attend(q, k, v, None)
+        slots = torch.arange(length, device=q.device)
+        band = window_band(slots, length, self.sliding_window) & causal_band(slots, length)
+        return self._attend(q, k, v, band)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
         """softmax(scaled q k^T, masked) v, ``[b, n_h, s, h_d]``; ``mask`` None means causal

@@ -1,0 +1,139 @@
+"""Unit tier: per-document attention for packed rows (exactga.runtime.document_attention).
+
+A packed row off CUDA carries its document lengths as its mask, and every family's attention
+runs each document's span alone; the dense block-causal mask it replaces computes the whole
+row and masks it. Here, per family (torchtune's Llama and Qwen2, our Qwen3, Qwen3 MoE, Gemma 3
+with a window of 8, gpt-oss with sinks and a window of 4), on one tiny random fp32 model: a
+packed row's logits and every parameter's gradient are the dense mask's within the fp32 floor,
+with documents longer than the windows, a one-token document and padding at the row's end.
+See [per-document attention is exact].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torchtune.models.qwen2 import qwen2
+from torchtune.modules.attention_utils import create_block_causal_mask
+from unit_utils import tiny_model
+
+from exactga.data.packing import DENSE_PACKED_MASK, pack_samples
+from exactga.models.gemma3 import gemma3
+from exactga.models.gpt_oss import gpt_oss
+from exactga.models.qwen3 import qwen3
+from exactga.models.qwen3_moe import qwen3_moe
+from exactga.runtime.document_attention import DocumentLengths, accept_document_lengths
+
+BOUND = 1e-5  # relative L2, fp32: the kernels' rounding, not a masking difference (that is O(1))
+VOCAB = 64
+LENGTHS = [9, 1, 14, 3]  # 14 > Gemma 3's window of 8 > gpt-oss's of 4; a 1-token document
+PADDING = 5  # the row's unfilled end: one more document (exactga.data.packing)
+HEADS = {"num_heads": 4, "num_kv_heads": 2, "embed_dim": 32, "max_seq_len": 64}
+
+FAMILIES: dict[str, Callable[[], nn.Module]] = {
+    "llama": lambda: tiny_model(),
+    "qwen2": lambda: qwen2(vocab_size=VOCAB, num_layers=2, intermediate_dim=48, **HEADS),
+    "qwen3": lambda: qwen3(
+        vocab_size=VOCAB, num_layers=2, head_dim=12, intermediate_dim=48, **HEADS
+    ),
+    "qwen3_moe": lambda: qwen3_moe(
+        vocab_size=VOCAB,
+        num_layers=2,
+        head_dim=8,
+        moe_intermediate_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        **HEADS,
+    ),
+    "gemma3": lambda: gemma3(
+        vocab_size=VOCAB,
+        num_layers=2,
+        head_dim=8,
+        intermediate_dim=48,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=12,
+        **HEADS,
+    ),
+    "gpt_oss": lambda: gpt_oss(
+        vocab_size=VOCAB,
+        num_layers=2,
+        head_dim=8,
+        intermediate_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        expert_path="loop",
+        **HEADS,
+    ),
+}
+
+
+def random_model(family: str) -> nn.Module:
+    """The family's tiny model, every parameter random (sinks of either sign included), as a
+    recipe builds it: its attention takes :class:`DocumentLengths`."""
+    torch.manual_seed(0)
+    model = accept_document_lengths(FAMILIES[family]())
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(1 + 0.2 * noise if parameter.ndim == 1 else 0.2 * noise)
+    return model
+
+
+def packed_row() -> dict[str, torch.Tensor]:
+    """One packed row of ``LENGTHS`` random documents and ``PADDING`` positions, as the
+    ``packed`` collate makes it (its ``mask`` the document lengths)."""
+    generator = torch.Generator().manual_seed(2)
+    samples = []
+    for length in LENGTHS:
+        ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+        samples.append({"tokens": ids, "labels": ids})
+    row = pack_samples(samples, capacity=sum(LENGTHS) + PADDING)
+    return {key: row[key] for key in ("tokens", "mask", "input_pos")}
+
+
+def logits_and_gradients(model: nn.Module, row: dict) -> tuple[torch.Tensor, dict]:
+    """The row's logits and every parameter's gradient of a fixed random weighting of them."""
+    model.zero_grad(set_to_none=True)
+    logits = model(**row)
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    (logits * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).norm() / reference.norm()).item()
+
+
+def test_a_packed_row_carries_its_document_lengths_unless_the_dense_mask_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    row = pack_samples(
+        [{"tokens": [1, 2], "labels": [1, 2]}, {"tokens": [3], "labels": [3]}], capacity=4
+    )
+    assert isinstance(row["mask"], DocumentLengths)
+    assert row["mask"].tolist() == [[2, 1, 1]]  # the padding is a document of its own
+    monkeypatch.setenv(DENSE_PACKED_MASK, "1")
+    dense = pack_samples(
+        [{"tokens": [1, 2], "labels": [1, 2]}, {"tokens": [3], "labels": [3]}], capacity=4
+    )
+    assert torch.equal(dense["mask"], create_block_causal_mask([torch.tensor([2, 1, 1])]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_per_document_attention_gives_the_dense_masks_logits_and_gradients(family: str) -> None:
+    model = random_model(family)
+    row = packed_row()
+    per_document = logits_and_gradients(model, row)
+    lengths = [torch.tensor(row["mask"].tolist()[0])]
+    dense = logits_and_gradients(model, {**row, "mask": create_block_causal_mask(lengths)})
+    assert relative_error(per_document[0], dense[0]) < BOUND
+    assert per_document[1].keys() == dense[1].keys()
+    worst = max(relative_error(per_document[1][n], g) for n, g in dense[1].items() if g.any())
+    assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"
