@@ -82,6 +82,7 @@ from tqdm import tqdm
 from exactga.accumulation.loss_units import loss_ignore_index
 from exactga.accumulation.normalization import LossNormalizer, NormMode
 from exactga.accumulation.step import train_window
+from exactga.config.validation import typed_settings
 from exactga.data.loader import WindowLoader, build_dataloader, load_dataset, model_vocab_size
 from exactga.data.micro_batching import MicroBatching, MicroBatchingSettings
 from exactga.data.packing import uses_flex_attention
@@ -675,17 +676,23 @@ class GaParityRecipe:
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: validates the config strictly, then trains every planned run. A GRPO
     config (one that sets ``grpo_samples``) is trained by exactga.parity.grpo.GrpoParity, a PPO
-    one (``ppo_batch_size``) by exactga.parity.ppo.PpoParity."""
+    one (``ppo_batch_size``) by exactga.parity.ppo.PpoParity, each from its typed settings."""
     if is_grpo_config(cfg):
-        cfg = validate_run_config(cfg, GrpoParityConfig, RECIPE_NAME)
-        recipe = GrpoParity(cfg)
+        grpo = typed_settings(
+            validate_run_config(cfg, GrpoParityConfig, RECIPE_NAME), GrpoParityConfig
+        )
+        recipe = GrpoParity(grpo)
+        recipe.setup(grpo)
     elif is_ppo_config(cfg):  # see [ppo parity] in exactga.parity.ppo
-        cfg = validate_run_config(cfg, PpoParityConfig, RECIPE_NAME)
-        recipe = PpoParity(cfg)
+        ppo = typed_settings(
+            validate_run_config(cfg, PpoParityConfig, RECIPE_NAME), PpoParityConfig
+        )
+        recipe = PpoParity(ppo)
+        recipe.setup(ppo)
     else:
         cfg = validate_run_config(cfg, GaParityConfig, RECIPE_NAME)
         recipe = GaParityRecipe(cfg)
-    recipe.setup(cfg)
+        recipe.setup(cfg)
     recipe.train()
     recipe.save_report()
     recipe.cleanup()

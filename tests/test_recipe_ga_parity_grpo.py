@@ -17,7 +17,7 @@ from recipe_utils import output_of, run_tune
 
 from exactga.accumulation.normalization import NormMode
 from exactga.config.options import LossAggregation
-from exactga.config.validation import validate_config
+from exactga.config.validation import typed_settings, validate_config
 from exactga.parity.grpo_report import grpo_splits
 from exactga.parity.grpo_schema import GrpoParityConfig, is_grpo_config
 
@@ -145,7 +145,8 @@ def test_the_shipped_grpo_parity_config_holds_only_keys_the_report_reads():
         warnings.simplefilter("error")
         cfg = validate_config(_config(), GrpoParityConfig, "ga_parity")
     assert is_grpo_config(cfg)
-    assert GrpoParityConfig.modes_for(cfg) == [NormMode.NAIVE, NormMode.EXACT]
+    settings = typed_settings(cfg, GrpoParityConfig)
+    assert GrpoParityConfig.modes_for(settings) == [NormMode.NAIVE, NormMode.EXACT]
 
 
 def test_the_grpo_training_config_runs_with_its_own_split_and_unread_keys_named():
@@ -154,7 +155,7 @@ def test_the_grpo_training_config_runs_with_its_own_split_and_unread_keys_named(
             _config("configs/tiny/grpo_distributed.yaml"), GrpoParityConfig, "ga_parity"
         )
     # batch_size 4 x grpo_samples 8 in gradient_accumulation_steps 2 micro-batches.
-    assert GrpoParityConfig.splits_for(cfg) == ["16x2"]
+    assert GrpoParityConfig.splits_for(typed_settings(cfg, GrpoParityConfig)) == ["16x2"]
     assert [a.value for a in cfg.parity.loss_aggregations] == [a.value for a in LossAggregation]
 
 
@@ -174,9 +175,11 @@ def test_a_grpo_split_must_hold_whole_prompts_and_post_scale_is_refused():
         with pytest.raises(ValueError, match=named):
             validate_config(_config(**{key: value}), GrpoParityConfig, "ga_parity")
     without = _config(**{"parity.splits": None})
-    cfg = validate_config(without, GrpoParityConfig, "ga_parity")
+    settings = typed_settings(
+        validate_config(without, GrpoParityConfig, "ga_parity"), GrpoParityConfig
+    )
     with pytest.raises(ValueError, match="'parity.splits': list the splits to compare"):
-        GrpoParityConfig.splits_for(cfg)
+        GrpoParityConfig.splits_for(settings)
 
 
 def test_a_grpo_config_is_told_from_the_others():

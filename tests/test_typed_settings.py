@@ -159,13 +159,6 @@ VALIDATION_PHASE = {
     "data/files.py": {"check_data_files"},
     "parity/preference.py": {"check_preference_keys"},  # GaParityConfig.check_flags
 }
-# Readers that still take a config, each with the reason; shrink this list, never grow it.
-STILL_TAKE_A_CONFIG = {
-    # The GA parity report validates with validate_run_config and reads a DictConfig; what it
-    # hands the recipes' readers (ShapingKeys, TrajectorySettings) it types first.
-    "parity/grpo.py": {"__init__", "setup"},
-    "parity/ppo.py": {"__init__", "setup"},
-}
 
 
 def _whole_config_parameters(path: Path) -> list[str]:
@@ -201,7 +194,7 @@ def test_no_reader_below_the_recipes_takes_a_whole_config() -> None:
     offenders = []
     for path in _library_modules():
         rel = path.relative_to(LIBRARY).as_posix()
-        allowed = VALIDATION_PHASE.get(rel, set()) | STILL_TAKE_A_CONFIG.get(rel, set())
+        allowed = VALIDATION_PHASE.get(rel, set())
         offenders += [
             f"{rel}: {signature}"
             for signature in _whole_config_parameters(path)
@@ -214,14 +207,13 @@ def test_no_reader_below_the_recipes_takes_a_whole_config() -> None:
 
 
 def test_the_exceptions_are_still_there() -> None:
-    """An entry of the lists above whose function is gone or typed now is removed from them."""
-    for listing in (VALIDATION_PHASE, STILL_TAKE_A_CONFIG):
-        for rel, names in listing.items():
-            path = LIBRARY / rel
-            if not path.exists():
-                continue  # moved by a cut in progress; the check above still covers its new home
-            present = {signature.split("(")[0] for signature in _whole_config_parameters(path)}
-            assert names <= present, f"{rel}: {sorted(names - present)} take typed settings now"
+    """An entry of the list above whose function is gone or typed now is removed from it."""
+    for rel, names in VALIDATION_PHASE.items():
+        path = LIBRARY / rel
+        if not path.exists():
+            continue  # moved by a cut in progress; the check above still covers its new home
+        present = {signature.split("(")[0] for signature in _whole_config_parameters(path)}
+        assert names <= present, f"{rel}: {sorted(names - present)} take typed settings now"
 
 
 def test_the_check_catches_a_reader_that_takes_a_config(tmp_path: Path) -> None:

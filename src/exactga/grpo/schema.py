@@ -12,6 +12,7 @@ only bottom modules (``tests/test_architecture.py``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -236,9 +237,10 @@ def check_loss_section(loss: Any, key: str) -> None:
 
 
 def loss_short_name(loss: Any) -> str:
-    """A loss section's name in reports: its class without ``Loss``, lower case (``ppoclip``,
-    ``gspo``, ``cispo``; stock's names are ``ppoclip``)."""
-    component = loss.get("_component_") if isinstance(loss, DictConfig) else None
+    """A loss section's name in reports (a config node, or a dict of the typed settings): its
+    class without ``Loss``, lower case (``ppoclip``, ``gspo``, ``cispo``; stock's names are
+    ``ppoclip``)."""
+    component = loss.get("_component_") if isinstance(loss, Mapping) else None
     if component is None or component in STOCK_LOSSES:
         return "ppoclip"
     return component.rsplit(".", 1)[-1].removesuffix("Loss").lower()

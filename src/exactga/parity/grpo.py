@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torchtune import config, training, utils
 from tqdm import tqdm
 
@@ -48,9 +47,7 @@ from exactga.config.options import (
     MasterWeights,
     MicroBatching,
     NormMode,
-    as_option,
 )
-from exactga.config.validation import typed_settings
 from exactga.data.loader import build_prompt_loader
 from exactga.generation.sampling import SamplingSettings, check_prompt
 from exactga.grpo.losses import PolicyLoss, build_policy_loss
@@ -107,14 +104,15 @@ class GrpoParity:
     one report per aggregation and an index over them; see [grpo parity].
 
     Args:
-        cfg: the validated config (``GrpoParityConfig``).
+        cfg: the typed settings of the validated config (``GrpoParityConfig``; see
+            [typed settings] in exactga.config.validation).
 
     Raises:
         ValueError: bad ``parity.splits`` (:func:`grpo_splits`), ``parity.num_steps`` beyond
             the prompts of one epoch, a prompt too long for the model.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: GrpoParityConfig) -> None:
         self._cfg = cfg
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
@@ -129,11 +127,8 @@ class GrpoParity:
             GrpoParityConfig.splits_for(cfg), launched_world_size, cfg.grpo_samples
         )
         self._modes = GrpoParityConfig.modes_for(cfg)
-        self._aggregations = [
-            as_option(LossAggregation, a, "parity.loss_aggregations")
-            for a in cfg.parity.loss_aggregations
-        ]
-        self._micro_batchings = [MicroBatching(m) for m in cfg.parity.micro_batching]
+        self._aggregations = list(cfg.parity.loss_aggregations)
+        self._micro_batchings = list(cfg.parity.micro_batching)
         self._num_steps = cfg.parity.num_steps
         self._global_completions = self._splits[0].global_batch
         self._report_dir = Path(cfg.output_dir) / "parity"
@@ -146,13 +141,10 @@ class GrpoParity:
         # Each objective is a (loss, loss_aggregation): the config's ``loss``, or each of
         # ``parity.losses``, under each of ``parity.loss_aggregations``.
         self._losses = GrpoParityConfig.losses_for(cfg)
-        # The shaping keys, typed as the recipe's are (see [typed settings] in
-        # exactga.config.validation), for exactga.grpo.rollout_step.ShapingKeys.
-        self._rollout_keys = typed_settings(cfg, GrpoParityConfig)
         self._reports: dict[str, dict[str, Any]] = {}  # rank 0: each aggregation's outcome
         self._num_runs = 0
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: GrpoParityConfig) -> None:
         reseed(self._seed)
         checkpointer = config.instantiate(cfg.checkpointer)
         base_state = checkpointer.load_checkpoint()[training.MODEL_KEY]
@@ -291,7 +283,7 @@ class GrpoParity:
             micro_batch_tokens=self._cfg.parity.micro_batch_tokens,
             forward_batch_size=self._cfg.forward_batch_size,
             pad_id=self._tokenizer.pad_id,
-            shaping=ShapingKeys.from_settings(self._rollout_keys, loss),
+            shaping=ShapingKeys.from_settings(self._cfg, loss),
         )
         optimizer = config.instantiate(self._cfg.optimizer, list(model.parameters()))
         lr_scheduler = None
@@ -389,8 +381,8 @@ class GrpoParity:
         the loss's where ``parity.losses`` lists losses)."""
         loss_name, loss, aggregation = objective
         precision = PrecisionView(
-            dtype=str(self._cfg.dtype),
-            master_weights=str(getattr(self._cfg.master_weights, "value", "none")),
+            dtype=self._cfg.dtype,
+            master_weights=self._cfg.master_weights.value,
             noise_floor=self._cfg.parity.noise_floor,
             reference_to_fp32=reference_to_fp32,
         )

@@ -41,7 +41,8 @@ class GrpoParitySettings(ParitySettings):
     # Each is trained as its own objective, with its own full-batch reference.
     loss_aggregations: list[LossAggregation] = field(default_factory=lambda: list(LossAggregation))
     # Policy loss sections ({_component_: exactga.grpo.losses.GSPOLoss, ...}), each trained under
-    # every loss_aggregation as its own objective; null: the config's own ``loss``.
+    # every loss_aggregation as its own objective; null: the config's own ``loss``. The typed
+    # settings hold them as dicts (exactga.grpo.losses.build_policy_loss takes a mapping).
     losses: list[Any] | None = None
     num_steps: int = 4
 
@@ -91,41 +92,43 @@ class GrpoParityConfig(TrainingRunConfig, RolloutKeys):
             raise ValueError("config key 'parity.micro_batch_tokens' must be at least 1.")
 
     @staticmethod
-    def splits_for(cfg: DictConfig) -> list[str]:
+    def splits_for(settings: GrpoParityConfig) -> list[str]:
         """``parity.splits``, or where null the config's own split (see GrpoParitySettings)."""
-        if cfg.parity.splits is not None:
-            return [str(split) for split in cfg.parity.splits]
-        if cfg.batch_size is None:
+        if settings.parity.splits is not None:
+            return [str(split) for split in settings.parity.splits]
+        if settings.batch_size is None:
             raise ValueError(
                 "config key 'parity.splits': list the splits to compare (e.g. [4x4, 8x2]: "
                 "completions per micro-batch x micro-batches), or set batch_size for the "
                 "config's own."
             )
-        completions = cfg.batch_size * cfg.grpo_samples
-        ga = cfg.gradient_accumulation_steps if cfg.gradient_accumulation_steps > 1 else 2
+        completions = settings.batch_size * settings.grpo_samples
+        ga = settings.gradient_accumulation_steps
+        ga = ga if ga > 1 else 2
         if completions % ga:
             ga = 1
         return [f"{completions // ga}x{ga}"]
 
     @staticmethod
-    def losses_for(cfg: DictConfig) -> list[tuple[str | None, Any]]:
+    def losses_for(settings: GrpoParityConfig) -> list[tuple[str | None, Any]]:
         """Each loss the report trains, as (its name in the report, its section): the
         config's own ``loss`` (name None) where ``parity.losses`` is null; a loss listed twice
         is named with its place in the list."""
-        if cfg.parity.losses is None:
-            return [(None, cfg.loss)]
-        names = [loss_short_name(loss) for loss in cfg.parity.losses]
+        losses = settings.parity.losses
+        if losses is None:
+            return [(None, settings.loss)]
+        names = [loss_short_name(loss) for loss in losses]
         return [
             (name if names.count(name) == 1 else f"{name}{index}", loss)
-            for index, (name, loss) in enumerate(zip(names, cfg.parity.losses, strict=True))
+            for index, (name, loss) in enumerate(zip(names, losses, strict=True))
         ]
 
     @staticmethod
-    def modes_for(cfg: DictConfig) -> list[NormMode]:
+    def modes_for(settings: GrpoParityConfig) -> list[NormMode]:
         """``parity.modes``; where null, naive and exact."""
-        if cfg.parity.modes is None:
+        if settings.parity.modes is None:
             return [NormMode.NAIVE, NormMode.EXACT]
-        return list(cfg.parity.modes)
+        return list(settings.parity.modes)
 
 
 def is_grpo_config(cfg: DictConfig) -> bool:

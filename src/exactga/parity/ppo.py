@@ -33,7 +33,6 @@ from tqdm import tqdm
 from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.step import train_window
 from exactga.config.options import MicroBatching, NormMode
-from exactga.config.validation import typed_settings
 from exactga.data.loader import build_prompt_loader, load_dataset
 from exactga.data.micro_batching import MicroBatchingSettings
 from exactga.parity.ppo_schema import PpoParityConfig
@@ -68,14 +67,15 @@ class PpoParity:
     """Trains a PPO config under each split x mode and writes the report; see [ppo parity].
 
     Args:
-        cfg: the validated config (``PpoParityConfig``).
+        cfg: the typed settings of the validated config (``PpoParityConfig``; see
+            [typed settings] in exactga.config.validation).
 
     Raises:
         ValueError: ``parity.splits`` that are not splits of one PPO batch, or more
             ``parity.num_steps`` than the prompts of one epoch hold.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: PpoParityConfig) -> None:
         self._cfg = cfg
         self._device = utils.get_device(device=cfg.device)
         dtype = training.get_dtype(cfg.dtype, device=self._device)
@@ -89,7 +89,7 @@ class PpoParity:
                     f"B x G = {cfg.ppo_batch_size})."
                 )
         self._modes = PpoParityConfig.modes_for(cfg)
-        self._micro_batchings = [MicroBatching(m) for m in cfg.parity.micro_batching]
+        self._micro_batchings = list(cfg.parity.micro_batching)
         self._num_steps = cfg.parity.num_steps
         self._steps_per_batch = cfg.ppo_epochs * (cfg.batch_size // cfg.ppo_batch_size)
         self._report_dir = Path(cfg.output_dir) / "parity"
@@ -98,7 +98,7 @@ class PpoParity:
         self._num_runs = 0
         self._path: Path | None = None
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: PpoParityConfig) -> None:
         reseed(self._seed)
 
         def weights(cfg_checkpointer: DictConfig) -> dict:
@@ -116,10 +116,7 @@ class PpoParity:
             cfg.reward_and_value_model, weights(cfg.reward_checkpointer), self._device, None
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        # Typed as the recipe's settings are (see [typed settings] in exactga.config.validation).
-        self._settings = TrajectorySettings.from_settings(
-            typed_settings(cfg, PpoParityConfig), self._tokenizer
-        )
+        self._settings = TrajectorySettings.from_settings(cfg, self._tokenizer)
         with torch.device("meta"):  # the policy's vocabulary, for the dataset's row checks
             vocab_size = config.instantiate(cfg.policy_model).tok_embeddings.num_embeddings
         self._dataset = load_dataset(cfg.dataset, self._tokenizer, vocab_size)
@@ -153,8 +150,8 @@ class PpoParity:
                 summarize(trained, reference, initial, compared_steps=self._steps_per_batch)
             )
         precision = PrecisionView(
-            dtype=str(self._cfg.dtype),
-            master_weights=str(getattr(self._cfg.master_weights, "value", "none")),
+            dtype=self._cfg.dtype,
+            master_weights=self._cfg.master_weights.value,
             noise_floor=self._cfg.parity.noise_floor,
             reference_to_fp32=None,
         )

@@ -51,21 +51,22 @@ class PpoParityConfig(PpoFullFinetuneSingleDeviceConfig):
             )
 
     @staticmethod
-    def splits_for(cfg: DictConfig) -> list[str]:
+    def splits_for(settings: PpoParityConfig) -> list[str]:
         """``parity.splits``, or where null the config's own split (see PpoParitySettings)."""
-        if cfg.parity.splits is not None:
-            return [str(split) for split in cfg.parity.splits]
-        ga = cfg.gradient_accumulation_steps if cfg.gradient_accumulation_steps > 1 else 2
-        if cfg.ppo_batch_size % ga:
+        if settings.parity.splits is not None:
+            return [str(split) for split in settings.parity.splits]
+        ga = settings.gradient_accumulation_steps
+        ga = ga if ga > 1 else 2
+        if settings.ppo_batch_size % ga:
             ga = 1
-        return [f"{cfg.ppo_batch_size // ga}x{ga}"]
+        return [f"{settings.ppo_batch_size // ga}x{ga}"]
 
     @staticmethod
-    def modes_for(cfg: DictConfig) -> list[NormMode]:
+    def modes_for(settings: PpoParityConfig) -> list[NormMode]:
         """``parity.modes``; where null, naive and exact."""
-        if cfg.parity.modes is None:
+        if settings.parity.modes is None:
             return [NormMode.NAIVE, NormMode.EXACT]
-        return list(cfg.parity.modes)
+        return list(settings.parity.modes)
 
 
 def is_ppo_config(cfg: DictConfig) -> bool:

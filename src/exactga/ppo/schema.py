@@ -153,8 +153,8 @@ def check_ppo_keys(cfg: DictConfig) -> None:
         )
 
 
-def loss_settings(cfg: DictConfig) -> dict[str, float]:
-    """``epsilon``, ``value_clip_range`` and ``value_coeff`` of the config's ``loss`` section
-    (stock's ``PPOLoss``), its defaults filled in."""
-    loss = cfg.loss if isinstance(cfg.loss, DictConfig) else {}
+def loss_settings(settings: PpoFullFinetuneSingleDeviceConfig) -> dict[str, float]:
+    """``epsilon``, ``value_clip_range`` and ``value_coeff`` of the typed settings' ``loss``
+    section (stock's ``PPOLoss``), its defaults filled in."""
+    loss = settings.loss if isinstance(settings.loss, DictConfig) else {}
     return {key: float(loss.get(key, default)) for key, default in LOSS_DEFAULTS.items()}
