@@ -16,10 +16,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torchtune import config, training
+from torchtune import training
 
 from exactga.model_build.trained import init_rope
-from exactga.runtime.document_attention import accept_document_lengths
+from exactga.runtime.document_attention import instantiate_model
 
 # Note [frozen forwards run under no_grad]
 # A frozen model's forward must build no autograd graph and keep no activations: its outputs
@@ -70,7 +70,7 @@ def build_frozen_model(
     ``dp_mesh`` when it spans more than one rank (no trainable parameter, so no precision
     policy), then loaded shard by shard in ``dtype``."""
     with training.set_default_dtype(dtype), torch.device("meta"):
-        model = accept_document_lengths(config.instantiate(cfg_model))
+        model = instantiate_model(cfg_model)
     freeze_model(model)
     if compile_model:
         training.compile_model(model, verbose=verbose)

@@ -43,7 +43,7 @@ from exactga.models.moe import moe_blocks, router_recording_context_fn
 from exactga.qat.fake_quant import prepare_for_qat
 from exactga.run.resume import ResumePoint, checkpointer_source
 from exactga.runtime import distributed
-from exactga.runtime.document_attention import accept_document_lengths
+from exactga.runtime.document_attention import instantiate_model
 from exactga.runtime.precision import Precision
 from exactga.runtime.runtime import parameters_offloaded_to_cpu
 
@@ -227,7 +227,7 @@ def build_model(
     lora = isinstance(weights, AdapterWeights)
     on = torch.device("meta") if parallelism is not None else device
     with training.set_default_dtype(precision.compute_dtype), on:
-        model = accept_document_lengths(config.instantiate(cfg_model))
+        model = instantiate_model(cfg_model)
         if quantizer is not None and lora:  # QATLoRALinear's new adapters: trainable below
             prepare_for_qat(model, quantizer, lora=True)
     adapter_params = get_adapter_params(model) if lora else None

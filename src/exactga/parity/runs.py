@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
-from torchtune import config, training
+from torchtune import training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from exactga.model_build.frozen import build_frozen_model
@@ -30,7 +30,7 @@ from exactga.model_build.trained import init_rope
 from exactga.parity.scoring import ParityRun, RunSummary
 from exactga.qat.fake_quant import prepare_for_qat
 from exactga.runtime import distributed
-from exactga.runtime.document_attention import accept_document_lengths
+from exactga.runtime.document_attention import instantiate_model
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -139,7 +139,7 @@ def build_model(
     trainable weights cast as ``precision`` keeps them (fp32 master weights); a QAT config's
     ``quantizer`` fake-quantises its linears as the QAT recipes do (exactga.qat.fake_quant)."""
     with training.set_default_dtype(precision.compute_dtype), device:
-        model = accept_document_lengths(config.instantiate(cfg_model))
+        model = instantiate_model(cfg_model)
     if quantizer is not None:  # before the adapters are made trainable: QATLoRALinear's new ones
         model = prepare_for_qat(model, quantizer, lora=is_lora)
     if is_lora:
@@ -163,7 +163,7 @@ def build_sharded_model(
     ``state``, the runs' shared initial state; fake-quantised by ``quantizer`` before sharding,
     as the QAT recipes do."""
     with training.set_default_dtype(precision.compute_dtype), torch.device("meta"):
-        model = accept_document_lengths(config.instantiate(cfg_model))
+        model = instantiate_model(cfg_model)
     if quantizer is not None:  # swaps modules: before FSDP wraps them
         model = prepare_for_qat(model, quantizer, lora=is_lora)
     if is_lora:

@@ -24,9 +24,11 @@ end is one more document (exactga.data.packing), attended within itself as befor
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torchtune import config
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -101,3 +103,10 @@ def accept_document_lengths(model: nn.Module) -> nn.Module:
         if call is not None and not getattr(call, "accepts_document_lengths", False):
             module._attention_call = _with_document_lengths(call)
     return model
+
+
+def instantiate_model(cfg_model: Any) -> nn.Module:
+    """The model of a ``model`` ``_component_`` section, its attention taking packed rows'
+    :class:`DocumentLengths`: every place that builds a model builds it here, so none can
+    forget the wrap and meet a packed row with a mask its attention cannot read."""
+    return accept_document_lengths(config.instantiate(cfg_model))

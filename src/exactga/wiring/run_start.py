@@ -64,7 +64,7 @@ from exactga.run.progress import TrainingProgress, build_lr_scheduler
 from exactga.run.resume import checkpointer_source, start_run, validate_run_config
 from exactga.run.steps import StepBook, StepBookSettings
 from exactga.runtime import distributed
-from exactga.runtime.document_attention import accept_document_lengths
+from exactga.runtime.document_attention import instantiate_model
 from exactga.runtime.runtime import Runtime
 
 log = utils.get_logger("INFO")
@@ -458,7 +458,7 @@ def _frozen_on_device(
 ) -> nn.Module:
     """``cfg_model`` built on ``device`` in ``dtype``, loaded and frozen (one device)."""
     with training.set_default_dtype(dtype), device:
-        model = accept_document_lengths(config.instantiate(cfg_model))
+        model = instantiate_model(cfg_model)
     model.load_state_dict(state_dict)
     freeze_model(model)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
