@@ -193,7 +193,7 @@ class GaParityRecipe:
           splits stay at the floor.
 
     Args:
-        cfg: the validated config (see ``recipe_main``).
+        cfg: the validated settings (see ``recipe_main``).
 
     Raises:
         ValueError: a bad ``parity.splits`` (see ``exactga.parity.scoring.parse_splits``),
@@ -201,7 +201,7 @@ class GaParityRecipe:
             loss and a dataset of different kinds (pairs or sequences).
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: GaParityConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._dtype_name = str(cfg.dtype)  # as the report names it
@@ -258,7 +258,7 @@ class GaParityRecipe:
         self._data_shape: DataShape | None = None  # of the full batch's samples
         self._num_runs = 0  # for the progress lines: "run k of n"
 
-    def setup(self, cfg: DictConfig) -> None:
+    def setup(self, cfg: GaParityConfig) -> None:
         self._cfg = cfg
         reseed(self._seed)
         checkpointer = config.instantiate(cfg.checkpointer)
@@ -690,9 +690,11 @@ def recipe_main(cfg: DictConfig) -> None:
         recipe = PpoParity(ppo)
         recipe.setup(ppo)
     else:
-        cfg = validate_run_config(cfg, GaParityConfig, RECIPE_NAME)
-        recipe = GaParityRecipe(cfg)
-        recipe.setup(cfg)
+        settings = typed_settings(
+            validate_run_config(cfg, GaParityConfig, RECIPE_NAME), GaParityConfig
+        )
+        recipe = GaParityRecipe(settings)
+        recipe.setup(settings)
     recipe.train()
     recipe.save_report()
     recipe.cleanup()

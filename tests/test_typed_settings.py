@@ -157,7 +157,6 @@ VALIDATION_PHASE = {
     "model_build/trained.py": {"models_from_folders"},
     "wiring/run_start.py": {"validated_config"},
     "data/files.py": {"check_data_files"},
-    "parity/preference.py": {"check_preference_keys"},  # GaParityConfig.check_flags
 }
 
 
@@ -241,6 +240,17 @@ def test_recipes_hand_their_setup_the_typed_settings(recipe: str) -> None:
     assert "cfg.get(" not in text, f"{recipe}: a default below the schema"
     raw = re.findall(r"(\w+(?:\.\w+)?)\(\s*torchtune_config\(cfg\)", text)
     assert raw == [], raw
+
+
+def test_the_parity_report_hands_its_setup_the_typed_settings() -> None:
+    """recipes/ga_parity.py, not a training recipe, reads its settings the same way: each of its
+    three reports (fine-tuning, KD and DPO; GRPO; PPO) takes its schema's typed settings."""
+    text = (REPO / "recipes" / "ga_parity.py").read_text()
+    for method in ("__init__", "setup"):
+        assert f"def {method}(self, cfg: GaParityConfig) -> None:" in text, method
+    typed = re.findall(r"typed_settings\(\s*validate_run_config\(cfg, (\w+), RECIPE_NAME\)", text)
+    assert sorted(typed) == ["GaParityConfig", "GrpoParityConfig", "PpoParityConfig"]
+    assert "cfg.get(" not in text
 
 
 def test_validated_config_types_what_validation_decided(tmp_path: Path) -> None:

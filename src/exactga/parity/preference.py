@@ -36,7 +36,6 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from exactga.accumulation.loss_units import Batch
@@ -47,6 +46,7 @@ from exactga.dpo.loss import dpo_micro_batch_loss
 from exactga.dpo.schema import PAIR_COLLATE, loss_is_reference_free
 from exactga.dpo.terms import DpoTerms
 from exactga.dpo.wiring import reference_point_for
+from exactga.parity.schema import GaParityConfig
 from exactga.parity.scoring import ParityRun, RunSummary, sorted_runs
 from exactga.runtime.distributed import is_rank_zero
 from exactga.runtime.precision import Precision
@@ -69,7 +69,7 @@ def collate_fn_for(collate_fn: str | None, is_preference: bool) -> str:
     return collate_fn
 
 
-def check_preference_keys(cfg: DictConfig, *, is_preference: bool, is_lora: bool) -> None:
+def check_preference_keys(cfg: GaParityConfig, *, is_preference: bool, is_lora: bool) -> None:
     """``ref_checkpointer`` is full DPO's and needed there unless the loss is reference-free
     (SimPO, ORPO); a DPO config distils no teacher.
 
