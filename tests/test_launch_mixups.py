@@ -373,6 +373,26 @@ def test_a_torchrun_option_after_the_recipe_is_refused_with_it_moved_before(monk
     assert status == 1 and "tune run --standalone r.py --config x.yaml epochs=1" in printed
 
 
+def test_several_nodes_without_a_rendezvous_endpoint_are_refused_before_any_rank_starts(
+    monkeypatch,
+) -> None:
+    """tune run would start each node standalone, waiting for the others until its timeout."""
+    static = ["--nnodes", "2", "--nproc_per_node", "1", "--node_rank", "0"]
+    static += ["--master_addr", "127.0.0.1", "exactga/full_finetune_distributed"]
+    status, printed = _tune_run(monkeypatch, *static, "--config", "x.yaml")
+    assert status == 1 and printed.count("exactga: ") == 1
+    assert "--nnodes 2 without --rdzv_endpoint" in printed and "Traceback" not in printed
+    status, printed = _tune_run(monkeypatch, "--nnodes", "1:4", "r.py", "--config", "x.yaml")
+    assert status == 1 and "--nnodes 1:4 without --rdzv_endpoint" in printed
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "endpoint"), [("1", ""), ("1:1", ""), ("2", "node0:29500"), ("1:4", "n:1")]
+)
+def test_one_node_or_a_rendezvous_endpoint_is_not_refused(nnodes: str, endpoint: str) -> None:
+    assert mixups.several_nodes_without_rendezvous(nnodes, endpoint) is None
+
+
 def test_a_stock_name_with_another_recipes_exactga_config_says_whose_config_it_is() -> None:
     config = str(registry.config_path("tiny/lora_single_device"))
     listed = {"full_finetune_single_device": False}

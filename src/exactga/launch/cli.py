@@ -46,6 +46,7 @@ from exactga.launch.mixups import (
     misplaced_torchrun_options,
     path_only_recipe,
     recipe_family_problem,
+    several_nodes_without_rendezvous,
     single_device_problem,
     tune_run_problem,
 )
@@ -385,13 +386,15 @@ def refuse_launch_mixups(run_module: Any) -> None:
         listed = {
             recipe.name: recipe.supports_distributed for recipe in run_module.get_all_recipes()
         }
-        problem = misplaced_torchrun_options(
-            args.recipe, args.recipe_args, _torchrun_options(run_module)
-        ) or tune_run_problem(
-            args.recipe,
-            _config_file(self, args, run_module),
-            self._is_distributed_args(args),
-            listed,
+        problem = (
+            misplaced_torchrun_options(args.recipe, args.recipe_args, _torchrun_options(run_module))
+            or several_nodes_without_rendezvous(str(args.nnodes), args.rdzv_endpoint)
+            or tune_run_problem(
+                args.recipe,
+                _config_file(self, args, run_module),
+                self._is_distributed_args(args),
+                listed,
+            )
         )
         if problem is not None:
             print(f"\nexactga: {problem}", file=sys.stderr)

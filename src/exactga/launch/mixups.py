@@ -35,7 +35,12 @@ than asked, with exit status 0, or end in a traceback that does not say what to 
   (:func:`recipe_family_problem`) with the recipe that trains it; likewise a LoRA model given to
   a recipe that trains every weight (:func:`lora_model_problem`);
 - a torchrun option after the recipe (``tune run <recipe> --nproc_per_node 2 ...``): ``tune run``
-  hands it to the recipe and starts one process (:func:`misplaced_torchrun_options`).
+  hands it to the recipe and starts one process (:func:`misplaced_torchrun_options`);
+- several nodes without a rendezvous endpoint (``tune run --nnodes 2 --nproc_per_node 8
+  --node_rank 0 --master_addr ... <recipe>``, torchrun's static form): ``tune run`` switches to
+  torchrun's ``--standalone`` whenever ``--rdzv_endpoint`` is missing, so each node waits alone
+  for the others and the launch ends after torch's join timeout (10 minutes) without training a
+  step (:func:`several_nodes_without_rendezvous`; docs/meshes.md, "Several nodes").
 """
 
 from __future__ import annotations
@@ -353,6 +358,21 @@ def misplaced_torchrun_options(
     return (
         f"{shlex.join(moved)}: a torchrun option after the recipe, where tune run hands it to "
         f"the recipe (and starts one process). Give it before the recipe: {command}"
+    )
+
+
+def several_nodes_without_rendezvous(nnodes: str, rdzv_endpoint: str) -> str | None:
+    """The message refusing ``--nnodes`` above 1 (``2``, or a range ``1:4``) without
+    ``--rdzv_endpoint``, else None: ``tune run`` would start each node standalone (see
+    [launch mix-ups])."""
+    most = nnodes.split(":")[-1]
+    if rdzv_endpoint or not most.isdigit() or int(most) <= 1:
+        return None
+    return (
+        f"--nnodes {nnodes} without --rdzv_endpoint: tune run then starts every node on its "
+        "own (torchrun's --standalone), and each waits for the others until it times out. "
+        "Give every node the same --rdzv_backend c10d --rdzv_endpoint <first node>:<port> "
+        '--rdzv_id <job id> (docs/meshes.md, "Several nodes").'
     )
 
 
