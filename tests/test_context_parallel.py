@@ -26,6 +26,7 @@ from exactga.accumulation.loss_units import (
     ShiftedTokens,
     context_parallel_units,
     count_loss_tokens,
+    count_unshifted_tokens,
 )
 from exactga.runtime.context_parallel import (
     INPUT_POS,
@@ -113,6 +114,10 @@ def test_the_ranks_shifted_label_counts_sum_to_the_full_count(cp: int) -> None:
     for batch in _micro_batches():
         counts = [ContextParallelTokens(loss_fn, cp, rank).count(batch) for rank in range(cp)]
         assert sum(counts) == count_loss_tokens(batch["labels"])
+        unshifted = [
+            ContextParallelTokens(loss_fn, cp, r).count_unshifted(batch) for r in range(cp)
+        ]
+        assert sum(unshifted) == count_unshifted_tokens(batch["labels"])  # post_scale's
     short = _micro_batches()[-1]
     assert [ContextParallelTokens(loss_fn, 2, rank).count(short) for rank in (0, 1)] == [4, 0]
 

@@ -314,6 +314,11 @@ class ContextParallelTokens(ShiftedTokens):
         super().count(batch)  # checks the loss's denominator on the full labels, once
         return int((self._own_shifted_labels(batch["labels"]) != self.ignore_index).sum())
 
+    def count_unshifted(self, batch: Batch) -> int:
+        """Stock's count, before the shift, on this rank's shard (``post_scale`` only)."""
+        own = shard(batch["labels"], self.cp_size, self.cp_rank)
+        return count_unshifted_tokens(own, self.ignore_index)
+
     def prepare(self, batch: Batch, num_units: int, runs_empty: bool) -> Batch:
         shifted = shift_labels(batch["labels"], self.ignore_index)
         if runs_empty:  # this shard weighs 0; a label planted in it keeps its mean finite
