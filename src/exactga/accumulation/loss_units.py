@@ -67,7 +67,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
+
+from exactga.runtime.context_parallel import (
+    INPUT_POS,
+    SEQUENCE_DIM,
+    SHIFTED_LABELS,
+    check_shardable,
+    positions_of,
+    shard,
+    shard_positions,
+)
 
 Batch = dict[str, torch.Tensor]
 
@@ -82,6 +93,14 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     """
     pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
     return torch.cat((labels[..., 1:], pad), dim=-1)
+
+
+def pop_scored_labels(batch: Batch, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The labels the loss scores, taken out of ``batch``: its ``labels`` shifted here, or,
+    under context parallelism, the shifted ones of this rank's shard (:data:`SHIFTED_LABELS`)."""
+    labels = batch.pop("labels")
+    shifted = batch.pop(SHIFTED_LABELS, None)
+    return shift_labels(labels, ignore_index) if shifted is None else shifted
 
 
 def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
@@ -277,6 +296,62 @@ class ShiftedTokens:
 
     def emptied(self, batch: Batch) -> Batch:
         return masked_labels(batch, self.ignore_index)
+
+
+class ContextParallelTokens(ShiftedTokens):
+    """Loss tokens after the shift on this cp rank's shard; see [loss tokens under context
+    parallelism] in exactga.runtime.context_parallel. The batch it prepares keeps its full
+    sequences (the device cuts them: ``sharded_micro_batch`` there) and adds the shifted labels,
+    the positions, and the index of the loss positions within this rank's shard."""
+
+    def __init__(self, loss_fn: nn.Module, cp_size: int, cp_rank: int) -> None:
+        super().__init__(loss_fn)
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+
+    def count(self, batch: Batch) -> int:
+        check_shardable(batch, self.cp_size)
+        super().count(batch)  # checks the loss's denominator on the full labels, once
+        return int((self._own_shifted_labels(batch["labels"]) != self.ignore_index).sum())
+
+    def count_unshifted(self, batch: Batch) -> int:
+        """Stock's count, before the shift, on this rank's shard (``post_scale`` only)."""
+        own = shard(batch["labels"], self.cp_size, self.cp_rank)
+        return count_unshifted_tokens(own, self.ignore_index)
+
+    def prepare(self, batch: Batch, num_units: int, runs_empty: bool) -> Batch:
+        shifted = shift_labels(batch["labels"], self.ignore_index)
+        if runs_empty:  # this shard weighs 0; a label planted in it keeps its mean finite
+            own_first = shard_positions(shifted.shape[SEQUENCE_DIM], self.cp_size, self.cp_rank)
+            shifted[0, own_first[0]] = 0 if self.ignore_index != 0 else 1
+        own_scored = shard(shifted, self.cp_size, self.cp_rank).reshape(-1) != self.ignore_index
+        return {
+            **batch,
+            INPUT_POS: batch.get(INPUT_POS, positions_of(batch["tokens"])),
+            SHIFTED_LABELS: shifted,
+            LOSS_POSITIONS: own_scored.nonzero().squeeze(1),
+        }
+
+    def emptied(self, batch: Batch) -> Batch:
+        unprepared = {k: v for k, v in batch.items() if k not in (SHIFTED_LABELS, LOSS_POSITIONS)}
+        return masked_labels(unprepared, self.ignore_index)
+
+    def _own_shifted_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return shard(shift_labels(labels, self.ignore_index), self.cp_size, self.cp_rank)
+
+
+def context_parallel_units(units: LossUnits, cp_mesh: DeviceMesh | None) -> LossUnits:
+    """The normaliser's units for a run over ``cp_mesh``: ``units`` as they are without one, the
+    same tokens counted on this rank's shard with one. Only plain loss tokens (supervised
+    fine-tuning) are sharded; a loss over other units, or with further terms, is refused."""
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return units
+    if type(units) is not ShiftedTokens:
+        raise ValueError(
+            f"context parallelism counts plain loss tokens (supervised fine-tuning); this "
+            f"loss counts {type(units).__name__} ({units.name}), which it does not shard."
+        )
+    return ContextParallelTokens(units.loss_fn, cp_mesh.size(), cp_mesh.get_local_rank())
 
 
 class FurtherUnits:

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torchtune import utils
 
@@ -23,6 +24,7 @@ from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.accumulation.normalization import MicroBatch, Window, warn_skipped_step
 from exactga.accumulation.optimizers import steps_in_backward
 from exactga.accumulation.window_statistics import compute_window_statistics
+from exactga.runtime.context_parallel import sharded_micro_batch
 
 T = TypeVar("T")
 LossStep = Callable[[dict[str, torch.Tensor]], "MicroBatchLoss | torch.Tensor"]
@@ -76,6 +78,8 @@ class StepContext:
             micro-batch's forward and backward (the distributed recipes' gradient-sync policy,
             ``exactga.runtime.distributed.gradient_sync``), or ``None``.
         announce_skip: warn about a skipped window here (rank 0 only, under data parallelism).
+        cp_mesh: the context-parallel mesh each micro-batch's sequences are sharded over
+            around its forward and backward (``exactga.runtime.context_parallel``), or ``None``.
     """
 
     model: nn.Module
@@ -83,6 +87,7 @@ class StepContext:
     profiler: StepProfiler
     micro_batch_context: MicroBatchContext | None = None
     announce_skip: bool = True
+    cp_mesh: DeviceMesh | None = None
 
 
 Clip = Callable[[Iterator[nn.Parameter]], "torch.Tensor | None"]
@@ -134,8 +139,9 @@ class TrainingWindow:
                 try:
                     self._forward_phase.enter_context(context.profiler.phase("forward"))
                     utils.batch_to_device(micro_batch.batch, context.device)
-                    self._current = micro_batch
-                    yield micro_batch.batch
+                    with sharded_micro_batch(context.cp_mesh, micro_batch.batch):
+                        self._current = micro_batch
+                        yield micro_batch.batch
                 finally:
                     self._forward_phase.close()  # a no-op once backward closed it
                 if self._current is not None:

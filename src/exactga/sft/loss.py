@@ -10,7 +10,7 @@ from torch import nn
 
 from exactga.accumulation.forward import can_fuse_output, projecting_into_loss, projecting_only
 from exactga.accumulation.linear_cross_entropy import fusable_loss
-from exactga.accumulation.loss_units import LOSS_POSITIONS, shift_labels
+from exactga.accumulation.loss_units import LOSS_POSITIONS, pop_scored_labels
 from exactga.accumulation.micro_batch_loss import MicroBatchLoss
 from exactga.runtime.precision import Precision
 from exactga.sft.router_balance import RouterBalance
@@ -54,19 +54,18 @@ def mean_token_loss(
 ) -> torch.Tensor:
     """:func:`causal_lm_loss`'s token loss, the mean over the micro-batch's loss tokens, as a
     0-d tensor."""
-    labels = batch.pop("labels")
     positions = batch.pop(LOSS_POSITIONS, None)
     autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
     activations = activations_ctx or contextlib.nullcontext()
     fused = fusable_loss(loss_fn)
     if fused is not None and can_fuse_output(model):
-        labels = shift_labels(labels, fused.ignore_index)
+        labels = pop_scored_labels(batch, fused.ignore_index)
         # Inside the forward: under FSDP2 the output weight is gathered only there.
         with activations, autocast, projecting_into_loss(model, fused, labels, positions):
             return model(**batch)
+    labels = pop_scored_labels(batch, loss_fn.ignore_index)
     with activations, autocast, projecting_only(model, positions) as cut:
         logits = model(**batch)
-    labels = shift_labels(labels, loss_fn.ignore_index)
     if cut:
         labels = labels.reshape(-1).index_select(0, positions).unsqueeze(0)
     if not isinstance(logits, list):  # chunked losses take the list as it is
