@@ -12,9 +12,11 @@ except a step checkpoint's weights and optimizer state, which every rank writes 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,6 +40,7 @@ from torchtune import training, utils
 from exactga.accumulation.optimizers import OptimizerInBackward, share_initial_lr
 from exactga.lora.adapters import LoraSettings, adapter_state, save_epoch_checkpoint
 from exactga.run.checkpointing import (
+    CorruptCheckpointError,
     StepCheckpointer,
     replace_dir,
     sync_tree,
@@ -268,7 +272,15 @@ def load_sharded_train_state(model: nn.Module, optimizer: Optimizer, folder: Pat
     state = sharded_train_state(model, optimizer)  # the shards this rank reads into
     reader = dcp.FileSystemReader(folder)
     _add_saved_group_entries(state["optimizer"], reader.read_metadata())
-    dcp.load(state, storage_reader=reader)
+    with warnings.catch_warnings():
+        # One device (a sharded run's checkpoint resumed on one): no process group, as meant.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=_WeightsOnlyLoadPlanner(),
+            no_dist=not torch.distributed.is_initialized(),
+        )
     loose = StateDictOptions(ignore_frozen_params=True, strict=False)  # the frozen: not in it
     missing, unexpected = set_model_state_dict(model, state["model"], options=loose)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -282,6 +294,23 @@ def load_sharded_train_state(model: nn.Module, optimizer: Optimizer, folder: Pat
     )
     if isinstance(optimizer, OptimizerInBackward):
         share_initial_lr(optimizer)  # as its load_state_dict does
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """torch.distributed.checkpoint's planner, whose non-tensor entries (the optimizer's
+    hyper-parameters and parameter names) it unpickles with ``weights_only=False``: each is
+    first read with ``weights_only=True``, which refuses any pickled code, so nothing in a step
+    checkpoint runs code (docs/reliability.md)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as err:  # a type weights_only refuses: not a checkpoint of ours
+            raise CorruptCheckpointError(
+                f"step checkpoint entry {read_item.dest_index.fqn}: {err}"
+            ) from err
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def _add_saved_group_entries(optimizer_state: dict[str, Any], metadata: Any) -> None:
