@@ -417,6 +417,16 @@ def test_the_global_batch_split_another_way_resumes_silently() -> None:
             check_resume_fingerprint(saved, current, [], Path("/out/step_1"))
 
 
+def test_a_one_device_run_resumes_a_distributed_runs_checkpoint_and_back() -> None:
+    """A one-device fingerprint has no ``tensor_parallel_dim``: it reads as size 1."""
+    distributed = run_fingerprint(run_config(batch_size=1), dp_size=2, tensor_parallel_dim=1)
+    one_device = run_fingerprint(run_config())
+    check_resume_fingerprint(distributed, one_device, [], Path("/out/step_1"))
+    check_resume_fingerprint(one_device, distributed, [], Path("/out/step_1"))
+    with pytest.raises(ValueError, match="'tensor_parallel_dim': 1 in the checkpoint, 2 now"):
+        check_resume_fingerprint(one_device, {**distributed, "tensor_parallel_dim": 2}, [], "x")
+
+
 def test_a_fingerprint_of_the_batch_split_and_world_size_reads_as_its_global_batch() -> None:
     """A checkpoint written before ``samples_per_step`` resumes as it did."""
     current = run_fingerprint(run_config(), dp_size=2, tensor_parallel_dim=1)

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 MANIFEST_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -275,6 +276,27 @@ class StepCheckpointer:
     def _prune(self) -> None:
         for step in self.list_steps()[: -self.keep_last_n]:
             shutil.rmtree(self.root / _step_dir_name(step))
+
+
+def step_checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The trained weights (or adapters) a step checkpoint folder holds, as full host tensors:
+    its ``model.safetensors``, or its ``sharded/`` files put together (whatever number of
+    ranks wrote them). For reading a checkpoint outside a run (tests, benchmarks, a user
+    comparing steps); the folder is not checked against its manifest here."""
+    path = Path(path)
+    if (path / MODEL_FILE).is_file():
+        return load_file(path / MODEL_FILE)
+    reader = dcp.FileSystemReader(path / SHARDED_SUBDIR)
+    prefix = "model."  # contents.sharded_train_state's section of the weights
+    state = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # one process reads it: no process group, as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key[len(prefix) :]: value for key, value in state.items()}
 
 
 def step_checkpointer_for(

@@ -562,6 +562,13 @@ def _as_saved_now(saved: Mapping[str, Any]) -> dict[str, Any]:
     return {**old, SAMPLES_PER_STEP: samples_per_step(batch, accumulation, dp_size)}
 
 
+def _one_device_as_one_shard(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """A one-device run's fingerprint (no ``tensor_parallel_dim``) as a distributed one's with
+    tensor-parallel size 1: the one computes what the other does, so either resumes the other's
+    checkpoint (see [resharded resume])."""
+    return {"tensor_parallel_dim": 1, **fingerprint}
+
+
 def check_resume_fingerprint(
     saved: Mapping[str, Any],
     current: Mapping[str, Any],
@@ -573,7 +580,10 @@ def check_resume_fingerprint(
     Raises:
         ValueError: naming every changed key not listed in ``resume_allow_changed_keys``.
     """
-    saved = _as_saved_now(saved)
+    saved, current = (
+        _one_device_as_one_shard(_as_saved_now(saved)),
+        _one_device_as_one_shard(current),
+    )
     changes = {
         key: _describe_change(saved.get(key), current.get(key))
         for key in sorted(set(saved) | set(current))
