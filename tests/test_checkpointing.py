@@ -330,6 +330,24 @@ def test_pickled_code_in_a_checkpoint_is_refused_without_running(tmp_path: Path,
     assert marker.exists()
 
 
+def test_pickled_code_in_a_sharded_checkpoint_is_refused_without_running(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint unpickles its non-tensor entries with weights_only=False;
+    exactga's planner reads each with weights_only=True first."""
+    import torch.distributed.checkpoint as dcp
+
+    from exactga.checkpoints.contents import load_sharded_train_state, sharded_train_state
+
+    model, optimizer = trained()
+    state = sharded_train_state(model, optimizer)
+    marker = tmp_path / "marker"
+    state["optimizer"]["param_groups"][0]["lr"] = _Payload(marker)
+    dcp.save(state, checkpoint_id=tmp_path / "sharded", no_dist=True)
+
+    with pytest.raises(CorruptCheckpointError, match="param_groups.0.lr"):
+        load_sharded_train_state(model, optimizer, tmp_path / "sharded")
+    assert not marker.exists()
+
+
 # --- what a resume may change ------------------------------------------------------------------
 
 
@@ -591,3 +609,72 @@ def test_a_launch_that_starts_over_beside_a_checkpoint_of_its_run_says_how_to_go
     assert f"to {retired}" in lines[0]
     assert "this launch starts over" in lines[0] and "resume_from_checkpoint=True" in lines[0]
     assert checkpointer.list_steps() == [] and (retired / "step_000005").is_dir()
+
+
+# --- a sharded run's checkpoint, on another mesh (see [resharded resume]) ----------------------
+
+
+def _save_sharded(checkpointer: StepCheckpointer, step: int, seed: int) -> nn.Module:
+    """A sharded run's step checkpoint (its ``sharded/`` files), written by one process."""
+    from exactga.checkpoints.contents import sharded_train_state
+
+    model, optimizer = trained(seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        checkpointer.save(
+            step,
+            model_state=None,
+            optimizer_state=None,
+            sharded_state=sharded_train_state(model, optimizer),
+            trainer_state={"global_step": step, "fingerprint": {}},
+            rank_state={"rng": capture_rng_state(CPU), "dataloader": None},
+        )
+    return model
+
+
+def test_a_damaged_shard_falls_back_and_the_weights_read_back_whole(tmp_path: Path) -> None:
+    from exactga.run.checkpointing import SHARDED_SUBDIR, step_checkpoint_weights
+
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    first = _save_sharded(checkpointer, 1, seed=1)
+    _save_sharded(checkpointer, 2, seed=2)
+    (shard,) = (tmp_path / "step_000002" / SHARDED_SUBDIR).glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(shard))} has \d+ bytes"):
+        loaded = checkpointer.load_latest()
+    assert loaded.step == 1 and loaded.model_state is None and loaded.sharded is not None
+    assert_same_tensors(step_checkpoint_weights(loaded.path), first.state_dict())
+
+
+def _resume_point(saved_world_size: int, world_size: int, position: dict) -> object:
+    from exactga.run.checkpointing import StepCheckpoint
+    from exactga.run.resume import ResumePoint
+
+    found = StepCheckpoint(
+        path=Path("/out/step_000003"),
+        step=3,
+        trainer_state={"data_position": position},
+        model_state=None,
+        optimizer_state=None,
+        rank_state={"dataloader": {"loader": "rank 0's"}},
+        world_size=saved_world_size,
+    )
+    return ResumePoint(ResumeFrom.STEP_CHECKPOINT, found, world_size)
+
+
+def test_a_recipes_own_loader_and_another_epoch_length_refuse_another_mesh() -> None:
+    position = {"data_parallel_ranks": 2, "samples_in_epoch": 24, "windows_per_epoch": 6}
+    same = _resume_point(2, 2, position)
+    assert not same.resharded and same.dataloader_state({}) == {"loader": "rank 0's"}
+    same.check_epoch_length(7)  # the same mesh: its own loader state, nothing to compare
+
+    resharded = _resume_point(2, 4, position)
+    assert resharded.resharded and resharded.samples_done_in_epoch == 24
+    with pytest.raises(ValueError, match="written by 2 ranks and this launch has 4"):
+        resharded.dataloader_state({})  # GRPO's and PPO's loaders
+    resharded.check_epoch_length(6)
+    with pytest.raises(ValueError, match="on 4 ranks an epoch has 7 optimizer steps.*had 6"):
+        resharded.check_epoch_length(7)
+    with pytest.raises(ValueError, match="holds no data position over all ranks"):
+        _ = _resume_point(2, 4, None).samples_done_in_epoch

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -275,12 +276,18 @@ def load_sharded_train_state(model: nn.Module, optimizer: Optimizer, folder: Pat
     with warnings.catch_warnings():
         # One device (a sharded run's checkpoint resumed on one): no process group, as meant.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(
-            state,
-            storage_reader=reader,
-            planner=_WeightsOnlyLoadPlanner(),
-            no_dist=not torch.distributed.is_initialized(),
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=_WeightsOnlyLoadPlanner(),
+                no_dist=not torch.distributed.is_initialized(),
+            )
+        except CheckpointException as err:  # each rank's failure, with DCP's traceback
+            (reason, _), *_ = err.failures.values()
+            if isinstance(reason, CorruptCheckpointError):
+                raise reason from err
+            raise
     loose = StateDictOptions(ignore_frozen_params=True, strict=False)  # the frozen: not in it
     missing, unexpected = set_model_state_dict(model, state["model"], options=loose)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -307,7 +314,7 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             torch.load(value, weights_only=True)
         except Exception as err:  # a type weights_only refuses: not a checkpoint of ours
             raise CorruptCheckpointError(
-                f"step checkpoint entry {read_item.dest_index.fqn}: {err}"
+                f"step checkpoint entry {read_item.dest_index.fqn} is not plain data: {err}"
             ) from err
         value.seek(0)
         super().load_bytes(read_item, value)
