@@ -41,6 +41,7 @@ from safetensors.torch import load_file as load_weights  # noqa: E402
 from tiny_runs import SMALL_MODEL, output_of, run_tune  # noqa: E402
 
 from exactga.parity.scoring import relative_l2  # noqa: E402
+from exactga.run.checkpointing import step_checkpoint_weights  # noqa: E402
 
 STEPS = 12
 # Plain gradient descent with a large step, so its updates are far above bf16's rounding where
@@ -163,7 +164,7 @@ def launch(name: str, root: Path, device: str = "cpu") -> dict[str, torch.Tensor
 
 def trained_weights(out: Path, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The weights a run held after ``steps`` steps: all of them (full) or the adapters."""
-    return load_weights(out / "step_checkpoints" / f"step_{steps:06d}" / "model.safetensors")
+    return step_checkpoint_weights(out / "step_checkpoints" / f"step_{steps:06d}")
 
 
 def initial_weights(kind: str, root: Path) -> dict[str, torch.Tensor]:

@@ -73,7 +73,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           ``gradient_sync``, FSDP2 keys: as in the full fine-tuning recipe.
         - Checkpoints of the policy at each epoch's end through torchtune's checkpoint client;
           with ``save_every_n_steps`` atomic step checkpoints that ``resume_from_checkpoint``
-          goes on from with the next window on the same world size. The reference is never
+          goes on from with the next window, also on another number of data-parallel ranks with
+          the same global batch (docs/reliability.md). The reference is never
           saved: it is read from ``ref_checkpointer`` again on resume.
         - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step everywhere or stops.
         - Validation (``dataset_val``, ``run_val_every_n_steps``, ``batch_size_val``,

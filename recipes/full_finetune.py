@@ -97,10 +97,11 @@ class FullFinetuneRecipe(FTRecipeInterface):
         - Checkpointing through torchtune's checkpointers (distributed: its checkpoint client,
           written by rank 0; ``enable_async_checkpointing`` for intermediate distributed
           checkpoints) at each epoch's end, and with ``save_every_n_steps`` atomic step
-          checkpoints (``keep_last_n_checkpoints``) holding weights, optimizer, counters, RNG
-          (every rank's) and data-loader position: ``resume_from_checkpoint`` then goes on with
-          the very next window, on the same world size, and ends where an uninterrupted run
-          would (see docs/reliability.md). Without step checkpoints it resumes at an epoch
+          checkpoints (``keep_last_n_checkpoints``) holding weights, optimizer (distributed:
+          every rank's shards), counters, RNG (every rank's) and data-loader position:
+          ``resume_from_checkpoint`` then goes on with the very next window, on the same mesh
+          bit for bit, on another number of data-parallel ranks with the same global batch to
+          the fp32 floor (see docs/reliability.md). Without step checkpoints it resumes at an epoch
           boundary.
         - ``nonfinite_loss``: a step with a NaN/inf loss (on any rank) is skipped (``skip``) or
           stops the run with a checkpoint (``stop``); one host read per step, none per

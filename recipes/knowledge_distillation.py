@@ -91,8 +91,9 @@ class KDRecipe(FTRecipeInterface):
         - Checkpointing at each epoch's end (distributed: gathered to and written by rank 0):
           the student's adapters and adapter config, merged student weights unless
           ``save_adapter_weights_only``; with ``save_every_n_steps``, atomic step checkpoints
-          from which ``resume_from_checkpoint`` goes on with the very next window, on the same
-          world size, bit for bit (docs/reliability.md). The teacher is never saved.
+          from which ``resume_from_checkpoint`` goes on with the very next window, bit for bit
+          on the same mesh, also on another number of data-parallel ranks with the same global
+          batch (docs/reliability.md). The teacher is never saved.
         - ``nonfinite_loss``: ``skip`` or ``stop``, as in the LoRA recipe.
         - Validation (``dataset_val``, ``run_val_every_n_steps``, ``batch_size_val``,
           ``max_val_batches``): ``val/loss``, ``val/class_loss``, ``val/kd_loss`` and

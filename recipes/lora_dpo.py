@@ -95,7 +95,8 @@ class LoRADPORecipe(FTRecipeInterface):
           ``fsdp_reshard_after_forward``, ``custom_sharded_layers``): as in the LoRA SFT recipe.
         - Checkpoints at each epoch's end as stock (distributed: gathered to and written by
           rank 0); with ``save_every_n_steps`` atomic step checkpoints that
-          ``resume_from_checkpoint`` goes on from with the next window, on the same world size.
+          ``resume_from_checkpoint`` goes on from with the next window, also on another number
+          of data-parallel ranks with the same global batch (docs/reliability.md).
         - ``nonfinite_loss``: a NaN/inf loss (on any rank) skips the step everywhere (``skip``)
           or stops (``stop``).
         - Validation (``dataset_val``, ``run_val_every_n_steps``, ``batch_size_val``,

@@ -102,7 +102,8 @@ class LoRAFinetuneRecipe(FTRecipeInterface):
           ``save_adapter_weights_only``. With ``save_every_n_steps``, atomic step checkpoints
           (adapters, optimizer, counters, RNG, data-loader position, every rank's;
           ``keep_last_n_checkpoints``) from which ``resume_from_checkpoint`` goes on with the
-          very next window, on the same world size (docs/reliability.md); without them it
+          very next window, also on another number of data-parallel ranks with the same global
+          batch (docs/reliability.md); without them it
           resumes at an epoch boundary from the adapter checkpoint, as stock.
         - ``nonfinite_loss``: a step with a NaN/inf loss (on any rank) is skipped (``skip``) or
           stops the run with a checkpoint (``stop``); one host read per step, none per

@@ -75,9 +75,10 @@ class QATRecipeDistributed(FTRecipeInterface):
           rank 0: the full-precision weights under their usual names, as stock's QAT recipe
           writes them (``enable_async_checkpointing``, exactga's here, as in the full recipe),
           and
-          with ``save_every_n_steps`` atomic step checkpoints (full weights and optimizer state
-          from rank 0, RNG and data-loader position from every rank): ``resume_from_checkpoint``
-          then goes on with the next window on the same world size (docs/reliability.md).
+          with ``save_every_n_steps`` atomic step checkpoints (weights and optimizer state as
+          every rank's shards, RNG and data-loader position from every rank):
+          ``resume_from_checkpoint`` then goes on with the next window, also on another number
+          of data-parallel ranks with the same global batch (docs/reliability.md).
         - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step on every rank
           (``skip``) or stops the run with a checkpoint (``stop``).
         - Rank-0-only metric logging and progress bar; ``loss`` is the exact window loss over

@@ -73,8 +73,9 @@ class QATLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         - Checkpointing at each epoch's end, gathered to and written by rank 0: adapter weights
           and adapter config, merged weights unless ``save_adapter_weights_only``, recipe and
           optimizer state between epochs. With ``save_every_n_steps``, atomic step checkpoints
-          (adapters and optimizer from rank 0, RNG and data-loader position from every rank):
-          ``resume_from_checkpoint`` then goes on with the next window on the same world size
+          (adapters and optimizer as every rank's shards, RNG and data-loader position from
+          every rank): ``resume_from_checkpoint`` then goes on with the next window, also on
+          another number of data-parallel ranks with the same global batch
           (docs/reliability.md); without them it resumes at an epoch boundary, as stock.
         - ``nonfinite_loss``: a NaN/inf loss on any rank skips the step on every rank
           (``skip``) or stops the run with a checkpoint (``stop``).

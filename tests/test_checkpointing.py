@@ -278,15 +278,17 @@ def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]
 
 
-@pytest.mark.parametrize("saved_world_size, world_size", [(2, 1), (1, 2)])
-def test_world_size_mismatch_is_refused_naming_both_sizes(
+@pytest.mark.parametrize("saved_world_size, world_size", [(2, 1), (1, 4)])
+def test_another_world_size_reads_rank_zeros_state_and_says_who_wrote_it(
     tmp_path: Path, saved_world_size: int, world_size: int
 ) -> None:
+    """A resume on another number of ranks (see [resharded resume] in exactga.run.resume):
+    every rank reads rank 0's RNG states; the checkpoint names the world size that wrote it."""
     save_step(StepCheckpointer(tmp_path, 2, rank=0, world_size=saved_world_size), 1, tiny_model())
-    checkpointer = StepCheckpointer(tmp_path, 2, rank=0, world_size=world_size)
-    expected = f"written by {saved_world_size} ranks and this run has {world_size}"
-    with pytest.raises(ValueError, match=expected):
-        checkpointer.load_latest()
+    checkpointer = StepCheckpointer(tmp_path, 2, rank=world_size - 1, world_size=world_size)
+    loaded = checkpointer.load_latest()
+    assert loaded.world_size == saved_world_size
+    assert loaded.rank_state["dataloader"] == {"samples_seen": 10}
 
 
 # --- nothing unpickles code --------------------------------------------------------------------
@@ -328,6 +330,24 @@ def test_pickled_code_in_a_checkpoint_is_refused_without_running(tmp_path: Path,
     assert marker.exists()
 
 
+def test_pickled_code_in_a_sharded_checkpoint_is_refused_without_running(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint unpickles its non-tensor entries with weights_only=False;
+    exactga's planner reads each with weights_only=True first."""
+    import torch.distributed.checkpoint as dcp
+
+    from exactga.checkpoints.contents import load_sharded_train_state, sharded_train_state
+
+    model, optimizer = trained()
+    state = sharded_train_state(model, optimizer)
+    marker = tmp_path / "marker"
+    state["optimizer"]["param_groups"][0]["lr"] = _Payload(marker)
+    dcp.save(state, checkpoint_id=tmp_path / "sharded", no_dist=True)
+
+    with pytest.raises(CorruptCheckpointError, match="param_groups.0.lr"):
+        load_sharded_train_state(model, optimizer, tmp_path / "sharded")
+    assert not marker.exists()
+
+
 # --- what a resume may change ------------------------------------------------------------------
 
 
@@ -359,52 +379,86 @@ def run_config(**overrides) -> dict:
 
 
 def test_run_fingerprint_resolves_interpolations_and_ignores_free_keys() -> None:
-    fingerprint = run_fingerprint(run_config(), world_size=2)
-    assert fingerprint["batch_size"] == 2
+    fingerprint = run_fingerprint(run_config(), dp_size=2)
+    assert fingerprint["samples_per_step"] == 2 * 4 * 2  # batch x accumulation x ranks
+    assert "batch_size" not in fingerprint and "gradient_accumulation_steps" not in fingerprint
     assert fingerprint["model"]["embed_dim"] == 16
     assert fingerprint["dataset"] == [{"source": "a"}, {"source": "b"}]
-    assert fingerprint["world_size"] == 2
     assert "optimizer" not in fingerprint and "epochs" not in fingerprint
 
     # a change reached only through an interpolation still changes the fingerprint
     assert run_fingerprint(run_config(dim=32))["model"]["embed_dim"] == 32
     # learning rate and epochs may change freely
-    free = run_fingerprint(run_config(**{"optimizer.lr": 1.0, "epochs": 9}), world_size=2)
+    free = run_fingerprint(run_config(**{"optimizer.lr": 1.0, "epochs": 9}), dp_size=2)
     assert free == fingerprint
 
 
 def test_changed_keys_are_refused_naming_keys_and_values() -> None:
-    saved = run_fingerprint(run_config(), world_size=1)
-    current = run_fingerprint(run_config(batch_size=4, **{"model.num_layers": 2}), world_size=1)
+    saved = run_fingerprint(run_config())
+    current = run_fingerprint(run_config(batch_size=4, **{"model.num_layers": 2}))
 
     with pytest.raises(ValueError) as err:
         check_resume_fingerprint(saved, current, [], Path("/out/step_000010"))
 
     message = str(err.value)
-    assert "'batch_size': 2 in the checkpoint, 4 now" in message
+    assert (
+        "'samples_per_step' (batch_size x gradient_accumulation_steps x data-parallel ranks): "
+        "8 in the checkpoint, 16 now" in message
+    )
     assert "'model': num_layers 1 in the checkpoint, 2 now" in message
     assert "/out/step_000010" in message
     assert "resume_allow_changed_keys" in message
 
 
 def test_allowed_changes_only_warn_and_the_rest_are_still_refused() -> None:
-    saved = run_fingerprint(run_config(), world_size=1)
-    current = run_fingerprint(run_config(batch_size=4, **{"model.num_layers": 2}), world_size=1)
+    saved = run_fingerprint(run_config())
+    current = run_fingerprint(run_config(batch_size=4, **{"model.num_layers": 2}))
 
     with pytest.warns(UserWarning) as record:
-        check_resume_fingerprint(saved, current, ["batch_size", "model"], Path("/out/step_1"))
+        check_resume_fingerprint(saved, current, ["samples_per_step", "model"], Path("/out/step_1"))
     messages = " | ".join(str(w.message) for w in record)
-    assert "'batch_size'" in messages and "'model'" in messages
+    assert "'samples_per_step'" in messages and "'model'" in messages
 
     with pytest.raises(ValueError) as err:
-        check_resume_fingerprint(saved, current, ["batch_size"], Path("/out/step_1"))
+        check_resume_fingerprint(saved, current, ["samples_per_step"], Path("/out/step_1"))
     assert "'model'" in str(err.value)
-    assert "'batch_size'" not in str(err.value)
+    assert "'samples_per_step'" not in str(err.value)
+
+
+def test_the_global_batch_split_another_way_resumes_silently() -> None:
+    """Ranks, batch size and accumulation may change together; see [resharded resume]."""
+    saved = run_fingerprint(run_config(), dp_size=2)  # 2 x 4 x 2 ranks
+    for split, ranks in (({"batch_size": 1}, 4), ({"batch_size": 4}, 1), ({}, 2)):
+        current = run_fingerprint(run_config(**split), dp_size=ranks)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_resume_fingerprint(saved, current, [], Path("/out/step_1"))
+
+
+def test_a_one_device_run_resumes_a_distributed_runs_checkpoint_and_back() -> None:
+    """A one-device fingerprint has no ``tensor_parallel_dim``: it reads as size 1."""
+    distributed = run_fingerprint(run_config(batch_size=1), dp_size=2, tensor_parallel_dim=1)
+    one_device = run_fingerprint(run_config())
+    check_resume_fingerprint(distributed, one_device, [], Path("/out/step_1"))
+    check_resume_fingerprint(one_device, distributed, [], Path("/out/step_1"))
+    with pytest.raises(ValueError, match="'tensor_parallel_dim': 1 in the checkpoint, 2 now"):
+        check_resume_fingerprint(one_device, {**distributed, "tensor_parallel_dim": 2}, [], "x")
+
+
+def test_a_fingerprint_of_the_batch_split_and_world_size_reads_as_its_global_batch() -> None:
+    """A checkpoint written before ``samples_per_step`` resumes as it did."""
+    current = run_fingerprint(run_config(), dp_size=2, tensor_parallel_dim=1)
+    older = {k: v for k, v in current.items() if k != "samples_per_step"}
+    older.update(batch_size=2, gradient_accumulation_steps=4, world_size=2)
+    check_resume_fingerprint(older, current, [], Path("/out/step_1"))
+    older["world_size"] = 1
+    with pytest.raises(ValueError, match="'samples_per_step'.*8 in the checkpoint, 16 now"):
+        check_resume_fingerprint(older, current, [], Path("/out/step_1"))
 
 
 def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_path: Path) -> None:
     cfg = run_config()
-    fingerprint = run_fingerprint(cfg, world_size=1)
+    fingerprint = run_fingerprint(cfg)
     checkpointer = StepCheckpointer(tmp_path / "step_checkpoints", keep_last_n=2)
     model = tiny_model()
     checkpointer.save(
@@ -417,7 +471,7 @@ def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_pat
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same config resumes silently
-        found = find_resume_point(cfg, checkpointer, run_fingerprint(cfg, world_size=1))
+        found = find_resume_point(cfg, checkpointer, run_fingerprint(cfg))
     assert found.source is ResumeFrom.STEP_CHECKPOINT and found.step_checkpoint.step == 3
 
     no_step_checkpoints = StepCheckpointer(tmp_path / "none", keep_last_n=2)
@@ -425,11 +479,11 @@ def test_fingerprint_read_back_from_a_checkpoint_matches_the_same_config(tmp_pat
     (epoch_run / "recipe_state").mkdir(parents=True)
     (epoch_run / "recipe_state" / "recipe_state.pt").write_bytes(b"state")
     cfg.checkpointer = {"output_dir": str(epoch_run), "recipe_checkpoint": None}
-    fallback = find_resume_point(cfg, no_step_checkpoints, run_fingerprint(cfg, world_size=1))
+    fallback = find_resume_point(cfg, no_step_checkpoints, run_fingerprint(cfg))
     assert fallback.source is ResumeFrom.EPOCH_CHECKPOINT  # torchtune's resume, as stock
     changed = run_config(gradient_accumulation_steps=8)
-    with pytest.raises(ValueError, match="'gradient_accumulation_steps': 4 in the checkpoint"):
-        find_resume_point(changed, checkpointer, run_fingerprint(changed, world_size=1))
+    with pytest.raises(ValueError, match="'samples_per_step'.*8 in the checkpoint, 16 now"):
+        find_resume_point(changed, checkpointer, run_fingerprint(changed))
     resume_off = run_config(resume_from_checkpoint=False)  # starts over: moves step 3 aside
     assert find_resume_point(resume_off, checkpointer, {}).source is ResumeFrom.START
 
@@ -439,7 +493,7 @@ def test_nothing_to_resume_names_both_folders_and_the_keys_that_write_one(tmp_pa
     cfg.checkpointer = {"output_dir": str(tmp_path / "run"), "recipe_checkpoint": None}
     empty = StepCheckpointer(tmp_path / "run" / "step_checkpoints", keep_last_n=2)
     with pytest.raises(ValueError) as err:
-        find_resume_point(cfg, empty, run_fingerprint(cfg, world_size=1))
+        find_resume_point(cfg, empty, run_fingerprint(cfg))
     message = str(err.value)
     assert str(tmp_path / "run" / "step_checkpoints") in message
     assert str(tmp_path / "run" / "recipe_state" / "recipe_state.pt") in message
@@ -539,7 +593,7 @@ def test_a_launch_that_starts_over_beside_a_checkpoint_of_its_run_says_how_to_go
     lines: list[str] = []
     monkeypatch.setattr(resume.log, "info", lines.append)
     cfg = run_config(resume_from_checkpoint=False)
-    fingerprint = run_fingerprint(cfg, world_size=1)
+    fingerprint = run_fingerprint(cfg)
     checkpointer = StepCheckpointer(tmp_path / "step_checkpoints", keep_last_n=2)
     checkpointer.save(
         5,
@@ -555,3 +609,72 @@ def test_a_launch_that_starts_over_beside_a_checkpoint_of_its_run_says_how_to_go
     assert f"to {retired}" in lines[0]
     assert "this launch starts over" in lines[0] and "resume_from_checkpoint=True" in lines[0]
     assert checkpointer.list_steps() == [] and (retired / "step_000005").is_dir()
+
+
+# --- a sharded run's checkpoint, on another mesh (see [resharded resume]) ----------------------
+
+
+def _save_sharded(checkpointer: StepCheckpointer, step: int, seed: int) -> nn.Module:
+    """A sharded run's step checkpoint (its ``sharded/`` files), written by one process."""
+    from exactga.checkpoints.contents import sharded_train_state
+
+    model, optimizer = trained(seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        checkpointer.save(
+            step,
+            model_state=None,
+            optimizer_state=None,
+            sharded_state=sharded_train_state(model, optimizer),
+            trainer_state={"global_step": step, "fingerprint": {}},
+            rank_state={"rng": capture_rng_state(CPU), "dataloader": None},
+        )
+    return model
+
+
+def test_a_damaged_shard_falls_back_and_the_weights_read_back_whole(tmp_path: Path) -> None:
+    from exactga.run.checkpointing import SHARDED_SUBDIR, step_checkpoint_weights
+
+    checkpointer = StepCheckpointer(tmp_path, keep_last_n=2)
+    first = _save_sharded(checkpointer, 1, seed=1)
+    _save_sharded(checkpointer, 2, seed=2)
+    (shard,) = (tmp_path / "step_000002" / SHARDED_SUBDIR).glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(shard))} has \d+ bytes"):
+        loaded = checkpointer.load_latest()
+    assert loaded.step == 1 and loaded.model_state is None and loaded.sharded is not None
+    assert_same_tensors(step_checkpoint_weights(loaded.path), first.state_dict())
+
+
+def _resume_point(saved_world_size: int, world_size: int, position: dict) -> object:
+    from exactga.run.checkpointing import StepCheckpoint
+    from exactga.run.resume import ResumePoint
+
+    found = StepCheckpoint(
+        path=Path("/out/step_000003"),
+        step=3,
+        trainer_state={"data_position": position},
+        model_state=None,
+        optimizer_state=None,
+        rank_state={"dataloader": {"loader": "rank 0's"}},
+        world_size=saved_world_size,
+    )
+    return ResumePoint(ResumeFrom.STEP_CHECKPOINT, found, world_size)
+
+
+def test_a_recipes_own_loader_and_another_epoch_length_refuse_another_mesh() -> None:
+    position = {"data_parallel_ranks": 2, "samples_in_epoch": 24, "windows_per_epoch": 6}
+    same = _resume_point(2, 2, position)
+    assert not same.resharded and same.dataloader_state({}) == {"loader": "rank 0's"}
+    same.check_epoch_length(7)  # the same mesh: its own loader state, nothing to compare
+
+    resharded = _resume_point(2, 4, position)
+    assert resharded.resharded and resharded.samples_done_in_epoch == 24
+    with pytest.raises(ValueError, match="written by 2 ranks and this launch has 4"):
+        resharded.dataloader_state({})  # GRPO's and PPO's loaders
+    resharded.check_epoch_length(6)
+    with pytest.raises(ValueError, match="on 4 ranks an epoch has 7 optimizer steps.*had 6"):
+        resharded.check_epoch_length(7)
+    with pytest.raises(ValueError, match="holds no data position over all ranks"):
+        _ = _resume_point(2, 4, None).samples_done_in_epoch

@@ -195,3 +195,30 @@ def _assert_same_state(state: dict, expected: dict) -> None:
         assert state[name]["param_groups"] == param_state["param_groups"], name
         for key, value in param_state["state"][0].items():
             assert torch.equal(state[name]["state"][0][key], value), (name, key)
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["optimizer", "in_backward"])
+def test_a_sharded_step_checkpoints_state_resumes_training_the_same(tmp_path, in_backward) -> None:
+    """A sharded run's step checkpoint (torch.distributed.checkpoint's files, here of one
+    process) read into a fresh model and optimizer, either kind, the scheduler's
+    ``initial_lr`` included: training goes on bit for bit. See [resharded resume] in
+    exactga.run.resume."""
+    import torch.distributed.checkpoint as dcp
+
+    from exactga.checkpoints.contents import load_sharded_train_state, sharded_train_state
+
+    model, resumed_model = tiny_model(), tiny_model(seed=1)
+    optimizer = build_optimizer(ADAMW, model, in_backward=in_backward)
+    lr_scheduler = scheduler_on(optimizer)
+    first, rest = windows()[:2], windows()[2:]
+    train(model, optimizer, lr_scheduler, first)
+    dcp.save(sharded_train_state(model, optimizer), checkpoint_id=tmp_path, no_dist=True)
+
+    resumed = build_optimizer(ADAMW, resumed_model, in_backward=in_backward)
+    load_sharded_train_state(resumed_model, resumed, tmp_path)
+    assert_same_weights(resumed_model, model)
+    resumed_scheduler = scheduler_on(resumed, last_epoch=len(first) - 1)
+
+    lrs = train(model, optimizer, lr_scheduler, rest)
+    assert train(resumed_model, resumed, resumed_scheduler, rest) == lrs
+    assert_same_weights(resumed_model, model)

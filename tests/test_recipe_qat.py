@@ -20,6 +20,8 @@ from omegaconf import OmegaConf
 from qat_runs import PARITY, SPLIT_KINDS, SPLIT_STEPS, shared_runs
 from recipe_utils import SMALL_MODEL, load_weights, logged_steps, read_scalars, relative_l2
 
+from exactga.run.checkpointing import step_checkpoint_weights
+
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("qat")]
 
 TRAINED = "epoch_0/model-00001-of-00001.safetensors"  # full weights; merged ones for LoRA
@@ -87,7 +89,7 @@ def _state_after(run: Path, step: int) -> dict[str, torch.Tensor]:
     seeded ones, which no checkpoint holds)."""
     if step == 0:
         return {} if _is_lora(run) else dict(_initial(run))
-    return load_weights(run / "step_checkpoints" / f"step_{step:06d}" / "model.safetensors")
+    return step_checkpoint_weights(run / "step_checkpoints" / f"step_{step:06d}")
 
 
 @functools.cache

@@ -83,7 +83,7 @@ def test_starting_over_moves_every_earlier_checkpoint_aside_intact(tmp_path, mon
         _save(earlier, step)
     (earlier.root / ".step_000025.tmp").mkdir()  # a save the earlier launch did not finish
     cfg = _config(tmp_path)
-    fingerprint = run_fingerprint(cfg, world_size=1)
+    fingerprint = run_fingerprint(cfg)
     now = _checkpointer(tmp_path)
     assert find_resume_point(cfg, now, fingerprint).source is ResumeFrom.START
 

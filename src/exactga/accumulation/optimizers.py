@@ -95,7 +95,7 @@ class OptimizerInBackward(Optimizer):
         _check_names(self, state_dict.keys())
         for name, state in state_dict.items():
             self.optim_map[name].load_state_dict(state)
-        _share_initial_lr(self)
+        share_initial_lr(self)
 
     def __repr__(self) -> str:
         first = next(iter(self.optim_map.values()), None)
@@ -135,24 +135,11 @@ def steps_in_backward(optimizer: Optimizer | None) -> bool:
     return isinstance(optimizer, OptimizerInBackward)
 
 
-def full_optimizer_state(
-    model: nn.Module, optimizer: Optimizer, is_rank_zero: bool, device: torch.device
-) -> dict[str, Any]:
-    """The unsharded state of ``optimizer`` of an FSDP-sharded ``model``, on rank 0 (CPU);
-    every rank calls this. torchtune's ``get_full_optimizer_state_dict``, also for an
-    :class:`OptimizerInBackward` (one state per parameter name)."""
-    if isinstance(optimizer, OptimizerInBackward):
-        return {
-            name: training.get_full_optimizer_state_dict(model, opt, is_rank_zero, device=device)
-            for name, opt in optimizer.optim_map.items()
-        }
-    return training.get_full_optimizer_state_dict(model, optimizer, is_rank_zero, device=device)
-
-
 def load_full_optimizer_state(
     model: nn.Module, optimizer: Optimizer, state: Mapping[str, Any], device: torch.device
 ) -> None:
-    """Shard a :func:`full_optimizer_state` into ``optimizer``; every rank calls this.
+    """Shard a full optimizer state (a one-device run's, or torchtune's epoch checkpoint's)
+    into ``optimizer``; every rank calls this.
     torchtune's ``load_from_full_optimizer_state_dict``, also for an
     :class:`OptimizerInBackward`."""
     if not isinstance(optimizer, OptimizerInBackward):
@@ -163,7 +150,7 @@ def load_full_optimizer_state(
         training.load_from_full_optimizer_state_dict(
             model, optimizer.optim_map[name], param_state, device
         )
-    _share_initial_lr(optimizer)
+    share_initial_lr(optimizer)
 
 
 def _check_names(optimizer: OptimizerInBackward, names: Iterable[str]) -> None:
@@ -174,7 +161,7 @@ def _check_names(optimizer: OptimizerInBackward, names: Iterable[str]) -> None:
         raise RuntimeError(f"no optimizer state for parameters {missing}")
 
 
-def _share_initial_lr(optimizer: OptimizerInBackward) -> None:
+def share_initial_lr(optimizer: OptimizerInBackward) -> None:
     """Give every group the ``initial_lr`` some group has; see [optimizer in backward]."""
     groups = optimizer.param_groups
     initial_lr = next((g["initial_lr"] for g in groups if "initial_lr" in g), None)

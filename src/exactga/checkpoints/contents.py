@@ -4,15 +4,19 @@ model: full weights or adapters, on one device or gathered from FSDP2 shards on 
 Epoch checkpoints are torchtune's (stock's files and layout: the weights; for LoRA the adapters,
 their config and merged weights unless adapter-only; recipe and optimizer state while training
 goes on). Step checkpoints are exactga's atomic ones (``exactga.run.resume``: weights, optimizer,
-counters, RNG and loader position). Under data parallelism every rank calls both, rank 0 writes.
+counters, RNG and loader position). Under data parallelism every rank calls both; rank 0 writes,
+except a step checkpoint's weights and optimizer state, which every rank writes as its shards
+(torch.distributed.checkpoint; see [resharded resume] in exactga.run.resume).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -20,13 +24,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.optim import Optimizer
 from torchtune import training, utils
 
-from exactga.accumulation.optimizers import full_optimizer_state
+from exactga.accumulation.optimizers import OptimizerInBackward, share_initial_lr
 from exactga.lora.adapters import LoraSettings, adapter_state, save_epoch_checkpoint
 from exactga.run.checkpointing import (
+    CorruptCheckpointError,
     StepCheckpointer,
     replace_dir,
     sync_tree,
@@ -56,6 +71,7 @@ class RunCheckpoints:
         lora: the adapters' settings for a LoRA model, ``None`` for full weights.
         adapter_only: ``save_adapter_weights_only``: no merged weights at an epoch's end.
         sharded: the model is sharded with FSDP2 over the data-parallel ranks.
+        dp_size: the data-parallel ranks (a step checkpoint's data position counts over all).
         parts: for a trained module that holds several models (PPO's policy and value), the
             checkpointer of each submodule by attribute name, the first ``epoch_writer`` itself:
             an epoch checkpoint writes each model with its own checkpointer, the first with the
@@ -70,6 +86,7 @@ class RunCheckpoints:
     lora: LoraSettings | None = None
     adapter_only: bool = False
     sharded: bool = False
+    dp_size: int = 1
     parts: Mapping[str, Any] | None = None
 
     def save_epoch(self, model: nn.Module, optimizer: Optimizer, epoch: int) -> None:
@@ -169,29 +186,25 @@ class RunCheckpoints:
 
     def save_step(self, model: nn.Module, optimizer: Optimizer, dataloader: Any) -> Path:
         """Everything a resumed run needs to go on with the next window; atomic. A LoRA run's
-        frozen base is not in it: a resumed run reads it from the checkpointer again."""
-        rank_zero = distributed.is_rank_zero()
-        if not self.sharded:
-            weights = adapter_state(model) if self.lora is not None else model.state_dict()
-            model_state, optimizer_state = weights, optimizer.state_dict()
-        elif self.lora is not None:
-            model_state = training.gather_cpu_state_dict(
-                model, rank_zero, device=self.device, adapter_weights_only=True
-            )
-            optimizer_state = training.get_full_optimizer_state_dict(
-                model, optimizer, rank_zero, device=self.device
-            )
+        frozen base is not in it: a resumed run reads it from the checkpointer again. A sharded
+        model's weights and optimizer state go in as every rank's shards, which any mesh reads
+        back (:func:`load_sharded_train_state`)."""
+        model_state = optimizer_state = sharded_state = None
+        if self.sharded:
+            sharded_state = sharded_train_state(model, optimizer)
         else:
-            model_state = training.gather_cpu_state_dict(model, rank_zero, device=self.device)
-            optimizer_state = full_optimizer_state(model, optimizer, rank_zero, device=self.device)
+            model_state = adapter_state(model) if self.lora is not None else model.state_dict()
+            optimizer_state = optimizer.state_dict()
         return write_step_checkpoint(
             self.step_checkpointer,
             self.progress,
             self.fingerprint,
             device=self.device,
             dataloader=dataloader,
-            model_state=model_state if rank_zero else None,
-            optimizer_state=optimizer_state if rank_zero else None,
+            model_state=model_state,
+            optimizer_state=optimizer_state,
+            sharded_state=sharded_state,
+            dp_size=self.dp_size,
         )
 
     def _save_adapters(
@@ -231,6 +244,99 @@ class RunCheckpoints:
             if self.sharded:
                 log.info(f"Checkpoint gathered and written in {time.perf_counter() - start:.2f} s")
         distributed.barrier()
+
+
+# The trained weights only: a LoRA run's frozen base (and any frozen weight) is read from the
+# checkpointer again, unchanged since the start.
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
+def sharded_train_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """This rank's shards of the trained weights and of the optimizer state, keyed by parameter
+    name (torch.distributed.checkpoint's state dicts, also of an unsharded model); every rank
+    calls this. A fresh optimizer's state is created (a zero step at learning rate 0) so that
+    it can be read into. See [resharded resume] in exactga.run.resume."""
+    return {
+        "model": get_model_state_dict(model, options=_TRAINED_ONLY),
+        "optimizer": get_optimizer_state_dict(model, _optimizers(optimizer), options=_TRAINED_ONLY),
+    }
+
+
+def load_sharded_train_state(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
+    """Read a :func:`sharded_train_state` written on any mesh (``folder``: a step
+    checkpoint's ``sharded/``) into ``model`` and ``optimizer`` as this mesh shards them; every
+    rank calls this.
+
+    Raises:
+        ValueError: the checkpoint lacks a trained weight of ``model``.
+    """
+    state = sharded_train_state(model, optimizer)  # the shards this rank reads into
+    reader = dcp.FileSystemReader(folder)
+    _add_saved_group_entries(state["optimizer"], reader.read_metadata())
+    with warnings.catch_warnings():
+        # One device (a sharded run's checkpoint resumed on one): no process group, as meant.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        try:
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=_WeightsOnlyLoadPlanner(),
+                no_dist=not torch.distributed.is_initialized(),
+            )
+        except CheckpointException as err:  # each rank's failure, with DCP's traceback
+            (reason, _), *_ = err.failures.values()
+            if isinstance(reason, CorruptCheckpointError):
+                raise reason from err
+            raise
+    loose = StateDictOptions(ignore_frozen_params=True, strict=False)  # the frozen: not in it
+    missing, unexpected = set_model_state_dict(model, state["model"], options=loose)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trained & set(missing):
+        raise ValueError(
+            f"resume_from_checkpoint: {folder} does not fit the model: missing "
+            f"{sorted(trained & set(missing))[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    set_optimizer_state_dict(
+        model, _optimizers(optimizer), state["optimizer"], options=_TRAINED_ONLY
+    )
+    if isinstance(optimizer, OptimizerInBackward):
+        share_initial_lr(optimizer)  # as its load_state_dict does
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """torch.distributed.checkpoint's planner, whose non-tensor entries (the optimizer's
+    hyper-parameters and parameter names) it unpickles with ``weights_only=False``: each is
+    first read with ``weights_only=True``, which refuses any pickled code, so nothing in a step
+    checkpoint runs code (docs/reliability.md)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as err:  # a type weights_only refuses: not a checkpoint of ours
+            raise CorruptCheckpointError(
+                f"step checkpoint entry {read_item.dest_index.fqn} is not plain data: {err}"
+            ) from err
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def _add_saved_group_entries(optimizer_state: dict[str, Any], metadata: Any) -> None:
+    """Make room for the saved parameter groups' entries a fresh optimizer lacks (the
+    learning-rate scheduler's ``initial_lr``): torch.distributed.checkpoint reads only the
+    entries the state it loads into has."""
+    prefix = "optimizer.param_groups."
+    for key in metadata.state_dict_metadata:
+        if key.startswith(prefix):
+            index, name = key[len(prefix) :].split(".", 1)
+            optimizer_state["param_groups"][int(index)].setdefault(name, None)
+
+
+def _optimizers(optimizer: Optimizer) -> Optimizer | list[Optimizer]:
+    """What torch's state-dict functions take: the optimizer, or each of an
+    :class:`OptimizerInBackward`'s (their states merge by parameter name)."""
+    if isinstance(optimizer, OptimizerInBackward):
+        return list(optimizer.optim_map.values())
+    return optimizer
 
 
 def _write_weights(writer: Any, model: nn.Module) -> None:

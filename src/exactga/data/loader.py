@@ -322,6 +322,26 @@ class WindowLoader:
     def state_dict(self) -> dict[str, Any]:
         return {"window_size": self.window_size, "loader": self.dataloader.state_dict()}
 
+    def skip_samples_of_epoch(self, samples: int | None) -> None:
+        """Go on at sample ``samples`` of the epoch's order, counted over every rank (``None``:
+        its first): each rank skips its share. A resume on another number of ranks; see
+        [resharded resume] in exactga.run.resume.
+
+        Raises:
+            ValueError: the count does not split evenly over this loader's ranks.
+        """
+        if samples is None:
+            return
+        ranks = self.sampler.num_replicas
+        per_rank, rest = divmod(samples, ranks)
+        if rest:
+            raise ValueError(
+                f"resume_from_checkpoint: the checkpoint's run had read {samples} samples of the "
+                f"epoch over all ranks, which do not split over {ranks} ranks; resume on a number "
+                "of ranks that divides the global batch."
+            )
+        self.sampler.load_state_dict({"yielded": per_rank})  # read by the sampler's next pass
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if "window_size" not in state_dict:
             raise ValueError(

@@ -3,21 +3,27 @@
 torchtune 0.6.1's checkpointers write at epoch ends only; the recipes keep them (drop-in) and
 add, with ``save_every_n_steps``, a step checkpoint that holds everything a resumed run needs to
 end bit-for-bit where an uninterrupted one would: the trained weights (all of them, or the
-adapters for LoRA), the optimizer state, the step and epoch counters, and per rank the RNG states
-and the ``StatefulDataLoader`` position. This module is the storage only (see [atomic step
-checkpoints]); what goes in a checkpoint and when a run resumes from one is ``exactga.run.resume``.
+adapters for LoRA), the optimizer state, the step and epoch counters, the data position over all
+ranks, and per rank the RNG states and the ``StatefulDataLoader`` position. This module is the
+storage only (see [atomic step checkpoints]); what goes in a checkpoint and when a run resumes
+from one is ``exactga.run.resume``.
 
 Layout, under ``<output_dir>/step_checkpoints/``::
 
     step_000120/
-        model.safetensors      trained weights (rank 0 writes the full tensors)
+        model.safetensors      trained weights (one device: the full tensors)
         optimizer.pt           optimizer state (torch.save; loaded with weights_only=True)
+        sharded/               instead of both under FSDP2: torch.distributed.checkpoint's files
+                               (each rank writes its shards), read back on any number of ranks
         rank_0.pt, rank_1.pt   RNG states and data-loader position of each rank
-        trainer_state.json     counters, the run's fingerprint, and every file's size and CRC32;
+        trainer_state.json     counters, the run's fingerprint, the data position over all
+                               ranks, and every file's size and CRC32 (``sharded/`` files too);
                                written last, so a directory without it is not a checkpoint
 
-Nothing here unpickles code: weights are safetensors and the rest loads with
-``torch.load(weights_only=True)``.
+Nothing here unpickles code: weights are safetensors or torch.distributed.checkpoint's files, and
+the rest loads with ``torch.load(weights_only=True)``. See [resharded resume] in
+exactga.run.resume for what may change between the mesh that wrote a checkpoint and the one that
+reads it.
 
 Step checkpoints that are not this run's line are moved aside, never deleted, into
 ``<output_dir>/retired_step_checkpoints/<date>_<time>/`` (see [retired step checkpoints]).
@@ -39,11 +45,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 MANIFEST_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
+SHARDED_SUBDIR = "sharded"  # torch.distributed.checkpoint's files of a sharded run
 STEP_CHECKPOINT_SUBDIR = "step_checkpoints"
 RETIRED_SUBDIR = "retired_step_checkpoints"  # beside it; see [retired step checkpoints]
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -52,8 +61,9 @@ _MANIFEST_KEYS = ("step", "world_size", "trainer_state", "files")
 
 
 # Note [atomic step checkpoints]
-# Every rank writes its files into a hidden staging folder ``.step_N.tmp``; each file is fsynced.
-# After a barrier, rank 0 records the size and CRC32 of every file in the manifest, fsyncs it,
+# Every rank writes its files into a hidden staging folder ``.step_N.tmp``; each file is fsynced
+# (a sharded run's ``sharded/`` files by torch.distributed.checkpoint's writer, each rank its
+# own). After a barrier, rank 0 records the size and CRC32 of every file in the manifest, fsyncs it,
 # renames the folder to ``step_N`` (atomic on POSIX) and fsyncs the parent. A crash at any point
 # leaves either the previous checkpoints untouched plus a staging folder (removed on the next
 # save), or a complete new one. What rename cannot protect against (a disk that truncates or
@@ -88,9 +98,17 @@ class StepCheckpoint:
     path: Path
     step: int
     trainer_state: dict[str, Any]
-    model_state: dict[str, torch.Tensor]
+    model_state: dict[str, torch.Tensor] | None  # None: the state is in ``sharded``
     optimizer_state: dict[str, Any] | None
-    rank_state: dict[str, Any]
+    rank_state: dict[str, Any]  # this rank's, or rank 0's when written by another world size
+    world_size: int  # the ranks that wrote it
+
+    @property
+    def sharded(self) -> Path | None:
+        """The folder of torch.distributed.checkpoint's files (weights and optimizer state of
+        a sharded run), or ``None`` when ``model_state`` holds the weights."""
+        folder = self.path / SHARDED_SUBDIR
+        return folder if folder.is_dir() else None
 
 
 class CorruptCheckpointError(ValueError):
@@ -127,12 +145,14 @@ class StepCheckpointer:
         optimizer_state: Mapping[str, Any] | None,
         trainer_state: Mapping[str, Any],
         rank_state: Mapping[str, Any],
+        sharded_state: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write checkpoint ``step`` atomically; every rank calls this, in step.
 
         ``model_state`` and ``optimizer_state`` are read on rank 0 only (the full tensors);
-        ``rank_state`` is this rank's own (RNG, data-loader position). ``trainer_state`` must be
-        JSON-serialisable.
+        ``sharded_state`` instead is every rank's shards (a torch.distributed.checkpoint state
+        dict), written collectively into ``sharded/``. ``rank_state`` is this rank's own (RNG,
+        data-loader position). ``trainer_state`` must be JSON-serialisable.
         """
         final = self.root / _step_dir_name(step)
         staging = self.root / f".{_step_dir_name(step)}.tmp"
@@ -141,7 +161,9 @@ class StepCheckpointer:
             _remove_stale_staging(self.root)
             staging.mkdir()
         _barrier()
-        if self.rank == 0:
+        if sharded_state is not None:  # collective; each rank's files fsynced by the writer
+            dcp.save(dict(sharded_state), storage_writer=_synced_writer(staging / SHARDED_SUBDIR))
+        elif self.rank == 0:
             save_file(_contiguous(model_state or {}), staging / MODEL_FILE)
             _fsync(staging / MODEL_FILE)
             if optimizer_state is not None:
@@ -215,24 +237,22 @@ class StepCheckpointer:
         return None
 
     def load(self, path: Path) -> StepCheckpoint:
-        """Validate and read one checkpoint folder (this rank's ``rank_<r>.pt`` included)."""
+        """Validate and read one checkpoint folder: this rank's ``rank_<r>.pt``, or rank 0's
+        when another world size wrote it (see [resharded resume] in exactga.run.resume). The
+        ``sharded/`` files are checked here and read into the model later."""
         manifest = _read_manifest(path)
         _verify_files(path, manifest)
         saved_world_size = manifest["world_size"]
-        if saved_world_size != self.world_size:
-            raise ValueError(
-                f"{path} was written by {saved_world_size} ranks and this run has "
-                f"{self.world_size}: a step checkpoint resumes with the same world size "
-                "(launch with the same --nnodes/--nproc_per_node)."
-            )
-        optimizer_file = path / OPTIMIZER_FILE
+        rank = self.rank if saved_world_size == self.world_size else 0
+        model_file, optimizer_file = path / MODEL_FILE, path / OPTIMIZER_FILE
         return StepCheckpoint(
             path=path,
             step=manifest["step"],
             trainer_state=manifest["trainer_state"],
-            model_state=load_file(path / MODEL_FILE),
+            model_state=load_file(model_file) if model_file.exists() else None,
             optimizer_state=_torch_load(optimizer_file) if optimizer_file.exists() else None,
-            rank_state=_torch_load(path / _rank_file(self.rank)),
+            rank_state=_torch_load(path / _rank_file(rank)),
+            world_size=saved_world_size,
         )
 
     def latest_trainer_state(self) -> tuple[Path, dict[str, Any]] | None:
@@ -256,6 +276,27 @@ class StepCheckpointer:
     def _prune(self) -> None:
         for step in self.list_steps()[: -self.keep_last_n]:
             shutil.rmtree(self.root / _step_dir_name(step))
+
+
+def step_checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The trained weights (or adapters) a step checkpoint folder holds, as full host tensors:
+    its ``model.safetensors``, or its ``sharded/`` files put together (whatever number of
+    ranks wrote them). For reading a checkpoint outside a run (tests, benchmarks, a user
+    comparing steps); the folder is not checked against its manifest here."""
+    path = Path(path)
+    if (path / MODEL_FILE).is_file():
+        return load_file(path / MODEL_FILE)
+    reader = dcp.FileSystemReader(path / SHARDED_SUBDIR)
+    prefix = "model."  # contents.sharded_train_state's section of the weights
+    state = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # one process reads it: no process group, as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key[len(prefix) :]: value for key, value in state.items()}
 
 
 def step_checkpointer_for(
@@ -299,6 +340,12 @@ def _contiguous(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _synced_writer(folder: Path) -> dcp.FileSystemWriter:
+    """torch.distributed.checkpoint's writer into ``folder``, each file fsynced before the
+    save returns (its default, spelled out: the rename that publishes them relies on it)."""
+    return dcp.FileSystemWriter(folder, sync_files=True)
+
+
 def _torch_save_synced(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -334,8 +381,8 @@ def _write_manifest(
     staging: Path, step: int, trainer_state: Mapping[str, Any], world_size: int
 ) -> None:
     files = {
-        p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)}
-        for p in sorted(staging.iterdir())
+        p.relative_to(staging).as_posix(): {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+        for p in sorted(staging.rglob("*"))
         if p.is_file()
     }
     manifest = {
@@ -351,6 +398,8 @@ def _write_manifest(
         json.dump(manifest, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
+    if (staging / SHARDED_SUBDIR).is_dir():  # its entries, written by every rank
+        _fsync(staging / SHARDED_SUBDIR)
     _fsync(staging)
 
 

@@ -37,7 +37,7 @@ from exactga.accumulation.normalization import LossNormalizer
 from exactga.accumulation.optimizers import build_optimizer
 from exactga.accumulation.step import StepContext
 from exactga.accumulation.window_statistics import WindowStatistic
-from exactga.checkpoints.contents import RunCheckpoints
+from exactga.checkpoints.contents import RunCheckpoints, load_sharded_train_state
 from exactga.config.schemas import SingleDeviceRecipeConfig, TwinSchemas
 from exactga.config.validation import Settings, torchtune_config, typed_settings
 from exactga.data.loader import dataloader_from_settings
@@ -146,7 +146,7 @@ class RunStart:
         )
         self.model_settings = ModelSettings.from_settings(cfg, runtime.device)
         self.step_checkpointer, self.fingerprint, self.resume = start_run(
-            cfg, fingerprint_keys, **runtime.fingerprint_extra
+            cfg, fingerprint_keys, dp_size=runtime.dp_size, **runtime.fingerprint_extra
         )
         # Rank 0's; a resumed run's curves go on in its run ([resumed TensorBoard run]).
         self.metric_logger = open_run_logger(cfg, resumed=self.resume.resumed)
@@ -287,6 +287,8 @@ class RunStart:
         if self._client and self.resume.from_epoch_checkpoint and self.runtime.async_checkpointing:
             # torchtune's distributed checkpoint loads weights and optimizer state in place.
             self.ckpt_dict = self.epoch_writer.load_distributed_checkpoint(model, optimizer)
+        if self.resume.sharded_state is not None:  # a sharded step checkpoint, on any mesh
+            load_sharded_train_state(model, optimizer, self.resume.sharded_state)
         self.resume.restore_progress(self.progress, self.ckpt_dict)
         return optimizer
 
@@ -297,7 +299,8 @@ class RunStart:
         return MicroBatchingSettings.from_settings(self.settings)
 
     def dataloader(self, dataset: Any, *, padding_idx: int, ignore_idx: int) -> Any:
-        """The loader of windows at the checkpoint's position; see [data order] in
+        """The loader of windows at the checkpoint's position (on another number of ranks, its
+        position over all ranks: [resharded resume] in exactga.run.resume); see [data order] in
         exactga.data.loader. Ranks of one tensor-parallel group read the same data: the
         sampler splits over the data-parallel ranks only."""
         runtime = self.runtime
@@ -310,15 +313,19 @@ class RunStart:
             if runtime.sharded
             else {}
         )
-        return dataloader_from_settings(
+        resharded = self.resume.resharded
+        loader = dataloader_from_settings(
             dataset,
             self.settings,
             self.micro_batching,
             padding_idx=padding_idx,
             ignore_idx=ignore_idx,
-            state_dict=self.resume.dataloader_state(self.ckpt_dict),
+            state_dict=None if resharded else self.resume.dataloader_state(self.ckpt_dict),
             **ranks,
         )
+        if resharded:
+            loader.skip_samples_of_epoch(self.resume.samples_done_in_epoch)
+        return loader
 
     def dataloader_state(self) -> dict[str, Any] | None:
         """The checkpoint's loader position, for a recipe that builds its own loader."""
@@ -382,6 +389,7 @@ class RunStart:
             len(dataloader) if windows_per_epoch is None else windows_per_epoch,
             resumed_mid_run=self.resume.from_step_checkpoint,
         )
+        self.resume.check_epoch_length(progress.steps_per_epoch)
         checkpoints = RunCheckpoints(
             progress,
             self.step_checkpointer,
@@ -391,6 +399,7 @@ class RunStart:
             lora=lora,
             adapter_only=lora is not None and cfg.save_adapter_weights_only,
             sharded=runtime.sharded,
+            dp_size=runtime.dp_size,
             parts=dict(self._part_writers) or None,
         )
         lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, optimizer, progress)
