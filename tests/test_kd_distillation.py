@@ -17,7 +17,9 @@ from torchtune.modules.loss import (
     ForwardKLLoss,
     ForwardKLWithChunkedOutputLoss,
     ReverseKLLoss,
+    ReverseKLWithChunkedOutputLoss,
     SymmetricKLLoss,
+    SymmetricKLWithChunkedOutputLoss,
 )
 from unit_utils import prompt_masked_batch
 
@@ -36,6 +38,7 @@ from exactga.kd.distillation import (
     check_kd_losses,
     check_vocabularies,
     kd_loss_denominator,
+    kd_mean,
     verify_kd_loss_denominator,
 )
 from exactga.model_build.frozen import freeze_model
@@ -67,6 +70,38 @@ def test_torchtunes_kd_losses_divide_by_the_shifted_count(kd_loss):
     measured = kd_loss_denominator(kd_loss, shift_labels(labels))
     assert measured == pytest.approx(count_loss_tokens(labels), rel=1e-6)
     verify_kd_loss_denominator(kd_loss, labels)
+
+
+ALL_KD_LOSSES = [
+    ForwardKLLoss(),
+    ReverseKLLoss(),
+    SymmetricKLLoss(0.3),
+    ForwardKLWithChunkedOutputLoss(4),
+    ReverseKLWithChunkedOutputLoss(4),
+    SymmetricKLWithChunkedOutputLoss(4, 0.3),
+]
+
+
+def _kd_inputs(kd_loss: nn.Module, labels: torch.Tensor) -> tuple:
+    """Student and teacher logits for ``labels`` (shifted), as the loss takes them."""
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = (torch.randn(*labels.shape, 7, generator=generator) for _ in range(2))
+    chunks = getattr(kd_loss, "num_output_chunks", None)
+    if chunks is not None:
+        return list(student.chunk(chunks, dim=1)), list(teacher.chunk(chunks, dim=1)), labels
+    return student.reshape(-1, 7), teacher.reshape(-1, 7), labels.reshape(-1)
+
+
+@pytest.mark.parametrize("kd_loss", ALL_KD_LOSSES, ids=lambda loss: type(loss).__name__)
+def test_the_kd_mean_without_a_host_read_is_the_losses_own_bit_for_bit(kd_loss):
+    """See [kd mean without a host read]: the same value, bit for bit, where a token is scored,
+    and 0 where none is (torchtune's chunked reverse and symmetric KL give NaN there)."""
+    labels = shift_labels(_labels(), IGNORE_INDEX)
+    assert torch.equal(
+        kd_mean(kd_loss, *_kd_inputs(kd_loss, labels)), kd_loss(*_kd_inputs(kd_loss, labels))
+    )
+    ignored = torch.full_like(labels, IGNORE_INDEX)
+    assert kd_mean(kd_loss, *_kd_inputs(kd_loss, ignored)).item() == 0.0
 
 
 def test_a_kd_loss_with_another_denominator_is_refused_naming_the_key():

@@ -58,6 +58,14 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, training
+from torchtune.modules.loss import (
+    ForwardKLLoss,
+    ForwardKLWithChunkedOutputLoss,
+    ReverseKLLoss,
+    ReverseKLWithChunkedOutputLoss,
+    SymmetricKLLoss,
+    SymmetricKLWithChunkedOutputLoss,
+)
 
 from exactga.accumulation.forward import projecting_only
 from exactga.accumulation.loss_units import (
@@ -157,6 +165,58 @@ def _at_positions(logits: Any, positions: torch.Tensor, num_chunks: int | None) 
         row = _at_positions(torch.cat(logits, dim=1), positions, None)
         return list(row.chunk(num_chunks, dim=1))
     return logits.reshape(-1, logits.size(-1)).index_select(0, positions).unsqueeze(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The KD loss's mean without a host read. See [kd mean without a host read].
+
+# Note [kd mean without a host read]
+# torchtune's forward and reverse KL losses (the symmetric one calls both, the chunked forward
+# KL checks too) end with ``if sum_masks == 0: return 0``: a value read back to the host, which
+# on a GPU makes the host wait for every kernel queued so far, once per micro-batch
+# (tests/test_host_reads.py). Each also gives its sum undivided (``normalize=False``; the
+# chunked ones sum their inner loss per chunk), so the mean is taken here, on the device: the
+# same sums, in the same order, divided by the same count, clamped to 1 where torchtune returns
+# 0 (a sum over no token is 0; the chunked reverse and symmetric KL returned 0/0 = NaN there).
+# Where a token is scored the result is bit-identical to the loss's own. Any other KD loss (a
+# user's own) is called as it is.
+
+
+def kd_mean(kd_loss_fn: nn.Module, logits: Any, teacher_logits: Any, labels: torch.Tensor) -> Any:
+    """``kd_loss_fn``'s mean over the non-ignored positions of ``labels`` (shifted), computed
+    without a host read for torchtune's KD losses; see [kd mean without a host read]."""
+    if isinstance(kd_loss_fn, tuple(_CHUNKED_KD)):
+        inner = _CHUNKED_KD[type(kd_loss_fn)](kd_loss_fn)
+        chunks = labels.chunk(kd_loss_fn.num_output_chunks, dim=1)
+        total: Any = 0.0
+        for student, teacher, chunk in zip(logits, teacher_logits, chunks, strict=True):
+            student = student.reshape(-1, student.size(-1))
+            teacher = teacher.reshape(-1, teacher.size(-1))
+            total += inner(student, teacher, chunk.reshape(-1), normalize=False)
+        return total / _num_scored(labels, kd_loss_fn.ignore_index)
+    if isinstance(kd_loss_fn, SymmetricKLLoss):  # its two parts' means, mixed as it mixes them
+        ratio = kd_loss_fn.sym_kd_ratio
+        forward = kd_mean(kd_loss_fn.fkl, logits, teacher_logits, labels)
+        return ratio * forward + (1 - ratio) * kd_mean(
+            kd_loss_fn.rkl, logits, teacher_logits, labels
+        )
+    if isinstance(kd_loss_fn, (ForwardKLLoss, ReverseKLLoss)):
+        summed = kd_loss_fn(logits, teacher_logits, labels, normalize=False)
+        return summed / _num_scored(labels, kd_loss_fn.ignore_index)
+    return kd_loss_fn(logits, teacher_logits, labels)
+
+
+# torchtune's chunked KD losses, each with the loss it sums per chunk.
+_CHUNKED_KD = {
+    ForwardKLWithChunkedOutputLoss: lambda loss: loss.fkl_loss,
+    ReverseKLWithChunkedOutputLoss: lambda loss: loss.rkl_loss,
+    SymmetricKLWithChunkedOutputLoss: lambda loss: loss.sym_kl_loss,
+}
+
+
+def _num_scored(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The positions whose label is scored, on the device, at least 1 (the sum of none is 0)."""
+    return (labels != ignore_index).int().view(-1).sum(dim=0).clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +394,7 @@ class Distiller:
             labels = labels.reshape(-1)
             logits = logits.reshape(-1, logits.size(-1))
             teacher_logits = teacher_logits.reshape(-1, teacher_logits.size(-1))
-        kd_loss = self.kd_loss_fn(logits, teacher_logits, labels)
+        kd_loss = kd_mean(self.kd_loss_fn, logits, teacher_logits, labels)
         class_loss = self.loss_fn(logits, labels)
         del logits, teacher_logits  # the largest activations, before backward
         return class_loss, kd_loss
