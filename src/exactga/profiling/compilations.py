@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Any
 
 from torch._dynamo.utils import counters, get_compilation_metrics
@@ -27,6 +28,9 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 # dynamo's categories of the reasons it could not trace through; see the module docstring.
 _BREAK_CATEGORIES = ("graph_break", "unimplemented")
 NUM_REASONS_SHOWN = 3  # the end-of-run line names the first few reasons
+# A recompile reason starts with the compile id whose guard failed ("1/0: "): dropped, so that
+# the same reason in several frames (each layer's forward, its attention) is counted as one.
+_COMPILE_ID = re.compile(r"^\d+/\d+: ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +116,9 @@ class CompilationMeter:
         if seen is None and self._last_record is not None and records:
             self._records_missed = True  # the last one read was dropped: some were lost
         new = records[(seen + 1) if seen is not None else 0 :]
-        self._recompile_reasons += [r.recompile_reason for r in new if r.recompile_reason]
+        self._recompile_reasons += [
+            _COMPILE_ID.sub("", r.recompile_reason) for r in new if r.recompile_reason
+        ]
         if records:
             self._last_record = records[-1]
 
