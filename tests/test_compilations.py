@@ -93,4 +93,5 @@ def test_the_hook_logs_compile_scalars_and_line_only_with_compile_on() -> None:
         }
         assert plain.metrics() == {}
     assert "torch.compile: 1 graph (0 after step 1)" in profiler.summary()
-    assert "torch.compile" not in plain.summary()
+    assert "**torch.compile**: 1 graph (0 after step 1)" in profiler.report_markdown()
+    assert "torch.compile" not in plain.summary() + plain.report_markdown()
