@@ -319,8 +319,8 @@ def profiler_from_settings(
 ) -> TrainingProfiler:
     """:func:`setup_profiler` from a recipe's typed settings (its ``profiler`` section,
     ``output_dir``, ``log_timings``, ``saved_latency_every_n_steps``, ``peak_flops``,
-    ``compile``) and the
-    run's parsed ``micro_batching`` (the loader's: read once, named in the padding line).
+    ``compile``) and the run's parsed ``micro_batching`` (the loader's: read once, named in the
+    padding line).
     Traces, memory snapshots and the report come from global rank 0 only; every rank times its
     phases. ``metric_logger``: rank 0's (``None`` elsewhere)."""
     return setup_profiler(
