@@ -40,6 +40,10 @@ around training. One idea a module:
   the step; throughput; MFU; what was processed), its lines at every logged step, each line a
   run of its own so that each gets its own colour (see [report charts]), and a markdown
   summary in the TEXT tab when training ends. Other loggers get no report and no error.
+- :mod:`~exactga.profiling.compilations`: with ``compile: True``, what ``torch.compile`` did
+  since training started, from dynamo's own counters (no device read): ``compile/graphs``,
+  ``compile/recompilations``, ``compile/graph_breaks`` at every logged step, and an end-of-run
+  line with the counts after step 1 and the first reasons of the breaks and recompilations.
 - :mod:`~exactga.profiling.hook`: the hook itself, which calls the pieces above.
 
 The benchmarks' and tests' own helpers (timing the whole gradient pass, reading a report back)

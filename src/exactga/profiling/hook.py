@@ -25,6 +25,7 @@ from torch import nn
 from exactga.config.profiler import ProfilerSection, ProfilerSettings, parse_settings
 from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.data.micro_batching import MicroBatchingSettings, PaddingMeter, WindowWork
+from exactga.profiling.compilations import CompilationMeter
 from exactga.profiling.flops import device_peak_flops, model_flops_per_token
 from exactga.profiling.phase_clock import PHASES, PhaseClock
 from exactga.profiling.report import (
@@ -53,6 +54,7 @@ class TrainingProfiler:
         model: nn.Module,
         micro_batching: str = "fixed",
         metric_logger: Any = None,
+        compiled: bool = False,
     ) -> None:
         self.settings = settings
         self._micro_batching = micro_batching  # named in the end-of-run padding line
@@ -74,6 +76,8 @@ class TrainingProfiler:
         self._t_last_read = time.perf_counter()
         self._step_ms_total = 0.0
         self._t_last_step = time.perf_counter()
+        # With compile on: what torch.compile did from here on (dynamo's books, no device read).
+        self._compilations = CompilationMeter() if compiled else None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -144,14 +148,21 @@ class TrainingProfiler:
         self._num_positions += work.num_positions
         self._padding.add(work)
         self._traces.step(self._step)
+        if self._compilations is not None:
+            self._compilations.step(self._step)
 
     def metrics(self, step: int | None = None) -> dict[str, float]:
         """Scalars for the steps since the last call; the only device read of the hook.
 
         With the TensorBoard report on, also writes its charts' lines at ``step``, the step the
         recipe logs these scalars at (default: the hook's count of steps, which a resumed run
-        starts again from 1); see [report charts].
+        starts again from 1); see [report charts]. With compile on, ``compile/*`` too, whatever
+        ``log_timings`` (counts, not timings).
         """
+        compile_metrics = {} if self._compilations is None else self._compilations.metrics()
+        return compile_metrics | self._timing_metrics(step)
+
+    def _timing_metrics(self, step: int | None) -> dict[str, float]:
         if not self.settings.log_timings or self._steps_since_read == 0:
             return {}
         phase_ms = self._clock.read_ms()
@@ -200,10 +211,14 @@ class TrainingProfiler:
     # -- end of run --------------------------------------------------------------------------
 
     def summary(self) -> str:
-        """Lines for the end of the run: the saved latency, and the padding."""
+        """Lines for the end of the run: the saved latency, the padding, and with compile on
+        what torch.compile did."""
         padding = self._padding.summary(self._micro_batching)
         saved = summary_line(self.saved_latency, self._mean_step_ms(), self._step)
-        return saved + (f"\n{padding}" if padding else "")
+        return "\n".join(line for line in (saved, padding, self._compile_summary()) if line)
+
+    def _compile_summary(self) -> str:
+        return "" if self._compilations is None else self._compilations.summary()
 
     def report_markdown(self) -> str:
         """The end-of-run report for TensorBoard's TEXT tab: the saved latency, throughput, MFU,
@@ -224,6 +239,7 @@ class TrainingProfiler:
             peak_flops=self._peak_flops,
             device_type=self._device.type,
             padding=self._padding.summary(self._micro_batching),
+            compilations=self._compile_summary(),
             phase_ms=phase_ms,
             trace_paths=self._traces.trace_paths,
             snapshot_paths=self._traces.snapshot_paths,
@@ -250,6 +266,7 @@ def setup_profiler(
     peak_flops: float | None = _DEFAULTS.peak_flops,
     rank: int = 0,
     metric_logger: Any = None,
+    compiled: bool = False,
 ) -> TrainingProfiler:
     """The recipe's profiler hook, from the few config values it reads.
 
@@ -270,6 +287,8 @@ def setup_profiler(
         metric_logger: the recipe's metric logger (``None`` where a rank has none): with
             torchtune's ``TensorBoardLogger``, the report's layout is written on entering the
             hook and its summary on leaving it.
+        compiled: the config's ``compile``: ``compile/*`` scalars and an end-of-run line on
+            what torch.compile did (graphs, recompilations, graph breaks).
     """
     settings = parse_settings(
         cfg_profiler,
@@ -282,7 +301,12 @@ def setup_profiler(
         settings = dataclasses.replace(settings, enabled=False, profile_memory=False)
         metric_logger = None
     return TrainingProfiler(
-        settings, device, model, micro_batching=micro_batching, metric_logger=metric_logger
+        settings,
+        device,
+        model,
+        micro_batching=micro_batching,
+        metric_logger=metric_logger,
+        compiled=compiled,
     )
 
 
@@ -294,8 +318,9 @@ def profiler_from_settings(
     metric_logger: Any,
 ) -> TrainingProfiler:
     """:func:`setup_profiler` from a recipe's typed settings (its ``profiler`` section,
-    ``output_dir``, ``log_timings``, ``saved_latency_every_n_steps``, ``peak_flops``) and the
-    run's parsed ``micro_batching`` (the loader's: read once, named in the padding line).
+    ``output_dir``, ``log_timings``, ``saved_latency_every_n_steps``, ``peak_flops``,
+    ``compile``) and the run's parsed ``micro_batching`` (the loader's: read once, named in the
+    padding line).
     Traces, memory snapshots and the report come from global rank 0 only; every rank times its
     phases. ``metric_logger``: rank 0's (``None`` elsewhere)."""
     return setup_profiler(
@@ -309,4 +334,5 @@ def profiler_from_settings(
         peak_flops=settings.peak_flops,
         rank=dist.get_rank() if dist.is_initialized() else 0,
         metric_logger=metric_logger,
+        compiled=settings.compile,
     )

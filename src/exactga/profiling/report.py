@@ -200,6 +200,7 @@ class RunFigures:
     phase_ms: dict[str, float] | None  # mean per step; None with log_timings off
     trace_paths: list[Path]
     snapshot_paths: list[Path]
+    compilations: str = ""  # the end-of-run torch.compile line, or "" with compile off
 
 
 def report_markdown(run: RunFigures | None) -> str:
@@ -255,6 +256,9 @@ def report_markdown(run: RunFigures | None) -> str:
         rows.append(f"| padding | {share} | {what.removesuffix('.')} |")
         if more:
             details.append(f"**Padding**: {more}")
+    if run.compilations:
+        compiled = run.compilations.removeprefix("exactga: torch.compile: ")
+        details.append(f"**torch.compile**: {compiled}")
     rows.append(_path_row("traces", run.trace_paths, "https://ui.perfetto.dev"))
     rows.append(
         _path_row(
