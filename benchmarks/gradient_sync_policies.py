@@ -219,7 +219,7 @@ def worker(args: argparse.Namespace) -> None:
     backend = distributed.init_distributed(device)
     if use_cuda:
         device = torch.device("cuda", torch.cuda.current_device())
-    mesh = distributed.build_device_mesh(device, tensor_parallel_dim=1)
+    mesh = distributed.build_device_mesh(device)
     rank = dist.get_rank()
 
     cfg = OmegaConf.load(CONFIG)
@@ -237,7 +237,7 @@ def worker(args: argparse.Namespace) -> None:
 
     results: dict[tuple[int, GradientSync], dict[str, list[float]]] = {}
     for ga in args.ga:
-        normalizer = GroupingNormalizer(loss_fn, ga, dp_group=distributed.dp_group(mesh))
+        normalizer = GroupingNormalizer(loss_fn, ga, dp_group=mesh.count_group())
         for round_index in range(args.warmup + args.steps):
             seed = 1000 * round_index + rank
             batches = synthetic_window(ga, args, cfg.model.vocab_size, seed=seed)

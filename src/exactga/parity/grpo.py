@@ -135,7 +135,7 @@ class GrpoParity:
         self._mesh = None
         if launched_world_size > 1:
             distributed.init_distributed(self._device)
-            self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
+            self._mesh = distributed.build_device_mesh(self._device)
         self._world_size, self._rank = utils.get_world_size_and_rank()
         self._seed = training.set_seed(seed=cfg.seed)  # the recipe's rollout seed
         # Each objective is a (loss, loss_aggregation): the config's ``loss``, or each of
@@ -293,7 +293,7 @@ class GrpoParity:
                 optimizer,
                 num_training_steps=self._num_steps * self._cfg.ppo_epochs,
             )
-        dp_group = distributed.dp_group(self._mesh) if sharded else None
+        dp_group = self._mesh.count_group() if sharded else None
         runtime = SplitRuntime(self._device, precision, dp_group)  # the rollouts'
         normalizer = LossNormalizer(
             None, mode=mode, dp_group=dp_group, units=loss_units_for(aggregation)
