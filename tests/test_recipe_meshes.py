@@ -3,7 +3,7 @@ parallelism on 4 gloo CPU ranks train what one rank trains on the whole batch.
 
 Every distributed recipe that takes the keys runs HSDP 2 x 2 (``data_parallel_replicate_dim=2``:
 two replicas of a model sharded over two ranks), and the one that takes tensor parallelism
-(full fine-tuning) runs tp 2 x dp 2; each must land on its recipe's 1-rank full-batch run (16
+(full fine-tuning) runs tp 2 x dp 2; each must land on its recipe's 1-rank full-batch run (8
 sequences, ga 1) at the fp32 floor. The 4-rank runs share one launch, the references another
 (tests/many_runs.py). The data are the tiny variable-length sets with masked prompts; two SGD
 steps (AdamW's first updates divide tiny gradients by their own magnitude and would magnify
@@ -14,6 +14,7 @@ measured distances (docs/meshes.md quotes them).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("meshes")]
 
 TOLERANCE = 1e-5  # the fp32 floor of the other distributed parity tests
 STEPS = 2
-GLOBAL_BATCH = 16  # sequences (or pairs) per step, in every run
+GLOBAL_BATCH = 8  # sequences (or pairs) per step, in every run
+GA = 2  # micro-batches per rank in the 4-rank runs
 
 # recipe file, tiny distributed config, and whether the recipe takes tensor parallelism.
 RECIPES = {
@@ -66,10 +68,10 @@ OWN_KEYS = {
     ],
 }
 TP_PLAN = "tensor_parallel_plan._component_=torchtune.models.llama3.base_llama_tp_plan"
-# (name, mesh keys, batch_size x ga per data-parallel rank) of the 4-rank runs.
+# The 4-rank runs' mesh keys, and their data-parallel ranks (each loads other samples).
 MESHES = {
-    "hsdp": (["data_parallel_replicate_dim=2"], 2, 2),  # dp 4 = 2 replicas x 2 shards
-    "tp": (["tensor_parallel_dim=2", TP_PLAN], 4, 2),  # dp 2 x tp 2
+    "hsdp": (["data_parallel_replicate_dim=2"], 4),  # dp 4 = 2 replicas x 2 shards
+    "tp": (["tensor_parallel_dim=2", TP_PLAN], 2),  # dp 2 x tp 2
 }
 
 
@@ -84,18 +86,24 @@ def _run(root: Path, recipe: str, name: str, keys: list[str], batch_size: int, g
 def _four_rank_runs(root: Path) -> list[Run]:
     runs = []
     for recipe, (_, _, takes_tp) in RECIPES.items():
-        for mesh, (keys, batch_size, ga) in MESHES.items():
+        for mesh, (keys, dp) in MESHES.items():
             if mesh == "tp" and not takes_tp:
                 continue
-            runs.append(_run(root, recipe, f"{recipe}_{mesh}", keys, batch_size, ga))
+            batch_size = GLOBAL_BATCH // (dp * GA)
+            runs.append(_run(root, recipe, f"{recipe}_{mesh}", keys, batch_size, GA))
     return runs
 
 
 def _launch_all(root: Path) -> None:
-    launch_runs(_four_rank_runs(root), nproc=4)
     # One rank, no torchrun: each distributed recipe trains as one rank (its own group).
     references = [_run(root, recipe, f"{recipe}_ref", [], GLOBAL_BATCH, 1) for recipe in RECIPES]
-    launch_runs(references, nproc=0)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [
+            pool.submit(launch_runs, _four_rank_runs(root), nproc=4),
+            pool.submit(launch_runs, references, nproc=0),
+        ]
+        for future in futures:
+            future.result()
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +123,7 @@ CASES = [(recipe, "hsdp") for recipe in RECIPES] + [("full", "tp")]
 
 @pytest.mark.parametrize(("recipe", "mesh"), CASES)
 def test_mesh_trains_what_one_rank_trains_on_the_whole_batch(runs, recipe, mesh):
-    """HSDP 2 x 2 (every recipe) and tp 2 x dp 2 (full) against 16 x 1 on one rank: the
+    """HSDP 2 x 2 (every recipe) and tp 2 x dp 2 (full) against 8 x 1 on one rank: the
     trained (merged) weights within the fp32 floor, and the same logged losses."""
     run, reference = runs(f"{recipe}_{mesh}"), runs(f"{recipe}_ref")
     rel = relative_l2(

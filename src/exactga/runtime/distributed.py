@@ -97,8 +97,10 @@ def _init_single_rank(backend: str) -> None:
 # over the ranks it reduces over: reduce-scatter over dp_shard x cp, all-reduce over dp_replicate,
 # so dp_cp's size is the factor that undoes the mean (normalisation's ``dp_size * u / U``, with
 # u this rank's units: its slice's under cp). TP's gradients are DTensors whose reductions over
-# tp are sums, and need no factor. Counting over dp_shard alone under HSDP, or over tp, moves the
-# gradient far off the full-batch one (tests/test_mesh_axes.py).
+# tp are sums, and need no factor. Counting over dp_shard alone under HSDP, or over dp alone under
+# cp, moves the gradient far off the full-batch one; counting over tp too counts every unit tp
+# times (the logged count, any sum over the window), its factor cancelling in the gradient only
+# by chance (tests/test_mesh_axes.py measures all three; docs/meshes.md).
 
 
 @dataclass(frozen=True)
