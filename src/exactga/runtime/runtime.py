@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torchtune.modules.common_utils as common_utils
 from torchtune import config, training, utils
 
-from exactga.config.mesh import mesh_keys, mesh_shape
+from exactga.config.mesh import MeshShape, mesh_keys, mesh_shape
 from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.runtime import distributed
 from exactga.runtime.kernels import choose_attention_kernels
@@ -127,7 +127,7 @@ class Runtime:
             else None,
             tensor_parallel_dim=tp_dim,
             context_parallel_dim=shape.cp,
-            fingerprint_extra={"tensor_parallel_dim": tp_dim} if tensor_parallel else {},
+            fingerprint_extra=_mesh_fingerprint(shape, tensor_parallel),
             gradient_sync=cfg.gradient_sync,
             async_checkpointing=async_checkpointing,
             checkpoint_client=checkpoint_client,
@@ -169,6 +169,17 @@ class Runtime:
     def log(self, message: str) -> None:
         """Log on global rank 0 (every rank, on one device, is rank 0)."""
         distributed.log_rank_zero(message)
+
+
+def _mesh_fingerprint(shape: MeshShape, tensor_parallel: bool) -> dict[str, int]:
+    """The mesh keys a resume must match besides the world size: those that change which
+    samples a rank loads (tensor and context parallelism leave fewer data-parallel ranks).
+    Each only where the recipe takes it (tp) or it is on (cp), so the fingerprints of runs
+    without them stay as they were."""
+    extra = {"tensor_parallel_dim": shape.tp} if tensor_parallel else {}
+    if shape.cp > 1:
+        extra["context_parallel_dim"] = shape.cp
+    return extra
 
 
 def parameters_offloaded_to_cpu(settings: SingleDeviceRecipeConfig, device: torch.device) -> bool:
