@@ -3,13 +3,13 @@ parallelism on 4 gloo CPU ranks train what one rank trains on the whole batch.
 
 Every distributed recipe that takes the keys runs HSDP 2 x 2 (``data_parallel_replicate_dim=2``:
 two replicas of a model sharded over two ranks), and the one that takes tensor parallelism
-(full fine-tuning) runs tp 2 x dp 2; each must land on its recipe's 1-rank full-batch run (8
-sequences, ga 1) at the fp32 floor. The 4-rank runs share one launch, the references another
-(tests/many_runs.py). The data are the tiny variable-length sets with masked prompts; two SGD
-steps (AdamW's first updates divide tiny gradients by their own magnitude and would magnify
-rounding), no clipping (torchtune's tensor-parallel plan leaves the norms unsharded, and
-clipping DTensors of two meshes together fails in torch). Run with ``-rP`` to see the
-measured distances (docs/meshes.md quotes them).
+(full fine-tuning) runs tp 2 x dp 2 and tp 2 x 2 replicas; each must land on its recipe's
+1-rank full-batch run (8 sequences, ga 1) at the fp32 floor. The 4-rank runs share one launch,
+the references another beside it (tests/many_runs.py). The data are the tiny variable-length
+sets with masked prompts; two SGD steps (AdamW's first updates divide tiny gradients by their
+own magnitude and would magnify rounding), no clipping (torchtune's tensor-parallel plan leaves
+the norms unsharded, and clipping DTensors of two meshes together fails in torch). Run with
+``-rP`` to see the measured distances (docs/meshes.md quotes them).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ TP_PLAN = "tensor_parallel_plan._component_=torchtune.models.llama3.base_llama_t
 MESHES = {
     "hsdp": (["data_parallel_replicate_dim=2"], 4),  # dp 4 = 2 replicas x 2 shards
     "tp": (["tensor_parallel_dim=2", TP_PLAN], 2),  # dp 2 x tp 2
+    # 2 replicas x tp 2: FSDP's 2-D mesh (its shard dimension 1) over the TP-sharded layers
+    "hsdp_tp": (["data_parallel_replicate_dim=2", "tensor_parallel_dim=2", TP_PLAN], 2),
 }
 
 
@@ -87,7 +89,7 @@ def _four_rank_runs(root: Path) -> list[Run]:
     runs = []
     for recipe, (_, _, takes_tp) in RECIPES.items():
         for mesh, (keys, dp) in MESHES.items():
-            if mesh == "tp" and not takes_tp:
+            if "tp" in mesh and not takes_tp:
                 continue
             batch_size = GLOBAL_BATCH // (dp * GA)
             runs.append(_run(root, recipe, f"{recipe}_{mesh}", keys, batch_size, GA))
@@ -118,13 +120,13 @@ def runs(run_once):
     return get
 
 
-CASES = [(recipe, "hsdp") for recipe in RECIPES] + [("full", "tp")]
+CASES = [(recipe, "hsdp") for recipe in RECIPES] + [("full", "tp"), ("full", "hsdp_tp")]
 
 
 @pytest.mark.parametrize(("recipe", "mesh"), CASES)
 def test_mesh_trains_what_one_rank_trains_on_the_whole_batch(runs, recipe, mesh):
-    """HSDP 2 x 2 (every recipe) and tp 2 x dp 2 (full) against 8 x 1 on one rank: the
-    trained (merged) weights within the fp32 floor, and the same logged losses."""
+    """HSDP 2 x 2 (every recipe), tp 2 x dp 2 and tp 2 x 2 replicas (full) against 8 x 1 on
+    one rank: the trained (merged) weights within the fp32 floor, and the same logged losses."""
     run, reference = runs(f"{recipe}_{mesh}"), runs(f"{recipe}_ref")
     rel = relative_l2(
         load_weights(run / TRAINED),
