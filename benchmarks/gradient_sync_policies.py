@@ -116,7 +116,7 @@ def build_model(model_cfg, mesh, device: torch.device, reshard_after_forward: bo
         shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
         cpu_offload=False,
         reshard_after_forward=reshard_after_forward,
-        dp_mesh=mesh["dp"],
+        dp_mesh=mesh.fsdp,
     )
     with training.set_default_dtype(torch.float32), device:
         for module in model.modules():

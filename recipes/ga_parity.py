@@ -278,7 +278,7 @@ class GaParityRecipe:
                 cfg.model,
                 ref_state[training.MODEL_KEY],
                 self._device,
-                self._mesh["dp"] if self._mesh is not None else None,
+                self._mesh.fsdp if self._mesh is not None else None,
             )
         if self._is_kd:
             self._kd_loss_fn = config.instantiate(cfg.kd_loss)
@@ -354,7 +354,7 @@ class GaParityRecipe:
             self._initial_state,
             precision,
             self._device,
-            self._mesh["dp"],
+            self._mesh.fsdp,
             is_lora=self._is_lora,
             quantizer=self._quantizer(precision),
         )

@@ -156,7 +156,7 @@ class GrpoParity:
         ).load_checkpoint()[training.MODEL_KEY]
         # The recipe's reference: ``ref_checkpointer``'s weights, frozen, in the run's dtype.
         self._references = FrozenModels(
-            cfg.model, ref_state, self._device, self._mesh["dp"] if self._mesh else None
+            cfg.model, ref_state, self._device, self._mesh.fsdp if self._mesh else None
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._rewards = build_rewards(cfg.rewards)
@@ -265,7 +265,7 @@ class GrpoParity:
                 self._initial_state,
                 precision,
                 self._device,
-                self._mesh["dp"],
+                self._mesh.fsdp,
                 is_lora=False,
             )
         else:
