@@ -116,7 +116,7 @@ def build_model(model_cfg, mesh, device: torch.device, reshard_after_forward: bo
         shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
         cpu_offload=False,
         reshard_after_forward=reshard_after_forward,
-        dp_mesh=mesh["dp"],
+        dp_mesh=mesh.fsdp,
     )
     with training.set_default_dtype(torch.float32), device:
         for module in model.modules():
@@ -219,7 +219,7 @@ def worker(args: argparse.Namespace) -> None:
     backend = distributed.init_distributed(device)
     if use_cuda:
         device = torch.device("cuda", torch.cuda.current_device())
-    mesh = distributed.build_device_mesh(device, tensor_parallel_dim=1)
+    mesh = distributed.build_device_mesh(device)
     rank = dist.get_rank()
 
     cfg = OmegaConf.load(CONFIG)
@@ -237,7 +237,7 @@ def worker(args: argparse.Namespace) -> None:
 
     results: dict[tuple[int, GradientSync], dict[str, list[float]]] = {}
     for ga in args.ga:
-        normalizer = GroupingNormalizer(loss_fn, ga, dp_group=distributed.dp_group(mesh))
+        normalizer = GroupingNormalizer(loss_fn, ga, dp_group=mesh.count_group())
         for round_index in range(args.warmup + args.steps):
             seed = 1000 * round_index + rank
             batches = synthetic_window(ga, args, cfg.model.vocab_size, seed=seed)

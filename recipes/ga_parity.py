@@ -240,7 +240,7 @@ class GaParityRecipe:
         self._mesh = None
         if launched_world_size > 1:
             distributed.init_distributed(self._device)
-            self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
+            self._mesh = distributed.build_device_mesh(self._device)
         self._world_size, self._rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self._rank == 0
         check_preference_keys(cfg, is_preference=self._is_preference, is_lora=self._is_lora)
@@ -278,7 +278,7 @@ class GaParityRecipe:
                 cfg.model,
                 ref_state[training.MODEL_KEY],
                 self._device,
-                self._mesh["dp"] if self._mesh is not None else None,
+                self._mesh.fsdp if self._mesh is not None else None,
             )
         if self._is_kd:
             self._kd_loss_fn = config.instantiate(cfg.kd_loss)
@@ -354,7 +354,7 @@ class GaParityRecipe:
             self._initial_state,
             precision,
             self._device,
-            self._mesh["dp"],
+            self._mesh.fsdp,
             is_lora=self._is_lora,
             quantizer=self._quantizer(precision),
         )
@@ -512,7 +512,7 @@ class GaParityRecipe:
             lr_scheduler = config.instantiate(
                 self._cfg.lr_scheduler, optimizer, num_training_steps=self._num_steps
             )
-        dp_group = distributed.dp_group(self._mesh) if sharded else None
+        dp_group = self._mesh.count_group() if sharded else None
         # The fine-tuning recipes' router term (off for a dense model, KD and DPO).
         router = RouterBalance(model, coef, self._router_balance, dp_group, self._device)
         preference = None  # a DPO config's loss step, against its reference, and KTO's statistic
@@ -600,7 +600,7 @@ class GaParityRecipe:
                 train_on_input = self._cfg.dataset.get("train_on_input")
             self._data_shape = DataShape.of_labels(labels, self._ignore_index, train_on_input)
         if sharded:  # summed over the run's ranks
-            tally.reduce(distributed.dp_group(self._mesh), self._device)
+            tally.reduce(self._mesh.count_group(), self._device)
         keep = not sharded or self._is_rank_zero  # a sharded run's weights: on rank 0
         weights = trained_weights(model, adapters_only=self._is_lora, keep=keep)
         return tally.run(mode.value, micro_batching.value, str(split), weights, variant)

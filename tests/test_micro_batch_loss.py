@@ -198,9 +198,9 @@ def test_the_run_refuses_a_normaliser_over_other_ranks_than_its_own() -> None:
     """A copy's own ``LossNormalizer(...)`` without the runtime's group counts one rank's units
     on a 2-rank run: refused at setup, naming the fix."""
     normalizer = LossNormalizer(nn.CrossEntropyLoss())
-    _check_normalizer_ranks(normalizer, SimpleNamespace(dp_size=1))
-    with pytest.raises(ValueError, match=r"over 1 data-parallel rank\(s\), the run trains on 2"):
-        _check_normalizer_ranks(normalizer, SimpleNamespace(dp_size=2))
+    _check_normalizer_ranks(normalizer, SimpleNamespace(count_size=1))
+    with pytest.raises(ValueError, match=r"over 1 rank\(s\), the run trains on 2 that hold"):
+        _check_normalizer_ranks(normalizer, SimpleNamespace(count_size=2))
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,10 @@ Note [loss scaled before backward]
 Backward is linear, so scaling each micro-batch's mean loss by
 ``dp_size * batch_units / window_units`` before ``backward()`` leaves exactly the gradient of
 the window loss in ``.grad``: no gradient-scaling pass afterwards (a read and write of every
-gradient). ``dp_size`` undoes the averaging that FSDP/DDP apply across data-parallel ranks.
+gradient). ``dp_size`` undoes the averaging that FSDP/DDP apply across data-parallel ranks:
+it is the size of the group the units are counted over, which holds every rank with other
+tokens (data and context parallel, never tensor parallel; see [mesh axes and the loss count] in
+exactga.runtime.distributed).
 With one micro-batch on one rank the factor is exactly 1 and no op is applied at all.
 
 Note [empty windows]
@@ -423,7 +426,8 @@ class LossNormalizer:
         loss_fn: the recipe's loss; with ``units`` left out, its loss tokens after the shift
             are the units (:class:`exactga.accumulation.loss_units.ShiftedTokens`).
         mode: ``exact`` for training; see [baseline modes] for the others.
-        dp_group: the data-parallel process group, or ``None`` on one device.
+        dp_group: the group units are counted over (``Runtime.count_group``: [mesh axes and
+            the loss count] in exactga.runtime.distributed), or ``None`` on one device.
         units: what the loss is a mean over; see [loss units].
         statistics: statistics of each whole window that the loss reads, computed over every
             micro-batch and rank before the window's first backward; see [window statistics]

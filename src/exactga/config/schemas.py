@@ -29,6 +29,7 @@ from typing import Any, ClassVar, NamedTuple, Optional
 import torch
 from omegaconf import MISSING, DictConfig
 
+from exactga.config.mesh import check_mesh_keys, mesh_keys
 from exactga.config.options import (
     PRECISIONS,
     GradientSync,
@@ -363,7 +364,24 @@ class LoraFinetuneSingleDeviceConfig(SingleDeviceRecipeConfig, ValidationKeys):
 
 
 @dataclass
-class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
+class MeshKeys:
+    """The device mesh's keys, torchtune main's (exactga.config.mesh; docs/meshes.md). The
+    defaults shard over every rank, as torchtune 0.6.1 does; ``tensor_parallel_dim`` is on the
+    schemas of the recipes that take it."""
+
+    data_parallel_shard_dim: int = -1  # -1: whatever the other dimensions leave
+    data_parallel_replicate_dim: int = 1  # > 1: HSDP, replicas of a sharded model
+    context_parallel_dim: int = 1  # > 1: each sequence split over that many ranks (CUDA only)
+
+    @classmethod
+    def check_mesh(cls, cfg: DictConfig) -> None:
+        """The mesh keys, as far as they can be checked without the number of ranks (which
+        ``Runtime.distributed`` checks against the rest)."""
+        check_mesh_keys(mesh_keys(cfg, cfg.get("tensor_parallel_dim", 1)), _device_type(cfg))
+
+
+@dataclass
+class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig, MeshKeys):
     """``full_finetune_distributed``: the single-device keys plus the distributed ones."""
 
     DISTRIBUTED: ClassVar[bool] = True
@@ -390,6 +408,7 @@ class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
+        cls.check_mesh(cfg)
         if cfg.tensor_parallel_dim > 1 and cfg.tensor_parallel_plan is None:
             raise ValueError(
                 "config key 'tensor_parallel_plan' is needed when tensor_parallel_dim > 1."
@@ -400,7 +419,7 @@ class FullFinetuneDistributedConfig(FullFinetuneSingleDeviceConfig):
 
 
 @dataclass
-class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
+class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig, MeshKeys):
     """``lora_finetune_distributed``: the single-device LoRA keys plus the distributed ones."""
 
     DISTRIBUTED: ClassVar[bool] = True
@@ -420,6 +439,7 @@ class LoraFinetuneDistributedConfig(LoraFinetuneSingleDeviceConfig):
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
+        cls.check_mesh(cfg)
         _warn_cpu_offload_ignored(cfg)
         if cfg.fsdp is not None:
             _warn_once("config key 'fsdp' is ignored, as by stock torchtune; use fsdp_cpu_offload.")
@@ -457,7 +477,7 @@ def check_qat(cfg: DictConfig) -> None:
 
 
 @dataclass
-class QatDistributedConfig(FullFinetuneSingleDeviceConfig):
+class QatDistributedConfig(FullFinetuneSingleDeviceConfig, MeshKeys):
     """``qat_distributed``: full fine-tuning with torchao's fake quantisation (docs/qat.md).
     The sharding keys of ``full_finetune_distributed`` but no tensor parallelism, which stock's
     QAT recipe does not have."""
@@ -484,6 +504,7 @@ class QatDistributedConfig(FullFinetuneSingleDeviceConfig):
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:
         super().check_flags(cfg)
+        cls.check_mesh(cfg)
         check_qat(cfg)
         if cfg.fake_quant_after_n_steps is not None and cfg.fake_quant_after_n_steps < 0:
             raise ValueError("config key 'fake_quant_after_n_steps' must be 0 or more, or null.")

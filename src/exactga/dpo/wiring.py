@@ -97,7 +97,7 @@ def preference_run(
 ) -> PreferenceRun:
     """The reference (``reference`` as given, or its log-probs computed once with
     ``precompute_reference_logprobs``), KTO's reference point over each whole window, the
-    normaliser over ``terms``' units (counted over ``runtime``'s data-parallel ranks) and the
+    normaliser over ``terms``' units (counted over ``runtime``'s count group) and the
     metrics, for ``loss_fn`` on ``dataset``.
 
     ``reference`` is None for a reference-free loss (``terms.reference_free``): the recipe
@@ -111,7 +111,7 @@ def preference_run(
     normalizer = LossNormalizer(
         loss_fn,
         mode=cfg.loss_normalization,
-        dp_group=runtime.dp_group,
+        dp_group=runtime.count_group,
         units=terms.units(),
         statistics=[reference_point] if reference_point else [],  # computed before backward
     )

@@ -163,6 +163,11 @@ def check_grpo_keys(cfg: DictConfig) -> None:
             "config key 'tensor_parallel_dim': GRPO shards policy and reference over "
             "data-parallel ranks only; set tensor_parallel_dim=1."
         )
+    if cfg.context_parallel_dim > 1:
+        raise ValueError(
+            f"config key 'context_parallel_dim'={cfg.context_parallel_dim}: GRPO generates and "
+            "scores whole sequences on each rank; set context_parallel_dim=1."
+        )
 
 
 def check_rollout_keys(cfg: DictConfig) -> None:

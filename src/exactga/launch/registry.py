@@ -198,8 +198,11 @@ RECIPES = (
 EXACTGA_ONLY_KEYS = frozenset(
     {
         "batch_size_val",
+        "context_parallel_dim",  # torchtune main's mesh keys, which 0.6.1 does not read
         "cpu_threads",
         "cudnn_attention",
+        "data_parallel_replicate_dim",
+        "data_parallel_shard_dim",
         "dataset_val",
         "drop_partial_window",
         "dynamic_sampling",

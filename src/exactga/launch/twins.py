@@ -41,7 +41,10 @@ DISTRIBUTED_ONLY_KEYS = frozenset(
     {
         "ac_mode",
         "ac_option",
+        "context_parallel_dim",
         "custom_sharded_layers",
+        "data_parallel_replicate_dim",
+        "data_parallel_shard_dim",
         "enable_async_checkpointing",
         "fsdp",
         "fsdp_cpu_offload",

@@ -190,8 +190,9 @@ class AdapterWeights:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How the model is spread over ranks: FSDP2 over ``dp_mesh``; with ``tp_mesh``, torchtune's
-    tensor-parallel ``tp_plan`` first (full-weight models only)."""
+    """How the model is spread over ranks: FSDP2 over ``dp_mesh`` (2-D: HSDP, replicas of
+    shards; see [mesh axes and the loss count] in exactga.runtime.distributed); with ``tp_mesh``,
+    torchtune's tensor-parallel ``tp_plan`` first (full-weight models only)."""
 
     dp_mesh: DeviceMesh
     tp_mesh: DeviceMesh | None = None
@@ -393,8 +394,12 @@ def _log_built(
         distributed.log_rank_zero(f"Model is initialized with {precision.describe()}{trainable}.")
     else:
         tp = parallelism.tp_mesh.size() if parallelism.tp_mesh is not None else 1
+        mesh = parallelism.dp_mesh
+        fsdp = " x ".join(
+            f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True)
+        )
         distributed.log_rank_zero(
-            f"Model built, sharded over dp={parallelism.dp_mesh.size()} x tp={tp} and loaded in "
+            f"Model built, sharded over {fsdp} x tp={tp} and loaded in "
             f"{seconds:.2f} s, {precision.describe()}{trainable}."
         )
     for note in notes:

@@ -135,7 +135,7 @@ class GrpoParity:
         self._mesh = None
         if launched_world_size > 1:
             distributed.init_distributed(self._device)
-            self._mesh = distributed.build_device_mesh(self._device, tensor_parallel_dim=1)
+            self._mesh = distributed.build_device_mesh(self._device)
         self._world_size, self._rank = utils.get_world_size_and_rank()
         self._seed = training.set_seed(seed=cfg.seed)  # the recipe's rollout seed
         # Each objective is a (loss, loss_aggregation): the config's ``loss``, or each of
@@ -156,7 +156,7 @@ class GrpoParity:
         ).load_checkpoint()[training.MODEL_KEY]
         # The recipe's reference: ``ref_checkpointer``'s weights, frozen, in the run's dtype.
         self._references = FrozenModels(
-            cfg.model, ref_state, self._device, self._mesh["dp"] if self._mesh else None
+            cfg.model, ref_state, self._device, self._mesh.fsdp if self._mesh else None
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._rewards = build_rewards(cfg.rewards)
@@ -265,7 +265,7 @@ class GrpoParity:
                 self._initial_state,
                 precision,
                 self._device,
-                self._mesh["dp"],
+                self._mesh.fsdp,
                 is_lora=False,
             )
         else:
@@ -293,7 +293,7 @@ class GrpoParity:
                 optimizer,
                 num_training_steps=self._num_steps * self._cfg.ppo_epochs,
             )
-        dp_group = distributed.dp_group(self._mesh) if sharded else None
+        dp_group = self._mesh.count_group() if sharded else None
         runtime = SplitRuntime(self._device, precision, dp_group)  # the rollouts'
         normalizer = LossNormalizer(
             None, mode=mode, dp_group=dp_group, units=loss_units_for(aggregation)

@@ -3,8 +3,9 @@
 Nothing here changes a number: the loss scaling and the token-count reduction live in
 :mod:`exactga.accumulation.normalization`. What is here would otherwise be copied into every
 distributed recipe and could drift: how the backend is chosen (gloo on CPU, NCCL on CUDA), the
-``("dp", "tp")`` device mesh and its data-parallel group, rank-0-only helpers, CPU-safe memory
-statistics, and the gradient-synchronisation policy under accumulation.
+``("dp_replicate", "dp_shard", "cp", "tp")`` device mesh and the group the loss is counted over
+(see [mesh axes and the loss count]), rank-0-only helpers, CPU-safe memory statistics, and the
+gradient-synchronisation policy under accumulation.
 
 Note [gradient sync policy]
 FSDP2 reduce-scatters a module's gradients at the end of each of its backwards. Under
@@ -24,7 +25,9 @@ import contextlib
 import gc
 import os
 import socket
+import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torchtune import training, utils
 
+from exactga.config.mesh import MESH_AXES, MeshShape
 from exactga.config.options import GradientSync
 
 log = utils.get_logger("INFO")
@@ -76,28 +80,65 @@ def _init_single_rank(backend: str) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def build_device_mesh(device: torch.device, tensor_parallel_dim: int) -> DeviceMesh:
-    """The 2-D ``("dp", "tp")`` mesh over every rank; dp is world size / tensor_parallel_dim.
+# Note [mesh axes and the loss count]
+# The mesh has four dimensions, outermost first, as torchtitan's ParallelDims names them:
+# ("dp_replicate", "dp_shard", "cp", "tp") (the config keys: exactga.config.mesh). Three flattened
+# submeshes are built with it, one per use:
+# - "dp" = dp_replicate x dp_shard: the ranks that load different samples (the sampler's
+#   replicas). Ranks of one cp or tp group load the same samples.
+# - "dp_shard_cp" = dp_shard x cp: FSDP2 shards parameters over it; with dp_replicate > 1 the
+#   model is sharded over the 2-D ("dp_replicate", "dp_shard_cp") mesh, which fully_shard takes
+#   as HSDP (replicas of shards).
+# - "dp_cp" = dp_replicate x dp_shard x cp: the loss count's group.
+# The exact loss is a sum over the window's units divided by the window's count U. Every axis
+# that splits the tokens (dp_replicate and dp_shard split the samples, cp splits each sequence)
+# holds a different part of U, so U is summed over all three; tp does not split tokens (its ranks
+# see the same ones), so summing over it would count each unit tp times. FSDP means the gradients
+# over the ranks it reduces over: reduce-scatter over dp_shard x cp, all-reduce over dp_replicate,
+# so dp_cp's size is the factor that undoes the mean (normalisation's ``dp_size * u / U``, with
+# u this rank's units: its slice's under cp). TP's gradients are DTensors whose reductions over
+# tp are sums, and need no factor. Counting over dp_shard alone under HSDP, or over dp alone under
+# cp, moves the gradient far off the full-batch one; counting over tp too counts every unit tp
+# times (the logged count, any sum over the window), its factor cancelling in the gradient only
+# by chance (tests/test_mesh_axes.py measures all three; docs/meshes.md).
 
-    The data-parallel size that normalisation needs is ``mesh["dp"].size()``, never the world
-    size: ranks of one tensor-parallel group see the same tokens (docs/math.md §4).
-    """
-    world_size = dist.get_world_size()
-    if tensor_parallel_dim < 1 or world_size % tensor_parallel_dim != 0:
-        raise ValueError(
-            f"config key 'tensor_parallel_dim'={tensor_parallel_dim} must be at least 1 and "
-            f"divide the world size {world_size}."
-        )
-    return init_device_mesh(
-        device.type,
-        mesh_shape=(world_size // tensor_parallel_dim, tensor_parallel_dim),
-        mesh_dim_names=("dp", "tp"),
-    )
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The run's device mesh and its flattened submeshes, by name: ``mesh["dp"]``,
+    ``mesh["tp"]``... (torch deprecates slicing a flattened name from the root, so they are
+    kept here); see [mesh axes and the loss count]."""
+
+    root: DeviceMesh
+    flattened: dict[str, DeviceMesh]
+    fsdp: DeviceMesh  # what FSDP2 shards over: 1-D, or 2-D (HSDP) with replicas
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.flattened[name] if name in self.flattened else self.root[name]
+
+    def count_group(self) -> dist.ProcessGroup:
+        """The group loss units are counted over, ``"dp_cp"``."""
+        return self.flattened["dp_cp"].get_group()
 
 
-def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The data-parallel process group: the one the window token count is reduced over."""
-    return mesh["dp"].get_group()
+def build_device_mesh(device: torch.device, shape: MeshShape | None = None) -> ParallelMesh:
+    """The ``("dp_replicate", "dp_shard", "cp", "tp")`` mesh of ``shape`` over every rank (by
+    default every rank on dp_shard), with its flattened ``"dp"``, ``"dp_shard_cp"`` and
+    ``"dp_cp"`` submeshes; see [mesh axes and the loss count]. Dimensions of size 1 are kept, so
+    every name exists on every mesh."""
+    shape = shape or MeshShape(dp_shard=dist.get_world_size())
+    root = init_device_mesh(device.type, mesh_shape=shape.sizes, mesh_dim_names=MESH_AXES)
+    flattened = {
+        "dp": root["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp"),
+        "dp_shard_cp": root["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp"),
+        "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp"),
+    }
+    fsdp = flattened["dp_shard_cp"]
+    if shape.dp_replicate > 1:
+        with warnings.catch_warnings():  # torchtitan slices it so; torch has no other way yet
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+            fsdp = root["dp_replicate", "dp_shard_cp"]
+    return ParallelMesh(root, flattened, fsdp)
 
 
 def host_group() -> dist.ProcessGroup | None:

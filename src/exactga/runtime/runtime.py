@@ -1,6 +1,7 @@
 """Where and how a run computes, decided once from the config: the device, the precision
 policy, the attention kernels, the CPU threads, under torchrun the process group and the
-("dp", "tp") mesh, and the seed (see [setup order], 1, in exactga.wiring.run_start).
+("dp_replicate", "dp_shard", "cp", "tp") mesh, and the seed (see [setup order], 1, in
+exactga.wiring.run_start).
 
 A recipe's ``__init__`` builds it first (``Runtime.for_settings(cfg)`` in a file that serves
 both of torchtune's names, else ``Runtime.single_device(cfg)`` or ``Runtime.distributed(cfg)``)
@@ -15,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torchtune.modules.common_utils as common_utils
-from torch.distributed.device_mesh import DeviceMesh
 from torchtune import config, training, utils
 
+from exactga.config.mesh import MeshShape, mesh_keys, mesh_shape
 from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.runtime import distributed
 from exactga.runtime.kernels import choose_attention_kernels
@@ -32,16 +34,19 @@ class Runtime:
 
     Build it with :meth:`for_settings`, :meth:`single_device` or :meth:`distributed`; a recipe
     passes it to
-    ``RunStart`` and reads ``device``, ``precision`` and, distributed, ``dp_size``.
+    ``RunStart`` and reads ``device``, ``precision`` and, distributed, ``dp_size`` (the ranks
+    that load different samples) and ``count_size`` (the ranks the loss is counted over; see
+    [mesh axes and the loss count] in exactga.runtime.distributed).
     """
 
     device: torch.device
     precision: Precision
     seed: int  # the config's, set on every rank; a resumed run's counters may hold another
     notes: tuple[object, ...]  # logged with the model: what else decides the run's numbers
-    mesh: DeviceMesh | None = None
+    mesh: distributed.ParallelMesh | None = None
     tensor_parallel_plan: Any = None
     tensor_parallel_dim: int = 1
+    context_parallel_dim: int = 1
     fingerprint_extra: dict[str, Any] = field(default_factory=dict)
     gradient_sync: Any = None  # the config's GradientSync, distributed only
     async_checkpointing: bool = False
@@ -92,8 +97,13 @@ class Runtime:
         cls, cfg: SingleDeviceRecipeConfig, *, tensor_parallel: bool = False
     ) -> Runtime:
         """Every rank of a torchrun launch (or one rank without torchrun): the process group,
-        and the mesh, data-parallel only unless ``tensor_parallel`` (then the config's
-        ``tensor_parallel_dim`` and ``tensor_parallel_plan``)."""
+        and the mesh of the config's mesh keys (exactga.config.mesh), without tensor parallelism
+        unless ``tensor_parallel`` (then the config's ``tensor_parallel_dim`` and
+        ``tensor_parallel_plan``).
+
+        Raises:
+            ValueError: the mesh keys do not fit the number of ranks (one message naming them).
+        """
         device = utils.get_device(device=cfg.device)
         dtype = training.get_dtype(cfg.dtype, device=device)
         cpu_offload = parameters_offloaded_to_cpu(cfg, device)
@@ -105,17 +115,19 @@ class Runtime:
         )
         distributed.init_distributed(device, offload_ops_to_cpu=cpu_offload or async_checkpointing)
         tp_dim = cfg.tensor_parallel_dim if tensor_parallel else 1
+        shape = mesh_shape(mesh_keys(cfg, tp_dim), dist.get_world_size(), device.type)
         return cls(
             device=device,
             precision=Precision.from_config(dtype, cfg.master_weights, device),
             seed=_set_seed(cfg),
             notes=notes,
-            mesh=distributed.build_device_mesh(device, tp_dim),
+            mesh=distributed.build_device_mesh(device, shape),
             tensor_parallel_plan=config.instantiate(cfg.tensor_parallel_plan)
             if tensor_parallel
             else None,
             tensor_parallel_dim=tp_dim,
-            fingerprint_extra={"tensor_parallel_dim": tp_dim} if tensor_parallel else {},
+            context_parallel_dim=shape.cp,
+            fingerprint_extra=_mesh_fingerprint(shape, tensor_parallel),
             gradient_sync=cfg.gradient_sync,
             async_checkpointing=async_checkpointing,
             checkpoint_client=checkpoint_client,
@@ -139,12 +151,35 @@ class Runtime:
 
     @property
     def dp_group(self) -> Any:
-        """The group loss units are counted over (``None``: this process alone)."""
-        return distributed.dp_group(self.mesh) if self.mesh is not None else None
+        """The group of the ranks that load different samples, ``"dp"`` (``None``: this
+        process alone): for what is dealt or gathered by sample, never for a count."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+    @property
+    def count_group(self) -> Any:
+        """The group loss units are counted over, ``"dp_cp"`` (``None``: this process alone);
+        see [mesh axes and the loss count] in exactga.runtime.distributed."""
+        return self.mesh.count_group() if self.mesh is not None else None
+
+    @property
+    def count_size(self) -> int:
+        """The ranks of :attr:`count_group`: the factor that undoes FSDP's gradient mean."""
+        return self.mesh["dp_cp"].size() if self.mesh is not None else 1
 
     def log(self, message: str) -> None:
         """Log on global rank 0 (every rank, on one device, is rank 0)."""
         distributed.log_rank_zero(message)
+
+
+def _mesh_fingerprint(shape: MeshShape, tensor_parallel: bool) -> dict[str, int]:
+    """The mesh keys a resume must match besides the world size: those that change which
+    samples a rank loads (tensor and context parallelism leave fewer data-parallel ranks).
+    Each only where the recipe takes it (tp) or it is on (cp), so the fingerprints of runs
+    without them stay as they were."""
+    extra = {"tensor_parallel_dim": shape.tp} if tensor_parallel else {}
+    if shape.cp > 1:
+        extra["context_parallel_dim"] = shape.cp
+    return extra
 
 
 def parameters_offloaded_to_cpu(settings: SingleDeviceRecipeConfig, device: torch.device) -> bool:

@@ -126,7 +126,7 @@ class RouterBalance:
             model,
             settings.router_aux_loss_coef,
             settings.router_balance,
-            runtime.dp_group,
+            runtime.count_group,  # see [mesh axes and the loss count]
             runtime.device,
         )
 

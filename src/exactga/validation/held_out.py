@@ -84,8 +84,9 @@ class ValidationSet:
             (``max_val_batches``); ``None`` reads them all.
         num_replicas: data-parallel ranks reading the set.
         rank: this process's data-parallel rank.
-        dp_group: the process group of those ranks, over which a figure's sums are added
-            (``None``: one process); kept with the set so that no caller can leave it out.
+        dp_group: the group a figure's sums are added over, the runtime's count group (every
+            rank that holds other tokens; ``None``: one process); kept with the set so that no
+            caller can leave it out.
         ignore_index: the loss's ignore index, which a filler's labels take.
         emptied: how a filler is made of a collated batch (``LossUnits.emptied``: DPO's one pair
             marked as none); by default every label ignored.
@@ -390,7 +391,7 @@ def validation_from_settings(
         rank=runtime.dp_rank,
         ignore_index=ignore_index,
         emptied=emptied,
-        dp_group=runtime.dp_group,
+        dp_group=runtime.count_group,  # its sums: see [mesh axes and the loss count]
     )
     return Validation(
         validation_set,

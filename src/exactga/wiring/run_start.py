@@ -100,7 +100,7 @@ def validated_config(
 # Note [setup order]
 # What a recipe's setup does, in this order, on every rank:
 # 1. ``Runtime`` (``exactga.runtime.runtime``): the device, the precision policy, the attention
-#    kernels, the CPU threads, and under torchrun the process group and the ("dp", "tp") mesh;
+#    kernels, the CPU threads, and under torchrun the process group and the device mesh;
 #    then the seed (the config's on every rank), before anything draws a random number.
 # 2. ``RunStart``: the counters from the runtime's seed, where the run goes on from (nothing,
 #    an epoch or a step checkpoint), the metric logger (a resumed run continues its own
@@ -251,7 +251,7 @@ class RunStart:
                 state_dict,
                 dtype=runtime.dtype,
                 device=runtime.device,
-                dp_mesh=runtime.mesh["dp"],
+                dp_mesh=runtime.mesh.fsdp,
                 custom_sharded_layers=settings.custom_sharded_layers,
                 cpu_offload=settings.fsdp_cpu_offload,
                 reshard_after_forward=settings.fsdp_reshard_after_forward,
@@ -341,8 +341,9 @@ class RunStart:
         cp_mesh: DeviceMesh | None = None,
     ) -> LossNormalizer:
         """The loss normaliser, in the config's ``loss_normalization``, counting each window's
-        units over the runtime's data-parallel ranks: a recipe never hands it a group, so a copy
-        cannot count over fewer ranks than it trains on (an inexact step, and a hang under
+        units over the runtime's count group (every rank that holds other tokens: [mesh axes
+        and the loss count] in exactga.runtime.distributed): a recipe never hands it a group,
+        so a copy cannot count over fewer ranks than it trains on (an inexact step, and a hang under
         ``token_budget``). See ``exactga.accumulation.normalization.LossNormalizer`` for
         ``units`` and ``statistics``. With a ``cp_mesh`` each rank counts the tokens of its
         shard ([loss tokens under context parallelism] in exactga.runtime.context_parallel);
@@ -352,7 +353,7 @@ class RunStart:
         return LossNormalizer(
             loss_fn,
             mode=self.settings.loss_normalization,
-            dp_group=self.runtime.dp_group,
+            dp_group=self.runtime.count_group,
             units=units,
             statistics=statistics,
         )
@@ -427,12 +428,12 @@ class RunStart:
 def _check_normalizer_ranks(normalizer: Any, runtime: Runtime) -> None:
     """Refuse a normaliser built over other ranks than the run's (a copy's own
     ``LossNormalizer(...)`` without the runtime's group counts one rank's units)."""
-    dp_size = getattr(normalizer, "dp_size", runtime.dp_size)
-    if dp_size != runtime.dp_size:
+    dp_size = getattr(normalizer, "dp_size", runtime.count_size)
+    if dp_size != runtime.count_size:
         raise ValueError(
-            f"the loss normaliser counts units over {dp_size} data-parallel rank(s), the run "
-            f"trains on {runtime.dp_size}: build it with start.normalizer(loss_fn, units=...), "
-            "which counts over the runtime's ranks."
+            f"the loss normaliser counts units over {dp_size} rank(s), the run trains on "
+            f"{runtime.count_size} that hold other tokens: build it with "
+            "start.normalizer(loss_fn, units=...), which counts over the runtime's ranks."
         )
 
 
@@ -442,7 +443,7 @@ def _parallelism(runtime: Runtime) -> Parallelism | None:
         return None
     tp = runtime.tensor_parallel_dim > 1
     return Parallelism(
-        dp_mesh=runtime.mesh["dp"],
+        dp_mesh=runtime.mesh.fsdp,
         tp_mesh=runtime.mesh["tp"] if tp else None,
         tp_plan=runtime.tensor_parallel_plan if tp else None,
     )
