@@ -30,6 +30,8 @@ from unit_utils import EXACT_TOL, VOCAB, make_rows, rel_err, run_on_ranks
 from exactga.config.mesh import MeshShape, mesh_keys, mesh_shape
 from exactga.config.schemas import FullFinetuneDistributedConfig, LoraFinetuneDistributedConfig
 from exactga.config.validation import validate_config
+from exactga.dpo.schema import LoraDpoDistributedConfig
+from exactga.kd.schema import KnowledgeDistillationDistributedConfig
 from exactga.runtime.distributed import build_device_mesh
 
 IGNORE = -100
@@ -122,6 +124,18 @@ def test_an_impossible_mesh_fails_in_one_message(keys, world_size, device, messa
             "configs/tiny/lora_distributed.yaml",
             {"tensor_parallel_dim": 2},
             "tensor_parallel_dim",
+        ),
+        (  # distillation's step reads whole sequences: refused before the device is asked
+            KnowledgeDistillationDistributedConfig,
+            "configs/tiny/kd_distributed.yaml",
+            {"context_parallel_dim": 2},
+            "context_parallel_dim'=2: this recipe's loss step reads whole sequences",
+        ),
+        (
+            LoraDpoDistributedConfig,
+            "configs/tiny/lora_dpo_distributed.yaml",
+            {"context_parallel_dim": 2},
+            "context_parallel_dim'=2: this recipe's loss step reads whole sequences",
         ),
     ],
 )
@@ -281,3 +295,28 @@ def test_a_group_with_tensor_parallel_ranks_counts_every_unit_twice(tmp_path) ->
     results = _run_count(tmp_path, TP, "world")
     print(f"tp {TP}, count over dp x tp: {results[0]['count']} for {results[0]['full_count']}")
     assert all(result["count"] == 2 * result["full_count"] for result in results)
+
+
+def test_the_step_cuts_micro_batches_over_the_runtimes_cp_axis_and_only_with_one() -> None:
+    """The normaliser and the step take the cp axis from the runtime, never from a recipe: a
+    copy cannot count shards that its step does not cut, or the other way round."""
+    from dataclasses import replace
+
+    from exactga.runtime.precision import Precision
+    from exactga.runtime.runtime import Runtime
+    from exactga.wiring.run_start import _step_context
+
+    cpu = torch.device("cpu")
+    precision = Precision.from_config(torch.float32, "none", cpu)
+    one_device = Runtime(device=cpu, precision=precision, seed=0, notes=())
+    assert one_device.cp_mesh is None
+    assert _step_context(one_device, nn.Linear(2, 2), None).cp_mesh is None
+
+    class Mesh(dict):  # the two axes a runtime reads, without a process group
+        pass
+
+    mesh = Mesh(cp="the cp axis", dp="the dp axis")
+    sharded = replace(one_device, mesh=mesh, context_parallel_dim=2, gradient_sync="sync")
+    assert sharded.cp_mesh == "the cp axis"
+    assert _step_context(sharded, nn.Linear(2, 2), None).cp_mesh == "the cp axis"
+    assert replace(sharded, context_parallel_dim=1).cp_mesh is None

@@ -373,10 +373,21 @@ class MeshKeys:
     data_parallel_replicate_dim: int = 1  # > 1: HSDP, replicas of a sharded model
     context_parallel_dim: int = 1  # > 1: each sequence split over that many ranks (CUDA only)
 
+    # Whether the recipe's loss step takes a micro-batch cut along the sequence: supervised
+    # fine-tuning's does (exactga.runtime.context_parallel); a family whose step reads whole
+    # sequences (distillation's teacher logits, preference pairs) sets it False.
+    CONTEXT_PARALLEL: ClassVar[bool] = True
+
     @classmethod
     def check_mesh(cls, cfg: DictConfig) -> None:
         """The mesh keys, as far as they can be checked without the number of ranks (which
         ``Runtime.distributed`` checks against the rest)."""
+        if cfg.context_parallel_dim > 1 and not cls.CONTEXT_PARALLEL:
+            raise ValueError(
+                f"config key 'context_parallel_dim'={cfg.context_parallel_dim}: this recipe's "
+                "loss step reads whole sequences, so it does not take context parallelism "
+                "(supervised fine-tuning does: full, LoRA, QAT); set context_parallel_dim=1."
+            )
         check_mesh_keys(mesh_keys(cfg, cfg.get("tensor_parallel_dim", 1)), _device_type(cfg))
 
 

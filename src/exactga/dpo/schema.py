@@ -166,6 +166,7 @@ class LoraDpoDistributedConfig(LoraFinetuneDistributedConfig, DpoLossKeys):
     """``lora_dpo_distributed``: the distributed LoRA keys; the reference as on one device."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+    CONTEXT_PARALLEL: ClassVar[bool] = False  # its loss step reads whole sequences
 
     collate_fn: str = PAIR_COLLATE
     # exactga: each pair's reference log-probs computed once, before training, and looked up
@@ -188,6 +189,7 @@ class FullDpoDistributedConfig(FullFinetuneDistributedConfig, DpoLossKeys):
     reference's weights (a frozen copy of ``model``, sharded like it)."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+    CONTEXT_PARALLEL: ClassVar[bool] = False  # its loss step reads whole sequences
 
     collate_fn: str = PAIR_COLLATE
     # The reference's weights; needed unless the loss is reference-free (SimPO, ORPO).

@@ -46,6 +46,7 @@ class KnowledgeDistillationDistributedConfig(LoraFinetuneDistributedConfig, Dist
     """``knowledge_distillation_distributed``: the distributed LoRA keys plus the teacher's."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+    CONTEXT_PARALLEL: ClassVar[bool] = False  # its loss step reads whole sequences
 
     @classmethod
     def check_flags(cls, cfg: DictConfig) -> None:

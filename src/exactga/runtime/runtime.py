@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torchtune.modules.common_utils as common_utils
+from torch.distributed.device_mesh import DeviceMesh
 from torchtune import config, training, utils
 
 from exactga.config.mesh import MeshShape, mesh_keys, mesh_shape
@@ -160,6 +161,13 @@ class Runtime:
         """The group loss units are counted over, ``"dp_cp"`` (``None``: this process alone);
         see [mesh axes and the loss count] in exactga.runtime.distributed."""
         return self.mesh.count_group() if self.mesh is not None else None
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The ``"cp"`` axis each micro-batch's sequences are cut over, or ``None`` without
+        context parallelism; see [loss tokens under context parallelism] in
+        exactga.runtime.context_parallel."""
+        return self.mesh["cp"] if self.mesh is not None and self.context_parallel_dim > 1 else None
 
     @property
     def count_size(self) -> int:

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torchtune import config, training, utils
 from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
 
@@ -338,18 +337,17 @@ class RunStart:
         *,
         units: LossUnits | None = None,
         statistics: Sequence[WindowStatistic] = (),
-        cp_mesh: DeviceMesh | None = None,
     ) -> LossNormalizer:
         """The loss normaliser, in the config's ``loss_normalization``, counting each window's
         units over the runtime's count group (every rank that holds other tokens: [mesh axes
         and the loss count] in exactga.runtime.distributed): a recipe never hands it a group,
         so a copy cannot count over fewer ranks than it trains on (an inexact step, and a hang under
         ``token_budget``). See ``exactga.accumulation.normalization.LossNormalizer`` for
-        ``units`` and ``statistics``. With a ``cp_mesh`` each rank counts the tokens of its
-        shard ([loss tokens under context parallelism] in exactga.runtime.context_parallel);
-        the step must then shard over the same mesh (``_step_context``)."""
-        if cp_mesh is not None:
-            units = context_parallel_units(units or ShiftedTokens(loss_fn), cp_mesh)
+        ``units`` and ``statistics``. Under context parallelism each rank counts the tokens of
+        its shard ([loss tokens under context parallelism] in exactga.runtime.context_parallel),
+        and the step cuts each micro-batch over the same ``runtime.cp_mesh`` (``_step_context``)."""
+        if self.runtime.cp_mesh is not None:
+            units = context_parallel_units(units or ShiftedTokens(loss_fn), self.runtime.cp_mesh)
         return LossNormalizer(
             loss_fn,
             mode=self.settings.loss_normalization,
@@ -449,12 +447,11 @@ def _parallelism(runtime: Runtime) -> Parallelism | None:
     )
 
 
-def _step_context(
-    runtime: Runtime, model: nn.Module, profiler: Any, cp_mesh: DeviceMesh | None = None
-) -> StepContext:
+def _step_context(runtime: Runtime, model: nn.Module, profiler: Any) -> StepContext:
     """How this rank runs a window's micro-batches; distributed, with the config's
     gradient-sync policy, only rank 0 announcing a skipped window, and each micro-batch's
-    sequences sharded over ``cp_mesh`` (the normaliser's, ``RunStart.normalizer``)."""
+    sequences cut over ``runtime.cp_mesh`` (as the normaliser counts them,
+    ``RunStart.normalizer``)."""
     if runtime.mesh is None:
         return StepContext(model, runtime.device, profiler)
     return StepContext(
@@ -463,7 +460,7 @@ def _step_context(
         profiler,
         partial(distributed.gradient_sync, model, runtime.gradient_sync),
         announce_skip=distributed.is_rank_zero(),
-        cp_mesh=cp_mesh,
+        cp_mesh=runtime.cp_mesh,
     )
 
 
