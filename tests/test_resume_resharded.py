@@ -1,4 +1,5 @@
-"""A step checkpoint written on one mesh resumes on another: 2 ranks -> 4, 2 -> 1, 1 -> 4.
+"""A step checkpoint written on one mesh resumes on another: 2 ranks -> 4 (full fine-tuning on
+HSDP 2 x 2, LoRA on 4 shards), 2 -> 1, 1 -> 4, and HSDP -> 2 plain ranks.
 
 Tier (b) of docs/contributing.md point 9: the real recipes under ``tune run --nproc_per_node N``
 on CPU (gloo), offline. An uninterrupted 2-rank run (full fine-tuning, and LoRA) keeps a step
@@ -10,11 +11,12 @@ samples (its loss-token count, an integer, equal; its loss at the fp32 floor) an
 uninterrupted weights to the fp32 floor (docs/reliability.md gives the figures: another mesh
 sums each window's gradient in another order, so bit-identity is not expected; the same mesh is
 bit-identical, tests/test_resume.py). The 1-rank run's own step checkpoint of step 4 then
-resumes on 4 ranks, and that run too ends at the uninterrupted weights: a checkpoint of a
-resharded run reshards again. A changed global batch is refused, naming the key.
+resumes on 4 ranks, and the HSDP run's checkpoint of step 4 on 2 plain ranks, and those runs
+too end at the uninterrupted weights: a checkpoint of a resharded run reshards again. A changed
+global batch is refused, naming the key.
 
-Launches (tests/many_runs.py): one per rank count, in order: 2 ranks (the uninterrupted runs),
-1 rank (the resumes from 2), 4 ranks (the resumes from 2 and from 1, then the refusal).
+Launches (tests/many_runs.py), in order: 2 ranks (the uninterrupted runs), 1 rank (the resumes
+from 2), 4 ranks (the resumes from 2 and from 1, then the refusal), 2 ranks (from HSDP).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ RECIPES = {
 # The same global batch of 8 (2 ranks x 2 x 2) split over each mesh.
 BATCH_SIZE = {1: 4, 2: 2, 4: 1}
 DISK_LOGGER = "torchtune.training.metric_logging.DiskLogger"
+HSDP = {"data_parallel_replicate_dim": 2}  # on 4 ranks: 2 replicas, each sharded over 2
 
 
 def _args(kind: str, ranks: int, out: Path, **overrides: object) -> list[str]:
@@ -107,15 +110,17 @@ def runs(run_once):
         refused = root / "refused" / "run"
         _seed_folder(root / "full" / "run", CHECKPOINT, refused)
         resumes = {
-            **{
-                f"{kind}_2to4": _resume_args(kind, 4, root / f"{kind}_2to4" / "run")
-                for kind in RECIPES
-            },
+            # Full fine-tuning resumes on HSDP 2 x 2 (2 replicas of 2 shards), LoRA on 4 shards.
+            "full_2to4": _resume_args("full", 4, root / "full_2to4" / "run", **HSDP),
+            "lora_2to4": _resume_args("lora", 4, root / "lora_2to4" / "run"),
             "full_1to4": _resume_args("full", 4, root / "full_1to4" / "run"),
             # A global batch of 4 x 2 x 2 = 16: another run. Last: it fails, ending the launch.
             "refused": _resume_args("full", 4, refused, batch_size=2),
         }
         _launch(resumes, root, 4)
+        # And back: the HSDP run's own checkpoint of step 4 on 2 plain FSDP ranks.
+        _seed_folder(root / "full_2to4" / "run", CHECKPOINT + 1, root / "full_hsdp_to2" / "run")
+        _launch({"full_hsdp_to2": _resume_args("full", 2, root / "full_hsdp_to2" / "run")}, root, 2)
 
     def get(name: str) -> Path:
         return run_once("resume_resharded", make) / name
@@ -139,6 +144,7 @@ RESUMES = [
     ("full", "full_2to4", CHECKPOINT),
     ("full", "full_2to1", CHECKPOINT),
     ("full", "full_1to4", CHECKPOINT + 1),
+    ("full", "full_hsdp_to2", CHECKPOINT + 1),
     ("lora", "lora_2to4", CHECKPOINT),
     ("lora", "lora_2to1", CHECKPOINT),
 ]
