@@ -2,15 +2,15 @@
 parallelism on 4 gloo CPU ranks train what one rank trains on the whole batch.
 
 Every distributed recipe that takes the keys runs HSDP 2 x 2 (``data_parallel_replicate_dim=2``:
-two replicas of a model sharded over two ranks), and the one that takes tensor parallelism
-(full fine-tuning) runs tp 2 x dp 2 and tp 2 x 2 replicas; each must land on its recipe's
-1-rank full-batch run (8 sequences, ga 1) at the fp32 floor. Full fine-tuning also runs HSDP 2 x 2
-with packed rows, length-balanced ranks and validation after every step, against a 1-rank run
-that validates the same rows: the same weights, and the same validation figures. The 4-rank runs share one launch,
-the references another beside it (tests/many_runs.py). The data are the tiny variable-length
-sets with masked prompts; two SGD steps (AdamW's first updates divide tiny gradients by their
-own magnitude and would magnify rounding), no clipping (torchtune's tensor-parallel plan leaves
-the norms unsharded, and clipping DTensors of two meshes together fails in torch). Run with
+two replicas of a model sharded over two ranks), and the one that takes tensor parallelism (full
+fine-tuning) runs tp 2 x dp 2 and tp 2 x 2 replicas; each must land on its recipe's 1-rank
+full-batch run (8 sequences, ga 1) at the fp32 floor. Full fine-tuning also runs HSDP 2 x 2 with
+packed rows, length-balanced ranks and validation after every step, against a 1-rank run that
+validates the same rows: the same weights, and the same validation figures. The 4-rank runs share
+one launch, the references another beside it (tests/many_runs.py). The data are the tiny
+variable-length sets with masked prompts; two SGD steps (AdamW's first updates divide tiny gradients
+by their own magnitude and would magnify rounding), no clipping (torchtune's tensor-parallel plan
+leaves the norms unsharded, and clipping DTensors of two meshes together fails in torch). Run with
 ``-rP`` to see the measured distances (docs/meshes.md quotes them).
 """
 
