@@ -1,10 +1,10 @@
-"""The mesh keys through the real ``tune run`` (docs/meshes.md): HSDP and tensor x data
-parallelism on 4 gloo CPU ranks train what one rank trains on the whole batch.
+"""The mesh keys through the real ``tune run`` (docs/meshes.md): HSDP and tensor x data parallelism
+on 4 gloo CPU ranks train what one rank trains on the whole batch.
 
-Every distributed recipe that takes the keys runs HSDP 2 x 2 (``data_parallel_replicate_dim=2``:
-two replicas of a model sharded over two ranks), and the one that takes tensor parallelism (full
+Every distributed recipe that takes the keys runs HSDP 2 x 2 (``data_parallel_replicate_dim=2``: two
+replicas of a model sharded over two ranks), and the one that takes tensor parallelism (full
 fine-tuning) runs tp 2 x dp 2 and tp 2 x 2 replicas; each must land on its recipe's 1-rank
-full-batch run (8 sequences, ga 1) at the fp32 floor. Full fine-tuning also runs HSDP 2 x 2 with
+full-batch run (8 sequences, ga 1) at the fp32 floor. Full fine-tuning also runs each mesh with
 packed rows, length-balanced ranks and validation after every step, against a 1-rank run that
 validates the same rows: the same weights, and the same validation figures. The 4-rank runs share
 one launch, the references another beside it (tests/many_runs.py). The data are the tiny
@@ -80,10 +80,9 @@ MESHES = {
 # Validation after every step, on the training rows' first 12 (4 batches of 3).
 VALIDATED = ["dataset_val=${dataset}", "run_val_every_n_steps=1", "batch_size_val=3"]
 VALIDATED += ["max_val_batches=4"]
-# HSDP 2 x 2 with packed rows (of the tiny model's max_seq_len), the ranks length-balanced (the
-# default) and validation: full fine-tuning only, against its 1-rank reference that validates.
-PACKED_VALIDATED = ["data_parallel_replicate_dim=2", "micro_batching=packed"]
-PACKED_VALIDATED += ["micro_batch_tokens=512", *VALIDATED]
+# Packed rows (of the tiny model's max_seq_len), the ranks length-balanced (the default) and
+# validation, on every mesh: full fine-tuning, against its 1-rank reference that validates.
+PACKED_VALIDATED = ["micro_batching=packed", "micro_batch_tokens=512", *VALIDATED]
 
 
 def _run(root: Path, recipe: str, name: str, keys: list[str], batch_size: int, ga: int) -> Run:
@@ -102,8 +101,10 @@ def _four_rank_runs(root: Path) -> list[Run]:
                 continue
             batch_size = GLOBAL_BATCH // (dp * GA)
             runs.append(_run(root, recipe, f"{recipe}_{mesh}", keys, batch_size, GA))
-    batch_size = GLOBAL_BATCH // (4 * GA)
-    runs.append(_run(root, "full", "full_hsdp_packed", PACKED_VALIDATED, batch_size, GA))
+    for mesh, (keys, dp) in MESHES.items():  # full fine-tuning on every mesh, packed, validated
+        batch_size = GLOBAL_BATCH // (dp * GA)
+        run = _run(root, "full", f"full_{mesh}_packed", [*keys, *PACKED_VALIDATED], batch_size, GA)
+        runs.append(run)
     return runs
 
 
@@ -152,17 +153,18 @@ def test_mesh_trains_what_one_rank_trains_on_the_whole_batch(runs, recipe, mesh)
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
-def test_packed_balanced_ranks_and_validation_under_hsdp_train_and_validate_as_one_rank(runs):
-    """HSDP 2 x 2 with packed rows, length-balanced ranks and validation after every step: the
+@pytest.mark.parametrize("mesh", MESHES)
+def test_packed_balanced_ranks_and_validation_train_and_validate_as_one_rank(runs, mesh):
+    """Each mesh with packed rows, length-balanced ranks and validation after every step: the
     1-rank full batch's weights at the fp32 floor, and its validation figures (the whole set,
     counted over the count group) to rounding."""
-    run, reference = runs("full_hsdp_packed"), runs("full_ref_validated")
+    run, reference = runs(f"full_{mesh}_packed"), runs("full_ref_validated")
     rel = relative_l2(
         load_weights(run / TRAINED),
         load_weights(reference / TRAINED),
         load_weights(reference / INITIAL),
     )
-    print(f"full, HSDP 2 x 2, packed and validated, vs {GLOBAL_BATCH}x1: relative L2 {rel:.3e}")
+    print(f"full {mesh}, packed and validated, vs {GLOBAL_BATCH}x1: relative L2 {rel:.3e}")
     assert rel <= TOLERANCE
     ours, expected = read_scalars(run / "logs"), read_scalars(reference / "logs")
     assert len(ours["val/loss"]) == STEPS  # and once more at the epoch's end, on its last step
