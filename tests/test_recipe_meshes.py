@@ -8,10 +8,11 @@ full-batch run (8 sequences, ga 1) at the fp32 floor. Full fine-tuning also runs
 packed rows, length-balanced ranks and validation after every step, against a 1-rank run that
 validates the same rows: the same weights, and the same validation figures. The 4-rank runs share
 one launch, the references another beside it (tests/many_runs.py). The data are the tiny
-variable-length sets with masked prompts; two SGD steps (AdamW's first updates divide tiny gradients
-by their own magnitude and would magnify rounding), no clipping (torchtune's tensor-parallel plan
-leaves the norms unsharded, and clipping DTensors of two meshes together fails in torch). Run with
-``-rP`` to see the measured distances (docs/meshes.md quotes them).
+variable-length sets with masked prompts; two SGD steps (AdamW's first updates divide tiny
+gradients by their own magnitude and would magnify rounding). Full fine-tuning clips where it
+bites: under tensor parallelism over data-parallel ranks its gradients are DTensors of two meshes
+(exactga.accumulation.step.clip_grad_norm_over_meshes). Run with ``-rP`` to see the measured
+distances (docs/meshes.md quotes them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from recipe_utils import INITIAL, TRAINED, load_weights, read_scalars, relative_
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("meshes")]
 
 TOLERANCE = 1e-5  # the fp32 floor of the other distributed parity tests
+CLIP = 4.0  # full fine-tuning's clip_grad_norm: below its gradients' norms (4.17, 4.57)
 STEPS = 2
 GLOBAL_BATCH = 8  # sequences (or pairs) per step, in every run
 GA = 2  # micro-batches per rank in the 4-rank runs
@@ -63,7 +65,9 @@ COMMON = [
 # not the other from the second step on, and the splits part by far more than rounding
 # (docs/qat.md, "What is exact"); full QAT's config switches fake quantisation on after step 5.
 OWN_KEYS = {
-    "full": ["model.tie_word_embeddings=False"],
+    # Clipped where it bites (the unclipped norm is above it at both steps), on every mesh:
+    # tensor parallelism over data-parallel ranks puts the gradients on two meshes.
+    "full": ["model.tie_word_embeddings=False", f"clip_grad_norm={CLIP}"],
     "qat_lora": [
         "quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQATQuantizer",
         "quantizer.inner_k_tiles=2",
@@ -170,3 +174,13 @@ def test_packed_balanced_ranks_and_validation_train_and_validate_as_one_rank(run
     assert len(ours["val/loss"]) == STEPS  # and once more at the epoch's end, on its last step
     assert ours["val/loss"] == pytest.approx(expected["val/loss"], rel=1e-5)
     assert ours["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+
+def test_the_full_runs_clip_where_it_bites(runs):
+    """Full fine-tuning's gradient norm is above its clip at every step, so every mesh's run
+    clips (the weights above would part otherwise), and each logs the 1-rank run's norm."""
+    expected = read_scalars(runs("full_ref") / "logs")["grad_norm"]
+    assert min(expected) > CLIP
+    for mesh in MESHES:
+        norms = read_scalars(runs(f"full_{mesh}") / "logs")["grad_norm"]
+        assert norms == pytest.approx(expected, rel=1e-5), mesh

@@ -206,9 +206,7 @@ class TrainingWindow:
             window.finish_gradients(model)
             grad_norm = None
             if clip_grad_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), max_norm=float(clip_grad_norm)
-                )
+                grad_norm = clip_grad_norm_over_meshes(model.parameters(), float(clip_grad_norm))
             elif clip is not None:
                 grad_norm = clip(model.parameters())
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
@@ -219,6 +217,32 @@ class TrainingWindow:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return StepOutcome(skipped=False, grad_norm=grad_norm)
+
+
+def clip_grad_norm_over_meshes(parameters: Iterator[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_``, also where the gradients are DTensors of several meshes.
+
+    Under tensor parallelism over data-parallel ranks, the layers the plan shards live on the
+    2-D (dp, tp) mesh and the rest (torchtune's Llama plan leaves the norms out) on the dp mesh
+    alone; torch's function stacks their norms and refuses ("All operands in aten.stack.default
+    must have the same mesh"). Here each mesh's gradients give their full norm, and the total is
+    the norm of those, as one norm over every gradient is. One mesh (or none): torch's own.
+    """
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    if len(by_mesh) <= 1:
+        params = next(iter(by_mesh.values()), [])
+        return torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([param.grad for param in params])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for params in by_mesh.values():  # each mesh's gradients scaled apart: one op per mesh
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 _ONE_BACKWARD_EACH = (
