@@ -104,6 +104,16 @@ def test_the_kd_mean_without_a_host_read_is_the_losses_own_bit_for_bit(kd_loss):
     assert kd_mean(kd_loss, *_kd_inputs(kd_loss, ignored)).item() == 0.0
 
 
+def test_a_subclass_of_a_torchtune_kd_loss_is_called_as_it_is():
+    """Only torchtune's own classes are known to sum when asked (``normalize=False``); a subclass
+    may compute otherwise, so its own forward gives its mean."""
+    labels = shift_labels(_labels(), IGNORE_INDEX)
+    summed = SummedKL()
+    assert torch.equal(
+        kd_mean(summed, *_kd_inputs(summed, labels)), summed(*_kd_inputs(summed, labels))
+    )
+
+
 def test_a_kd_loss_with_another_denominator_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="config key 'kd_loss'.*divides the first batch"):
         verify_kd_loss_denominator(SummedKL(), _labels())

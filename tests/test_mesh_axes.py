@@ -31,6 +31,7 @@ from exactga.config.mesh import MeshShape, mesh_keys, mesh_shape
 from exactga.config.schemas import FullFinetuneDistributedConfig, LoraFinetuneDistributedConfig
 from exactga.config.validation import validate_config
 from exactga.dpo.schema import LoraDpoDistributedConfig
+from exactga.grpo.schema import GrpoDistributedConfig
 from exactga.kd.schema import KnowledgeDistillationDistributedConfig
 from exactga.runtime.distributed import build_device_mesh
 
@@ -134,6 +135,12 @@ def test_an_impossible_mesh_fails_in_one_message(keys, world_size, device, messa
         (
             LoraDpoDistributedConfig,
             "configs/tiny/lora_dpo_distributed.yaml",
+            {"context_parallel_dim": 2},
+            "context_parallel_dim'=2: this recipe's loss step reads whole sequences",
+        ),
+        (  # GRPO generates and scores whole sequences on each rank
+            GrpoDistributedConfig,
+            "configs/tiny/grpo_distributed.yaml",
             {"context_parallel_dim": 2},
             "context_parallel_dim'=2: this recipe's loss step reads whole sequences",
         ),

@@ -105,6 +105,7 @@ class GrpoDistributedConfig(FullFinetuneDistributedConfig, RolloutKeys):
     ``gradient_accumulation_steps`` micro-batches."""
 
     ROUTER_BALANCE_RECIPES: ClassVar[bool] = False  # no router term: see the base schema
+    CONTEXT_PARALLEL: ClassVar[bool] = False  # it generates and scores whole sequences
 
     num_steps: int = MISSING  # rollout steps of the run at most (each is ppo_epochs steps)
     save_every_n_epochs: int | None = None  # stock's key; epoch checkpoints are written always
@@ -162,11 +163,6 @@ def check_grpo_keys(cfg: DictConfig) -> None:
         raise ValueError(
             "config key 'tensor_parallel_dim': GRPO shards policy and reference over "
             "data-parallel ranks only; set tensor_parallel_dim=1."
-        )
-    if cfg.context_parallel_dim > 1:
-        raise ValueError(
-            f"config key 'context_parallel_dim'={cfg.context_parallel_dim}: GRPO generates and "
-            "scores whole sequences on each rank; set context_parallel_dim=1."
         )
 
 

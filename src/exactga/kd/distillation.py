@@ -179,14 +179,15 @@ def _at_positions(logits: Any, positions: torch.Tensor, num_chunks: int | None) 
 # same sums, in the same order, divided by the same count, clamped to 1 where torchtune returns
 # 0 (a sum over no token is 0; the chunked reverse and symmetric KL returned 0/0 = NaN there).
 # Where a token is scored the result is bit-identical to the loss's own. Any other KD loss (a
-# user's own) is called as it is.
+# user's own, a subclass of one of torchtune's included) is called as it is.
 
 
 def kd_mean(kd_loss_fn: nn.Module, logits: Any, teacher_logits: Any, labels: torch.Tensor) -> Any:
     """``kd_loss_fn``'s mean over the non-ignored positions of ``labels`` (shifted), computed
     without a host read for torchtune's KD losses; see [kd mean without a host read]."""
-    if isinstance(kd_loss_fn, tuple(_CHUNKED_KD)):
-        inner = _CHUNKED_KD[type(kd_loss_fn)](kd_loss_fn)
+    kind = type(kd_loss_fn)  # torchtune's own classes: a subclass may compute otherwise
+    if kind in _CHUNKED_KD:
+        inner = _CHUNKED_KD[kind](kd_loss_fn)
         chunks = labels.chunk(kd_loss_fn.num_output_chunks, dim=1)
         total: Any = 0.0
         for student, teacher, chunk in zip(logits, teacher_logits, chunks, strict=True):
@@ -194,13 +195,13 @@ def kd_mean(kd_loss_fn: nn.Module, logits: Any, teacher_logits: Any, labels: tor
             teacher = teacher.reshape(-1, teacher.size(-1))
             total += inner(student, teacher, chunk.reshape(-1), normalize=False)
         return total / _num_scored(labels, kd_loss_fn.ignore_index)
-    if isinstance(kd_loss_fn, SymmetricKLLoss):  # its two parts' means, mixed as it mixes them
+    if kind is SymmetricKLLoss:  # its two parts' means, mixed as it mixes them
         ratio = kd_loss_fn.sym_kd_ratio
         forward = kd_mean(kd_loss_fn.fkl, logits, teacher_logits, labels)
         return ratio * forward + (1 - ratio) * kd_mean(
             kd_loss_fn.rkl, logits, teacher_logits, labels
         )
-    if isinstance(kd_loss_fn, (ForwardKLLoss, ReverseKLLoss)):
+    if kind in (ForwardKLLoss, ReverseKLLoss):
         summed = kd_loss_fn(logits, teacher_logits, labels, normalize=False)
         return summed / _num_scored(labels, kd_loss_fn.ignore_index)
     return kd_loss_fn(logits, teacher_logits, labels)
