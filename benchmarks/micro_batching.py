@@ -1,6 +1,6 @@
 """Length-aware micro-batching: stock torchtune 0.6.1 versus exactga's ``micro_batching`` modes.
 
-Trains the same config seven ways, each a real ``tune run`` subprocess in its own output folder,
+Trains the same config nine ways, each a real ``tune run`` subprocess in its own output folder,
 from the same seeded checkpoint, on the same samples in the same order (``seed``, and the
 sampler's fixed seed 0), with the same global batch:
 
@@ -17,7 +17,11 @@ sampler's fixed seed 0), with the same global batch:
   block-causal mask instead (``EXACTGA_DENSE_PACKED_MASK=1``, the path before per-document
   attention);
   ``packed_m<m>``: the same with ``pad_to_multiple_of: m`` (``--packed-multiple``), which trims
-  each row's unfilled end to a multiple of ``m``: less padding, a few more shapes.
+  each row's unfilled end to a multiple of ``m``: less padding, a few more shapes;
+  ``packed_compiled``, ``packed_m<m>_compiled``: those two with ``compile: True`` (torch.compile
+  with inductor, each layer one graph: the rows reach compiled layers as a dense block-causal
+  mask, see [packed rows under compile] in exactga.runtime.document_attention); their first
+  steps compile, which the warm-up steps leave out of the timing.
 Every run gets ``model.max_seq_len`` of at least the packed row (a packed row is one sequence
 to the model; the rotary cache is the only thing it sizes, so the weights are the same).
 
@@ -91,6 +95,7 @@ REFERENCE = "fixed"  # every run's weights are compared with this one's
 PACKED = "packed"
 PACKED_DENSE = "packed_dense"  # packed under the dense mask: per-document attention's baseline
 BUDGET = "token_budget"  # packed's speed is also given against this one's
+COMPILED = "_compiled"  # a packed run under compile: True, given against its eager twin
 INIT_WEIGHTS = "base_model/model.safetensors"  # written by exactga.models.random_init_checkpointer
 # exactga.data.micro_batching.PaddingMeter.summary's end-of-run line.
 PADDING_LINE = re.compile(r"padding was ([\d.]+)% of the ([\d,]+) positions processed")
@@ -155,6 +160,10 @@ def run_specs(args: argparse.Namespace) -> list[RunSpec]:
         RunSpec(PACKED, OUR_RECIPE, packed),
         RunSpec(PACKED_DENSE, OUR_RECIPE, packed, env=((DENSE_PACKED_MASK, "1"),)),
         RunSpec(f"{PACKED}_m{args.packed_multiple}", OUR_RECIPE, trimmed),
+        RunSpec(f"{PACKED}{COMPILED}", OUR_RECIPE, (*packed, "compile=True")),
+        RunSpec(
+            f"{PACKED}_m{args.packed_multiple}{COMPILED}", OUR_RECIPE, (*trimmed, "compile=True")
+        ),
     ]
     return [spec for spec in specs if spec.name not in args.skip]
 
@@ -434,6 +443,11 @@ def packed_against_budget(results: list[RunResult]) -> list[str]:
     return [
         *(step_time_ratio(results, name, BUDGET) for name in names),
         step_time_ratio(results, PACKED, PACKED_DENSE),
+        *(
+            step_time_ratio(results, name, name.removesuffix(COMPILED))
+            for name in names
+            if name.endswith(COMPILED)
+        ),
     ]
 
 
@@ -476,7 +490,8 @@ def footnotes(args: argparse.Namespace, results: list[RunResult]) -> list[str]:
         f"- packed runs {args.batch_size} x {args.ga} with micro_batch_tokens={args.packed_row} "
         f"(positions per row); packed_m{args.packed_multiple} adds pad_to_multiple_of="
         f"{args.packed_multiple}; packed_dense runs packed's rows under the dense block-causal "
-        "mask (EXACTGA_DENSE_PACKED_MASK=1) where packed attends each document alone. shapes: "
+        "mask (EXACTGA_DENSE_PACKED_MASK=1) where packed attends each document alone; "
+        "the _compiled runs add compile=True (inductor; step 1 compiles). shapes: "
         "the distinct micro-batch shapes in the epoch (the "
         "`throughput/micro_batch_shapes` scalar's last value).",
         "- †: stock logs neither loss tokens nor padding; these are the fixed run's, which "

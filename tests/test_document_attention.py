@@ -25,7 +25,11 @@ from exactga.models.gemma3 import gemma3
 from exactga.models.gpt_oss import gpt_oss
 from exactga.models.qwen3 import qwen3
 from exactga.models.qwen3_moe import qwen3_moe
-from exactga.runtime.document_attention import DocumentLengths, accept_document_lengths
+from exactga.runtime.document_attention import (
+    DocumentLengths,
+    accept_document_lengths,
+    block_causal_mask,
+)
 
 BOUND = 1e-5  # relative L2, fp32: the kernels' rounding, not a masking difference (that is O(1))
 VOCAB = 64
@@ -70,6 +74,9 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
         **HEADS,
     ),
 }
+
+
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 
 
 def random_model(family: str) -> nn.Module:
@@ -136,4 +143,32 @@ def test_per_document_attention_gives_the_dense_masks_logits_and_gradients(famil
     assert relative_error(per_document[0], dense[0]) < BOUND
     assert per_document[1].keys() == dense[1].keys()
     worst = max(relative_error(per_document[1][n], g) for n, g in dense[1].items() if g.any())
+    assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"
+
+
+def test_the_block_causal_mask_made_from_lengths_is_torchtunes() -> None:
+    lengths = [[9, 1, 14, 3, 5], [2, 20, 4, 4, 2]]
+    ours = block_causal_mask(DocumentLengths(torch.tensor(lengths)), seq_len=32)
+    theirs = create_block_causal_mask([torch.tensor(row) for row in lengths])
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_layers_take_a_packed_row_as_one_graph_with_the_eager_rows_numbers(
+    family: str,
+) -> None:
+    """Layers compiled as torchtune's ``compile_model`` compiles them, each ``fullgraph``: any
+    graph break fails. ``aot_eager`` traces forward and backward as inductor would, without
+    generating kernels (seconds, not minutes, on a CPU). See [packed rows under compile].
+    The MoE families' expert loop reads its group sizes on the host, a graph break of its own
+    on a CPU (docs/micro_batching.md, "Compilations"): their numbers are checked, not one graph."""
+    model = random_model(family)
+    row = packed_row()
+    eager = logits_and_gradients(model, row)
+    torch._dynamo.reset()
+    for layer in model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    compiled = logits_and_gradients(model, row)
+    assert relative_error(compiled[0], eager[0]) < BOUND
+    worst = max(relative_error(compiled[1][n], g) for n, g in eager[1].items() if g.any())
     assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"

@@ -197,7 +197,11 @@ class GroupedExperts(nn.Module):
         assignments = expert_indices.reshape(-1)  # token t's slot s is assignment t * top_k + s
         # Stable: within an expert, assignments stay in token order, so a run is reproducible.
         by_expert = torch.argsort(assignments, stable=True)
-        num_per_expert = torch.bincount(assignments, minlength=self.num_experts)
+        # Counted into a fixed-size tensor: bincount's length depends on the data, which a
+        # compiled graph cannot shape.
+        num_per_expert = torch.zeros(
+            self.num_experts, dtype=assignments.dtype, device=assignments.device
+        ).scatter_add_(0, assignments, torch.ones_like(assignments))
         routed = x[by_expert // top_k]  # each assignment's token, grouped by expert
         if self._use_grouped(routed):
             outputs = self._grouped(routed, num_per_expert)
@@ -219,10 +223,14 @@ class GroupedExperts(nn.Module):
         outputs = []
         w1, w2, w3 = self.w1.per_expert(), self.w2.per_expert(), self.w3.per_expert()
         # .tolist() syncs with the device once per layer: the group sizes decide the shapes.
-        for index, rows in enumerate(routed.split(num_per_expert.tolist())):
-            if rows.shape[0] == 0:  # an expert without tokens: nothing to compute
-                outputs.append(rows)
-                continue
+        # An expert without tokens runs on no rows (no branch on a size: under compile the
+        # sizes are symbols, and a branch on one breaks the graph).
+        sizes = num_per_expert.tolist()
+        if torch.compiler.is_compiling():  # what dynamo cannot know of the host's numbers
+            for size in sizes:
+                torch._check_is_size(size)
+            torch._check(sum(sizes) == routed.shape[0])
+        for index, rows in enumerate(routed.split(sizes)):
             outputs.append(w2[index](self._gated(w1[index](rows), w3[index](rows))))
         return torch.cat(outputs)
 
