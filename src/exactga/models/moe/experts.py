@@ -197,7 +197,10 @@ class GroupedExperts(nn.Module):
         assignments = expert_indices.reshape(-1)  # token t's slot s is assignment t * top_k + s
         # Stable: within an expert, assignments stay in token order, so a run is reproducible.
         by_expert = torch.argsort(assignments, stable=True)
-        num_per_expert = torch.bincount(assignments, minlength=self.num_experts)
+        # A scatter rather than bincount, whose output's shape depends on the data: under
+        # torch.compile bincount breaks the graph (as the router's counts, router_stats).
+        num_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        num_per_expert.scatter_add_(0, assignments, torch.ones_like(assignments))
         routed = x[by_expert // top_k]  # each assignment's token, grouped by expert
         if self._use_grouped(routed):
             outputs = self._grouped(routed, num_per_expert)
