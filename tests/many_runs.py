@@ -18,11 +18,12 @@ What a fresh process would give each run, and a shared one would not, is reset p
   ``log_once``, so a run prints the warnings it would print alone;
 - its output: file descriptors 1 and 2 of each rank go to ``<folder>/rank<R>.log``;
 - torch.compile's caches (``torch._dynamo.reset()``, where dynamo was imported): each run
-  compiles its own model afresh, as alone. Without it a later run of the same model reuses the
-  earlier run's graphs (its end-of-run line then reports 0 graphs), and a later run of another
-  model adds recompilations to the earlier runs' frames, up to dynamo's recompile limit and
-  eager past it. exactga's compile counts (exactga.profiling.compilations) start at the run's
-  start, so after the reset they are the run's own;
+  compiles its own model afresh, as alone. Without it a later run reuses the earlier runs'
+  graphs where their guards pass (its end-of-run line then reports 0 graphs) and adds
+  recompilations to their frames where not, up to dynamo's recompile limit (8 a frame) and
+  eager past it (tests/test_compile_parity.py's GRPO runs, after the SFT, LoRA and DPO ones,
+  hit it). exactga's compile counts (exactga.profiling.compilations) start at the run's start,
+  so after the reset they are the run's own;
 - its working directory, the launch's (``sys.path`` and the imported modules are shared, so
   runs that need another ``PYTHONPATH`` or working directory get launches of their own).
 
