@@ -227,13 +227,13 @@ def trained_weights(output_dir: Path, epoch: int) -> dict[str, torch.Tensor]:
     return load_weights(output_dir / f"epoch_{epoch}" / "model-00001-of-00001.safetensors")
 
 
-def initial_adapters() -> dict[str, torch.Tensor]:
-    """The adapters every LoRA DPO run starts from, drawn in-process by the library call the
-    recipes make (``exactga.lora.adapters.initialize_adapters`` from the config's seed) on the small
-    model built on the meta device: no launch."""
+def initial_adapters(config_path: str = LORA_SINGLE[1]) -> dict[str, torch.Tensor]:
+    """The adapters every LoRA run of ``config_path`` (default: LoRA DPO's) starts from, drawn
+    in-process by the library call the recipes make (``exactga.lora.adapters.initialize_adapters``
+    from the config's seed) on the small model built on the meta device: no launch."""
     from exactga.lora.adapters import initialize_adapters
 
-    cfg = OmegaConf.load(REPO_ROOT / LORA_SINGLE[1])
+    cfg = OmegaConf.load(REPO_ROOT / config_path)
     for key, value in SMALL_MODEL.items():
         OmegaConf.update(cfg, key, value)
     with torch.device("meta"):

@@ -17,6 +17,13 @@ What a fresh process would give each run, and a shared one would not, is reset p
 - Python's "once per location" warnings (``warnings.catch_warnings``) and torchtune's
   ``log_once``, so a run prints the warnings it would print alone;
 - its output: file descriptors 1 and 2 of each rank go to ``<folder>/rank<R>.log``;
+- torch.compile's caches (``torch._dynamo.reset()``, where dynamo was imported): each run
+  compiles its own model afresh, as alone. Without it a later run reuses the earlier runs'
+  graphs where their guards pass (its end-of-run line then reports 0 graphs) and adds
+  recompilations to their frames where not, up to dynamo's recompile limit (8 a frame) and
+  eager past it (tests/test_compile_parity.py's GRPO runs, after the SFT, LoRA and DPO ones,
+  hit it). exactga's compile counts (exactga.profiling.compilations) start at the run's start,
+  so after the reset they are the run's own;
 - its working directory, the launch's (``sys.path`` and the imported modules are shared, so
   runs that need another ``PYTHONPATH`` or working directory get launches of their own).
 
@@ -305,12 +312,21 @@ def _stop_after_step():
         StepBook.end_step = real
 
 
+def _reset_dynamo() -> None:
+    """torch.compile's caches as a fresh process has them; a launch that never imported dynamo
+    (importing it costs over a second) has none to reset."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+
+
 def _run(recipe: str, args: list[str], log_path: Path) -> int:
     """``python -m recipes.<name> *args`` in this interpreter; the exit status."""
     from torchtune.utils._logging import log_once
 
     module = recipe.removesuffix(".py").replace("/", ".")
     log_once.cache_clear()
+    _reset_dynamo()
     gc.collect()
     sys.stdout.flush()
     sys.stderr.flush()

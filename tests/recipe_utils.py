@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import signal
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import zygote
@@ -250,3 +252,47 @@ TINY_QWEN3_MOE = {
     "num_experts_per_tok": 2,
     "max_seq_len": 512,
 }
+
+
+# torch.compile without inductor's code generation, for a run's ``env`` (tests/many_runs.py's
+# ``Run``; torchtune's compile_model and compile_loss read the variable at each call): dynamo's
+# capture and AOT autograd's forward and backward graphs, the graphs a compiled step runs, each
+# run by aten's eager kernels. A tiny run compiles in about 5 s of CPU instead of inductor's 40;
+# inductor's own kernels are tests/test_compile_launch.py's.
+COMPILE_WITHOUT_INDUCTOR = {"TORCH_COMPILE_BACKEND": "aot_eager"}
+_COMPILE_LINE = re.compile(
+    r"exactga: torch\.compile: (\d+) graphs? .*?, (?:at least )?\d+ recompilations? .*?, "
+    r"(\d+) graph breaks?"
+)
+_REASON = re.compile(r'"([^"]*)" x(\d+)')
+
+
+class CompileLine(NamedTuple):
+    """What a run's end-of-run ``torch.compile`` line reports (exactga.profiling.compilations):
+    its graphs, graph breaks, and the breaks' first few reasons with their counts."""
+
+    graphs: int
+    graph_breaks: int
+    break_reasons: dict[str, int]
+
+
+def compile_line(output: str) -> CompileLine:
+    """The end-of-run ``torch.compile`` line of a run's output; rank 0 prints it."""
+    found = list(_COMPILE_LINE.finditer(output))
+    assert len(found) == 1, f"expected one end-of-run compile line, found {len(found)}"
+    graphs, breaks = (int(group) for group in found[0].groups())
+    # The breaks' reasons follow in brackets, each on one line; the recompilations' reasons
+    # (after "; recompiled for:") may span several.
+    reasons = output[found[0].end() :].split("\n")[0].split("; recompiled for:")[0]
+    shown = {reason: int(number) for reason, number in _REASON.findall(reasons)}
+    return CompileLine(graphs, breaks, shown)
+
+
+def assert_compiled(output: str, breaks_by_design: tuple[str, ...] = ()) -> CompileLine:
+    """The run's compile line, after checking that it compiled graphs and broke none but for
+    the reasons ``breaks_by_design`` (the line's quoted first lines of dynamo's reasons)."""
+    line = compile_line(output)
+    assert line.graphs > 0, "compile: True compiled nothing"
+    assert sum(line.break_reasons.values()) == line.graph_breaks, line  # every reason shown
+    assert set(line.break_reasons) <= set(breaks_by_design), line
+    return line

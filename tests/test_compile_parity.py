@@ -1,0 +1,181 @@
+"""``compile: True`` keeps split parity (issue #66): full SFT, LoRA, LoRA DPO and GRPO, each
+compiled, land with two splits of the same global batch where they land eager, at fp32's floor.
+
+Each recipe trains 2 steps of one global batch in two splits (same seed, data and config, fp32,
+plain SGD), both compiled through ``tune run``; the trained weights (LoRA: the adapters) of the
+split land within the recipe's fp32 floor of the full batch's (relative L2 of their difference
+over the full batch's update, exactga.parity.scoring). The configs are the neighbours' parity
+runs (tests/test_recipe_full_single_device.py, tests/test_recipe_lora_single_device.py,
+tests/test_recipe_dpo_lora.py, tests/test_recipe_grpo.py) cut to 2 steps, with ``compile=True``.
+Every run compiled: its end-of-run line reports graphs, and no graph break (every layout here is
+padded; per-document attention is one by design, docs/micro_batching.md "Compilations").
+
+The backend is ``aot_eager`` (recipe_utils.COMPILE_WITHOUT_INDUCTOR): dynamo's capture and AOT
+autograd's graphs, the graphs the step runs, without inductor's code generation (its kernels are
+tests/test_compile_launch.py's). The Qwen3, Gemma 3 and Qwen3 MoE (router term on) compiled
+splits are tests/test_recipe_model_families.py's, in that module's launches.
+
+Launches: one (tests/many_runs.py), the eight runs one after another in one process, each
+compiling afresh (many_runs resets dynamo between runs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from dpo_utils import LORA_OPTIMIZER, LORA_SINGLE, dpo_args, initial_adapters
+from grpo_utils import RECIPE as GRPO_RECIPE
+from grpo_utils import SPLITS as GRPO_SPLITS
+from grpo_utils import grpo_args, initial_weights, trained_weights
+from many_runs import Run, launch_runs
+from recipe_utils import (
+    COMPILE_WITHOUT_INDUCTOR,
+    INITIAL,
+    LORA_TINY_CONFIG,
+    TRAINED,
+    assert_compiled,
+    load_adapters,
+    load_weights,
+    lora_tiny_args,
+    relative_l2,
+    tiny_args,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile_parity")]
+
+STEPS = 2
+# The neighbours' plain gradient descent (SFT and LoRA: tests/test_recipe_full_single_device.py
+# and tests/test_recipe_lora_single_device.py), no clipping, no warm-up.
+SGD = {"optimizer._component_": "torch.optim.SGD", "optimizer.lr": 0.5}
+SFT_SHAPE = {
+    **SGD,
+    "max_steps_per_epoch": STEPS,
+    "clip_grad_norm": "null",
+    "lr_scheduler.num_warmup_steps": 0,
+    "~optimizer.weight_decay": None,
+}
+COMPILED = {"compile": True}
+# fp32's floor for these 2-step splits, compiled. Measured with ``pytest
+# tests/test_compile_parity.py -p no:xdist -rP`` (torch 2.13.0+cpu, 2026-11-29): SFT 3.44e-7,
+# LoRA 2.74e-7, LoRA DPO 3.62e-7, GRPO 3.27e-7, the rounding of other summation orders as in the
+# neighbours' eager splits (which bound it at 2e-6 to 1e-5 over more steps); bounded about 3x
+# above the worst, the neighbours' margin.
+FLOOR = 1e-6
+
+
+def _sft(out: Path, batch_size: int, ga: int) -> list[str]:
+    overrides = {**SFT_SHAPE, **COMPILED, "batch_size": batch_size}
+    return _args(tiny_args(out), {**overrides, "gradient_accumulation_steps": ga})
+
+
+def _lora(out: Path, batch_size: int, ga: int) -> list[str]:
+    overrides = {**SFT_SHAPE, **COMPILED, "batch_size": batch_size}
+    return _args(lora_tiny_args(out), {**overrides, "gradient_accumulation_steps": ga})
+
+
+def _args(base: list[str], overrides: dict[str, object]) -> list[str]:
+    """``base`` (recipe first) then ``overrides``; a ``~key`` (deletion) has no value."""
+    return base + [k if k.startswith("~") else f"{k}={v}" for k, v in overrides.items()]
+
+
+def _lora_dpo(out: Path, batch_size: int, ga: int) -> list[str]:
+    # tests/test_recipe_dpo_lora.py's 1x8 and 2x4, one epoch of 2 steps.
+    return dpo_args(
+        LORA_SINGLE,
+        out,
+        **LORA_OPTIMIZER,
+        **COMPILED,
+        epochs=1,
+        max_steps_per_epoch=STEPS,
+        batch_size=batch_size,
+        gradient_accumulation_steps=ga,
+    )
+
+
+def _grpo(out: Path, split: str) -> list[str]:
+    # tests/test_recipe_grpo.py's token_mean at ppo_epochs 1: two rollout steps, one optimizer
+    # step each.
+    return [
+        GRPO_RECIPE,
+        *grpo_args(
+            out,
+            loss_aggregation="token_mean",
+            ppo_epochs=1,
+            num_steps=STEPS,
+            micro_batching="fixed",
+            **COMPILED,
+            **GRPO_SPLITS[split][1],
+        ),
+    ]
+
+
+# case -> (the full batch's run, the split's run): name -> tune run arguments, given the folder.
+CASES = {
+    "sft": {"4x1": lambda out: _sft(out, 4, 1), "2x2": lambda out: _sft(out, 2, 2)},
+    "lora": {"4x1": lambda out: _lora(out, 4, 1), "2x2": lambda out: _lora(out, 2, 2)},
+    "lora_dpo": {
+        "1x8": lambda out: _lora_dpo(out, 1, 8),
+        "2x4": lambda out: _lora_dpo(out, 2, 4),
+    },
+    "grpo": {
+        "1rank_ga1": lambda out: _grpo(out, "1rank_ga1"),
+        "1rank_ga4": lambda out: _grpo(out, "1rank_ga4"),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def runs(run_once) -> Path:
+    def make(root: Path) -> None:
+        # grpo_rewards; before the caller's own path (a worktree's src/), not instead of it.
+        paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]
+        tests_on_path = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        planned = []
+        for case, splits in CASES.items():
+            for split, args_of in splits.items():
+                out = root / case / split
+                args = args_of(out)
+                planned.append(Run(args[0], args[1:], out, COMPILE_WITHOUT_INDUCTOR))
+        launch_runs(planned, nproc=0, extra_env=tests_on_path)
+
+    return run_once("compile_parity_runs", make)
+
+
+def _compiled_run(runs: Path, case: str, split: str) -> Path:
+    """The run's folder, after checking it succeeded, compiled, and broke no graph."""
+    out = runs / case / split
+    output = (out / "output.txt").read_text()
+    assert (out / "returncode").read_text() == "0", output[-4000:]
+    print(f"{case} {split}: {assert_compiled(output)}")
+    return out
+
+
+def _weights(case: str, out: Path) -> dict:
+    if case in ("lora", "lora_dpo"):
+        return load_adapters(out / "epoch_0" / "adapter_model.pt")
+    if case == "grpo":
+        return trained_weights(out)
+    return load_weights(out / TRAINED)
+
+
+def _initial(case: str, out: Path) -> dict:
+    if case == "lora":
+        return initial_adapters(LORA_TINY_CONFIG)
+    if case == "lora_dpo":
+        return initial_adapters()
+    if case == "grpo":
+        return initial_weights(out)
+    return load_weights(out / INITIAL)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_splits_land_together(runs, case: str) -> None:
+    full_batch, split = CASES[case]
+    reference_dir = _compiled_run(runs, case, full_batch)
+    split_dir = _compiled_run(runs, case, split)
+    reference = _weights(case, reference_dir)
+    gap = relative_l2(_weights(case, split_dir), reference, _initial(case, reference_dir))
+    print(f"{case} compiled {split} vs {full_batch}: relative L2 {gap:.3e}")
+    assert gap <= FLOOR
