@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtune import training
 
+from exactga.model_build.compiling import compile_layers
 from exactga.model_build.trained import init_rope
 from exactga.runtime.document_attention import instantiate_model
 
@@ -73,7 +74,7 @@ def build_frozen_model(
         model = instantiate_model(cfg_model)
     freeze_model(model)
     if compile_model:
-        training.compile_model(model, verbose=verbose)
+        compile_layers(model, verbose=verbose)
     if dp_mesh is not None and dp_mesh.size() > 1:
         training.shard_model(
             model=model,

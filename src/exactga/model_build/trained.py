@@ -33,6 +33,7 @@ from torchtune.training.activations import apply_selective_activation_checkpoint
 
 from exactga.config.schemas import SingleDeviceRecipeConfig
 from exactga.lora.adapters import LoraSettings, load_lora_weights
+from exactga.model_build.compiling import compile_layers
 from exactga.models.hf_config import (
     CONFIG_JSON,
     missing_arguments_message,
@@ -236,7 +237,7 @@ def build_model(
         set_trainable_params(model, adapter_params)
     precision.cast_trainable(model)  # fp32 master weights (or adapters), if asked for
     if settings.compile:
-        training.compile_model(model, verbose=distributed.is_rank_zero())
+        compile_layers(model, verbose=distributed.is_rank_zero())
     if parallelism is not None and parallelism.tp_mesh is not None:
         model = _tensor_parallel(model, parallelism)
     _checkpoint_activations(model, settings)

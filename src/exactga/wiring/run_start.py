@@ -43,6 +43,7 @@ from exactga.data.loader import dataloader_from_settings
 from exactga.data.micro_batching import MicroBatchingSettings
 from exactga.launch.twins import DISTRIBUTED, launched_as
 from exactga.lora.adapters import LoraSettings
+from exactga.model_build.compiling import compile_layers
 from exactga.model_build.frozen import build_frozen_model, freeze_model
 from exactga.model_build.trained import (
     AdapterWeights,
@@ -260,7 +261,7 @@ class RunStart:
         else:
             model = _frozen_on_device(cfg_model, state_dict, runtime.dtype, runtime.device)
             if settings.compile:
-                training.compile_model(model)
+                compile_layers(model)
         num_params = sum(p.numel() for p in model.parameters())
         runtime.log(
             f"{role} built and loaded in {time.perf_counter() - started:.2f} s over "
