@@ -1,6 +1,6 @@
 """Length-aware micro-batching: stock torchtune 0.6.1 versus exactga's ``micro_batching`` modes.
 
-Trains the same config nine ways, each a real ``tune run`` subprocess in its own output folder,
+Trains the same config ten ways, each a real ``tune run`` subprocess in its own output folder,
 from the same seeded checkpoint, on the same samples in the same order (``seed``, and the
 sampler's fixed seed 0), with the same global batch:
 
@@ -18,10 +18,11 @@ sampler's fixed seed 0), with the same global batch:
   attention);
   ``packed_m<m>``: the same with ``pad_to_multiple_of: m`` (``--packed-multiple``), which trims
   each row's unfilled end to a multiple of ``m``: less padding, a few more shapes;
-  ``packed_compiled``, ``packed_m<m>_compiled``: those two with ``compile: True`` (torch.compile
-  with inductor, each layer one graph: the rows reach compiled layers as a dense block-causal
-  mask, see [packed rows under compile] in exactga.runtime.document_attention); their first
-  steps compile, which the warm-up steps leave out of the timing.
+  ``packed_compiled``, ``packed_m<m>_compiled``, ``packed_dense_compiled``: those with
+  ``compile: True`` (torch.compile with inductor; per-document attention stays outside each
+  layer's graph, the dense mask's rows compile into one graph per layer: see [packed rows under
+  compile] in exactga.runtime.document_attention); their first steps compile, which the warm-up
+  steps leave out of the timing.
 Every run gets ``model.max_seq_len`` of at least the packed row (a packed row is one sequence
 to the model; the rotary cache is the only thing it sizes, so the weights are the same).
 
@@ -161,6 +162,12 @@ def run_specs(args: argparse.Namespace) -> list[RunSpec]:
         RunSpec(PACKED_DENSE, OUR_RECIPE, packed, env=((DENSE_PACKED_MASK, "1"),)),
         RunSpec(f"{PACKED}_m{args.packed_multiple}", OUR_RECIPE, trimmed),
         RunSpec(f"{PACKED}{COMPILED}", OUR_RECIPE, (*packed, "compile=True")),
+        RunSpec(
+            f"{PACKED_DENSE}{COMPILED}",
+            OUR_RECIPE,
+            (*packed, "compile=True"),
+            env=((DENSE_PACKED_MASK, "1"),),
+        ),
         RunSpec(
             f"{PACKED}_m{args.packed_multiple}{COMPILED}", OUR_RECIPE, (*trimmed, "compile=True")
         ),
@@ -448,6 +455,7 @@ def packed_against_budget(results: list[RunResult]) -> list[str]:
             for name in names
             if name.endswith(COMPILED)
         ),
+        step_time_ratio(results, f"{PACKED_DENSE}{COMPILED}", PACKED),
     ]
 
 

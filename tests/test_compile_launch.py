@@ -1,14 +1,14 @@
-"""``compile: True`` through ``tune run``: packed rows compile into whole graphs, the compilations
-are bounded and reported, and the compiled run trains the eager run's weights.
+"""``compile: True`` through ``tune run``: packed rows compile in step 1 only, the compilations are
+reported, and the compiled run trains the eager run's weights.
 
 One launch of two runs (tests/many_runs.py), the tiny model under ``micro_batching: packed``,
 rows of one shape, 3 steps: eager, then compiled with inductor (compiling on 2 CPU cores is slow:
 most of the launch is step 1's compilation). Every graph is compiled in step 1:
-``compile/graphs`` read from TensorBoard stays where step 1 left it, the end-of-run line says so,
-and it counts no graph break (packed rows reach the compiled layers as one dense mask; see
-[packed rows under compile] in exactga.runtime.document_attention). In-process tests of the
-meter: tests/test_compilations.py; of each family's compiled packed row: tests/
-test_document_attention.py.
+``compile/graphs`` read from TensorBoard stays where step 1 left it, and the end-of-run line says
+so; its graph breaks are per-document attention's alone, left out of the graph by design
+([packed rows under compile] in exactga.runtime.document_attention). In-process tests of the
+meter: tests/test_compilations.py; of each family's compiled packed row:
+tests/test_document_attention.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile_launch")]
 
 STEPS = 3
 ROW = 512  # packed's positions per row: the tiny model's max_seq_len
+DISABLED_FUNCTION = '"Skip calling `torch.compiler.disable()`d function"'  # dynamo's reason
 # Inductor's kernels against eager's, fp32, 3 steps: measured 9.5e-7 with
-# ``pytest tests/test_compile_launch.py -p no:xdist -rP`` (fused kernels sum in another order,
-# and the compiled rows attend densely; a wrong mask or a lost loss term moves them by O(1)).
+# ``pytest tests/test_compile_launch.py -p no:xdist -rP`` (fused kernels sum in another order; a
+# wrong mask or a lost loss term moves the weights by O(1)).
 BOUND = 1e-5
 
 
@@ -58,7 +59,9 @@ def _args(folder: Path, compile: bool) -> list[str]:
     )
 
 
-def test_packed_rows_compile_whole_graphs_in_step_1_only(runs: dict[str, Path]) -> None:
+def test_packed_rows_compile_in_step_1_and_break_only_around_attention(
+    runs: dict[str, Path],
+) -> None:
     text = (runs["compiled"] / "output.txt").read_text()
     scalars = read_scalars(runs["compiled"] / "out" / "logs")
     graphs = scalars["compile/graphs"]
@@ -67,11 +70,14 @@ def test_packed_rows_compile_whole_graphs_in_step_1_only(runs: dict[str, Path]) 
     assert graphs[0] > 0  # each layer's graph, and the loss's
     assert graphs[1] == graphs[0] and graphs[2] == graphs[0]  # one shape: nothing new
     assert recompilations[1] == recompilations[0] == recompilations[2]
-    assert scalars["compile/graph_breaks"] == [0.0] * STEPS
+    breaks = scalars["compile/graph_breaks"]
+    assert breaks[0] > 0 and breaks[1] == breaks[0] and breaks[2] == breaks[0]
     line = re.search(r"exactga: torch\.compile: .*", text)
     assert line, text[-4000:]
     assert f"{int(graphs[-1])} graphs (0 after step 1)" in line.group()
-    assert "0 graph breaks" in line.group()
+    # Every break is the per-document function's, which dynamo skips.
+    per_document = f"({DISABLED_FUNCTION} x{int(breaks[-1])})"
+    assert f"{int(breaks[-1])} graph breaks {per_document}" in line.group(), line.group()
 
 
 def test_the_compiled_run_trains_the_eager_runs_weights(runs: dict[str, Path]) -> None:

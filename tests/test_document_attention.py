@@ -25,11 +25,7 @@ from exactga.models.gemma3 import gemma3
 from exactga.models.gpt_oss import gpt_oss
 from exactga.models.qwen3 import qwen3
 from exactga.models.qwen3_moe import qwen3_moe
-from exactga.runtime.document_attention import (
-    DocumentLengths,
-    accept_document_lengths,
-    block_causal_mask,
-)
+from exactga.runtime.document_attention import DocumentLengths, accept_document_lengths
 
 BOUND = 1e-5  # relative L2, fp32: the kernels' rounding, not a masking difference (that is O(1))
 VOCAB = 64
@@ -74,9 +70,6 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
         **HEADS,
     ),
 }
-
-
-MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 
 
 def random_model(family: str) -> nn.Module:
@@ -146,29 +139,52 @@ def test_per_document_attention_gives_the_dense_masks_logits_and_gradients(famil
     assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"
 
 
-def test_the_block_causal_mask_made_from_lengths_is_torchtunes() -> None:
-    lengths = [[9, 1, 14, 3, 5], [2, 20, 4, 4, 2]]
-    ours = block_causal_mask(DocumentLengths(torch.tensor(lengths)), seq_len=32)
-    theirs = create_block_causal_mask([torch.tensor(row) for row in lengths])
-    assert torch.equal(ours, theirs)
+def dense_row(row: dict) -> dict:
+    """``row`` under its dense block-causal mask (what ``DENSE_PACKED_MASK`` packs)."""
+    return {**row, "mask": create_block_causal_mask([torch.tensor(row["mask"].tolist()[0])])}
 
 
+def compiled_layers(model: nn.Module, fullgraph: bool) -> nn.Module:
+    """``model`` with each layer compiled as torchtune's ``compile_model`` compiles it, under
+    ``aot_eager``: forward and backward traced as inductor would, without generating kernels
+    (seconds, not minutes, on a CPU); ``fullgraph`` fails on any graph break."""
+    torch._dynamo.reset()
+    for layer in model.layers:
+        layer.compile(backend="aot_eager", fullgraph=fullgraph)
+    return model
+
+
+@pytest.fixture
+def scalar_outputs_traced():
+    """Dynamo's setting as exactga's ``compile_layers`` sets it, for this test only."""
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        yield
+
+
+@pytest.mark.usefixtures("scalar_outputs_traced")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compiled_layers_take_a_packed_row_as_one_graph_with_the_eager_rows_numbers(
+def test_each_familys_layer_compiles_into_one_graph_on_a_dense_packed_row(family: str) -> None:
+    """The one-graph option ([packed rows under compile]): every family's layer, its MoE
+    experts' loop included, is one graph, with eager's logits and gradients."""
+    model = random_model(family)
+    row = dense_row(packed_row())
+    eager = logits_and_gradients(model, row)
+    compiled = logits_and_gradients(compiled_layers(model, fullgraph=True), row)
+    assert relative_error(compiled[0], eager[0]) < BOUND
+    worst = max(relative_error(compiled[1][n], g) for n, g in eager[1].items() if g.any())
+    assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"
+
+
+@pytest.mark.usefixtures("scalar_outputs_traced")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # the two per-document attentions
+def test_compiled_layers_attend_each_document_alone_with_the_eager_rows_numbers(
     family: str,
 ) -> None:
-    """Layers compiled as torchtune's ``compile_model`` compiles them, each ``fullgraph``: any
-    graph break fails. ``aot_eager`` traces forward and backward as inductor would, without
-    generating kernels (seconds, not minutes, on a CPU). See [packed rows under compile].
-    The MoE families' expert loop reads its group sizes on the host, a graph break of its own
-    on a CPU (docs/micro_batching.md, "Compilations"): their numbers are checked, not one graph."""
+    """The default under compile: per-document attention outside the layer's graph."""
     model = random_model(family)
     row = packed_row()
     eager = logits_and_gradients(model, row)
-    torch._dynamo.reset()
-    for layer in model.layers:
-        layer.compile(backend="aot_eager", fullgraph=True)
-    compiled = logits_and_gradients(model, row)
+    compiled = logits_and_gradients(compiled_layers(model, fullgraph=False), row)
     assert relative_error(compiled[0], eager[0]) < BOUND
     worst = max(relative_error(compiled[1][n], g) for n, g in eager[1].items() if g.any())
     assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"

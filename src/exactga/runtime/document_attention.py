@@ -14,17 +14,16 @@ the span for Gemma 3's and gpt-oss's sliding layers, and gpt-oss's sink column p
 (exactga.models.gemma3._attention takes the lengths itself).
 
 Note [packed rows under compile]
-The per-document loop runs over Python integers: dynamo would specialise on them (a
-recompilation for every new row) and cannot trace it as it stands, so it is left out of the graph
-(``torch.compiler.disable``), which breaks each compiled layer's graph around its attention. Nor
-can the lengths enter a compiled layer as they are: a tensor subclass is no input AOT autograd
-takes. So once the model's layers are compiled (torchtune's ``compile_model`` compiles each
-layer; ``compile: True``), the model turns a row's lengths into the dense block-causal mask
-before its first layer (:func:`block_causal_mask`, tensor operations only: no host read): the
-layers see one plain ``[b, s, s]`` mask of one shape, and each is one graph that never
-recompiles for a new row. The mask computes the scores across documents and masks them, as
-``DENSE_PACKED_MASK`` does (exact, the same tests): a compiled row pays a dense row's attention,
-and docs/micro_batching.md measures what that costs against the eager loop.
+Under ``torch.compile`` the per-document loop stays outside the graph (``torch.compiler.disable``:
+its spans are Python integers, which traced would recompile every new row), so a compiled layer
+breaks its graph around attention, once per layer; everything else in the layer is compiled, and
+no row after the first few compiles anything new. The alternative, one graph per layer, is the
+dense block-causal mask (``DENSE_PACKED_MASK``): flex attention has no backward on a CPU in
+torch 2.13, so a mask is the only way attention enters a CPU graph, and it computes every score
+across documents. Measured side by side (benchmarks/micro_batching.py, the tiny config, 8 x 8,
+rows of 1024, 2026-11-29): compiled with the loop outside the graph, 0.78x the eager packed step
+time; compiled on one dense graph, 1.37x. The breaks are the faster choice, so they stay. On CUDA
+packed rows carry flex attention's ``BlockMask``, which compiles into the layer's graph.
 
 Note [per-document attention is exact]
 Under the block-causal mask a query's softmax runs over the keys of its own document up to
@@ -57,7 +56,7 @@ class DocumentLengths(torch.Tensor):
         return torch.tensor([seq_lens], dtype=torch.long).as_subclass(DocumentLengths)
 
 
-@torch.compiler.disable  # the spans are Python ints: traced, every row would recompile
+@torch.compiler.disable  # see [packed rows under compile]
 def attend_per_document(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,47 +106,14 @@ def _with_document_lengths(attention_call: AttentionCall) -> AttentionCall:
     return call
 
 
-def block_causal_mask(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``[b, s, s]`` booleans, True where position ``i`` may attend to ``j``: both in one
-    document of the row's ``lengths`` (``[b, n_docs]``) and ``j <= i``; made on the lengths'
-    device by tensor operations (torchtune's ``create_block_causal_mask`` reads them on the
-    host)."""
-    lengths = lengths.as_subclass(torch.Tensor)
-    positions = torch.arange(seq_len, device=lengths.device)
-    ends = lengths.cumsum(dim=-1)  # [b, n_docs]: the position after each document
-    document = (positions[None, :, None] >= ends[:, None, :]).sum(dim=-1)  # [b, s]
-    same_document = document[:, :, None] == document[:, None, :]
-    return same_document & (positions[:, None] >= positions[None, :])
-
-
-def _dense_mask_for_compiled_layers(model: nn.Module, args: tuple, kwargs: dict):
-    """The model's forward pre-hook: a packed row's :class:`DocumentLengths` becomes its dense
-    block-causal mask when the model's layers are compiled ([packed rows under compile])."""
-    mask = kwargs.get("mask")
-    if not isinstance(mask, DocumentLengths) or not _has_compiled_modules(model):
-        return None
-    tokens = kwargs["tokens"] if "tokens" in kwargs else args[0]
-    return args, {**kwargs, "mask": block_causal_mask(mask, tokens.shape[1])}
-
-
-def _has_compiled_modules(model: nn.Module) -> bool:
-    """Whether ``nn.Module.compile`` has compiled any of ``model``'s modules (torchtune's
-    ``compile_model`` compiles each layer, after the model is built)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-
-
 def accept_document_lengths(model: nn.Module) -> nn.Module:
     """``model`` with every attention module that calls torchtune's ``_attention_call``
-    (``MultiHeadAttention`` and its subclasses) taking :class:`DocumentLengths` for a mask,
-    and the model turning them into a dense mask for compiled layers ([packed rows under
-    compile]); once per module, however often it is called. Returns ``model``."""
+    (``MultiHeadAttention`` and its subclasses) taking :class:`DocumentLengths` for a mask;
+    once per module, however often it is called. Returns ``model``."""
     for module in model.modules():
         call = getattr(module, "_attention_call", None)
         if call is not None and not getattr(call, "accepts_document_lengths", False):
             module._attention_call = _with_document_lengths(call)
-    if not getattr(model, "_dense_mask_for_compiled_layers", False):
-        model.register_forward_pre_hook(_dense_mask_for_compiled_layers, with_kwargs=True)
-        model._dense_mask_for_compiled_layers = True
     return model
 
 
