@@ -20,6 +20,7 @@ from torchtune import training
 
 def compile_layers(model: nn.Module, verbose: bool = True) -> None:
     """torchtune's ``compile_model`` on ``model`` (each transformer layer compiled in place),
-    host reads of sizes traced into the graphs ([host-read sizes under compile])."""
+    host reads of sizes traced into the graphs ([host-read sizes under compile]); the setting
+    is dynamo's, so it holds for the rest of the process, as compiling does."""
     torch._dynamo.config.capture_scalar_outputs = True
     training.compile_model(model, verbose=verbose)

@@ -21,9 +21,10 @@ no row after the first few compiles anything new. The alternative, one graph per
 dense block-causal mask (``DENSE_PACKED_MASK``): flex attention has no backward on a CPU in
 torch 2.13, so a mask is the only way attention enters a CPU graph, and it computes every score
 across documents. Measured side by side (benchmarks/micro_batching.py, the tiny config, 8 x 8,
-rows of 1024, 2026-11-29): compiled with the loop outside the graph, 0.78x the eager packed step
-time; compiled on one dense graph, 1.37x. The breaks are the faster choice, so they stay. On CUDA
-packed rows carry flex attention's ``BlockMask``, which compiles into the layer's graph.
+rows of 1024, inductor, 2026-11-29; docs/micro_batching.md "Compiled"): compiled with the loop
+outside the graph, 0.95x the eager packed step time; compiled on one dense graph, 1.22x. The
+breaks are the faster choice, so they stay. On CUDA packed rows carry flex attention's
+``BlockMask``, which compiles into the layer's graph.
 
 Note [per-document attention is exact]
 Under the block-causal mask a query's softmax runs over the keys of its own document up to
