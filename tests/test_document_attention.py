@@ -111,6 +111,14 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours - reference).norm() / reference.norm()).item()
 
 
+def assert_same_numbers(ours: tuple, reference: tuple) -> None:
+    """Logits and every parameter's gradient (``logits_and_gradients``) within ``BOUND``."""
+    assert relative_error(ours[0], reference[0]) < BOUND
+    assert ours[1].keys() == reference[1].keys()
+    worst = max(relative_error(ours[1][n], g) for n, g in reference[1].items() if g.any())
+    assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"
+
+
 def test_a_packed_row_carries_its_document_lengths_unless_the_dense_mask_is_asked_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -133,10 +141,7 @@ def test_per_document_attention_gives_the_dense_masks_logits_and_gradients(famil
     per_document = logits_and_gradients(model, row)
     lengths = [torch.tensor(row["mask"].tolist()[0])]
     dense = logits_and_gradients(model, {**row, "mask": create_block_causal_mask(lengths)})
-    assert relative_error(per_document[0], dense[0]) < BOUND
-    assert per_document[1].keys() == dense[1].keys()
-    worst = max(relative_error(per_document[1][n], g) for n, g in dense[1].items() if g.any())
-    assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"
+    assert_same_numbers(per_document, dense)
 
 
 def dense_row(row: dict) -> dict:
@@ -170,9 +175,7 @@ def test_each_familys_layer_compiles_into_one_graph_on_a_dense_packed_row(family
     row = dense_row(packed_row())
     eager = logits_and_gradients(model, row)
     compiled = logits_and_gradients(compiled_layers(model, fullgraph=True), row)
-    assert relative_error(compiled[0], eager[0]) < BOUND
-    worst = max(relative_error(compiled[1][n], g) for n, g in eager[1].items() if g.any())
-    assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"
+    assert_same_numbers(compiled, eager)
 
 
 @pytest.mark.usefixtures("scalar_outputs_traced")
@@ -185,6 +188,4 @@ def test_compiled_layers_attend_each_document_alone_with_the_eager_rows_numbers(
     row = packed_row()
     eager = logits_and_gradients(model, row)
     compiled = logits_and_gradients(compiled_layers(model, fullgraph=False), row)
-    assert relative_error(compiled[0], eager[0]) < BOUND
-    worst = max(relative_error(compiled[1][n], g) for n, g in eager[1].items() if g.any())
-    assert worst < BOUND, f"worst parameter gradient: relative error {worst:.2e}"
+    assert_same_numbers(compiled, eager)
