@@ -92,20 +92,27 @@ def run_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callabl
 
 @pytest.fixture(autouse=True)
 def _tune_run_needs_the_slow_marker(request: pytest.FixtureRequest, monkeypatch) -> None:
-    """A test that launches ``tune run`` carries ``pytest.mark.slow``: ``make test-fast``
-    (``-m "not slow"``) must never launch one. Any test without the marker that starts a
-    process named ``tune`` fails here, naming itself."""
+    """A test that runs a recipe carries ``pytest.mark.slow``: ``make test-fast``
+    (``-m "not slow"``) must never run one. Any test without the marker that starts a process
+    named ``tune``, or a recipe run of tests/launcher.py, fails here, naming itself."""
     if request.node.get_closest_marker("slow") is not None:
         return
+    import launcher
+
+    refusal = f"{request.node.nodeid} runs a recipe: mark it pytest.mark.slow"
     popen_init = subprocess.Popen.__init__
 
     def refuse_tune(self, args, *rest, **kwargs):
         first = args if isinstance(args, str | bytes | os.PathLike) else args[0]
         if Path(os.fsdecode(first).split()[0]).name == "tune":
-            raise AssertionError(f"{request.node.nodeid} launches tune: mark it pytest.mark.slow")
+            raise AssertionError(refusal)
         popen_init(self, args, *rest, **kwargs)
 
+    def refuse_run(self, *args, **kwargs):
+        raise AssertionError(refusal)
+
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse_tune)
+    monkeypatch.setattr(launcher.RecipeRun, "__init__", refuse_run)
 
 
 # ``make test`` (``--dist loadgroup``) keeps each ``xdist_group`` on one worker. pytest-xdist 3.8

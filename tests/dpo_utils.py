@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from recipe_utils import REPO_ROOT, SMALL_MODEL, load_adapters, load_weights, output_of, run_tune
+from recipe_utils import REPO_ROOT, SMALL_MODEL, load_adapters, load_weights, output_of, run_recipe
 from torchtune import config
 
 LORA_SINGLE = ("recipes/lora_dpo.py", "configs/tiny/lora_dpo_single_device.yaml")
@@ -211,7 +211,7 @@ def dpo_args(
 
 def train(args: list[str], output_dir: Path) -> None:
     """Launch, fail with the launch's output if it fails, keep that output in ``launch.log``."""
-    proc = run_tune(args, timeout=600)
+    proc = run_recipe(args, timeout=600)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "launch.log").write_text(output_of(proc))
     assert proc.returncode == 0, output_of(proc)[-6000:]

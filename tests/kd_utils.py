@@ -24,7 +24,7 @@ from recipe_utils import (
     launch_and_kill,
     output_of,
     rows_with_an_empty_window,
-    run_tune,
+    run_recipe,
 )
 from tiny_runs import SMALL_TEACHER
 from torchtune import config
@@ -118,7 +118,7 @@ def parity_args(
 
 def train(args: list[str], extra: list[str] | None = None) -> None:
     """Launch and check the exit status."""
-    proc = run_tune(args + (extra or []), timeout=600)
+    proc = run_recipe(args + (extra or []), timeout=600)
     assert proc.returncode == 0, output_of(proc)[-4000:]
 
 

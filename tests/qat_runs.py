@@ -220,7 +220,7 @@ def make_all(root: Path, seed: int) -> None:
 
     def one_process() -> None:
         _kill(root, seed)
-        launch_runs(_one_process_runs(root), nproc=0, go_on_after_failure=True)
+        launch_runs(_one_process_runs(root), nproc=0)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [

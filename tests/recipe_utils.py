@@ -1,8 +1,9 @@
-"""Helpers for the recipe tests: launch ``tune run`` in a subprocess and read what it wrote.
+"""Helpers for the recipe tests: run ``tune run`` and read what it wrote.
 
-Tests run recipes only through the real command line (docs/contributing.md point 10): nothing here
-imports a recipe. Every launch is offline. ``run_tune`` launches through tests/zygote.py (a
-server that made the imports once forks the launch) where a fresh process shows nothing more.
+Tests run recipes only as ``tune run`` starts them (docs/contributing.md point 10): nothing here
+imports a recipe. Every run is offline. ``run_recipe`` forks the run's ranks from a server that
+made the imports once (tests/launcher.py), for the tests of a run; ``run_tune`` is a real
+``tune`` process, for the tests of a launch (torchrun, signals, a fresh console).
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import launcher
 import torch
-import zygote
 from tiny_runs import (  # noqa: F401 - re-exported for the tests
     SMALL_MODEL,
     TUNE,
     logged_steps,
     output_of,
+    run_tune,
     tune_env,
 )
-from zygote import tune_command
 
 # The one relative L2 of the project, as the docs define it: ||w - w_ref|| / ||w_ref - w_init||
 # over every tensor, in float64 (see exactga.parity.scoring).
@@ -42,26 +43,15 @@ INITIAL = "base_model/model.safetensors"
 TRAINED = "epoch_0/model-00001-of-00001.safetensors"
 
 
-def run_tune(
+def run_recipe(
     args: list[str],
     cwd: Path | str = REPO_ROOT,
     extra_env: dict[str, str | None] | None = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess:
-    """``tune run *args`` from ``cwd``, with stdout and stderr captured as text.
-
-    The launch goes through the tests' launch server (tests/zygote.py: forked from a process
-    that has made the imports already) unless it must be a real process; what the test sees is
-    the same either way."""
-    command, env = tune_command(tune_env(extra_env), TUNE, base=tune_env())
-    return subprocess.run(
-        [*command, "run", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``tune run *args`` from ``cwd`` with its ranks forked (tests/launcher.py: what a run
+    shows, not a launch), stdout and stderr captured as text."""
+    return launcher.run_recipe(args, cwd, tune_env(extra_env), timeout=timeout)
 
 
 def tune_in_process(*args: str) -> str:
@@ -178,52 +168,61 @@ def launch_and_kill(
     delay_s: float = 0.0,
     extra_env: dict[str, str | None] | None = None,
 ) -> None:
-    """Launch ``tune run args`` (output into ``log_path``, ``extra_env`` as ``run_tune``'s), and
-    SIGKILL it and its ranks ``delay_s`` after ``ready()`` first holds; fail if it ends by itself
-    before."""
-    command, env = tune_command(tune_env(extra_env), TUNE, base=tune_env())
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [*command, "run", *args],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + timeout_s
-            while not ready() and proc.poll() is None:
-                assert time.monotonic() < deadline, "the run did not reach its kill point"
-                time.sleep(0.02)
-            time.sleep(delay_s)
-            ended = proc.poll() is not None
-        finally:
-            kill_launch(proc)
+    """Start ``tune run args`` (``run_recipe``'s forked ranks, ``extra_env`` as its), and SIGKILL
+    every rank ``delay_s`` after ``ready()`` first holds; fail if it ends by itself before. The
+    ranks' output goes to ``log_path``."""
+    folder = log_path.with_name(f"{log_path.name}.ranks")
+    run = launcher.start_recipe(args, REPO_ROOT, tune_env(extra_env), folder)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready() and run.poll() is None:
+            assert time.monotonic() < deadline, "the run did not reach its kill point"
+            time.sleep(0.02)
+        time.sleep(delay_s)
+        ended = run.poll() is not None
+    finally:
+        run.kill()  # returns once every rank is gone: nothing writes into the folder after
+        log_path.write_text(run.stdout.read_text() + run.stderr.read_text())
     assert not ended, f"the run ended before its kill:\n{log_path.read_text()[-3000:]}"
 
 
 def kill_launch(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """SIGKILL a ``tune run`` launch and every process it started, and wait until all are gone.
-
-    torchrun starts each rank in a session of its own (``start_new_session=True`` in torch's
-    elastic subprocess handler), so killing the launcher's process group would leave the ranks
-    training on to the end, writing into the folder a resumed run then works in. The ranks are
-    found under the launcher in /proc and killed by their ids. A launch of the tests' launch
-    server (tests/zygote.py) has its processes under the server: the server kills them and
-    answers once they have ended.
-    """
-    if zygote.is_stand_in(proc.args):
-        zygote.kill_launch(proc.pid)
-    descendants = zygote.descendants(proc.pid)
+    """SIGKILL a real ``tune run`` launch (``subprocess.Popen``) and every process it started,
+    and wait until all are gone. torchrun starts each rank in a session of its own, so killing
+    the launcher's process group would leave the ranks training on: they are found under the
+    launcher in /proc and killed by their ids."""
+    descendants = _descendants(proc.pid)
     for pid in [proc.pid, *descendants]:
         with contextlib.suppress(ProcessLookupError):  # already gone
             os.kill(pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + timeout_s
-    while any(zygote.is_running(pid) for pid in descendants):
+    while any(_is_running(pid) for pid in descendants):
         assert time.monotonic() < deadline, f"processes {descendants} outlived SIGKILL"
         time.sleep(0.02)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs (read from Linux's /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):  # a process that ended meanwhile
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        started = children.get(todo.pop(), [])
+        found += started
+        todo += started
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # --- what a resumed run trained --------------------------------------------------------------

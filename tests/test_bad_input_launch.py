@@ -13,14 +13,13 @@ and tests/test_config_checks.py (keys, values, combinations, files) and
 tests/test_checkpointing.py (checkpoints); the distributed recipe launched with torchrun on bad
 input in tests/test_recipe_full_distributed_extra.py.
 
-Most launches fail at start-up, so a launch of its own would cost mostly the import of torch and
-torchtune. The single-process cases therefore share launches (tests/many_runs.py with
-``go_on_after_failure``: each case still the recipe as ``tune run`` starts it, its status and
-exactly its own output kept, and the launch goes on after it fails): the config and row cases in
-one module fixture, the cases reading a copy of the finished run in another (their setup needs
-it), the users' own dataset in a third (its own ``PYTHONPATH``). The 2-rank cases (torchrun: a
-config key, an override, a data file) and the missing ``--config`` file (tune's own command
-line) keep launches of their own.
+Most launches fail at start-up, so a fresh process would cost mostly the import of torch and
+torchtune. The single-process cases therefore fork from the tests' launch server
+(tests/launcher.py: each case still ``tune run`` on its command line, its status and its own
+output kept), made by module fixtures: the config and row cases in one, the cases reading a copy
+of the finished run in another (their setup needs it), the users' own dataset in a third (its
+own ``PYTHONPATH``). The 2-rank cases are real ``tune run --nproc_per_node 2`` launches: what they
+test is what exactga's wrap of torchrun prints (one message, without the launcher's traceback).
 """
 
 from __future__ import annotations
@@ -34,14 +33,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from many_runs import launch_runs, run_of
 from recipe_utils import (
     INITIAL,
     LORA_RECIPE,
     LORA_TINY_CONFIG,
     REPO_ROOT,
-    TUNE,
     output_of,
+    run_recipe,
     run_tune,
     tiny_args,
 )
@@ -94,8 +92,7 @@ def assert_fails_naming(proc, out_dir: Path, names: list[str], before_config: bo
 
 
 class Launched(NamedTuple):
-    """One case of a shared launch: its result as ``run_tune`` gives it (its status, and its
-    own output alone as ``stdout``) and its folder (a test's ``tmp_path``)."""
+    """One case: its result as ``run_recipe`` gives it and its folder (a test's ``tmp_path``)."""
 
     proc: subprocess.CompletedProcess
     folder: Path
@@ -104,23 +101,13 @@ class Launched(NamedTuple):
 def launch_together(
     root: Path, args_of: dict[str, list[str]], extra_env: dict[str, str] | None = None
 ) -> dict[str, Launched]:
-    """``tune run *args`` of every case, single-process, in one launch (tests/many_runs.py, going
-    on after a failing run); case ``name``'s folder is ``root / name``."""
-    runs = {}
-    for name, args in args_of.items():
-        nproc, runs[name] = run_of(args, root / name / "launch")
-        assert nproc == 0, args
-    launches = launch_runs(
-        list(runs.values()), nproc=0, extra_env=extra_env, go_on_after_failure=True
-    )
-    for output in launches:  # what a launch printed outside its runs: no failure of its own
-        assert "Traceback" not in output and "exactga: " not in output, output[-4000:]
+    """``tune run *args`` of every case, single-process, one after another (tests/launcher.py);
+    case ``name``'s folder is ``root / name``."""
     launched = {}
-    for name, run in runs.items():
-        status = int((run.folder / "returncode").read_text())
-        output = (run.folder / "output.txt").read_text()
-        proc = subprocess.CompletedProcess([TUNE, "run", run.recipe, *run.args], status, output, "")
-        launched[name] = Launched(proc, root / name)
+    for name, args in args_of.items():
+        assert args[0] != "--nproc_per_node", args
+        (root / name).mkdir(parents=True, exist_ok=True)
+        launched[name] = Launched(run_recipe(args, extra_env=extra_env), root / name)
     return launched
 
 
@@ -338,7 +325,7 @@ def test_a_config_file_that_does_not_exist_is_one_message(tmp_path):
     out = tmp_path / "out"
     args = ["recipes/full_finetune.py", "--config", "configs/tiny/nope.yaml"]
     names = ["--config configs/tiny/nope.yaml: no such file", str(REPO_ROOT), "'tune ls'"]
-    assert_fails_naming(run_tune([*args, f"output_dir={out}"]), out, names)
+    assert_fails_naming(run_recipe([*args, f"output_dir={out}"]), out, names)
 
 
 # --- checkpoints: a finished run, damaged step checkpoints, missing weights --------------------
@@ -348,7 +335,7 @@ def test_a_config_file_that_does_not_exist_is_one_message(tmp_path):
 def finished_run(tmp_path_factory) -> Path:
     """One step of the tiny run, with its step checkpoint (the one successful launch here)."""
     out = tmp_path_factory.mktemp("finished") / "out"
-    proc = run_tune(tiny_args(out, max_steps_per_epoch=1, save_every_n_steps=1))
+    proc = run_recipe(tiny_args(out, max_steps_per_epoch=1, save_every_n_steps=1))
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert (out / "step_checkpoints" / "step_000001").is_dir()
     return out
@@ -748,7 +735,7 @@ def own_dataset_launch(tmp_path_factory) -> dict[str, Launched]:
             max_steps_per_epoch=2,
         )
         args_of[problem] = [*args, f"dataset.problem={problem}"]
-    # Before the launching environment's own entries (tests/zygote.py then forks the launch).
+    # Before the launching environment's own entries, as a user's PYTHONPATH would put it.
     python_path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     return launch_together(root, args_of, extra_env={"PYTHONPATH": python_path})
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from recipe_utils import REPO_ROOT, run_tune
+from recipe_utils import REPO_ROOT, run_recipe
 from test_bad_input_launch import assert_fails_naming
 from tiny_runs import recipe_script
 from unit_utils import stock_configs
@@ -83,6 +83,6 @@ def test_a_pair_without_a_rejected_answer_fails_naming_its_row(tmp_path: Path) -
         f"dataset.data_files={data}",
         f"output_dir={out}",
     ]
-    proc = run_tune(args)
+    proc = run_recipe(args)
     names = ["dataset row 7 (0-based)", str(data), "'rejected'"]
     assert_fails_naming(proc, out, names, before_config=False)

@@ -33,7 +33,7 @@ from recipe_utils import (
     output_of,
     read_scalars,
     relative_l2,
-    run_tune,
+    run_recipe,
     tune_in_process,
 )
 
@@ -130,7 +130,7 @@ def _run(folder: Path, recipe: str, name: str, **overrides: object) -> Path:
     output_dir = folder / "outputs" / name
     settings = {**COMMON, **overrides, "output_dir": output_dir}
     args = [recipe, "--config", "my_config.yaml", *(f"{k}={v}" for k, v in settings.items())]
-    proc = run_tune(args, cwd=folder)
+    proc = run_recipe(args, cwd=folder)
     assert proc.returncode == 0, output_of(proc)[-4000:]
     return output_dir
 

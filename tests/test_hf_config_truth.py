@@ -702,7 +702,7 @@ def _launch(root: Path, folders: dict[str, Path]) -> None:
         )
     refused = [*_run_args(root / "qwen3.yaml", root / "refused" / "out"), "model.rope_base=1e6"]
     runs.append(Run("recipes/full_finetune.py", refused, root / "refused"))
-    launch_runs(runs, nproc=0, go_on_after_failure=True)
+    launch_runs(runs, nproc=0)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from recipe_utils import (
     lora_tiny_args,
     output_of,
     read_scalars,
-    run_tune,
+    run_recipe,
 )
 from tiny_runs import recipe_script
 from torchtune import config, training
@@ -297,7 +297,7 @@ def test_epoch_resume_finds_the_adapter_where_torchtune_looks(runs, tmp_path):
     # As if the run had stopped after epoch 0: its epoch-1 outputs and logs are gone.
     shutil.rmtree(stopped / "epoch_1")
     shutil.rmtree(stopped / "logs")
-    proc = run_tune([*lora_tiny_args(stopped, **settings), "resume_from_checkpoint=True"])
+    proc = run_recipe([*lora_tiny_args(stopped, **settings), "resume_from_checkpoint=True"])
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert len(read_scalars(stopped / "logs")["loss"]) == 2  # epoch 1's steps, not 4
     for epoch in ("epoch_0", "epoch_1"):

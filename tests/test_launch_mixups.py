@@ -29,7 +29,7 @@ from recipe_utils import (
     TINY_CONFIG,
     TRAINED,
     output_of,
-    run_tune,
+    run_recipe,
     tiny_args,
 )
 
@@ -295,7 +295,7 @@ def test_a_file_of_two_names_by_path_under_torchrun_trains_a_one_device_config_o
         cwd.mkdir()
         (cwd / "my_recipe.py").write_text((REPO_ROOT / RECIPE).read_text())
         args[:3] = ["my_recipe.py", "--config", str(REPO_ROOT / TINY_CONFIG)]
-    proc = run_tune(["--nproc_per_node", "2", *args], cwd=cwd)
+    proc = run_recipe(["--nproc_per_node", "2", *args], cwd=cwd)
     output = output_of(proc)
     assert proc.returncode == 0, output[-4000:]
     assert "full_finetune_distributed: model" in output, output[-4000:]  # the config summary
@@ -310,7 +310,7 @@ def test_the_distributed_name_without_torchrun_trains_a_one_device_config_as_one
     out = tmp_path / "out"
     overrides = tiny_args(out, max_steps_per_epoch=1)[3:]
     args = ["exactga/full_finetune_distributed", "--config", "exactga/tiny/full_single_device"]
-    proc = run_tune([*args, *overrides])
+    proc = run_recipe([*args, *overrides])
     output = output_of(proc)
     assert proc.returncode == 0, output[-4000:]
     assert "full_finetune_distributed: model" in output, output[-4000:]
@@ -331,7 +331,7 @@ def test_a_single_device_only_recipe_by_path_under_torchrun_is_refused_before_an
         "configs/tiny/ppo_single_device.yaml",
         f"output_dir={out}",
     ]
-    proc = run_tune(args)
+    proc = run_recipe(args)
     output = output_of(proc)
     assert proc.returncode == 1, output[-4000:]
     assert output.count("exactga: ") == 1 and "Traceback" not in output, output[-4000:]
@@ -342,10 +342,10 @@ def test_a_single_device_only_recipe_by_path_under_torchrun_is_refused_before_an
 
 @pytest.mark.slow
 def test_the_stock_name_refusal_through_tune(tmp_path: Path) -> None:
-    """Through the tests' launch server: this interpreter shows the start-up hook installs the
-    check (the in-process tests above run through it)."""
+    """Through tune run: the start-up hook installs the check in a process of its own (the
+    in-process tests above run through it)."""
     config = "configs/qwen3/0.6B_lora_single_device.yaml"
-    proc = run_tune(["lora_finetune_single_device", "--config", config])
+    proc = run_recipe(["lora_finetune_single_device", "--config", config])
     output = output_of(proc)
     assert proc.returncode == 1, output[-4000:]
     assert output.count("exactga: ") == 1 and "Traceback" not in output, output[-4000:]
@@ -357,7 +357,7 @@ def test_a_recipe_by_absolute_path_runs_from_another_folder(tmp_path: Path) -> N
     out = tmp_path / "out"
     args = tiny_args(out, max_steps_per_epoch=1)
     args[:3] = [str(REPO_ROOT / RECIPE), "--config", str(REPO_ROOT / TINY_CONFIG)]
-    proc = run_tune(args, cwd=tmp_path)
+    proc = run_recipe(args, cwd=tmp_path)
     assert proc.returncode == 0, output_of(proc)[-4000:]
     assert (out / INITIAL).is_file() and (out / TRAINED).is_file()
 

@@ -4,7 +4,7 @@ torchtune 0.6.1 installs a top-level ``recipes`` package that would shadow ./rec
 hook (src/_exactga_recipes_hook.py) makes the working directory's folder win. These tests launch
 the way a user does and prove which file ran: stock torchtune has no "unknown config key" error
 and no ``loss_tokens`` metric, and an edited copy prints its own marker. Each is a real launch (not
-one forked by tests/zygote.py's server): the start-up hook runs as a fresh interpreter starts.
+forked by tests/launcher.py): the start-up hook runs as a fresh interpreter starts.
 """
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ from recipe_utils import (
     run_tune,
     tiny_args,
 )
-from zygote import REAL_LAUNCH
 
 pytestmark = pytest.mark.slow
-
-REAL = {REAL_LAUNCH: "1"}  # a fresh process, start-up hooks and imports included
 
 MARKER = "EDITED COPY RAN"
 
@@ -43,14 +40,14 @@ def test_tune_run_from_repo_root_runs_our_recipe(tmp_path):
     """Our metrics show our recipe ran. (That it refuses a misspelt key, which stock torchtune
     would not, is tests/test_recipe_full_single_device.py's test_bad_config_fails_naming_the_key
     and tests/test_bad_input_launch.py's.)"""
-    proc = run_tune(tiny_args(tmp_path / "out", max_steps_per_epoch=1), extra_env=REAL)
+    proc = run_tune(tiny_args(tmp_path / "out", max_steps_per_epoch=1))
     _assert_trained_by_us(proc, tmp_path / "out")
 
 
 def test_tune_run_with_torchrun_runs_our_recipe(tmp_path):
     """``--nproc_per_node`` goes through torchrun, which runs the recipe with ``python -m``."""
     args = tiny_args(tmp_path / "out", max_steps_per_epoch=1)
-    proc = run_tune(["--nproc_per_node", "1", *args], extra_env=REAL)
+    proc = run_tune(["--nproc_per_node", "1", *args])
     assert "Running with torchrun" in proc.stdout, output_of(proc)[-4000:]
     _assert_trained_by_us(proc, tmp_path / "out")
 
@@ -75,6 +72,6 @@ def test_edited_copy_runs_from_its_own_folder(tmp_path, recipe):
     args = tiny_args(out_dir, max_steps_per_epoch=1)
     assert args[:3] == [RECIPE, "--config", TINY_CONFIG]
     args[:3] = [recipe, "--config", str(REPO_ROOT / TINY_CONFIG)]
-    proc = run_tune(args, cwd=project, extra_env=REAL)
+    proc = run_tune(args, cwd=project)
     assert MARKER in proc.stdout, output_of(proc)[-4000:]
     _assert_trained_by_us(proc, out_dir)

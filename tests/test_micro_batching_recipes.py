@@ -254,7 +254,7 @@ def one_device_runs(run_once) -> Path:
                 out = root / f"{precision}_{name}"
                 named[out.name] = lora_tiny_args(out) + _cli({**settings, **overrides})
         runs = [run_of(args, root / name)[1] for name, args in named.items()]
-        launch_runs([*runs, *resumes], nproc=0, go_on_after_failure=True)
+        launch_runs([*runs, *resumes], nproc=0)
         _check_launched(root, list(named))
 
     return run_once("micro_batching_one_device", make)

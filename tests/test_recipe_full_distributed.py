@@ -1,12 +1,10 @@
-"""recipes/full_finetune.py through the real ``tune run --nproc_per_node 2`` on CPU.
+"""recipes/full_finetune.py through ``tune run --nproc_per_node 2`` on CPU.
 
 Tier (b) of docs/contributing.md point 9, gloo ranks, offline. All runs of the module are made
-once, in a module fixture, by one launch per number of ranks (tests/many_runs.py: each run still
-goes through the recipe as ``tune run`` starts it, one after another in the launch's processes);
-each test then reads what they wrote. The 2-rank launch is the multi-node one of the docs: two
-``tune run --nnodes 2 --nproc_per_node 1`` agents on this machine, meeting through torchrun's
-c10d rendezvous on loopback (``tune run --nproc_per_node 2`` launches this recipe in
-tests/test_recipe_full_distributed_extra.py and tests/test_resume.py). The one-rank reference
+once, in a module fixture (tests/many_runs.py: each run ``tune run`` on its command line, its ranks
+forked by tests/launcher.py); each test then reads what they wrote. A real launch of this recipe
+under torchrun is tests/test_launching.py's, across two nodes tests/test_multi_node_launch.py's
+(which must train what a 2-rank run of one node trains). The one-rank reference
 is the single-device recipe (same sampler order, same initial checkpoint), so these runs also
 check the two recipes against each other.
 
@@ -164,9 +162,8 @@ def _launch_all(root: Path) -> None:
             },
         ),
     }
-    # One launch per number of ranks, side by side, each running its runs one after another
-    # (tests/many_runs.py): the one-device runs and the distributed recipe without torchrun in
-    # one, the 2-rank runs in the other, on two nodes of one rank each.
+    # The one-device runs and the distributed recipe without torchrun one after another, the
+    # 2-rank runs beside them (tests/many_runs.py).
     by_ranks: dict[int, list[Run]] = {0: [], 2: []}
     for name, (nproc, settings) in launches.items():
         by_ranks[2 if nproc == 2 else 0].append(_run(name, nproc, settings, root))
@@ -176,7 +173,7 @@ def _launch_all(root: Path) -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [
             pool.submit(launch_runs, by_ranks[0], 0, extra_env=counter),
-            pool.submit(launch_runs, by_ranks[2], 1, extra_env=counter, nnodes=2),
+            pool.submit(launch_runs, by_ranks[2], 2, extra_env=counter),
         ]
         for future in futures:
             future.result()
@@ -195,7 +192,7 @@ def _distance(run: Path, reference: Path) -> float:
 
 @pytest.mark.parametrize("name", ["2ranks_4x1", "2ranks_1x4", "2ranks_2x2"])
 def test_rank_and_accumulation_splits_match_one_rank(runs, name):
-    """2 ranks x (4x1, 1x4, 2x2), on two nodes over loopback rendezvous, train to the weights
+    """2 ranks x (4x1, 1x4, 2x2) train to the weights
     of 1 rank 8x1 (relative L2 <= 1e-5)."""
     reference = runs["1rank_8x1"]
     scalars, ref_scalars = read_scalars(runs[name] / "logs"), read_scalars(reference / "logs")

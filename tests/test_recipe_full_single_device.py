@@ -182,7 +182,7 @@ def _launch_all(root: Path) -> None:
         assert nproc == 0
         env = {"EXACTGA_TRACEBACK": "1"} if name == "traceback_switch" else None
         runs.append(run._replace(env=env))
-    launch_runs(runs, nproc=0, go_on_after_failure=True)
+    launch_runs(runs, nproc=0)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 from omegaconf import OmegaConf
-from recipe_utils import SMALL_MODEL, output_of, run_tune
+from recipe_utils import SMALL_MODEL, output_of, run_recipe
 
 from exactga.accumulation.normalization import NormMode
 from exactga.config.validation import validate_config
@@ -46,7 +46,7 @@ def dpo_report(run_once):
     def make(out):
         overrides = {**SMALL_MODEL, "output_dir": out, "parity.splits": f"[{','.join(SPLITS)}]"}
         args = [PARITY_RECIPE, "--config", DPO_CONFIG, *(f"{k}={v}" for k, v in overrides.items())]
-        proc = run_tune(args)
+        proc = run_recipe(args)
         (out / "launch.log").write_text(output_of(proc))
         assert proc.returncode == 0, output_of(proc)[-4000:]
 

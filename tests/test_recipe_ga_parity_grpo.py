@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 from omegaconf import OmegaConf
-from recipe_utils import output_of, run_tune
+from recipe_utils import output_of, run_recipe
 
 from exactga.accumulation.normalization import NormMode
 from exactga.config.options import LossAggregation
@@ -60,7 +60,7 @@ def grpo_report(run_once):
             GRPO_CONFIG,
             *(f"{k}={v}" for k, v in overrides.items()),
         ]
-        proc = run_tune(args)
+        proc = run_recipe(args)
         (out / "launch.log").write_text(output_of(proc))
         assert proc.returncode == 0, output_of(proc)[-4000:]
 

@@ -11,7 +11,7 @@ import warnings
 import pytest
 from kd_utils import SMALL_TEACHER
 from omegaconf import OmegaConf
-from recipe_utils import SMALL_MODEL, output_of, run_tune
+from recipe_utils import SMALL_MODEL, output_of, run_recipe
 
 from exactga.config.validation import validate_config
 from exactga.parity.schema import GaParityConfig
@@ -46,7 +46,7 @@ def kd_report(run_once):
             "parity.micro_batching": f"[{','.join(MICRO_BATCHINGS)}]",
         }
         args = [PARITY_RECIPE, "--config", KD_CONFIG, *(f"{k}={v}" for k, v in overrides.items())]
-        proc = run_tune(args)
+        proc = run_recipe(args)
         assert proc.returncode == 0, output_of(proc)[-4000:]
 
     report_dir = run_once("ga_parity_kd", make) / "parity"

@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from grpo_utils import RECIPE, SPLITS, grpo_args, initial_weights, trained_weights
-from many_runs import STOP_AFTER_STEP, Run, launch_runs
+from many_runs import Run, launch_runs
 from recipe_utils import load_weights, logged_steps, read_scalars, relative_l2
+from run_hooks import STOP_AFTER_STEP
 
 from exactga.checkpoints.contents import BEST_RECORD
 
@@ -149,7 +150,7 @@ def runs(run_once) -> Path:
         tests_on_path = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         one_rank = [*_runs(root, 0), _parity_run(root), *_best_runs(root, 0)]
         # go on after the stopped run (a stop exits with the signal's status)
-        launch_runs(one_rank, nproc=0, extra_env=tests_on_path, go_on_after_failure=True)
+        launch_runs(one_rank, nproc=0, extra_env=tests_on_path)
         launch_runs([*_runs(root, 2), *_best_runs(root, 2)], nproc=2, extra_env=tests_on_path)
 
     root = run_once("grpo_parity_runs", make)

@@ -107,7 +107,7 @@ def runs(run_once) -> Path:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = [
                 pool.submit(launch_runs, two_ranks, nproc=2, extra_env=TESTS, timeout_per_run=600),
-                pool.submit(launch_runs, bad, nproc=0, extra_env=TESTS, go_on_after_failure=True),
+                pool.submit(launch_runs, bad, nproc=0, extra_env=TESTS),
             ]
             for future in futures:
                 future.result()

@@ -184,7 +184,7 @@ def _launch_all(root: Path) -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [
             pool.submit(launch_runs, [run for _, run in parity], nproc=0),
-            pool.submit(launch_runs, [run for _, run in rest], nproc=0, go_on_after_failure=True),
+            pool.submit(launch_runs, [run for _, run in rest], nproc=0),
         ]
         for future in futures:
             future.result()

@@ -433,8 +433,8 @@ def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
 
 
 def _compiled(run: Run) -> Run:
-    """``run`` with ``compile=True``, under aot_eager (set for this run alone, so the launch is
-    still the launch server's fork, tests/zygote.py)."""
+    """``run`` with ``compile=True``, under aot_eager (set for this run alone: the backend is
+    read when the run compiles, so its ranks still fork, tests/launcher.py)."""
     return run._replace(args=[*run.args, "compile=True"], env=COMPILE_WITHOUT_INDUCTOR)
 
 

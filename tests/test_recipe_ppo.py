@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 import stock_configs
-from many_runs import STOP_AFTER_STEP, Run, launch_runs
+from many_runs import Run, launch_runs
 from omegaconf import OmegaConf
 from recipe_utils import (
     REPO_ROOT,
@@ -52,6 +52,7 @@ from recipe_utils import (
     logged_steps,
     relative_l2,
 )
+from run_hooks import STOP_AFTER_STEP
 
 from exactga.checkpoints.contents import BEST_RECORD
 from exactga.config.validation import validate_config
@@ -195,7 +196,7 @@ def runs(run_once) -> Path:
             OmegaConf.save(stock_configs.adapted_ppo_config(STOCK, out), out / "config.yaml")
             runs.append(Run(RECIPE, ["--config", str(out / "config.yaml")], out))
         # go on after the stopped run (a stop exits with the signal's status)
-        launch_runs(runs, nproc=0, timeout_per_run=900, go_on_after_failure=True)
+        launch_runs(runs, nproc=0, timeout_per_run=900)
 
     return run_once("ppo_runs", make)
 

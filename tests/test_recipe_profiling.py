@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from many_runs import STEADY_SAVED_MS_PER_ELEMENT, STEADY_SCALING_PASS, Run, launch_runs
+from many_runs import Run, launch_runs
 from profiling_utils import read_reports, tensorboard_charts, tensorboard_run_colours
 from recipe_utils import (
     LORA_RECIPE,
@@ -20,6 +20,7 @@ from recipe_utils import (
     load_weights,
     read_scalars,
 )
+from run_hooks import STEADY_SAVED_MS_PER_ELEMENT, STEADY_SCALING_PASS
 
 from exactga.profiling import PHASES, REPORT_CATEGORY, REPORT_RUN
 from exactga.profiling.report import CHARTS

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from recipe_utils import REPO_ROOT, logged_steps, output_of, run_tune, tune_in_process
+from recipe_utils import REPO_ROOT, logged_steps, output_of, run_recipe, tune_in_process
 
 from exactga.launch import registry, twins
 
@@ -140,7 +140,7 @@ def copied_and_edited(tmp_path_factory) -> tuple[Path, str]:
     indent = line.group(1)
     edited = f"\n{indent}report = steps.end_step(window, outcome)\n{indent}{PRINTED}"
     (folder / "my_recipe.py").write_text(recipe.replace(line.group(0), edited))
-    proc = run_tune(
+    proc = run_recipe(
         [
             "my_recipe.py",
             "--config",
@@ -181,7 +181,7 @@ def test_the_recipe_logs_the_cpu_threads_it_chose(copied_and_edited):
 
 @pytest.mark.slow
 def test_tune_run_takes_exactga_names_from_any_folder(tmp_path: Path) -> None:
-    proc = run_tune(
+    proc = run_recipe(
         [
             "exactga/lora_finetune_single_device",
             "--config",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from many_runs import STOP_AFTER_STEP, launch_runs, run_of
+from many_runs import launch_runs, run_of
 from recipe_utils import (
     LORA_RECIPE,
     LORA_TINY_CONFIG,
@@ -48,6 +48,7 @@ from recipe_utils import (
     logged_steps,
     relative_l2,
 )
+from run_hooks import STOP_AFTER_STEP
 
 from exactga.checkpoints.contents import BEST_RECORD
 
@@ -181,8 +182,8 @@ def _failing_runs(root: Path) -> dict[str, list[str]]:
 
 # The resume lineage: A stops after LINEAGE_A_STOP, B (starting over) after LINEAGE_B_STOP, then
 # B's printed command runs. Each stop is a SIGTERM the run sends itself after that step
-# (tests/many_runs.py), and the command line a launch would print is set as tune's launcher sets
-# it for its ranks (many_runs runs the recipes under its own command line).
+# (tests/run_hooks.py), and the command line is set as typed (``tune run ...``), as tune's
+# launcher sets it for its ranks: the tests start the virtual environment's tune by its path.
 LINEAGE_A_STOP, LINEAGE_B_STOP = 9, 5
 LAUNCH_COMMAND_ENV = "EXACTGA_LAUNCH_COMMAND"  # exactga.launch.stopping's
 LINEAGE_STOP = re.compile(
@@ -213,8 +214,8 @@ def _with_launch_command(args: list[str], env: dict[str, str]) -> dict[str, str]
 def uninterrupted(run_once):
     """Each scenario's run without interruption, made on first use, once per session (under
     ``pytest -n`` the module's tests run on several workers; they share these runs): every
-    scenario's, one launch per rank count (tests/many_runs.py). The one-process launch goes on
-    with the runs of ``_failing_runs`` (each keeping its own status and output), which must
+    scenario's, one after another per rank count (tests/many_runs.py). The one-process runs go
+    on with the runs of ``_failing_runs`` (each keeping its own status and output), which must
     come after the finished run they read."""
 
     def make(root: Path) -> None:
@@ -231,7 +232,7 @@ def uninterrupted(run_once):
             assert nproc == 0
             by_ranks[0].append(run._replace(env=_with_launch_command(args, env)))
         for nproc, runs in by_ranks.items():
-            launch_runs(runs, nproc=nproc, go_on_after_failure=nproc == 0)
+            launch_runs(runs, nproc=nproc)
         for scenario in SCENARIOS:
             output = (root / scenario / "output.txt").read_text()
             assert (root / scenario / "returncode").read_text() == "0", output[-4000:]
@@ -251,10 +252,9 @@ def _launched(root: Path, name: str) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def resumed(run_once, uninterrupted):
     """Every scenario's run killed at a random step (and ``TRUNCATED``'s, after its second
-    checkpoint, with its latest checkpoint then cut in half), each a launch of its own killed
-    with SIGKILL, two at a time; then resumed, the one-process runs one after another in one
-    launch (tests/many_runs.py, each keeping its own status and output), the 2-rank run in a
-    launch of its own. Each resumed run logs into a folder of its own, except the TensorBoard
+    checkpoint, with its latest checkpoint then cut in half), each killed with SIGKILL, two at
+    a time; then resumed, one after another (tests/many_runs.py, each keeping its own status
+    and output). Each resumed run logs into a folder of its own, except the TensorBoard
     scenario's (the run's own, which it must go on in).
 
     ``resumed(name)``: the run's folder (``run``: the killed and resumed output directory;
@@ -299,8 +299,7 @@ def resumed(run_once, uninterrupted):
             by_ranks.setdefault(nproc, []).append(run)
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = [
-                pool.submit(launch_runs, runs, nproc=nproc, go_on_after_failure=nproc == 0)
-                for nproc, runs in by_ranks.items()
+                pool.submit(launch_runs, runs, nproc=nproc) for nproc, runs in by_ranks.items()
             ]
             for future in futures:
                 future.result()

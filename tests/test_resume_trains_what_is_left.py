@@ -21,7 +21,7 @@ from recipe_utils import (
     load_weights,
     logged_steps,
     output_of,
-    run_tune,
+    run_recipe,
     tiny_args,
 )
 
@@ -41,13 +41,13 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     """(uninterrupted run, resumed run) output folders; the resumed one logs to ``logs_resumed``."""
     root = tmp_path_factory.mktemp("resume_fast")
     uninterrupted, resumed = root / "uninterrupted", root / "resumed"
-    proc = run_tune(_args(uninterrupted))
+    proc = run_recipe(_args(uninterrupted))
     assert proc.returncode == 0, output_of(proc)[-4000:]
     step = f"step_checkpoints/step_{RESUME_AFTER:06d}"
     shutil.copytree(uninterrupted / Path(INITIAL).parent, resumed / Path(INITIAL).parent)
     shutil.copytree(uninterrupted / step, resumed / step)
     logs = ["resume_from_checkpoint=True", f"metric_logger.log_dir={resumed / 'logs_resumed'}"]
-    proc = run_tune(_args(resumed) + logs)
+    proc = run_recipe(_args(resumed) + logs)
     assert proc.returncode == 0, output_of(proc)[-4000:]
     return uninterrupted, resumed
 

@@ -3,22 +3,21 @@ command that line prints goes on to the uninterrupted run's weights, bit for bit
 
 See [stop at a step boundary] in exactga.launch.stopping, [every rank stops at one step] in
 exactga.run.steps and [torchrun and a stop] in exactga.launch.cli. Each scenario launches
-``tune run`` in a session of its own (as a terminal's foreground job; through tests/zygote.py's
-stand-in, which passes each signal it gets on to the launch), waits until the
-progress bar shows a second finished step, and sends the signal to the launch's process group,
-as Ctrl-C or a ``kill`` of the job does: on one device that is the recipe's process; under
-torchrun the launcher, which passes it on to each rank. No step checkpoints are asked for
-(``save_every_n_steps`` is off), so the stop's checkpoint is the only one. Watching the output
-rather than sleeping keeps it right on a loaded machine: the signal always lands in training,
-at whatever step it is by then.
+``tune run``, waits until the progress bar shows a second finished step, and sends the signal:
+the two ``FRESH`` scenarios are real launches in a session of their own (as a terminal's
+foreground job), and the signal goes to the launch's process group, as Ctrl-C or a ``kill`` of
+the job does (on one device the recipe's process; under torchrun the launcher, which passes it on
+to each rank); the other two fork their ranks (tests/launcher.py) and the signal goes to each.
+No step checkpoints are asked for (``save_every_n_steps`` is off), so the stop's checkpoint is the
+only one. Watching the output rather than sleeping keeps it right on a loaded machine: the signal
+always lands in training, at whatever step it is by then.
 
 The console test reads the two stopped runs that are fresh processes (``FRESH``: one on one
-device, one under torchrun, each reading the data file for the first time); the other two are
-forked by tests/zygote.py's server, as their tests are of the run, not of a process's start.
+device, one under torchrun, each reading the data file for the first time).
 
-Launches are shared: the four stopped runs are a launch each; the resumes, each the printed
-command run as ``tune run`` runs it (tests/many_runs.py), and the uninterrupted references
-share one launch per rank count. The single-device reference is a launch into a copy of a
+The four stopped runs are a launch each; the resumes, each the printed command run as ``tune
+run`` runs it (tests/many_runs.py), and the uninterrupted references
+run one after another per rank count. The single-device reference is a launch into a copy of a
 stopped run's folder without the resume key, which must say that a step checkpoint of the run
 is there and how to go on.
 """
@@ -36,9 +35,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from launcher import start_recipe
 from many_runs import launch_runs, run_of
 from recipe_utils import REPO_ROOT, SMALL_MODEL, TUNE, kill_launch, load_weights, tune_env
-from zygote import is_stand_in, tune_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("stop_on_signal")]
 
@@ -62,7 +61,7 @@ SCENARIOS = {
     "two_ranks_sigterm": (2, signal.SIGTERM),
 }
 # The scenarios whose launch is a fresh process, as a user's (one per launcher): the console test
-# reads theirs. The others are forked by tests/zygote.py's server: what they test (the stop, its
+# reads theirs. The others fork their ranks (tests/launcher.py): what they test (the stop, its
 # checkpoint, the printed command going on bit for bit) is the run's, not the process start's.
 FRESH = ("one_device_sigint", "two_ranks_sigterm")
 RERUN = "one_device_sigterm"  # the stopped run whose folder a launch without the key reuses
@@ -82,36 +81,52 @@ def _args(nproc: int, out: Path) -> list[str]:
 
 
 def _launch_and_signal(nproc: int, signum: signal.Signals, out: Path, log: Path) -> int:
-    """Launch, send ``signum`` to the launch's process group once a second step is done, and
-    return its exit status (the launch is killed if it outlives the bound)."""
-    # For a FRESH scenario, a datasets cache of its own: the data file is read for the first
-    # time, as on a fresh clone, when datasets would print its progress bars (the console test).
-    # That variable is read at import, so tests/zygote.py makes this a real launch: a fresh
-    # console, import-time warnings included, as a user's. The others fork.
-    fresh = out.parent.name in FRESH
-    extra = {"HF_DATASETS_CACHE": str(out.parent / "datasets_cache")} if fresh else {}
-    command, env = tune_command(tune_env(extra), TUNE, base=tune_env())
-    assert not (fresh and is_stand_in(command)), "a FRESH scenario must be a real launch"
+    """Launch, send ``signum`` once a second step is done, and return the run's exit status
+    (the launch is killed if it outlives the bound)."""
+    if out.parent.name not in FRESH:  # the stop of the run itself: its ranks get the signal
+        return _fork_and_signal(nproc, signum, out, log)
+    # A datasets cache of its own: the data file is read for the first time, as on a fresh
+    # clone, when datasets would print its progress bars (the console test). A real launch: a
+    # fresh console, import-time warnings included, as a user's; the signal goes to the
+    # launch's process group (under torchrun its agent, which passes it on to the ranks).
+    extra = {"HF_DATASETS_CACHE": str(out.parent / "datasets_cache")}
     with open(log, "w") as output:
         proc = subprocess.Popen(
-            [*command, "run", *_args(nproc, out)],
+            [str(TUNE), "run", *_args(nproc, out)],
             cwd=REPO_ROOT,
-            env=env,
+            env=tune_env(extra),
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not SECOND_STEP_DONE.search(log.read_text(errors="replace")):
-            assert proc.poll() is None, f"ended before its signal:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no second step:\n{log.read_text()[-3000:]}"
-            time.sleep(0.05)
+        _wait_for_a_second_step(log, proc.poll)
         os.killpg(proc.pid, signum)
         return proc.wait(timeout=STOP_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             kill_launch(proc)
+
+
+def _fork_and_signal(nproc: int, signum: signal.Signals, out: Path, log: Path) -> int:
+    """``_launch_and_signal`` with the ranks forked (tests/launcher.py): each gets the signal."""
+    folder = log.with_name(f"{log.name}.ranks")
+    run = start_recipe(_args(nproc, out), REPO_ROOT, tune_env(), folder)
+    try:
+        _wait_for_a_second_step(run.stderr, run.poll)
+        run.send_signal(signum)
+        return run.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        run.kill()
+        log.write_text(run.stdout.read_text() + run.stderr.read_text())
+
+
+def _wait_for_a_second_step(log: Path, poll) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not SECOND_STEP_DONE.search(log.read_text(errors="replace")):
+        assert poll() is None, f"ended before its signal:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no second step:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,14 @@
-"""The torchao optimizer runs of two test modules, in one launch with ``TORCHDYNAMO_DISABLE=1``.
+"""The torchao optimizer runs of two test modules: fresh processes, ``TORCHDYNAMO_DISABLE=1``.
 
 tests/test_low_bit_optimizer.py (``AdamW8bit``) and tests/test_precision_recipes.py (pure bf16
 with ``_AdamW``'s stochastic rounding) each train a short LoRA run, stop a copy of it after its
 second-to-last step, resume that copy, and compare. torchao compiles its optimizer step on first
 use (40 s on our 2 CPU cores, torchao's own business); ``TORCHDYNAMO_DISABLE=1`` runs the same step
-eagerly. That variable is read at import, so each launch with it is a fresh process (tests/zygote.py
-cannot fork it), about 7 s of CPU of imports before a step of milliseconds: here the six runs share
-one such launch (tests/many_runs.py: each still the recipe as ``tune run`` starts it), made once per
-session (``run_once``). The two modules are one xdist group, so one worker makes it. Nothing here
-is a test.
+eagerly. torchao decorates its step with ``torch.compile`` when it is imported, which is when that
+variable is read, and tests/launcher.py's server has imported it: so each run here is a fresh
+process (``launch_runs(fresh=True)``, each still ``tune run`` on its command line), made once per
+session (``run_once``). The two modules are one xdist group, so one worker makes them. Nothing
+here is a test.
 
 Each module plans a case with :func:`stopped_and_resumed`: in ``<case>/``, ``uninterrupted``
 trains every step; ``stopped`` is the same command into a folder of its own that stops itself with
@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from many_runs import STOP_AFTER_STEP, Run, launch_runs, run_of
+from many_runs import Run, launch_runs, run_of
+from run_hooks import STOP_AFTER_STEP
 
 GROUP = "torchao_eager_runs"  # the xdist group of both modules' tests that read these runs
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
@@ -63,5 +64,4 @@ def _launch_all(root: Path) -> None:
         *adamw8bit_runs(root / "adamw8bit"),
         *stochastic_rounding_runs(root / "bf16_stochastic_rounding"),
     ]
-    # One process, going on after the stopped runs (their status is the stop's, not 0).
-    launch_runs(runs, nproc=0, extra_env=EAGER, go_on_after_failure=True)
+    launch_runs(runs, nproc=0, extra_env=EAGER, fresh=True)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import launcher
 import pytest
 import torch
 import torch.distributed as dist
@@ -208,24 +209,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # --- the 2-rank harness ------------------------------------------------------------------------
 
 
-# What the forkserver imports once for every rank it forks. Installed modules only: CPython's
-# forkserver (3.11, 3.12) drops the sys.path it is handed, so a module of tests/ fails to
-# import there, silently (this list once held "unit_utils", and every rank of every test paid
-# about 3.4 s importing torch itself); the ranks import tests/ modules themselves, cheaply.
-RANK_PRELOAD = [
-    "torch",
-    "torch.distributed.fsdp",
-    "torchtune.training",
-    "torchtune.models.llama3_2",
-    "torchtune.modules.loss",
-    "torchtune.modules.peft",
-    "omegaconf",
-    "exactga.accumulation.normalization",
-    "exactga.accumulation.step",
-    "exactga.model_build.trained",
-]
-
-
 def run_on_ranks(
     worker: Callable[..., Any],
     args: tuple,
@@ -241,13 +224,14 @@ def run_on_ranks(
     results.
 
     ``"forkserver"``: the ranks are forked from one server process per test process, which has
-    imported torch, torchtune and exactga (``RANK_PRELOAD``) once and run nothing, so a rank
-    starts in a fraction of the seconds a ``"spawn"`` takes to import them again. A plain
+    imported torch, torchtune and exactga once and run nothing (tests/launcher.py's, shared with
+    the recipe runs), so a rank starts in a fraction of the seconds a ``"spawn"`` takes to
+    import them again. A plain
     ``"fork"`` of the test process itself inherits its intra-op threads' state and can hang; a
     worker forked so must set one thread first (tests/test_nonfinite.py's does).
     """
     if start_method == "forkserver":
-        mp.set_forkserver_preload(RANK_PRELOAD)  # takes effect when the server starts
+        launcher.forkserver()  # started once, with what every rank imports
     mp.start_processes(
         _rank_main,
         args=(worker, args, str(out_dir), world_size),

@@ -1,0 +1,83 @@
+"""Hooks a test switches on for one recipe run through its environment; tests/launcher.py
+applies them in each rank around ``tune run``. Off (nothing patched) without their variables."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+# A run whose env sets this times the skipped gradient-scaling pass with a steady clock: the
+# real pass runs (its multiply by 1 must leave the weights as they are), and its time is the
+# subset's element count in nanoseconds (a memory-bound pass), so every sample scales up to the
+# same figure, STEADY_SAVED_MS_PER_ELEMENT per gradient element. On a busy machine the real
+# samples may disagree, and the run then rightly withholds the figure ([saved latency on a busy
+# machine]): a launch's test must not depend on that; tests/test_profiling.py times the real
+# pass in-process and drives the figure with an injected clock.
+STEADY_SCALING_PASS = "EXACTGA_TESTS_STEADY_SCALING_PASS"
+STEADY_SAVED_MS_PER_ELEMENT = 1e-6
+
+# A run whose env sets this to N gets a SIGTERM from itself once step N ends, as a scheduler's
+# preemption would send it: the real handler records it and the run stops at the step boundary
+# after step N with its step checkpoint and stop line (see [stop at a step boundary] in
+# exactga.launch.stopping), at a step a test can name, which a signal sent from outside cannot.
+STOP_AFTER_STEP = "EXACTGA_TESTS_STOP_AFTER_STEP"
+
+
+@contextlib.contextmanager
+def active() -> Iterator[None]:
+    """Every hook whose variable the run's environment sets."""
+    with _steady_scaling_pass(), _stop_after_step():
+        yield
+
+
+@contextlib.contextmanager
+def _steady_scaling_pass() -> Iterator[None]:
+    if not os.environ.get(STEADY_SCALING_PASS):
+        yield
+        return
+    from exactga.profiling import saved_latency
+
+    real = saved_latency.time_scaling_pass
+
+    def steady(grads: list, device) -> float:
+        real(grads, device)  # the multiply by 1 still runs; only its duration is replaced
+        return STEADY_SAVED_MS_PER_ELEMENT * sum(g.numel() for g in grads)
+
+    saved_latency.time_scaling_pass = steady
+    try:
+        yield
+    finally:
+        saved_latency.time_scaling_pass = real
+
+
+@contextlib.contextmanager
+def _stop_after_step() -> Iterator[None]:
+    if not os.environ.get(STOP_AFTER_STEP):
+        yield
+        return
+    import signal
+
+    from exactga.run.steps import StepBook
+
+    stop_after = int(os.environ[STOP_AFTER_STEP])
+    real = StepBook.end_step
+
+    def end_step(self, *args, **kwargs):
+        report = real(self, *args, **kwargs)
+        if self.progress.global_step == stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return report
+
+    StepBook.end_step = end_step
+    try:
+        yield
+    finally:
+        StepBook.end_step = real
+
+
+if __name__ == "__main__":  # ``python tests/run_hooks.py run ...``: ``tune run ...``, hooked
+    from torchtune._cli.tune import main
+
+    with active():
+        main()

@@ -1,0 +1,83 @@
+"""tests/launcher.py: a run's ranks forked from the tests' server behave as torchrun's ranks do
+where a run can tell (its environment, its exit, a failing peer), and the server preloads only
+what it can import."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import launcher
+import pytest
+from recipe_utils import output_of, run_recipe
+
+TESTS = Path(__file__).resolve().parent
+
+# A "recipe" that reports what torchrun would have set, then exits as the test asks: rank 1 with
+# status 3 after rank 0 has started to wait, so a launch that left rank 0 running would time out.
+PROBE = """
+import json, os, sys, time
+rank = int(os.environ.get("RANK", "0"))
+seen = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+        "EXACTGA_TESTS_PROBE")}
+seen["argv"] = sys.argv[1:]
+seen["path_first"] = sys.path[1]
+print(json.dumps(seen), flush=True)
+if os.environ.get("EXACTGA_TESTS_PROBE") == "fail" and rank == 1:
+    sys.exit(3)
+if os.environ.get("EXACTGA_TESTS_PROBE") == "fail":
+    time.sleep(600)
+"""
+PROBE_ARGS = ["probe.py", "--config", "probe.yaml"]
+
+
+def _write_probe(folder: Path) -> None:
+    (folder / "probe.py").write_text(PROBE)
+    (folder / "probe.yaml").write_text("{}\n")
+
+
+def test_the_server_preloads_installed_modules_only() -> None:
+    """CPython's forkserver does not get the tests' sys.path, so a module of tests/ in the list
+    would fail to import there, silently, and every run would import it afresh."""
+    for name in launcher.PRELOAD:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None, name
+        assert TESTS not in Path(spec.origin).resolve().parents, name
+
+
+@pytest.mark.slow
+def test_each_rank_gets_torchruns_variables_and_the_runs_environment(tmp_path: Path) -> None:
+    _write_probe(tmp_path)
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    env = {"EXACTGA_TESTS_PROBE": "ok", "PYTHONPATH": str(extra)}
+    proc = run_recipe(["--nproc_per_node", "2", *PROBE_ARGS], cwd=tmp_path, extra_env=env)
+    assert proc.returncode == 0, output_of(proc)
+    seen = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda s: s["RANK"])
+    assert [s["RANK"] for s in seen] == ["0", "1"] and [s["LOCAL_RANK"] for s in seen] == ["0", "1"]
+    assert {s["WORLD_SIZE"] for s in seen} == {"2"}
+    assert len({s["MASTER_PORT"] for s in seen}) == 1  # one rendezvous
+    assert all(s["EXACTGA_TESTS_PROBE"] == "ok" and s["argv"] == PROBE_ARGS[1:] for s in seen)
+    assert all(s["path_first"] == str(extra) for s in seen)  # PYTHONPATH first, as at start
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_its_peer_and_gives_its_status(tmp_path: Path) -> None:
+    _write_probe(tmp_path)
+    env = {"EXACTGA_TESTS_PROBE": "fail"}
+    proc = run_recipe(["--nproc_per_node", "2", *PROBE_ARGS], cwd=tmp_path, extra_env=env)
+    assert proc.returncode == 3, output_of(proc)
+
+
+@pytest.mark.slow
+def test_one_process_without_nproc_has_no_torchrun_variables(tmp_path: Path) -> None:
+    _write_probe(tmp_path)
+    proc = run_recipe([*PROBE_ARGS, "a=1"], cwd=tmp_path)
+    assert proc.returncode == 0, output_of(proc)
+    (seen,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert (
+        seen["RANK"] is None
+        and seen["WORLD_SIZE"] is None
+        and seen["argv"] == [*PROBE_ARGS[1:], "a=1"]
+    )
