@@ -236,13 +236,9 @@ def _run_rank(argv: list[str], env: dict[str, str], cwd: str, stdout: Path, stde
     sys.argv = argv
     sys.orig_argv = [sys.executable, *argv]  # what `tune` (a Python script) has
     status = _tune_main()
-    for thread in threading.enumerate():  # an interpreter joins its non-daemon threads
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    atexit._run_exitfuncs()  # what an interpreter runs as it ends, which a forked child skips
+    sys.exit(status)  # multiprocessing then ends the child as an interpreter ends: it joins the
+    # non-daemon threads after telling executors' workers to stop, and flushes the streams
 
 
 def _check_forked_from_one_thread() -> None:
