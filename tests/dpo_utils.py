@@ -116,8 +116,9 @@ VALIDATION_TAGS = (
 def _dpo_recipe_runs(root: Path) -> None:
     """Every run of the DPO recipe modules (tests/test_recipe_dpo_lora.py and
     tests/test_recipe_dpo_distributed.py): the single-device LoRA splits and full DPO on one
-    rank in one launch, the 2-rank runs in another, side by side (tests/many_runs.py: each
-    still the recipe as ``tune run`` starts it). A run's folder is its output directory."""
+    rank one after another, the 2-rank runs one after another beside them, each run forked
+    from the tests' server (tests/many_runs.py: still the recipe as ``tune run`` starts it). A
+    run's folder is its output directory."""
     from concurrent.futures import ThreadPoolExecutor
 
     from many_runs import launch_runs, run_of

@@ -1,11 +1,11 @@
-"""The launches of the two Qwen3 and Gemma 3 modules, shared (issue #41).
+"""The runs of the two Qwen3 and Gemma 3 modules, shared (issue #41).
 
 tests/test_family_config_sweep.py (every config of the families on tiny shapes) and
 tests/test_recipe_model_families.py (exact splits and outputs transformers and PEFT load) each
 plan their runs; here they are made together, once per session (``run_once``): the one-process
-runs one after another in one launch, the 2-rank runs in another, side by side
-(tests/many_runs.py: each still the recipe as ``tune run`` starts it). The two modules are one
-xdist group, so one worker makes them. Nothing here is a test.
+runs one after another, the 2-rank runs one after another beside them, each run forked from
+the tests' server (tests/many_runs.py: still the recipe as ``tune run`` starts it). The two modules
+are one xdist group, so one worker makes them. Nothing here is a test.
 """
 
 from __future__ import annotations

@@ -124,8 +124,9 @@ def train(args: list[str], extra: list[str] | None = None) -> None:
 
 def one_rank_run(run_once, case: str, split: tuple[int, int]) -> Path:
     """The one-device run of ``case`` with ``split`` (batch size, ga). Every case under every
-    split of ``ONE_DEVICE_SPLITS`` is made once per session, on first use, one after another in
-    one launch (tests/many_runs.py: each still the recipe as ``tune run`` starts it)."""
+    split of ``ONE_DEVICE_SPLITS`` is made once per session, on first use, one after another,
+    each run forked from the tests' server (tests/many_runs.py: still the recipe as ``tune run``
+    starts it)."""
     batch_size, ga = split
     assert split in ONE_DEVICE_SPLITS, split
     out = run_once("kd_one_device_runs", _one_device_runs) / f"{case}_{batch_size}x{ga}"
@@ -138,8 +139,8 @@ ONE_DEVICE_SPLITS = [(8, 1), (1, 8), (2, 4)]
 
 
 # The distributed recipe as one process without torchrun, 8x1 fp32 with an untied teacher
-# (tests/test_recipe_kd_distributed.py, issue #22): a one-process run, so it is one more run of
-# the one-device runs' launch rather than a launch of its own.
+# (tests/test_recipe_kd_distributed.py, issue #22): a one-process run, so it is one more of
+# the one-device runs rather than a group of its own.
 NO_TORCHRUN_RUN = "one_rank_no_torchrun_untied"
 UNTIED_TEACHER = ["teacher_model.tie_word_embeddings=False"]
 
@@ -153,7 +154,7 @@ def no_torchrun_run(run_once) -> Path:
 
 
 # The single-device module's kill -9 resume test (its uninterrupted run: RESUME_CASE's 8x1) and
-# its run with a window without loss tokens: a launch of their own for the kill, the resume and
+# its run with a window without loss tokens: a launch of its own for the kill, the resume and
 # the empty window among the one-device runs (``one_device_folder``).
 RESUME_CASE = "fp32_train_on_input"  # AdamW moments, a warm-up and cosine schedule to resume
 KILLED = "killed"
@@ -212,7 +213,7 @@ def _one_device_runs(root: Path) -> None:
     data.write_text(json.dumps(rows_with_an_empty_window()))
     args = kd_args(folder / "out", dataset__data_files=data, **EMPTY_WINDOW_RUN)
     runs.append(run_of(args, folder)[1])
-    launch_runs([*runs, *resume], nproc=0)  # the resume last: a failure ends the launch
+    launch_runs([*runs, *resume], nproc=0)  # the resume last, after the run it resumes
 
 
 def initial_adapters(case: str) -> dict[str, torch.Tensor]:

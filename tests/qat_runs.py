@@ -2,10 +2,11 @@
 
 tests/test_recipe_qat.py (splits, fake quantisation's switch, the convert step),
 tests/test_qat_resume.py (a run killed with SIGKILL, resumed) and tests/test_qat_stock_configs.py
-(two stock configs) read the folders ``make_all`` fills. Three launches in all, two side by
-side with the third: the kill (a launch of its own: it needs a process killed), then every
-one-process run in one launch (tests/many_runs.py), the resumed run last; beside them every
-2-rank run, the stock configs' too, in one ``--nproc_per_node 2`` launch. Nothing here is a test.
+(two stock configs) read the folders ``make_all`` fills. Three groups, two side by side with
+the third: the kill (a launch of its own: it needs a process killed), then every one-process run
+one after another (tests/many_runs.py: each forked from the tests' server), the resumed run
+last; beside them every 2-rank run, the stock configs' too, one after another on 2 ranks.
+Nothing here is a test.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ RESUME = {
 }
 KILL_TIMEOUT_S = 240
 
-# The GA parity report on the QAT config, on the 2-rank launch: one-device and 2-rank splits.
+# The GA parity report on the QAT config, among the 2-rank runs: one-device and 2-rank splits.
 PARITY_CONFIG = "configs/tiny/ga_parity_qat.yaml"
 PARITY_SPLITS = "[1x8,2x4,1x4x2,2x2x2]"
 
@@ -216,7 +217,7 @@ def stock_folder(root: Path, recipe: str, name: str) -> Path:
 
 
 def make_all(root: Path, seed: int) -> None:
-    """Every QAT run: the kill, then the one-process launch, beside the 2-rank launch."""
+    """Every QAT run: the kill, then the one-process runs, beside the 2-rank runs."""
 
     def one_process() -> None:
         _kill(root, seed)

@@ -1,9 +1,9 @@
 """``compile: True`` through ``tune run``: packed rows compile in step 1 only, the compilations are
 reported, and the compiled run trains the eager run's weights.
 
-One launch of two runs (tests/many_runs.py), the tiny model under ``micro_batching: packed``,
+Two runs, one after another (tests/many_runs.py), the tiny model under ``micro_batching: packed``,
 rows of one shape, 3 steps: eager, then compiled with inductor (compiling on 2 CPU cores is slow:
-most of the launch is step 1's compilation). Every graph is compiled in step 1:
+most of the run is step 1's compilation). Every graph is compiled in step 1:
 ``compile/graphs`` read from TensorBoard stays where step 1 left it, and the end-of-run line says
 so; its graph breaks are per-document attention's alone, left out of the graph by design
 ([packed rows under compile] in exactga.runtime.document_attention). In-process tests of the
@@ -42,7 +42,7 @@ BOUND = 1e-5
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """``{"eager": folder, "compiled": folder}``: the two runs, made in one launch."""
+    """``{"eager": folder, "compiled": folder}``: the two runs, one after another."""
     root = tmp_path_factory.mktemp("compile_launch")
     folders = {name: root / name for name in ("eager", "compiled")}
     planned = [

@@ -13,10 +13,10 @@ Every compiled run compiled: its end-of-run line reports graphs, and no graph br
 The backend is ``aot_eager`` (recipe_utils.COMPILE_WITHOUT_INDUCTOR): dynamo's capture and AOT
 autograd's graphs, the graphs the step runs, without inductor's code generation (its kernels are
 tests/test_compile_launch.py's). The Qwen3, Gemma 3 and Qwen3 MoE (router term on) compiled
-splits are tests/test_recipe_model_families.py's, in that module's launches.
+splits are tests/test_recipe_model_families.py's, among that module's runs.
 
-Launches: one (tests/many_runs.py), the eight runs one after another in one process, each
-compiled one compiling afresh (many_runs resets dynamo between runs).
+The eight runs run one after another, each forked from the tests' server (tests/many_runs.py),
+so each compiled one compiles afresh: no process, and so no dynamo cache, is shared between runs.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ tokens (the pairs' longest; at 64 most responses would be cut away). Full DPO's
 ``ref_checkpointer`` reads the same initial weights as its ``checkpointer``. Every other key
 stays as shipped: bf16, fused AdamW, the DPO loss and its beta, batch size, accumulation,
 activation checkpointing, scheduler, DiskLogger. All five adapt in CI; one per recipe runs
-there, all five with ``EXACTGA_ALL_DPO_STOCK_CONFIGS=1``, one after another in one process
-(tests/many_runs.py): the distributed recipes start without torchrun and train as one rank
+there, all five with ``EXACTGA_ALL_DPO_STOCK_CONFIGS=1``, one after another, each
+forked from the tests' server (tests/many_runs.py): the distributed recipes start without torchrun
+and train as one rank
 (exactga.runtime.distributed). What is checked here is that the configs run unchanged; both
 distributed DPO recipes on 2 ranks are tests/test_recipe_dpo_distributed.py's, so a second rank
 would double those runs' CPU for nothing checked here.
@@ -91,8 +92,8 @@ def _run(root: Path, recipe: str, name: str) -> Run:
 
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
-    """Every selected config's run, one after another in one process, no torchrun
-    (tests/many_runs.py: each still the recipe as ``tune run`` starts it)."""
+    """Every selected config's run, one after another, no torchrun, each forked from the tests'
+    server (tests/many_runs.py: still the recipe as ``tune run`` starts it)."""
 
     def launch_all(root: Path) -> None:
         launch_runs([_run(root, recipe, name) for recipe, name in SELECTION], nproc=0)

@@ -462,7 +462,7 @@ def _make_rpo_runs(root: Path) -> None:
         nproc, run = run_of(args, out)
         assert nproc == 0
         runs.append(run)
-    launch_runs(runs, nproc=0)  # one launch: the runs one after another
+    launch_runs(runs, nproc=0)  # the runs one after another, each forked
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ line of its loop as the page shows, and runs it there:
    once per step: with SGD it lands on the stock recipe's weights under SGD's own weight decay;
 2. a clipping of one's own (by value) bounds every weight's move per step;
 3. a metric of one's own is logged on logged steps, beside the step's.
-The first and third share one launch. Three families, three launches each, on small models:
+The first and third share one run. Three families, three runs each, on small models:
 plain SFT (the penalty's run on another split of the same batch), a Qwen3 MoE model with the
 router's balance term on (a further term over its own units), and LoRA DPO with ``rpo_alpha``
 (an NLL term over the chosen tokens). Under those two terms the loss step used to return the

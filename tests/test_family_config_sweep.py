@@ -25,9 +25,10 @@ Qwen3 MoE's and gpt-oss's fine-tuning configs keep their ``router_aux_loss_coef`
 the router's balance term (docs/moe.md).
 
 Which recipe runs a config is the registry's (``exactga.launch.registry``, which tests/
-test_registry.py keeps equal to the configs' headers). Two launches (tests/many_runs.py), shared
-with tests/test_recipe_model_families.py's runs (tests/family_runs.py): in one process one after
-another, the single-device runs and the distributed configs' runs as one rank (the recipe started
+test_registry.py keeps equal to the configs' headers). Two groups of runs, each forked from
+the tests' server (tests/many_runs.py), shared with tests/test_recipe_model_families.py's runs
+(tests/family_runs.py): one after another, the single-device runs and the distributed configs' runs
+as one rank (the recipe started
 without torchrun, exactga.runtime.distributed); on 2 gloo ranks, one distributed config of each
 recipe and family that trains the router's balance term, whose statistics every rank's
 micro-batch joins (``global_batch``) in the shipped dtype. What the sweep checks is that each
@@ -238,7 +239,7 @@ def test_every_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
     assert not outside, f"paths left outside output_dir: {outside}"
 
 
-# --- slow: the two launches -------------------------------------------------------------------
+# --- slow: the two groups ---------------------------------------------------------------------
 
 
 def _check_run(root: Path, recipe: str, name: str) -> None:

@@ -7,7 +7,8 @@ splits over both ranks, ``2x2x2`` and ``1x4x2``, under every normalisation mode,
 fp32 floor across ranks under every micro-batching (docs/ga_parity.md), naive lands about 0.1 to
 0.2 away. A second, short run trains a split over both ranks in bf16 over fp32 master weights
 (FSDP2's bf16 policy, as the distributed recipes shard), beside the fp32 full batch. Both runs
-share one launch (tests/many_runs.py: each still the recipe as ``tune run`` starts it).
+run one after another, each forked from the tests' server (tests/many_runs.py: still the recipe
+as ``tune run`` starts it).
 """
 
 from __future__ import annotations

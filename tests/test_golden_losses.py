@@ -5,10 +5,10 @@ fine-tuning and knowledge distillation, each on one device and on 2 ranks.
 The runs are those of tests/assets/losses/regenerate.py (imported from there, so the two cannot
 drift): the shipped tiny config with the small model, its fixed seed, 8 optimizer steps, the
 distributed recipes on 2 gloo ranks. They are made once per session by one module fixture, in two
-launches side by side: the one-device runs one after another in one, the 2-rank runs in the other
-(tests/many_runs.py: each still a recipe run as ``tune run`` starts it, only the start-up of
-torch and torchtune shared). A change that is meant to move the losses regenerates the files with
-that script and shows the new curves.
+groups side by side: the one-device runs one after another, the 2-rank runs one after another
+(tests/many_runs.py: each a run as ``tune run`` starts it, its ranks forked from a server that
+imported torch and torchtune once). A change that is meant to move the losses regenerates the files
+with that script and shows the new curves.
 
 Tolerance: relative 1e-6 per step (``pytest.approx(rel=1e-6, abs=0)``). On one machine the
 losses repeat bit for bit, and ``regenerate.py --check`` shows that; the tolerance is for other
@@ -47,7 +47,7 @@ _spec.loader.exec_module(golden)
 
 
 def _launch_all(root: Path) -> None:
-    """Every run of regenerate.py, with its arguments: one launch per number of ranks."""
+    """Every run of regenerate.py, with its arguments, grouped by number of ranks."""
     by_ranks: dict[int, list[Run]] = {}
     for name in golden.RUNS:
         nproc, run = run_of(golden.launch_args(name, root / name), root / name)

@@ -12,7 +12,7 @@ is then loaded back three ways, and every way must give the fine-tuned model, wi
   ``adapter_model.pt`` for LoRA, the epoch's safetensors for the full fine-tune).
 
 The adapter is trained until it moves the logits by over 1% of their norm, so an adapter applied
-twice (what transformers did with stock's layout) is a hundred times the bound. Launches: three
+twice (what transformers did with stock's layout) is a hundred times the bound. Runs: three groups
 (the one-process runs, the 2-rank runs, and the epoch resume; tests/many_runs.py).
 """
 
@@ -139,7 +139,7 @@ def _args(name: str, base: Path, out: Path) -> list[str]:
     return args
 
 
-# Runs beside RUNS in the same launch: (name, the tune run args of a folder).
+# Runs beside RUNS, among the same runs: (name, the tune run args of a folder).
 EXTRA_RUNS = {
     "adapter_only": lambda base, out: (
         _args("lora_single_device", base, out) + ["save_adapter_weights_only=True"]
@@ -153,8 +153,9 @@ TWO_EPOCHS = {"epochs": 2, "max_steps_per_epoch": 2, "save_every_n_steps": "null
 @pytest.fixture(scope="module")
 def runs(hf_base, tmp_path_factory) -> dict[str, Path]:
     """Every recipe fine-tuned from the same transformers folder, and EXTRA_RUNS: the one-process
-    runs one after another in one launch, the 2-rank ones in another (tests/many_runs.py: each
-    still the recipe as ``tune run`` starts it). Every run must succeed."""
+    runs one after another, the 2-rank ones one after another, each run forked from the tests'
+    server (tests/many_runs.py: still the recipe as ``tune run`` starts it). Every run must
+    succeed."""
     root = tmp_path_factory.mktemp("hf_round_trip")
     planned = {name: _args(name, hf_base, root / name) for name in RUNS}
     planned |= {name: make(hf_base, root / name) for name, make in EXTRA_RUNS.items()}

@@ -4,8 +4,9 @@ Each is adapted by tools/stock_configs.py (tiny student and teacher of the same 
 teacher twice as wide, tiny tokenizer, data and initial checkpoints, ``device: cpu``, 2 steps;
 every other key as shipped: bf16, fused AdamW, chunked losses, ``kd_ratio``, scheduler,
 profiler section, DiskLogger). All four adapt in CI; two run there (one per family, one per
-recipe), and all four with ``EXACTGA_ALL_KD_STOCK_CONFIGS=1``, one after another in one process
-(tests/many_runs.py: each still the recipe as ``tune run`` starts it). The distributed recipe
+recipe), and all four with ``EXACTGA_ALL_KD_STOCK_CONFIGS=1``, one after another, each
+forked from the tests' server (tests/many_runs.py: still the recipe as ``tune run`` starts it). The
+distributed recipe
 starts without torchrun and trains as one rank (exactga.runtime.distributed): what is checked
 here is that the configs run unchanged; the recipe on 2 ranks is
 tests/test_recipe_kd_distributed.py's, so a second rank would double its CPU for nothing checked

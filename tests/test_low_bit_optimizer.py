@@ -7,7 +7,7 @@ in a step checkpoint, and a resume loads that state (``weights_only=True``) and 
 adapters of the run it resumes, bit for bit, having trained only the step after its checkpoint
 (a run retrained from step 0 would end on the same adapters; the steps it logs tell it apart).
 
-The runs (uninterrupted, stopped after step 2, resumed) share one launch with
+The runs (uninterrupted, stopped after step 2, resumed) run one after another with
 tests/test_precision_recipes.py's stochastic-rounding runs (tests/torchao_eager_runs.py, which
 says why they run torchao's optimizer step eagerly).
 """

@@ -20,9 +20,9 @@ seed, same sampler order); only ``micro_batching`` and the split differ:
   losses. tests/test_resume.py kills at random steps under the default mode.
 
 Each set of runs is made once per session (``run_once``): the one-device runs one after another
-in one launch (tests/many_runs.py), the 2-rank ones in another; the AdamW runs are also the
-resume tests' uninterrupted runs, and the resumes run last in the same launches, after the kills
-(a launch each, two at a time). Run with ``-rP`` to see the measured distances.
+(tests/many_runs.py: each forked from the tests' server), the 2-rank ones likewise; the AdamW
+runs are also the resume tests' uninterrupted runs, and the resumes run last among them, after
+the kills (a launch each, two at a time). Run with ``-rP`` to see the measured distances.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from recipe_utils import (
     tiny_args,
 )
 
-# The tests read the module's shared launches (one group: the fixtures are made once).
+# The tests read the module's shared runs (one group: the fixtures are made once).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("micro_batching_recipes")]
 
 DISTRIBUTED = "recipes/full_finetune.py"
@@ -200,7 +200,7 @@ def _launch_and_kill(args: list[str], out: Path, after_step: int) -> None:
 
 def _killed_and_resumed(root: Path, num_ranks: int) -> list[Run]:
     """The resume cases on ``num_ranks`` ranks: each AdamW run launched and killed after step 1
-    (a launch each, two at a time), and the runs that resume them, for the launch that makes
+    (a launch each, two at a time), and the runs that resume them, to run after
     the uninterrupted runs. A failed kill is kept in ``<case>/kill_failed`` for its test."""
     cases = [mode for ranks, mode in RESUME_CASES if ranks == num_ranks]
     args = _full_args if num_ranks == 1 else _two_rank_args
@@ -229,9 +229,9 @@ def _check_launched(root: Path, names: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def one_device_runs(run_once) -> Path:
-    """Every one-device run, once per session, one after another in one launch
-    (tests/many_runs.py: each still the recipe as ``tune run`` starts it), the resumes of the
-    one-device resume cases last (checked by their tests): full fine-tuning
+    """Every one-device run, once per session, one after another, each forked
+    from the tests' server (tests/many_runs.py: still the recipe as ``tune run`` starts it), the
+    resumes of the one-device resume cases last (checked by their tests): full fine-tuning
     ``<optimizer>_<mode>``; LoRA with SGD ``<precision>_<mode>``, and ``<precision>_init``, the
     seeded adapter initialisation (one step at learning rate 0 leaves it untouched)."""
 
@@ -276,7 +276,7 @@ def lora_runs(one_device_runs) -> Path:
 def two_rank_runs(run_once) -> Path:
     """The distributed recipe on 2 ranks in each mode of TWO_RANKS, collectives counted
     (``<mode>_collectives/rank<r>.json``, see tests/collective_counter), and TWO_RANK_SGD's
-    runs, once per session in one launch (tests/many_runs.py), the resumes of the 2-rank
+    runs, once per session one after another (tests/many_runs.py), the resumes of the 2-rank
     resume cases last (checked by their tests)."""
 
     def make(root: Path) -> None:
@@ -461,7 +461,7 @@ def test_killed_run_resumes_bit_identical(request, num_ranks, mode):
     """Killed after step 1 of 3, resumed from that mid-epoch step checkpoint: the next windows
     are regrouped as in the uninterrupted AdamW run (on 2 ranks with token_budget, fillers
     included), so the weights are equal bit for bit and the resumed steps log the same losses."""
-    if num_ranks == 1:  # only the launches this case needs
+    if num_ranks == 1:  # only the runs this case needs
         root = request.getfixturevalue("full_runs")
         uninterrupted = root / f"adamw_{mode}"
     else:

@@ -7,7 +7,8 @@ global batch of the first 16 rows of the bundled data, which is the whole datase
 them in. Before the launch the test writes the initial checkpoints itself (the recipes read an
 existing one), computes the reference gradient on them with torchtune's own model, tokenizer,
 dataset and checkpoint loader, and passes the learning rate that moves the weights by their own
-norm; after it (all six recipes in two launches, tests/many_runs.py), the trained weights (full)
+norm; after it (all six recipes, each run forked from the tests' server, tests/many_runs.py), the
+trained weights (full)
 or adapters (LoRA, distillation) must be ``w - lr * g`` of that gradient. Splits, micro-batching
 modes and gradient-sync policies differ across the six recipes. The in-process twin, with the
 variants that must fail, is tests/test_oracle.py.
@@ -185,8 +186,8 @@ def _prepare(recipe: str, output_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    """Every recipe's reference and its finished run: the one-rank recipes one after another in
-    one launch, the 2-rank ones in another (tests/many_runs.py; each run still the recipe as
+    """Every recipe's reference and its finished run: the one-rank recipes one after another,
+    the 2-rank ones one after another (tests/many_runs.py; each run still the recipe as
     ``tune run`` starts it)."""
     root = tmp_path_factory.mktemp("oracle_recipes")
     cases = {recipe: _prepare(recipe, root / recipe) for recipe in RECIPES}

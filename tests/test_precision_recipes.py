@@ -5,10 +5,10 @@ Tier (b) of docs/contributing.md point 9. The runs are those of benchmarks/preci
 with the small model, 12 steps of 8 shuffled variable-length sequences of the bundled data, SGD or
 AdamW (learning rates in ``LEARNING_RATES`` there), the trained weights read from the last step
 checkpoint as the run holds them (fp32 master weights in fp32). The runs the tests read are
-made once per session, whichever test worker asks first (``run_once``), in two launches side by
-side: the one-device runs one after another in one, the 2-rank runs in the other
-(tests/many_runs.py: each run still a recipe run as ``tune run`` starts it; the start-up of
-torch and torchtune, most of a launch of its own, is paid once). Distances are relative L2
+made once per session, whichever test worker asks first (``run_once``), in two groups side by
+side: the one-device runs one after another, the 2-rank runs one after another
+(tests/many_runs.py: each run as ``tune run`` starts it, its ranks forked from a server that
+imported torch and torchtune once). Distances are relative L2
 (``||w - w_ref|| / ||w_ref - w_init||``) to the fp32 8x1 run on one device; run with ``-rP`` to
 see them.
 
@@ -81,7 +81,7 @@ RUNS_READ = [*FULL_RUNS, *LORA_RUNS, "lora-init"]
 
 def _launch_all(root: Path) -> None:
     """Every run of ``RUNS_READ`` as ``table.launch`` makes it (its arguments, on CPU): the
-    one-device runs in one launch, the 2-rank runs in another, side by side."""
+    one-device runs one after another, the 2-rank runs one after another, side by side."""
     by_ranks: dict[int, list[Run]] = {}
     for name in RUNS_READ:
         run = table.RUNS[name]

@@ -5,7 +5,7 @@ a token budget, so the ranks run different numbers and the short one runs zero-w
 and 2 ranks 1x4 (also with the reference's log-probs precomputed), within 1e-5 (the issue's
 bound) on 24 pairs, 3 steps. LoRA DPO: 2 ranks 2x2 under a token budget against the
 single-device 1x8 run over 2 epochs with partial windows. One rank is the recipe without torchrun
-(a process group of one). The runs: tests/dpo_utils.py, two launches for both DPO modules.
+(a process group of one). The runs: tests/dpo_utils.py, two groups for both DPO modules.
 """
 
 from __future__ import annotations

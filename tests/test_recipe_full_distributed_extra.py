@@ -4,9 +4,9 @@ the real ``tune run``.
 Tier (b) of docs/contributing.md point 9, 2 gloo ranks on CPU, offline. Under FSDP2 the
 per-parameter optimizers run inside backward, on each rank's *sharded*, already reduce-scattered
 gradient; this checks that this is the same training as the ordinary optimizer step. Tensor
-parallelism (dp 1 x tp 2) trains what one device trains. The 2-rank runs share one launch, the
-one-device reference another (tests/many_runs.py); the refused tied output is the 2-rank
-launch's last run, its message being what the test reads. (``optimizer_in_bwd`` with
+parallelism (dp 1 x tp 2) trains what one device trains. The 2-rank runs run one after another,
+the one-device reference beside them (tests/many_runs.py); the refused tied output is the
+2-rank runs' last, its message being what the test reads. (``optimizer_in_bwd`` with
 accumulation is refused at validation: tests/test_config_checks.py.) Run with ``-rP`` to see the
 measured distances (docs/full_finetune_distributed.md quotes them).
 """

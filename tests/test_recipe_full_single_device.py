@@ -137,9 +137,9 @@ def _stock_config_args(root: Path) -> list[str]:
 
 
 def _launch_all(root: Path) -> None:
-    """Every run of the module, one after another in one launch (tests/many_runs.py: each still
-    the recipe as ``tune run`` starts it; only the start-up is shared), going on after a failing
-    run (the bad configs must fail) so each keeps its own status and output: every split of
+    """Every run of the module, one after another, each forked from the tests' server
+    (tests/many_runs.py: still the recipe as ``tune run`` starts it), a failing run (the bad
+    configs must fail) failing no other, each keeping its own status and output: every split of
     every parity case, the negative control's two runs, then the single runs of the tests
     below, each in ``root / <name>`` (its output directory ``root / <name> / out``)."""
     runs = []

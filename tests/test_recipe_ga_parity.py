@@ -34,7 +34,7 @@ CONFIGS = {
 MODES = ("naive", "post_scale", "exact")
 MICRO_BATCHINGS = ("fixed", "by_length", "token_budget")  # the shipped configs list all three
 SPLITS = ("1x8", "2x4")
-# The runs of one launch: the baselines under fixed micro-batches only, exact under each.
+# The runs of one group: the baselines under fixed micro-batches only, exact under each.
 RUNS = {
     (mode, micro_batching, split)
     for mode in MODES
@@ -75,9 +75,9 @@ def _args(kind: str, out: Path, *overrides: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reports(run_once):
     """``reports(name) -> (output folder, output)``: the report runs ``full`` and ``lora`` (fp32,
-    every mode) and ``bf16``, made once per session one after another in one launch
-    (tests/many_runs.py: each still the recipe as ``tune run`` starts it); checked to have
-    succeeded."""
+    every mode) and ``bf16``, made once per session one after another, each forked
+    from the tests' server (tests/many_runs.py: still the recipe as ``tune run`` starts it);
+    checked to have succeeded."""
 
     def make(root: Path) -> None:
         runs = {

@@ -25,7 +25,7 @@ PARITY_RECIPE = "recipes/ga_parity.py"
 DPO_CONFIG = "configs/tiny/ga_parity_dpo.yaml"
 SPLITS = ("1x8", "2x4")
 MICRO_BATCHINGS = ("fixed", "by_length", "token_budget")  # the shipped config lists all three
-# The runs of one launch: naive (stock DPO's weighting) under fixed and token_budget, exact
+# The runs of one group: naive (stock DPO's weighting) under fixed and token_budget, exact
 # under each micro-batching; no post_scale.
 RUNS = {("naive", mb, split) for mb in ("fixed", "token_budget") for split in SPLITS}
 RUNS |= {("exact", mb, split) for mb in MICRO_BATCHINGS for split in SPLITS}

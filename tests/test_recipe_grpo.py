@@ -8,18 +8,18 @@ trains every aggregation at ``ppo_epochs`` 2 (one rollout step, two optimizer st
 ``token_mean`` at ``ppo_epochs`` 1 (two rollout steps); the GA parity report on the same config
 takes the recipe's own steps (equal losses at GA 1 and GA 4, below), and
 tests/test_recipe_ga_parity_grpo.py runs it for every aggregation at ``ppo_epochs`` 1 over one
-device and two ranks, with the naive baseline. Every one-rank run is made in one launch and
-every two-rank run in another (tests/many_runs.py).
+device and two ranks, with the naive baseline. Every one-rank run is made one after another,
+every two-rank run likewise beside them (tests/many_runs.py: each forked from the tests' server).
 
 The ``token_mean`` runs at ``ppo_epochs`` 1 under GA 4 and on 2 ranks also validate after each
 step on 5 held-out prompts (issue #64; exactga.grpo.validation): in 1 batch of 5 on one rank, in
 batches of 1 on two (3 prompts and 2 plus a filler group); the figures agree, and the GA 4 run's
 losses are still the parity report's, bit for bit, so validating changes no training step.
 
-``keep_best_checkpoint`` (docs/validation.md, "The best checkpoint") rides on these launches:
+``keep_best_checkpoint`` (docs/validation.md, "The best checkpoint") rides on these runs:
 a 2-rank run of 3 one-step epochs validates at each epoch's end, and ``best/`` must hold the
 epoch folder of its highest ``val/reward_mean``; a one-rank run of the same config stops
-after step 2 (a SIGTERM it sends itself, tests/many_runs.py) and is resumed, and keeps that
+after step 2 (a SIGTERM it sends itself, tests/run_hooks.py) and is resumed, and keeps that
 best.
 """
 
@@ -149,7 +149,7 @@ def runs(run_once) -> Path:
         paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]
         tests_on_path = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         one_rank = [*_runs(root, 0), _parity_run(root), *_best_runs(root, 0)]
-        # go on after the stopped run (a stop exits with the signal's status)
+        # the resume after the stopped run (a stop exits with the signal's status)
         launch_runs(one_rank, nproc=0, extra_env=tests_on_path)
         launch_runs([*_runs(root, 2), *_best_runs(root, 2)], nproc=2, extra_env=tests_on_path)
 

@@ -7,8 +7,8 @@ and the prompt, so the resumed run generates what the uninterrupted one did), an
 the steps after its checkpoint, with the same losses. ``EXACTGA_KILL_SEED`` replays a kill
 point. Then the issue's bad inputs, each one message naming what is at fault, no traceback.
 
-Launches: the killed one; the uninterrupted run and the resume in one 2-rank launch; the bad
-inputs in one (tests/many_runs.py).
+Launches: the killed one; then, each run forked from the tests' server (tests/many_runs.py), the
+uninterrupted run and the resume on 2 ranks, and the bad inputs, one after another.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def _kill_seed() -> int:
 def runs(run_once) -> Path:
     """The module's runs, once per session: the killed launch (a launch of its own, killed with
     SIGKILL at a random rollout step), then the uninterrupted run and the killed run's resume
-    one after another in one 2-rank launch, and the bad inputs in one one-process launch going
-    on after each failing run, side by side (tests/many_runs.py: each still the recipe as ``tune
-    run`` starts it, keeping its own status and output)."""
+    one after another on 2 ranks, and the bad inputs one after another on one process, side
+    by side (tests/many_runs.py: each run forked from the tests' server, still the recipe as
+    ``tune run`` starts it, keeping its own status and output; a failing run fails no other)."""
 
     def make(root: Path) -> None:
         seed = _kill_seed()

@@ -7,7 +7,7 @@ loss token on any rank must skip its step while micro-batches empty on one rank 
 weight 0. One rank of the distributed recipe (through torchrun and without it, with a tied and an
 untied teacher) must land where two ranks do: issue #22 crashed there. Launches: two, one per
 number of ranks (2, 1 through torchrun), each making its runs one after another
-(tests/many_runs.py), and the shared one-device runs' launch (tests/kd_utils.py), which also
+(tests/many_runs.py), and the shared one-device runs (tests/kd_utils.py), which also
 runs the recipe as one rank without torchrun.
 """
 
@@ -84,8 +84,8 @@ def _empty_window_args(out: Path) -> list[str]:
 
 
 def _launch_all(root: Path) -> None:
-    """Every run of this module, one launch per number of ranks (tests/many_runs.py: the
-    runs one after another, each through the recipe as ``tune run`` starts it)."""
+    """Every run of this module, grouped by number of ranks (tests/many_runs.py: the runs one
+    after another, each forked from the tests' server, as ``tune run`` starts it)."""
     launches = {
         f"{case}_{bs}x{ga}x2": _two_rank_args(root / f"{case}_{bs}x{ga}x2", case, bs, ga)
         for case, bs, ga in RANK_SPLITS

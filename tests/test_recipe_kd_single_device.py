@@ -47,7 +47,7 @@ from recipe_utils import (
 
 from exactga.profiling import REPORT_CATEGORY
 
-# The tests read the KD modules' shared launches (tests/kd_utils.py): one group.
+# The tests read the KD modules' shared runs (tests/kd_utils.py): one group.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("kd_recipes")]
 
 SPLITS = ONE_DEVICE_SPLITS
@@ -55,7 +55,7 @@ SPLITS = ONE_DEVICE_SPLITS
 
 @pytest.fixture(scope="module")
 def parity_runs(run_once) -> dict[tuple[str, tuple[int, int]], Path]:
-    """Every case under every split, made once per session in one launch."""
+    """Every case under every split, made once per session one after another."""
     keys = [(case, split) for case in CASES for split in SPLITS]
     return {key: one_rank_run(run_once, *key) for key in keys}
 

@@ -1,8 +1,8 @@
 """recipes/lora_finetune.py through the real ``tune run --nproc_per_node N`` on CPU.
 
 Tier (b) of docs/contributing.md point 9, gloo ranks, offline. All runs are made once, in a module
-fixture, by one launch per number of ranks (tests/many_runs.py: each run still goes through the
-recipe as ``tune run`` starts it, one after another in the launch's processes); each test then
+fixture, by number of ranks (tests/many_runs.py: each run forked from the tests' server, still the
+recipe as ``tune run`` starts it, one after another); each test then
 reads what they wrote. Under ``pytest -n 2`` the fixture's runs are shared between the workers
 through a file lock, so they are made once per session.
 The one-rank reference is this recipe with ``--nproc_per_node 1``: the adapters start from the
@@ -151,7 +151,7 @@ def _launch_all(root: Path) -> None:
             {**EMPTY_RANK, "batch_size": 8, "gradient_accumulation_steps": 1},
         ),
     }
-    # One launch per number of ranks (2, 1, and the single-device recipe's), two side by side,
+    # One group per number of ranks (2, 1, and the single-device recipe's), two side by side,
     # each running its runs one after another (tests/many_runs.py).
     by_ranks: dict[int, list[Run]] = {2: [], 1: [], 0: []}
     for name, (nproc, settings) in launches.items():
@@ -167,7 +167,7 @@ def _launch_all(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
-    """The launches' output folders, made once per test session for every xdist worker."""
+    """The runs' output folders, made once per test session for every xdist worker."""
     return run_once("lora_distributed_runs", _launch_all)
 
 

@@ -129,12 +129,12 @@ def _init_args(out: Path, extra: list[str]) -> list[str]:
 
 
 def _launch_all(root: Path) -> None:
-    """Every run of the module, in two launches side by side (tests/many_runs.py: each run
-    still the recipe as ``tune run`` starts it; only the start-up is shared): the parity runs
-    with the initial adapters of each precision in one, the other runs in the other, going on
-    after a failing one (the non-LoRA model must fail) so each keeps its own status and output.
-    The seed test compares runs of the two launches, so it still sees two processes draw the
-    same adapters."""
+    """Every run of the module, in two groups side by side (tests/many_runs.py: each run
+    forked from the tests' server, still the recipe as ``tune run`` starts it): the parity runs
+    with the initial adapters of each precision in one, the other runs in the other; a failing
+    run (the non-LoRA model must fail) fails no other, each keeping its own status and output.
+    The seed test compares runs of two processes, so it sees two processes draw the same
+    adapters."""
     parity = []
     for precision, optimizer, train_on_input in PARITY_CASES:
         for bs, ga in SPLITS:

@@ -6,8 +6,8 @@ replicas of a model sharded over two ranks), and the one that takes tensor paral
 fine-tuning) runs tp 2 x dp 2 and tp 2 x 2 replicas; each must land on its recipe's 1-rank
 full-batch run (8 sequences, ga 1) at the fp32 floor. Full fine-tuning also runs each mesh with
 packed rows, length-balanced ranks and validation after every step, against a 1-rank run that
-validates the same rows: the same weights, and the same validation figures. The 4-rank runs share
-one launch, the references another beside it (tests/many_runs.py). The data are the tiny
+validates the same rows: the same weights, and the same validation figures. The 4-rank runs run
+one after another, the references beside them (tests/many_runs.py). The data are the tiny
 variable-length sets with masked prompts; two SGD steps (AdamW's first updates divide tiny
 gradients by their own magnitude and would magnify rounding). Full fine-tuning clips where it
 bites: under tensor parallelism over data-parallel ranks its gradients are DTensors of two meshes

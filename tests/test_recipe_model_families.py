@@ -24,7 +24,7 @@ with the loss, docs/large_vocab.md):
   compiled run where its eager twin lands too and with no graph break (the MoE experts' loop
   included).
 
-Launches: two (tests/many_runs.py): the one-device and one-rank runs, and the 2-rank runs, shared
+Runs: two groups (tests/many_runs.py): the one-device and one-rank runs, and the 2-rank runs, shared
 with tests/test_family_config_sweep.py's runs (tests/family_runs.py).
 """
 
@@ -310,7 +310,7 @@ GPT_OSS_ROUTER_PARITY = {
 
 # Compiled (issue #66): splits run again with ``compile=True`` under ``aot_eager`` (dynamo's and
 # AOT autograd's graphs without inductor's code generation, recipe_utils.COMPILE_WITHOUT_INDUCTOR),
-# in the same launches: Qwen3's and Gemma 3's full 2x2 on one device against their eager 4x1 (the
+# among the same runs: Qwen3's and Gemma 3's full 2x2 on one device against their eager 4x1 (the
 # full batch), and Qwen3 MoE with the balance term on, 2 ranks x 2 against 1 rank x 4
 # (global_batch), eager; each also against its eager twin. tests/test_compile_parity.py: the
 # recipes'.

@@ -17,14 +17,15 @@ the same figures; the uninterrupted run validates after every trajectory step, a
 run, which does not, still ends on its weights and losses exactly, so validating changes no
 training step.
 
-``keep_best_checkpoint`` (docs/validation.md, "The best checkpoint"), in the same launch: a run
+``keep_best_checkpoint`` (docs/validation.md, "The best checkpoint"), among the same runs: a run
 of four epochs of one trajectory step (8 training prompts, the held-out set the same 8)
 validates at each epoch's end; its last two figures tie, and ``best/`` and ``value/best/`` must
 hold the policy's and the value model's epoch folders of the first highest ``val/reward_mean``.
-The same run stopped after step 12 (a SIGTERM it sends itself, tests/many_runs.py) and resumed
+The same run stopped after step 12 (a SIGTERM it sends itself, tests/run_hooks.py) and resumed
 keeps that best, where a resume that forgot it would take the tie's later step.
 
-Launches: the killed one; every other run in one (tests/many_runs.py), the GA parity report on
+Launches: the killed one; every other run one after another, each forked from the tests' server
+(tests/many_runs.py), the GA parity report on
 the same step's config included. The adapted stock config
 (``mistral/7B_full_ppo_low_memory``: batch 128, ``compile``, bf16, minutes on CPU) is validated
 in process, and trained in that launch only with ``EXACTGA_PPO_STOCK_CONFIG=1``.
@@ -195,7 +196,7 @@ def runs(run_once) -> Path:
             out.mkdir()
             OmegaConf.save(stock_configs.adapted_ppo_config(STOCK, out), out / "config.yaml")
             runs.append(Run(RECIPE, ["--config", str(out / "config.yaml")], out))
-        # go on after the stopped run (a stop exits with the signal's status)
+        # the resume after the stopped run (a stop exits with the signal's status)
         launch_runs(runs, nproc=0, timeout_per_run=900)
 
     return run_once("ppo_runs", make)
@@ -307,7 +308,7 @@ def test_the_parity_report_takes_a_ppo_config(runs) -> None:
 
 def test_the_stock_config_is_known_to_the_recipe(tmp_path, runs) -> None:
     """Stock's config, adapted to tiny shapes, passes the recipe's strict start-up check; with
-    ``EXACTGA_PPO_STOCK_CONFIG=1`` it trains in the shared launch, and saves both models."""
+    ``EXACTGA_PPO_STOCK_CONFIG=1`` it trains among the module's runs, and saves both models."""
     cfg = stock_configs.adapted_ppo_config(STOCK, tmp_path)
     validate_config(cfg, PpoFullFinetuneSingleDeviceConfig, "ppo_full_finetune_single_device")
     if TRAIN_STOCK:

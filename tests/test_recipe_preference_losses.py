@@ -1,4 +1,4 @@
-"""SimPO, ORPO, IPO and KTO through ``tune run``, in one launch of 2 ranks (tests/many_runs.py):
+"""SimPO, ORPO, IPO and KTO through ``tune run``, on 2 ranks one after another (tests/many_runs.py):
 the GA parity report on the tiny LoRA DPO config for each loss (1 rank x GA 4, 2 ranks x GA 2,
 ``token_budget``'s regrouping, beside stock's ``naive`` weighting), and full DPO with a
 reference-free loss, which builds no reference model at all. The library's step is checked

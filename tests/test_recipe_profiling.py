@@ -92,14 +92,14 @@ RECIPE_RUNS = ["on", "lora_single_device", "full_distributed", "lora_distributed
 
 
 def _launch_all(root: Path) -> None:
-    """The launches by rank count, the runs of each one after another in one launch
-    (tests/many_runs.py); every run must succeed."""
+    """The runs grouped by rank count, each group's one after another, each run forked from
+    the tests' server (tests/many_runs.py); every run must succeed."""
     by_ranks: dict[int, list[Run]] = {}
     for name, (nproc, recipe, config, settings) in LAUNCHES.items():
         out = root / name
         overrides = [f"{key}={value}" for key, value in {**settings, "output_dir": out}.items()]
         # The skipped pass on a steady clock: which steps carry a figure must not depend on
-        # the machine's load (tests/many_runs.py).
+        # the machine's load (tests/run_hooks.py).
         env = {STEADY_SCALING_PASS: "1"}
         args = ["--config", config, *overrides]
         by_ranks.setdefault(nproc, []).append(Run(recipe, args, out, env))
@@ -112,7 +112,7 @@ def _launch_all(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(run_once) -> Path:
-    """The launches' output folders, made once per test session for every xdist worker."""
+    """The runs' output folders, made once per test session for every xdist worker."""
     return run_once("profiling_runs", _launch_all)
 
 

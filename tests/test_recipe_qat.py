@@ -1,7 +1,7 @@
 """recipes/qat_distributed.py and recipes/qat_lora_finetune_distributed.py through the real
 ``tune run``, on one process and on 2 gloo ranks, with torchao's fake quantisation on.
 
-Every run is made once per session (tests/qat_runs.py: one launch without torchrun and one with
+Every run is made once per session (tests/qat_runs.py: the runs without torchrun and those with
 ``--nproc_per_node 2``, side by side, shared with the QAT resume and stock-config tests). Each
 test reads what they wrote; the split runs keep every step's weights, which the tests load into
 the fake-quantised model in-process to follow each step. Run with ``-rP`` to see the measured

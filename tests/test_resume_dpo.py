@@ -6,8 +6,8 @@ step checkpoint after every step, 2 epochs with a partial last window each. The 
 trains only the steps after the checkpoint it found, with the losses the uninterrupted run
 logged. ``EXACTGA_KILL_SEED`` replays the kill points (printed with ``-rP``).
 
-Launches: the two kills; then per scenario one launch making the uninterrupted run and the
-resume (tests/many_runs.py).
+Launches: the two kills; then per scenario the uninterrupted run and the resume, one after
+another (tests/many_runs.py: each forked from the tests' server).
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def _kill_seed() -> int:
 @pytest.fixture(scope="module")
 def runs(run_once):
     """Every scenario's run killed with SIGKILL at a random step (each a launch of its own, side
-    by side), then per scenario one launch (tests/many_runs.py: each run still the recipe as
-    ``tune run`` starts it) making its uninterrupted run and resuming the killed one, the two
-    launches side by side. ``runs(scenario)``: the scenario's folder (``uninterrupted``;
+    by side), then per scenario its uninterrupted run and the killed one's resume, one
+    after another (tests/many_runs.py: each run still the recipe as ``tune run`` starts it), the
+    two scenarios side by side. ``runs(scenario)``: the scenario's folder (``uninterrupted``;
     ``killed/run``, resumed; ``resumed_logs``)."""
     seed = _kill_seed()
 

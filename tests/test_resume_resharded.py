@@ -15,8 +15,8 @@ resumes on 4 ranks, and the HSDP run's checkpoint of step 4 on 2 plain ranks, an
 too end at the uninterrupted weights: a checkpoint of a resharded run reshards again. A changed
 global batch is refused, naming the key.
 
-Launches (tests/many_runs.py), in order: 2 ranks (the uninterrupted runs), 1 rank (the resumes
-from 2), 4 ranks (the resumes from 2 and from 1, then the refusal), 2 ranks (from HSDP).
+Runs by rank count (tests/many_runs.py), in order: 2 ranks (the uninterrupted runs), 1 rank (the
+resumes from 2), 4 ranks (the resumes from 2 and from 1, then the refusal), 2 ranks (from HSDP).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from many_runs import launch_runs, run_of
 from recipe_utils import SMALL_MODEL, load_weights, logged_steps, relative_l2
 
-# Every test reads the module's shared launches.
+# Every test reads the module's shared runs.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume_resharded")]
 
 STEPS, CHECKPOINT = 6, 3
@@ -114,7 +114,7 @@ def runs(run_once):
             "full_2to4": _resume_args("full", 4, root / "full_2to4" / "run", **HSDP),
             "lora_2to4": _resume_args("lora", 4, root / "lora_2to4" / "run"),
             "full_1to4": _resume_args("full", 4, root / "full_1to4" / "run"),
-            # A global batch of 4 x 2 x 2 = 16: another run. Last: it fails, ending the launch.
+            # A global batch of 4 x 2 x 2 = 16: another run. Last: it fails, failing no other run.
             "refused": _resume_args("full", 4, refused, batch_size=2),
         }
         _launch(resumes, root, 4)

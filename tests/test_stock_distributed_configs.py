@@ -7,12 +7,12 @@ tools/stock_config_sweep.py; CI launches the 12 below, one per model family, whi
 cover full and LoRA fine-tuning with activation checkpointing on and off, DoRA, QLoRA,
 ``custom_sharded_layers``, ``fsdp_cpu_offload``, tied and untied embeddings and adapter-only
 saving (``test_selection_covers_families_and_flags`` keeps that true). Two of exactga's own
-distributed configs (``stock_configs.OUR_CONFIGS``, adapted the same way) run in the same launch;
+distributed configs (``stock_configs.OUR_CONFIGS``, adapted the same way) run among the same runs;
 tests/test_distributed_model_configs.py checks all ten in-process. The runs are made once,
-in a module fixture shared by the xdist workers, one after another in one launch
+in a module fixture shared by the xdist workers, one after another
 (tests/many_runs.py): each config still goes through the recipe as ``tune run`` starts it, with
-a process group of its own; only the start-up of torch and torchtune is shared, which was most
-of a launch of its own (about 20 of its 30 s).
+a process group of its own, its ranks forked from a server that imported torch and torchtune once
+(the imports were most of a fresh launch: about 20 of its 30 s).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _stock_cfg(name: str) -> DictConfig:
 
 
 def test_selection_covers_families_and_flags() -> None:
-    """One launch per model family; between them every flag combination the brief names."""
+    """One run per model family; between them every flag combination the brief names."""
     assert {name.split("/")[0] for _, name in SELECTION} == FAMILIES
     assert len(SELECTION) <= 12
     cfgs = {(recipe, name): _stock_cfg(name) for recipe, name in SELECTION}
@@ -116,7 +116,7 @@ def test_selection_covers_families_and_flags() -> None:
 def test_our_selection_is_ours_and_covers_both_recipes() -> None:
     assert {recipe for recipe, _ in OUR_SELECTION} == {FULL, LORA}
     assert set(OUR_SELECTION) <= set(stock_configs.OUR_CONFIGS)
-    assert len(OUR_SELECTION) <= 2  # CI time: each run adds about 10 s to the shared launch
+    assert len(OUR_SELECTION) <= 2  # CI time: each run adds about 10 s
 
 
 @pytest.mark.parametrize("recipe, name", _params(stock_configs.all_stock_configs()))

@@ -4,10 +4,10 @@ Put this folder on ``PYTHONPATH`` and set ``EXACTGA_COUNT_COLLECTIVES_DIR``: eve
 started under it (the ``tune run`` workers) wraps ``dist.all_reduce`` and FSDP2's reduce-scatter
 entry points, closes an interval at each optimizer step (a global step post-hook) and writes
 ``rank<RANK>.json`` when the run ends its default process group (or at exit): one dict of
-counts per optimizer step. The folder is the one the variable names at that moment, so a
-process that runs several recipes one after another (tests/many_runs.py, which sets the
-variable per run) writes each run's counts to that run's folder. Without the variable at start
-this module does nothing and imports nothing. Tests only; recipes never see it.
+counts per optimizer step. A run forked by tests/launcher.py imports this module afresh with
+its own variable (the launcher runs a ``sitecustomize`` found on the run's ``PYTHONPATH``), so
+each run writes its counts to its own folder. Without the variable at start this module does
+nothing and imports nothing. Tests only; recipes never see it.
 """
 
 import os
