@@ -3,15 +3,13 @@
 A run is ``tune run [--nproc_per_node N] <recipe> *args`` with its output kept in its folder:
 ``output.txt`` (its ranks' stdout and stderr) and ``returncode``, as one launch would leave them.
 ``launch_runs`` starts each through tests/launcher.py (its ranks forked from a server that made
-the imports once), or, with ``fresh=True``, as a process of its own (a run whose environment
-sets something read at import), and returns once all have ended: a failing run fails nothing
-else, and its folder holds its own status and output.
+the imports once) and returns once all have ended: a failing run fails nothing else, and its
+folder holds its own status and output.
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -49,29 +47,15 @@ def launch_runs(
     nproc: int = 2,
     timeout_per_run: float = 300,
     extra_env: dict[str, str] | None = None,
-    fresh: bool = False,
 ) -> None:
     """Run every run of ``runs`` on ``nproc`` ranks (0: no torchrun), one after another; each
-    run's folder gets ``output.txt`` and ``returncode``. ``fresh``: each run a process of its
-    own (one rank only), through tests/run_hooks.py so the tests' hooks still apply."""
-    if fresh and nproc:
-        raise ValueError("fresh runs are single-process: a launch of torchrun is run_tune's")
+    run's folder gets ``output.txt`` and ``returncode``."""
     for run in runs:
         run.folder.mkdir(parents=True, exist_ok=True)
         args = [*(["--nproc_per_node", str(nproc)] if nproc else []), run.recipe, *run.args]
         env = tune_env({**(extra_env or {}), **(run.env or {})})
         try:
-            if fresh:
-                proc = subprocess.run(
-                    [sys.executable, str(Path(__file__).with_name("run_hooks.py")), "run", *args],
-                    cwd=REPO_ROOT,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout_per_run,
-                )
-            else:
-                proc = run_recipe(args, REPO_ROOT, env, timeout=timeout_per_run)
+            proc = run_recipe(args, REPO_ROOT, env, timeout=timeout_per_run)
             output, status = output_of(proc), proc.returncode
         except subprocess.TimeoutExpired as err:
             output, status = f"the run timed out: {err}", -9

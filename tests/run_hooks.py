@@ -23,11 +23,28 @@ STEADY_SAVED_MS_PER_ELEMENT = 1e-6
 # exactga.launch.stopping), at a step a test can name, which a signal sent from outside cannot.
 STOP_AFTER_STEP = "EXACTGA_TESTS_STOP_AFTER_STEP"
 
+# A run whose env sets this runs every ``torch.compile`` eagerly (``set_stance("force_eager")``),
+# torch's switch for what ``TORCHDYNAMO_DISABLE=1`` does, which a forked run cannot use: torch
+# reads that variable where a function is decorated, and torchao decorates its optimizer step when
+# it is imported (tests/torchao_eager_runs.py: a 40 s compile on 2 cores, torchao's business).
+FORCE_EAGER = "EXACTGA_TESTS_FORCE_EAGER"
+
 
 @contextlib.contextmanager
 def active() -> Iterator[None]:
     """Every hook whose variable the run's environment sets."""
-    with _steady_scaling_pass(), _stop_after_step():
+    with _steady_scaling_pass(), _stop_after_step(), _force_eager():
+        yield
+
+
+@contextlib.contextmanager
+def _force_eager() -> Iterator[None]:
+    if not os.environ.get(FORCE_EAGER):
+        yield
+        return
+    import torch
+
+    with torch.compiler.set_stance("force_eager"):
         yield
 
 
@@ -75,9 +92,3 @@ def _stop_after_step() -> Iterator[None]:
     finally:
         StepBook.end_step = real
 
-
-if __name__ == "__main__":  # ``python tests/run_hooks.py run ...``: ``tune run ...``, hooked
-    from torchtune._cli.tune import main
-
-    with active():
-        main()

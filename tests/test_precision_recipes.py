@@ -36,7 +36,7 @@ from recipe_utils import (
     lora_tiny_args,
     relative_l2,
 )
-from torchao_eager_runs import EAGER, GROUP, STOPPED_STATUS, eager_runs, stopped_and_resumed
+from torchao_eager_runs import GROUP, STOPPED_STATUS, eager_runs, stopped_and_resumed
 
 pytestmark = pytest.mark.slow
 
@@ -162,14 +162,15 @@ SR_STEPS = 3
 
 
 def planned_runs(root: Path) -> list[Run]:
-    """The stochastic-rounding runs, for tests/torchao_eager_runs.py's launch (with
-    tests/test_low_bit_optimizer.py's: torchao's optimizer step eagerly, ``table.EAGER``)."""
+    """The stochastic-rounding runs, for tests/torchao_eager_runs.py (with
+    tests/test_low_bit_optimizer.py's): torchao's optimizer step eagerly, as the table runs it
+    (``table.EAGER``: ``TORCHDYNAMO_DISABLE=1`` in its fresh processes; ``EAGER`` here, the
+    same switch for a forked run)."""
 
     def args_of(out: Path) -> list[str]:
         settings = {"max_steps_per_epoch": SR_STEPS, "save_every_n_steps": 1, "dtype": "bf16"}
         return [*lora_tiny_args(out, **settings), *table.PRECISIONS["bf16_sr"]]
 
-    assert EAGER == table.EAGER
     return stopped_and_resumed(root, args_of, stop_after=SR_STEPS - 1)
 
 

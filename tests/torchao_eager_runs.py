@@ -1,14 +1,13 @@
-"""The torchao optimizer runs of two test modules: fresh processes, ``TORCHDYNAMO_DISABLE=1``.
+"""The torchao optimizer runs of two test modules, with torch.compile off (``FORCE_EAGER``).
 
 tests/test_low_bit_optimizer.py (``AdamW8bit``) and tests/test_precision_recipes.py (pure bf16
 with ``_AdamW``'s stochastic rounding) each train a short LoRA run, stop a copy of it after its
 second-to-last step, resume that copy, and compare. torchao compiles its optimizer step on first
-use (40 s on our 2 CPU cores, torchao's own business); ``TORCHDYNAMO_DISABLE=1`` runs the same step
-eagerly. torchao decorates its step with ``torch.compile`` when it is imported, which is when that
-variable is read, and tests/launcher.py's server has imported it: so each run here is a fresh
-process (``launch_runs(fresh=True)``, each still ``tune run`` on its command line), made once per
-session (``run_once``). The two modules are one xdist group, so one worker makes them. Nothing
-here is a test.
+use (40 s on our 2 CPU cores, torchao's own business); tests/run_hooks.py's ``FORCE_EAGER`` runs
+the same step eagerly (torch's ``set_stance("force_eager")``, what ``TORCHDYNAMO_DISABLE=1`` does
+in a fresh process). The runs are made once per session (``run_once``), one after another
+(tests/many_runs.py); the two modules are one xdist group, so one worker makes them. Nothing here
+is a test.
 
 Each module plans a case with :func:`stopped_and_resumed`: in ``<case>/``, ``uninterrupted``
 trains every step; ``stopped`` is the same command into a folder of its own that stops itself with
@@ -25,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from many_runs import Run, launch_runs, run_of
-from run_hooks import STOP_AFTER_STEP
+from run_hooks import FORCE_EAGER, STOP_AFTER_STEP
 
 GROUP = "torchao_eager_runs"  # the xdist group of both modules' tests that read these runs
-EAGER = {"TORCHDYNAMO_DISABLE": "1"}
+EAGER = {FORCE_EAGER: "1"}
 STOPPED_STATUS = 143  # 128 + SIGTERM: see docs/reliability.md
 
 
@@ -64,4 +63,4 @@ def _launch_all(root: Path) -> None:
         *adamw8bit_runs(root / "adamw8bit"),
         *stochastic_rounding_runs(root / "bf16_stochastic_rounding"),
     ]
-    launch_runs(runs, nproc=0, extra_env=EAGER, fresh=True)
+    launch_runs(runs, nproc=0, extra_env=EAGER)
