@@ -28,16 +28,14 @@ demo: install
 	$(VENV)/bin/tune run recipes/full_finetune.py \
 		--config configs/tiny/full_single_device.yaml
 
-# --no-loadscope-reorder: the workers take the tests in the order tests/conftest.py gives them
-# (the recipe runs first), not xdist's (the groups of most tests first).
 test: install
-	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 # The tests that launch no `tune run`: every test not marked slow (tests/conftest.py fails one that
 # launches it without the mark). See docs/quickstart.md, "Tests".
 .PHONY: test-fast
 test-fast: install
-	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -m "not slow"
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -157,13 +157,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that share a module fixture's recipe runs first (``xdist_group``), then the
-    other ``slow`` ones, then the rest, each part in collection order. ``make test`` hands the
-    tests out in this order (``--no-loadscope-reorder``), so the workers end on short tests,
-    not on a minute-long group that one of them took last while the other waited. And a worker
-    under ``--dist loadgroup`` writes ``{nodeid: group}`` for its grouped tests (before it
-    reports its collection, so the controller finds the file when it schedules)."""
-    items.sort(key=_order)  # a stable sort: collection order within each part
+    """A worker under ``--dist loadgroup``: write ``{nodeid: group}`` for its grouped tests
+    (before it reports its collection, so the controller finds the file when it schedules)."""
     folder = getattr(config, "workerinput", {}).get("exactga_groups")
     if folder is None:  # not a worker under ``--dist loadgroup``
         return
@@ -171,12 +166,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     file = Path(folder) / f"{config.workerinput['workerid']}.json"
     file.with_suffix(".tmp").write_text(json.dumps(groups))
     file.with_suffix(".tmp").replace(file)
-
-
-def _order(item: pytest.Item) -> int:
-    if _group_of(item) is not None:
-        return 0
-    return 1 if item.get_closest_marker("slow") is not None else 2
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -14,14 +14,17 @@ tests/unit_utils.py). Each child, like a rank torchrun starts:
   which runs the recipe file as ``__main__`` in that child;
 - writes its stdout and stderr to the run's two files, the ranks interleaved as under torchrun.
 A rank that fails ends its peers (SIGKILL), as torchrun's agent does; the run's status is the
-first failing rank's.
+first failing rank's. Each run is a fork of its own, so nothing of one run (dynamo's caches, a
+process group, a warning shown once) reaches the next. A setting a test would otherwise need a
+fresh process for is a hook of tests/run_hooks.py, switched on by the run's environment.
 
 What a child cannot show stays a real launch, ``tools/tiny_runs.run_tune``: anything read when a
 module is imported (the forkserver imported everything under ``FORKSERVER_ENV`` and the first
 caller's environment), the console of a fresh process, torchrun's agent (its messages, signals
 passed to the ranks, rendezvous across nodes) and exactga's wrap of it (a user error printed once
 by the launcher, a stop signal marked). tests/test_launching.py, tests/test_cli_torchrun.py,
-tests/test_stop_on_signal.py and tests/test_multi_node_launch.py are such tests.
+tests/test_multi_node_launch.py and tests/test_dead_rank.py are such tests, and a few of
+tests/test_stop_on_signal.py's and tests/test_bad_input_launch.py's.
 
 Fork safety: a child is forked from the forkserver, a process of one thread that has imported
 modules and run nothing. Under ``FORKSERVER_ENV`` the imports start no thread (numpy's BLAS pool
@@ -46,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -76,15 +80,16 @@ PRELOAD = [
     "torchtune.training",
 ]
 
-_started = threading.Lock()
+_lock = threading.Lock()
+_started: list[bool] = []
 
 
 def forkserver() -> multiprocessing.context.BaseContext:
     """multiprocessing's forkserver context, the server started (once per process) with
     ``PRELOAD`` and every importable exactga module, under ``FORKSERVER_ENV``."""
     context = multiprocessing.get_context("forkserver")
-    with _started:
-        if multiprocessing.forkserver._forkserver._forkserver_pid is None:
+    with _lock:
+        if not _started:
             import exactga
 
             modules = [m.name for m in pkgutil.walk_packages(exactga.__path__, "exactga.")]
@@ -96,6 +101,7 @@ def forkserver() -> multiprocessing.context.BaseContext:
             finally:
                 os.environ.clear()
                 os.environ.update(starter)
+            _started.append(True)
     return context
 
 
@@ -136,9 +142,9 @@ class RecipeRun:
     def wait(self, timeout: float) -> int:
         """The run's status; kills the ranks and raises ``subprocess.TimeoutExpired`` after
         ``timeout`` seconds."""
-        deadline = _now() + timeout
+        deadline = time.monotonic() + timeout
         while (status := self.poll()) is None:
-            left = deadline - _now()
+            left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
                 raise subprocess.TimeoutExpired(self.args, timeout)
@@ -183,12 +189,6 @@ def run_recipe(
         status = run.wait(timeout)
         stdout, stderr = (path.read_text(errors="replace") for path in (run.stdout, run.stderr))
     return subprocess.CompletedProcess(run.args, status, stdout, stderr)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 def _free_port() -> int:

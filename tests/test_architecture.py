@@ -500,3 +500,34 @@ def test_the_training_loop_stays_readable(recipe: Path) -> None:
     functions = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
     (train,) = [node for node in functions if node.name == "train"]
     assert train.end_lineno - train.lineno + 1 <= 60
+
+
+# --- the tests' own house -----------------------------------------------------------------------
+
+TESTS = REPO / "tests"
+
+
+def _imported_top_names(path: Path) -> set[str]:
+    """The top-level module names ``path`` imports (``import a.b``, ``from a.b import c``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "tools"])
+def test_benchmarks_and_tools_import_no_test_module(folder: str) -> None:
+    """What they share with the tests lies in tools/ (docs/contributing.md, point 9)."""
+    test_modules = {path.stem for path in TESTS.rglob("*.py")}
+    for path in sorted((REPO / folder).rglob("*.py")):
+        wrong = _imported_top_names(path) & test_modules
+        assert not wrong, f"{path.relative_to(REPO)} imports test modules {sorted(wrong)}"
+
+
+def test_the_tests_patch_no_pytest_internals() -> None:
+    """Fixtures and hooks go through pytest's and xdist's public interfaces only."""
+    for path in sorted(TESTS.rglob("*.py")):
+        assert "_pytest" not in _imported_top_names(path), path.relative_to(REPO)

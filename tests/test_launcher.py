@@ -10,6 +10,7 @@ from pathlib import Path
 
 import launcher
 import pytest
+import run_hooks
 from recipe_utils import output_of, run_recipe
 
 TESTS = Path(__file__).resolve().parent
@@ -81,3 +82,26 @@ def test_one_process_without_nproc_has_no_torchrun_variables(tmp_path: Path) -> 
         and seen["WORLD_SIZE"] is None
         and seen["argv"] == [*PROBE_ARGS[1:], "a=1"]
     )
+
+
+# Compiled where torch.compile runs (dynamo's capture, no code generation), eager under the hook.
+COMPILING_PROBE = """
+import torch
+@torch.compile(fullgraph=True, backend="eager")
+def compiling(x):
+    return x + float(torch.compiler.is_compiling())
+print("compiled" if compiling(torch.zeros(1)).item() == 1.0 else "eager", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("force_eager", [False, True])
+def test_the_force_eager_hook_runs_a_compiled_function_eagerly(tmp_path: Path, force_eager) -> None:
+    """tests/run_hooks.py's ``FORCE_EAGER``: torch.compile off in the run, as
+    ``TORCHDYNAMO_DISABLE=1`` would turn it off in a fresh process (tests/torchao_eager_runs.py)."""
+    (tmp_path / "probe.py").write_text(COMPILING_PROBE)
+    (tmp_path / "probe.yaml").write_text("{}\n")
+    env = {run_hooks.FORCE_EAGER: "1"} if force_eager else {}
+    proc = run_recipe(PROBE_ARGS, cwd=tmp_path, extra_env=env)
+    assert proc.returncode == 0, output_of(proc)
+    assert proc.stdout.split() == ["eager" if force_eager else "compiled"], output_of(proc)
