@@ -13,10 +13,11 @@ tests/unit_utils.py). Each child, like a rank torchrun starts:
   line (recipe and config names resolved as ``tune`` does, exactga's start-up patches in place),
   which runs the recipe file as ``__main__`` in that child;
 - writes its stdout and stderr to the run's two files, the ranks interleaved as under torchrun.
-A rank that fails ends its peers (SIGKILL), as torchrun's agent does; the run's status is the
-first failing rank's. Each run is a fork of its own, so nothing of one run (dynamo's caches, a
-process group, a warning shown once) reaches the next. A setting a test would otherwise need a
-fresh process for is a hook of tests/run_hooks.py, switched on by the run's environment.
+A rank that fails ends its peers (SIGKILL, after a grace for them to end by themselves), as
+torchrun's agent does; the run's status is the first failing rank's. Each run is a fork of its
+own, so nothing of one run (dynamo's caches, a process group, a warning shown once) reaches the
+next. A setting a test would otherwise need a fresh process for is a hook of tests/run_hooks.py,
+switched on by the run's environment.
 
 What a child cannot show stays a real launch, ``tools/tiny_runs.run_tune``: anything read when a
 module is imported (the forkserver imported everything under ``FORKSERVER_ENV`` and the first
@@ -80,6 +81,9 @@ PRELOAD = [
     "torchtune.training",
 ]
 
+# A failed rank's peers: seconds to end by themselves before SIGKILL (see ``RecipeRun.poll``).
+PEER_GRACE_S = 10.0
+
 _lock = threading.Lock()
 _started: list[bool] = []
 
@@ -120,6 +124,7 @@ class RecipeRun:
         context = forkserver()
         port = _free_port()
         self.ranks = []
+        self.failed_at: float | None = None  # when a rank first failed
         for rank in range(max(nproc, 1)):
             rank_env = {**env, **_torchrun_variables(rank, nproc, port, typed)} if nproc else env
             child = context.Process(
@@ -131,13 +136,19 @@ class RecipeRun:
             self.ranks.append(child)
 
     def poll(self) -> int | None:
-        """The run's status once it ended (a failed rank's peers killed), else None."""
+        """The run's status once every rank ended, else None. A failed rank's peers get
+        ``PEER_GRACE_S`` to end by themselves (each refusing the same input: rank 0 prints the
+        message), then SIGKILL, as torchrun's agent ends them."""
         codes = [rank.exitcode for rank in self.ranks]
         failed = next((code for code in codes if code not in (None, 0)), None)
-        if failed is not None:
+        if failed is None:
+            return 0 if None not in codes else None
+        if None in codes:
+            self.failed_at = self.failed_at or time.monotonic()
+            if time.monotonic() - self.failed_at < PEER_GRACE_S:
+                return None
             self.kill()
-            return failed
-        return 0 if all(code == 0 for code in codes) else None
+        return failed
 
     def wait(self, timeout: float) -> int:
         """The run's status; kills the ranks and raises ``subprocess.TimeoutExpired`` after
@@ -149,7 +160,7 @@ class RecipeRun:
                 self.kill()
                 raise subprocess.TimeoutExpired(self.args, timeout)
             running = [rank.sentinel for rank in self.ranks if rank.exitcode is None]
-            multiprocessing.connection.wait(running, timeout=left)
+            multiprocessing.connection.wait(running, timeout=min(left, 0.5))
         return status
 
     def send_signal(self, signum: int) -> None:
