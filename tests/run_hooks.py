@@ -91,4 +91,3 @@ def _stop_after_step() -> Iterator[None]:
         yield
     finally:
         StepBook.end_step = real
-
