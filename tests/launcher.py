@@ -117,6 +117,8 @@ class RecipeRun:
         nproc = 0
         if args[:1] == ["--nproc_per_node"]:
             nproc, args = int(args[1]), args[2:]
+        if args[0].startswith("-"):  # another torchrun option: torchrun's agent is run_tune's
+            raise ValueError(f"run_recipe takes --nproc_per_node N alone before the recipe: {args}")
         typed = [str(TUNE), "run", *(["--nproc_per_node", str(nproc)] if nproc else []), *args]
         self.args, self.stdout, self.stderr = typed, folder / "stdout", folder / "stderr"
         self.stdout.touch()
@@ -256,7 +258,8 @@ def _check_forked_from_one_thread() -> None:
     threads = list(Path(f"/proc/{os.getppid()}/task").iterdir())
     if len(threads) != 1:
         names = [(task / "comm").read_text().strip() for task in threads]
-        raise RuntimeError(f"tests/launcher.py: the forkserver runs threads {names}; see its Note")
+        message = f"the forkserver runs threads {names} (see 'Fork safety' in tests/launcher.py)"
+        raise RuntimeError(message)
 
 
 def _put_python_path_first(python_path: str) -> None:
