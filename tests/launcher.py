@@ -23,9 +23,10 @@ What a child cannot show stays a real launch, ``tools/tiny_runs.run_tune``: anyt
 module is imported (the forkserver imported everything under ``FORKSERVER_ENV`` and the first
 caller's environment), the console of a fresh process, torchrun's agent (its messages, signals
 passed to the ranks, rendezvous across nodes) and exactga's wrap of it (a user error printed once
-by the launcher, a stop signal marked). tests/test_launching.py, tests/test_cli_torchrun.py,
+by the launcher, a stop signal marked). tests/test_launching.py,
 tests/test_multi_node_launch.py and tests/test_dead_rank.py are such tests, and a few of
-tests/test_stop_on_signal.py's and tests/test_bad_input_launch.py's.
+tests/test_stop_on_signal.py's and tests/test_bad_input_launch.py's (tests/test_architecture.py
+keeps the list).
 
 Fork safety: a child is forked from the forkserver, a process of one thread that has imported
 modules and run nothing. Under ``FORKSERVER_ENV`` the imports start no thread (numpy's BLAS pool
