@@ -55,8 +55,8 @@ import time
 import traceback
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TUNE = Path(sys.executable).parent / "tune"
+from tiny_runs import REPO_ROOT, TUNE  # noqa: F401 - REPO_ROOT re-exported for many_runs
+
 # The forkserver's own environment on top of its starter's: no thread started by the imports.
 FORKSERVER_ENV = {
     "OMP_NUM_THREADS": "1",
