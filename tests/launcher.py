@@ -45,6 +45,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import pkgutil
+import resource
 import signal
 import socket
 import subprocess
@@ -84,6 +85,10 @@ PRELOAD = [
 
 # A failed rank's peers: seconds to end by themselves before SIGKILL (see ``RecipeRun.poll``).
 PEER_GRACE_S = 10.0
+# Set to a file: each forked rank appends a JSON line of its test, command, wall and CPU seconds
+# (what the suite's time goes to; tests/run_costs.py sums it by module).
+RUN_COST_LOG = "EXACTGA_TEST_RUN_COST_LOG"
+
 
 _lock = threading.Lock()
 _started: list[bool] = []
@@ -249,10 +254,28 @@ def _run_rank(argv: list[str], env: dict[str, str], cwd: str, stdout: Path, stde
     _put_python_path_first(env.get("PYTHONPATH", ""))
     sys.argv = argv
     sys.orig_argv = [sys.executable, *argv]  # what `tune` (a Python script) has
+    started = time.monotonic()
     status = _tune_main()
+    _log_cost(env.get(RUN_COST_LOG), argv, env.get("PYTEST_CURRENT_TEST"), started)
     atexit._run_exitfuncs()  # what an interpreter runs as it ends, which a forked child skips
     sys.exit(status)  # multiprocessing then ends the child as an interpreter ends: it joins the
     # non-daemon threads after telling executors' workers to stop, and flushes the streams
+
+
+def _log_cost(path: str | None, argv: list[str], test: str | None, started: float) -> None:
+    """One JSON line on this rank's cost appended to ``path`` (``RUN_COST_LOG``), if set."""
+    if not path:
+        return
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # the fork's own: it starts at zero
+    line = {
+        "test": test,
+        "argv": argv[2:],
+        "rank": os.environ.get("RANK"),
+        "wall_s": round(time.monotonic() - started, 3),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+    }
+    with open(path, "a") as file:  # one short write: the ranks' lines do not interleave
+        file.write(json.dumps(line) + "\n")
 
 
 def _check_forked_from_one_thread() -> None:

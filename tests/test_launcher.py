@@ -10,6 +10,7 @@ from pathlib import Path
 
 import launcher
 import pytest
+import run_costs
 import run_hooks
 from recipe_utils import output_of, run_recipe
 
@@ -105,3 +106,19 @@ def test_the_force_eager_hook_runs_a_compiled_function_eagerly(tmp_path: Path, f
     proc = run_recipe(PROBE_ARGS, cwd=tmp_path, extra_env=env)
     assert proc.returncode == 0, output_of(proc)
     assert proc.stdout.split() == ["eager" if force_eager else "compiled"], output_of(proc)
+
+
+@pytest.mark.slow
+def test_each_rank_logs_its_cost_where_asked_and_the_summary_adds_them(tmp_path: Path) -> None:
+    _write_probe(tmp_path)
+    log = tmp_path / "costs.jsonl"
+    env = {"EXACTGA_TESTS_PROBE": "ok", launcher.RUN_COST_LOG: str(log)}
+    proc = run_recipe(["--nproc_per_node", "2", *PROBE_ARGS], cwd=tmp_path, extra_env=env)
+    assert proc.returncode == 0, output_of(proc)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(line["rank"] for line in lines) == ["0", "1"]
+    assert all(line["argv"] == PROBE_ARGS and line["cpu_s"] >= 0 for line in lines)
+    assert all(line["test"].startswith("tests/test_launcher.py::") for line in lines)
+    totals = run_costs.costs_by_module(log.read_text().splitlines())
+    ranks, cpu, _ = totals["tests/test_launcher.py"]
+    assert ranks == 2 and cpu == pytest.approx(sum(line["cpu_s"] for line in lines))
