@@ -5,7 +5,8 @@ runs each document's span alone; the dense block-causal mask it replaces compute
 row and masks it. Here, per family (torchtune's Llama and Qwen2, our Qwen3, Qwen3 MoE, Gemma 3
 with a window of 8, gpt-oss with sinks and a window of 4), on one tiny random fp32 model: a
 packed row's logits and every parameter's gradient are the dense mask's within the fp32 floor,
-with documents longer than the windows, a one-token document and padding at the row's end.
+with documents longer than the windows, a one-token document and padding at the row's end
+(the documents' logits; the padding is not attended, see [padding is not attended]).
 See [per-document attention is exact].
 """
 
@@ -25,12 +26,16 @@ from exactga.models.gemma3 import gemma3
 from exactga.models.gpt_oss import gpt_oss
 from exactga.models.qwen3 import qwen3
 from exactga.models.qwen3_moe import qwen3_moe
-from exactga.runtime.document_attention import DocumentLengths, accept_document_lengths
+from exactga.runtime.document_attention import (
+    DocumentLengths,
+    accept_document_lengths,
+    attend_per_document,
+)
 
 BOUND = 1e-5  # relative L2, fp32: the kernels' rounding, not a masking difference (that is O(1))
 VOCAB = 64
 LENGTHS = [9, 1, 14, 3]  # 14 > Gemma 3's window of 8 > gpt-oss's of 4; a 1-token document
-PADDING = 5  # the row's unfilled end: one more document (exactga.data.packing)
+PADDING = 5  # the row's unfilled end, never attended (exactga.data.packing)
 HEADS = {"num_heads": 4, "num_kv_heads": 2, "embed_dim": 32, "max_seq_len": 64}
 
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
@@ -98,9 +103,11 @@ def packed_row() -> dict[str, torch.Tensor]:
 
 
 def logits_and_gradients(model: nn.Module, row: dict) -> tuple[torch.Tensor, dict]:
-    """The row's logits and every parameter's gradient of a fixed random weighting of them."""
+    """The documents' logits and every parameter's gradient of a fixed random weighting of
+    them; the padding's logits weigh nothing, as its ignored labels weigh nothing in a loss
+    (see [padding is not attended])."""
     model.zero_grad(set_to_none=True)
-    logits = model(**row)
+    logits = model(**row)[:, : sum(LENGTHS)]
     weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
     (logits * weights).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -126,7 +133,7 @@ def test_a_packed_row_carries_its_document_lengths_unless_the_dense_mask_is_aske
         [{"tokens": [1, 2], "labels": [1, 2]}, {"tokens": [3], "labels": [3]}], capacity=4
     )
     assert isinstance(row["mask"], DocumentLengths)
-    assert row["mask"].tolist() == [[2, 1, 1]]  # the padding is a document of its own
+    assert row["mask"].tolist() == [[2, 1, -1]]  # the padding: a span of negative length
     monkeypatch.setenv(DENSE_PACKED_MASK, "1")
     dense = pack_samples(
         [{"tokens": [1, 2], "labels": [1, 2]}, {"tokens": [3], "labels": [3]}], capacity=4
@@ -139,14 +146,30 @@ def test_per_document_attention_gives_the_dense_masks_logits_and_gradients(famil
     model = random_model(family)
     row = packed_row()
     per_document = logits_and_gradients(model, row)
-    lengths = [torch.tensor(row["mask"].tolist()[0])]
-    dense = logits_and_gradients(model, {**row, "mask": create_block_causal_mask(lengths)})
+    dense = logits_and_gradients(model, dense_row(row))
     assert_same_numbers(per_document, dense)
 
 
 def dense_row(row: dict) -> dict:
-    """``row`` under its dense block-causal mask (what ``DENSE_PACKED_MASK`` packs)."""
-    return {**row, "mask": create_block_causal_mask([torch.tensor(row["mask"].tolist()[0])])}
+    """``row`` under its dense block-causal mask (what ``DENSE_PACKED_MASK`` packs), the
+    padding one more document."""
+    spans = [abs(length) for length in row["mask"].tolist()[0]]
+    return {**row, "mask": create_block_causal_mask([torch.tensor(spans)])}
+
+
+def test_the_padding_is_never_attended_and_its_output_is_zero() -> None:
+    """[padding is not attended]: one attention call per document, none for the padding."""
+    calls = []
+
+    def attend(q, k, v):
+        calls.append(q.shape[2])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (torch.randn(1, 2, 7, 4) for _ in range(3))
+    output = attend_per_document(q, k, v, DocumentLengths.of([3, 2], padding=2), attend)
+    assert calls == [3, 2]
+    assert output.shape == (1, 2, 7, 4) and not output[:, :, 5:].any()
+    assert torch.equal(output[:, :, :3], attend(q[:, :, :3], k[:, :, :3], v[:, :, :3]))
 
 
 def compiled_layers(model: nn.Module, fullgraph: bool) -> nn.Module:

@@ -16,7 +16,6 @@ import random
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torchtune.modules.attention_utils import create_block_causal_mask
 from unit_utils import make_rows, rel_err, tiny_model
 
 from exactga.accumulation.loss_units import IGNORE_INDEX, count_loss_tokens, shift_labels
@@ -31,7 +30,7 @@ from exactga.data.micro_batching import (
     WindowWork,
     first_fit_decreasing,
 )
-from exactga.data.packing import PACKED_SEQUENCES, pack_pairs, pack_samples
+from exactga.data.packing import DENSE_PACKED_MASK, PACKED_SEQUENCES, pack_pairs, pack_samples
 from exactga.dpo.preference import collate_pairs, response_lengths
 from exactga.dpo.schema import LoraDpoSingleDeviceConfig
 from exactga.grpo.schema import GrpoDistributedConfig
@@ -91,16 +90,17 @@ def test_a_packed_row_scores_exactly_the_samples_shifted_labels() -> None:
     assert row["input_pos"][0].tolist() == [*range(5), *range(23), *range(12), *[0] * 24]
 
 
-def test_a_packed_row_masks_each_sample_from_the_others() -> None:
-    row = pack_samples(
-        [{"tokens": [1, 2], "labels": [1, 2]}, {"tokens": [3], "labels": [3]}], capacity=4
-    )
+def test_a_packed_row_masks_each_sample_from_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    samples = [{"tokens": [1, 2], "labels": [1, 2]}, {"tokens": [3], "labels": [3]}]
+    row = pack_samples(samples, capacity=4)
+    # The documents, attended each alone, then the padding, not attended at all.
+    assert row["mask"].tolist() == [[2, 1, -1]]
+    monkeypatch.setenv(DENSE_PACKED_MASK, "1")
     expected = torch.tensor(
         [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool
     )
-    assert row["mask"].tolist() == [[2, 1, 1]]  # the documents, attended each alone
-    dense = create_block_causal_mask([torch.tensor(row["mask"].tolist()[0])])
-    assert torch.equal(dense, expected.unsqueeze(0))  # the padding attends to itself
+    dense = pack_samples(samples, capacity=4)["mask"]
+    assert torch.equal(dense, expected.unsqueeze(0))  # under a mask the padding sees itself
 
 
 def test_each_packed_sample_computes_what_it_computes_alone() -> None:
@@ -128,7 +128,7 @@ def test_a_sample_longer_than_the_row_gets_a_row_as_long_as_it() -> None:
 def test_pad_to_multiple_of_trims_a_packed_rows_unfilled_end() -> None:
     row = pack_samples(SAMPLES[1:3], capacity=ROW, pad_to_multiple_of=16)  # 28 positions
     assert row["tokens"].shape == (1, 32)
-    assert sum(row["mask"].tolist()[0]) == 32  # the padding, one document, fills the row
+    assert sum(map(abs, row["mask"].tolist()[0])) == 32  # the padding span fills the row
 
 
 def test_a_packed_pair_row_marks_each_side_and_counts_its_response() -> None:

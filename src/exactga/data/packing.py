@@ -19,9 +19,11 @@ concatenation of the samples' shifted labels. The loss terms and their count are
 of the same samples padded, and so is the window's loss token count: the normaliser weighs a
 packed micro-batch as any other (see [regrouping is exact] in exactga.data.micro_batching).
 
-The rest of the row is padding: one more document (so each of its positions attends to
-itself and its softmax is finite), of ignored labels and rotary position 0, which no real
-position sees. A sample longer than the row gets a row of its own, as long as it.
+The rest of the row is padding, of ignored labels and rotary position 0, which no real
+position sees: under a mask one more document (so each of its positions attends to itself and
+its softmax is finite), under per-document attention not attended at all (see [padding is not
+attended] in exactga.runtime.document_attention). A sample longer than the row gets a row of
+its own, as long as it.
 
 Preference pairs pack both their sides as two documents of one row, and the row carries
 ``PACKED_SEQUENCES``, ``(2B, N)`` booleans whose row ``s`` marks the positions of sequence
@@ -79,16 +81,18 @@ def uses_flex_attention(device: str | torch.device) -> bool:
 DENSE_PACKED_MASK = "EXACTGA_DENSE_PACKED_MASK"
 
 
-def document_mask(seq_lens: Sequence[int], flex: bool) -> Any:
-    """What one row whose documents have these lengths carries as its ``mask``: with ``flex``
-    torchtune's ``BlockMask`` (CUDA), else its :class:`DocumentLengths` (each document attended
-    alone), or under ``EXACTGA_DENSE_PACKED_MASK=1`` the ``(1, N, N)`` block-causal booleans."""
-    lengths = [torch.tensor(list(seq_lens), dtype=torch.long)]
+def document_mask(seq_lens: Sequence[int], flex: bool, padding: int = 0) -> Any:
+    """What one row whose documents have these lengths, then ``padding`` positions, carries as
+    its ``mask``: with ``flex`` torchtune's ``BlockMask`` (CUDA), else its
+    :class:`DocumentLengths` (each document attended alone, the padding not at all), or under
+    ``EXACTGA_DENSE_PACKED_MASK=1`` the ``(1, N, N)`` block-causal booleans. The two masks
+    attend the padding within itself, as one more document."""
+    lengths = [torch.tensor([*seq_lens, *([padding] if padding else [])], dtype=torch.long)]
     if flex:
         return packed_block_causal_mask(lengths)
     if os.environ.get(DENSE_PACKED_MASK) == "1":
         return create_block_causal_mask(lengths)
-    return DocumentLengths.of(list(seq_lens))
+    return DocumentLengths.of(list(seq_lens), padding)
 
 
 class _Row:
@@ -114,7 +118,6 @@ class _Row:
     def collate(self, capacity: int, pad_to_multiple_of: int | None, flex: bool) -> dict:
         width = row_length(len(self.tokens), capacity, pad_to_multiple_of)
         num_pad = width - len(self.tokens)
-        seq_lens = self.seq_lens + ([num_pad] if num_pad else [])
 
         def row(values: list[int], fill: int) -> torch.Tensor:
             return torch.tensor([values + [fill] * num_pad], dtype=torch.long)
@@ -123,7 +126,7 @@ class _Row:
             "tokens": row(self.tokens, self.padding_idx),
             "labels": row(self.labels, self.ignore_idx),
             "input_pos": row(self.input_pos, 0),
-            "mask": document_mask(seq_lens, flex),
+            "mask": document_mask(self.seq_lens, flex, num_pad),
         }
 
 

@@ -30,8 +30,15 @@ Note [per-document attention is exact]
 Under the block-causal mask a query's softmax runs over the keys of its own document up to
 itself; on its span alone, causal, it runs over the same keys, so every output is the same sum
 of the same terms, up to the kernels' floating-point rounding (fp32: a few ulps; the tests in
-tests/test_document_attention.py compare logits and every gradient). The padding at a row's
-end is one more document (exactga.data.packing), attended within itself as before.
+tests/test_document_attention.py compare logits and every gradient).
+
+Note [padding is not attended]
+The padding at a row's end (exactga.data.packing) is a span of negative length: its attention
+output is zeros, where the dense mask attends it causally within itself. Nothing reads those
+positions: no document attends them, their labels are ignored, the MoE router's statistics
+leave out padding tokens, and a preference row's sequences leave them out. Everything a loss
+or a gradient sees is the same, and the padding's own attention, up to a square of several
+hundred positions on the last row of a window, is not computed.
 """
 
 from __future__ import annotations
@@ -47,14 +54,17 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DocumentLengths(torch.Tensor):
-    """A packed row's document lengths, ``[b, n_docs]`` integers summing to the row's length,
-    passed as the model's ``mask``: each document attends causally within itself alone. A
-    tensor, so it travels with the batch (``batch_to_device``) as a mask does."""
+    """A packed row's spans, ``[b, n_spans]`` integers whose absolute values sum to the row's
+    length, passed as the model's ``mask``: a positive length is a document, which attends
+    causally within itself alone; a negative one is padding, never attended (see [padding is
+    not attended]). A tensor, so it travels with the batch (``batch_to_device``) as a mask
+    does."""
 
     @staticmethod
-    def of(seq_lens: list[int]) -> DocumentLengths:
-        """One row's lengths as ``[1, n_docs]``."""
-        return torch.tensor([seq_lens], dtype=torch.long).as_subclass(DocumentLengths)
+    def of(seq_lens: list[int], padding: int = 0) -> DocumentLengths:
+        """One row's documents, then ``padding`` positions, as ``[1, n_spans]``."""
+        spans = [*seq_lens, -padding] if padding else list(seq_lens)
+        return torch.tensor([spans], dtype=torch.long).as_subclass(DocumentLengths)
 
 
 @torch.compiler.disable  # see [packed rows under compile]
@@ -72,15 +82,22 @@ def attend_per_document(
         raise ValueError("per-document attention needs as many keys as queries (no KV-cache)")
     rows = []
     for r, row_lengths in enumerate(lengths.as_subclass(torch.Tensor).tolist()):
-        if sum(row_lengths) != q.shape[2]:
+        sizes = [abs(length) for length in row_lengths]
+        if sum(sizes) != q.shape[2]:
             raise ValueError(f"document lengths {row_lengths} do not fill a row of {q.shape[2]}")
-        spans, start = [], 0
-        for length in row_lengths:
-            at = (slice(r, r + 1), slice(None), slice(start, start + length))
-            spans.append(attend(q[at], k[at], v[at]))
-            start += length
-        rows.append(torch.cat(spans, dim=2))
-    return torch.cat(rows, dim=0)
+        # One split per tensor, not a slice per span: a slice's backward writes its gradient
+        # into a zeroed tensor of the whole row, once per span; a split's joins them once.
+        row = (t if t.shape[0] == 1 else t[r : r + 1] for t in (q, k, v))  # a slice costs so too
+        spans_q, spans_k, spans_v = (t.split(sizes, dim=2) for t in row)
+        spans = zip(row_lengths, spans_q, spans_k, spans_v, strict=True)
+        outputs = [attend(sq, sk, sv) if n > 0 else _unattended(sq, sv) for n, sq, sk, sv in spans]
+        rows.append(torch.cat(outputs, dim=2))
+    return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+
+
+def _unattended(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A padding span's output: zeros, see [padding is not attended]."""
+    return q.new_zeros((*q.shape[:3], v.shape[3]))
 
 
 AttentionCall = Callable[..., torch.Tensor]
