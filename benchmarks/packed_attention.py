@@ -6,12 +6,14 @@ machine's changing load lands on them unevenly. This one times the two attention
 process, alternating A B B A row by row so that a change in load hits both alike: the
 config's model (default the tiny config's, fp32), the bundled data tokenized at
 ``tokenizer.max_seq_len``, each window of ``--window`` samples packed into rows of ``--row``
-positions as the recipe packs them (first-fit decreasing, the padding one more document; the
-windows in the data file's order, not the sampler's), and per row one forward and backward of
-the summed logits:
+positions as the recipe packs them (first-fit decreasing, then the padding; the windows in the
+data file's order, not the sampler's), and per row one forward and backward of the documents'
+summed logits (the padding's weigh nothing, as its ignored labels weigh nothing in a loss):
 
-- ``per_document``: the row's ``DocumentLengths`` (each document attended alone);
-- ``dense``: the same row under torchtune's dense ``(1, N, N)`` block-causal mask.
+- ``per_document``: the row's ``DocumentLengths`` (each document attended alone, the padding
+  not at all);
+- ``dense``: the same row under torchtune's dense ``(1, N, N)`` block-causal mask (the padding
+  one more document).
 
 It prints the median over rows of each path's time, the ratio of their total times, and the
 logits' and gradients' largest relative difference (the paths compute the same thing).
@@ -58,11 +60,23 @@ def packed_rows(args: argparse.Namespace) -> tuple[list[dict], int]:
     return rows, vocab
 
 
+def spans(row: dict) -> list[int]:
+    """The row's documents' lengths, then its padding's (a negative length in its mask)."""
+    return [abs(length) for length in row["mask"].tolist()[0]]
+
+
+def dense_mask(row: dict) -> torch.Tensor:
+    """The row's dense block-causal mask, the padding one more document."""
+    return create_block_causal_mask([torch.tensor(spans(row))])
+
+
 def forward_backward(model: torch.nn.Module, row: dict, mask) -> tuple[float, torch.Tensor, list]:
-    """Seconds of one forward and backward of the row's summed logits, the logits, the grads."""
+    """Seconds of one forward and backward of the documents' summed logits (the padding's weigh
+    nothing, as in a loss), those logits, the grads."""
     model.zero_grad(set_to_none=True)
+    documents = sum(length for length in row["mask"].tolist()[0] if length > 0)
     start = time.perf_counter()
-    logits = model(row["tokens"], mask=mask, input_pos=row["input_pos"])
+    logits = model(row["tokens"], mask=mask, input_pos=row["input_pos"])[:, :documents]
     logits.sum().backward()
     seconds = time.perf_counter() - start
     return seconds, logits.detach(), [p.grad.clone() for p in model.parameters()]
@@ -88,13 +102,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = accept_document_lengths(config.instantiate(cfg_model))
     forward_backward(model, rows[0], rows[0]["mask"])  # warm-up, both paths
-    dense_first = create_block_causal_mask([torch.tensor(rows[0]["mask"].tolist()[0])])
-    forward_backward(model, rows[0], dense_first)
+    forward_backward(model, rows[0], dense_mask(rows[0]))
     times: dict[str, list[float]] = {"per_document": [], "dense": []}
     worst_logits = worst_grad = 0.0
     load_before = os.getloadavg()
     for index, row in enumerate(rows):
-        dense = create_block_causal_mask([torch.tensor(row["mask"].tolist()[0])])
+        dense = dense_mask(row)
         order = [("per_document", row["mask"]), ("dense", dense)]
         results = {}
         for name, mask in order if index % 2 == 0 else order[::-1]:  # A B, then B A
@@ -106,11 +119,11 @@ def main() -> None:
         pairs = zip(our_grads, their_grads, strict=True)
         worst_grad = max(worst_grad, *(relative_difference(a, b) for a, b in pairs))
     load_after = os.getloadavg()
-    documents = [len(row["mask"].tolist()[0]) for row in rows]
+    documents = [len(spans(row)) for row in rows]
     print(
         f"# {args.config}, rows of {args.row} from windows of {args.window} samples at "
         f"tokenizer.max_seq_len={args.max_seq_len}; {len(rows)} rows of "
-        f"{min(documents)} to {max(documents)} documents (the padding one of them); "
+        f"{min(documents)} to {max(documents)} spans (the padding one of them); "
         f"torch {torch.__version__}, {args.threads} thread(s); load average before "
         f"{load_before[0]:.2f}, after {load_after[0]:.2f}"
     )
