@@ -16,9 +16,9 @@ run shares a launch per rank count (tests/many_runs.py): the uninterrupted runs 
 must fail on a finished run and the resume lineage's three runs, and the resumed runs.
 
 The resume lineage (issue #62; [retired step checkpoints] in exactga.run.checkpointing): launch A
-stops after step 6; launch B, the same command, starts over in the same folder (A's step
-checkpoints are moved aside, with a note) and stops after step 3; B's printed command resumes
-B's step 3, ends bit-identical to the uninterrupted run and logs into B's TensorBoard run.
+stops after step 7; launch B, the same command, starts over in the same folder (A's step
+checkpoints are moved aside, with a note) and stops after step 5; B's printed command resumes
+B's step 5, ends bit-identical to the uninterrupted run and logs into B's TensorBoard run.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ from exactga.checkpoints.contents import BEST_RECORD
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume_uninterrupted")]
 
 TOLERANCE = 1e-6
-STEPS_PER_EPOCH = 4  # kills land after steps 1 to 4 of 8: steps before and after each
+# Kills land after steps 1 to 4 of 8 (4 left, so the run is still training when the kill
+# lands); the lineage's B resumes in the second epoch.
+STEPS_PER_EPOCH = 4
 EPOCHS = 2
 FINAL = f"epoch_{EPOCHS - 1}/model-00001-of-00001.safetensors"
 INITIAL = "base_model/model.safetensors"
@@ -184,7 +186,8 @@ def _failing_runs(root: Path) -> dict[str, list[str]]:
 # B's printed command runs. Each stop is a SIGTERM the run sends itself after that step
 # (tests/run_hooks.py), and the command line is set as typed (``tune run ...``), as tune's
 # launcher sets it for its ranks: the tests start the virtual environment's tune by its path.
-LINEAGE_A_STOP, LINEAGE_B_STOP = 6, 3  # in the second epoch, and the first
+# B's step 5 is older than A's last two (6, 7), and B resumes after one step of the second epoch.
+LINEAGE_A_STOP, LINEAGE_B_STOP = 7, 5
 LAUNCH_COMMAND_ENV = "EXACTGA_LAUNCH_COMMAND"  # exactga.launch.stopping's
 LINEAGE_STOP = re.compile(
     r"exactga: stopped by SIGTERM after step (\d+) of 8 \(epoch \d of 2\); "
@@ -500,21 +503,21 @@ def test_a_launch_that_starts_over_retires_the_earlier_launchs_checkpoints(unint
     stopped_a = _lineage_stop(root, "lineage_a")
     assert int(stopped_a.group(1)) == LINEAGE_A_STOP
     (retired,) = (out / "retired_step_checkpoints").iterdir()  # one launch started over
-    assert sorted(p.name for p in retired.iterdir()) == ["step_000005", "step_000006"]
-    manifest = json.loads((retired / "step_000006" / "trainer_state.json").read_text())
-    assert manifest["step"] == 6 and manifest["trainer_state"]["global_step"] == 6
+    assert sorted(p.name for p in retired.iterdir()) == ["step_000006", "step_000007"]
+    manifest = json.loads((retired / "step_000007" / "trainer_state.json").read_text())
+    assert manifest["step"] == 7 and manifest["trainer_state"]["global_step"] == 7
     _, output = _launched(root, "lineage_b")
     notes = [line for line in output.splitlines() if "this launch starts over" in line]
     assert len(notes) == 1, output[-4000:]
     note = notes[0]
     print(note)
     assert f"in {out / 'step_checkpoints'} " in note and f"to {retired}" in note
-    assert "step_000006, is a step checkpoint of this run" in note
+    assert "step_000007, is a step checkpoint of this run" in note
     assert "resume_from_checkpoint=True" in note
 
 
 def test_the_stop_message_names_the_checkpoint_its_command_resumes(uninterrupted):
-    """B stops after step 3 < A's 6; its line names B's step 3 and the command that goes on,
+    """B stops after step 5 < A's 7; its line names B's step 5 and the command that goes on,
     which resumes exactly that checkpoint and ends bit-identical to the uninterrupted run."""
     root = uninterrupted("full").parent
     out = root / "lineage" / "run"
@@ -533,8 +536,8 @@ def test_the_stop_message_names_the_checkpoint_its_command_resumes(uninterrupted
 
 
 def test_the_resumed_launch_goes_on_in_its_own_tensorboard_run(uninterrupted):
-    """Two runs in the folder's logs: A's, steps 1 to 6 as A logged them, and B's, steps 1 to
-    8 each once with the uninterrupted run's loss (B's 1 to 3, its resume's 4 to 8)."""
+    """Two runs in the folder's logs: A's, steps 1 to 7 as A logged them, and B's, steps 1 to
+    8 each once with the uninterrupted run's loss (B's 1 to 5, its resume's 6 to 8)."""
     root = uninterrupted("full").parent
     logs = root / "lineage" / "run" / "logs"
     runs = sorted(logs.glob("run_*"), key=lambda run: _record(run)["started"])
