@@ -27,10 +27,10 @@ LORA = ("recipes/qat_lora_finetune_distributed.py", "configs/tiny/qat_lora_distr
 PLAIN_FULL = ("recipes/full_finetune.py", "configs/tiny/full_distributed.yaml")
 INT8_ACT_INT4_WEIGHT = "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer"
 INT4_WEIGHT_ONLY = "torchtune.training.quantization.Int4WeightOnlyQATQuantizer"
-STEPS = 12  # the AdamW runs
-SPLIT_STEPS = 6  # the split runs, each step checkpointed
+STEPS = 6  # the AdamW runs: fake quantisation switched on after 4 steps still has steps to part
+SPLIT_STEPS = 3  # the split runs, each step checkpointed: int8 activations part them at step 2
 
-# fp32, 12 AdamW steps, no clipping, no warm-up; fake quantisation from the first step, with a
+# fp32, 6 AdamW steps, no clipping, no warm-up; fake quantisation from the first step, with a
 # group size that divides the small model's widths (64, 128).
 PARITY = {
     "dtype": "fp32",
@@ -130,9 +130,12 @@ RESUME = {
 }
 KILL_TIMEOUT_S = 240
 
-# The GA parity report on the QAT config, among the 2-rank runs: one-device and 2-rank splits.
+# The GA parity report on the QAT config, among the 2-rank runs: a one-device split and the two
+# 2-rank ones, exact (every micro-batching) against the naive baseline the test reads, on the
+# small model (the group size divides its widths too). docs/qat.md's table is the config's own
+# command: every split and mode, width 128.
 PARITY_CONFIG = "configs/tiny/ga_parity_qat.yaml"
-PARITY_SPLITS = "[1x8,2x4,1x4x2,2x2x2]"
+PARITY_KEYS = ["parity.splits=[2x4,1x4x2,2x2x2]", "parity.modes=[naive,exact]"]
 
 
 def overrides_of(settings: dict, output_dir: Path) -> list[str]:
@@ -203,7 +206,8 @@ def _split(args: list[str]) -> tuple[str, list[str]]:
 def _two_rank_runs(root: Path) -> list[Run]:
     runs = [run for nproc, run in (_run(name, root) for name in LAUNCHES) if nproc == 2]
     parity = root / "ga_parity"
-    args = ["--config", PARITY_CONFIG, f"output_dir={parity}", f"parity.splits={PARITY_SPLITS}"]
+    args = ["--config", PARITY_CONFIG, f"output_dir={parity}", *PARITY_KEYS]
+    args += [f"{key}={value}" for key, value in SMALL_MODEL.items()]
     runs.append(Run("recipes/ga_parity.py", args, parity))
     for recipe, name in STOCK_SELECTION:
         out = stock_folder(root, recipe, name)

@@ -349,8 +349,8 @@ def test_every_step_is_the_full_batch_step_of_its_weights(followed, name: str) -
 
 @pytest.mark.parametrize("name", [n for n in SPLIT_RUNS if n.startswith("full_split")])
 def test_with_int8_activations_the_splits_part_by_far_more_than_rounding(followed, name) -> None:
-    """Int8-activation, int4-weight fake quantisation over 6 steps: once values flip, the
-    splits part by far more than rounding (so the rule above is not vacuous)."""
+    """Int8-activation, int4-weight fake quantisation over 3 steps: once values flip (at step 2),
+    the splits part by far more than rounding (so the rule above is not vacuous)."""
     rows = followed(name)
     assert max(row["distance"] for row in rows) > DRIFT, rows
     assert max(row["code_flips"] for row in rows) > 0, rows

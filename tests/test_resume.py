@@ -1,7 +1,7 @@
 """Kill a run with SIGKILL at a random step, resume it, and end where an uninterrupted run ends.
 
 Tier (b) of docs/contributing.md point 9: the real ``tune run`` in a subprocess, on CPU, offline.
-Each scenario trains 12 steps over two epochs with a step checkpoint after every step, once without
+Each scenario trains 8 steps over two epochs with a step checkpoint after every step, once without
 interruption and once killed (the whole process group, as a lost machine would be) as soon as
 a checkpoint of a randomly drawn step exists, plus a random delay so the kill may land mid-step
 or mid-save. The resumed run must end with the same weights (relative L2 <= 1e-6; in practice
@@ -16,7 +16,7 @@ run shares a launch per rank count (tests/many_runs.py): the uninterrupted runs 
 must fail on a finished run and the resume lineage's three runs, and the resumed runs.
 
 The resume lineage (issue #62; [retired step checkpoints] in exactga.run.checkpointing): launch A
-stops after step 9; launch B, the same command, starts over in the same folder (A's step
+stops after step 7; launch B, the same command, starts over in the same folder (A's step
 checkpoints are moved aside, with a note) and stops after step 5; B's printed command resumes
 B's step 5, ends bit-identical to the uninterrupted run and logs into B's TensorBoard run.
 """
@@ -56,7 +56,9 @@ from exactga.checkpoints.contents import BEST_RECORD
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume_uninterrupted")]
 
 TOLERANCE = 1e-6
-STEPS_PER_EPOCH = 6
+# Kills land after steps 1 to 4 of 8 (4 left, so the run is still training when the kill
+# lands); the lineage's B resumes in the second epoch.
+STEPS_PER_EPOCH = 4
 EPOCHS = 2
 FINAL = f"epoch_{EPOCHS - 1}/model-00001-of-00001.safetensors"
 INITIAL = "base_model/model.safetensors"
@@ -72,18 +74,18 @@ RESUMABLE = {
 }
 
 TENSORBOARD = "torchtune.training.metric_logging.TensorBoardLogger"
-# Validation during training (docs/validation.md) in the LoRA scenario: after steps 4 and 8,
-# and at each epoch's end (6, 12), on the training rows' first 6 (2 batches of 3). A resumed run
+# Validation during training (docs/validation.md) in the LoRA scenario: after steps 3 and 6,
+# and at each epoch's end (4, 8), on the training rows' first 6 (2 batches of 3). A resumed run
 # validates the steps after its checkpoint, with the uninterrupted run's figures, and keeps the
 # same best checkpoint (keep_best_checkpoint: its figure is in the step checkpoints).
 VALIDATED = {
     "dataset_val": "${dataset}",
-    "run_val_every_n_steps": 4,
+    "run_val_every_n_steps": 3,
     "batch_size_val": 3,
     "max_val_batches": 2,
     "keep_best_checkpoint": True,
 }
-VALIDATED_STEPS = [4, 6, 8, 12]
+VALIDATED_STEPS = [3, 4, 6, 8]
 SCENARIOS = {
     # TensorBoard: the resumed launch goes on in the killed one's run folder (see
     # [resumed TensorBoard run] in exactga.run.metric_logging).
@@ -184,10 +186,11 @@ def _failing_runs(root: Path) -> dict[str, list[str]]:
 # B's printed command runs. Each stop is a SIGTERM the run sends itself after that step
 # (tests/run_hooks.py), and the command line is set as typed (``tune run ...``), as tune's
 # launcher sets it for its ranks: the tests start the virtual environment's tune by its path.
-LINEAGE_A_STOP, LINEAGE_B_STOP = 9, 5
+# B's step 5 is older than A's last two (6, 7), and B resumes after one step of the second epoch.
+LINEAGE_A_STOP, LINEAGE_B_STOP = 7, 5
 LAUNCH_COMMAND_ENV = "EXACTGA_LAUNCH_COMMAND"  # exactga.launch.stopping's
 LINEAGE_STOP = re.compile(
-    r"exactga: stopped by SIGTERM after step (\d+) of 12 \(epoch \d of 2\); "
+    r"exactga: stopped by SIGTERM after step (\d+) of 8 \(epoch \d of 2\); "
     r"step checkpoint in (\S+)\. To go on: (.+)$",
     re.M,
 )
@@ -493,28 +496,28 @@ def _lineage_stop(root: Path, name: str, expected_status: int = 143) -> re.Match
 
 
 def test_a_launch_that_starts_over_retires_the_earlier_launchs_checkpoints(uninterrupted):
-    """B starts over where A stopped after step 9: A's step checkpoints (8 and 9) are moved,
+    """B starts over where A stopped after step 6: A's step checkpoints (5 and 6) are moved,
     intact, into one retired folder, and B's log says where, and that they are of this run."""
     root = uninterrupted("full").parent
     out = root / "lineage" / "run"
     stopped_a = _lineage_stop(root, "lineage_a")
     assert int(stopped_a.group(1)) == LINEAGE_A_STOP
     (retired,) = (out / "retired_step_checkpoints").iterdir()  # one launch started over
-    assert sorted(p.name for p in retired.iterdir()) == ["step_000008", "step_000009"]
-    manifest = json.loads((retired / "step_000009" / "trainer_state.json").read_text())
-    assert manifest["step"] == 9 and manifest["trainer_state"]["global_step"] == 9
+    assert sorted(p.name for p in retired.iterdir()) == ["step_000006", "step_000007"]
+    manifest = json.loads((retired / "step_000007" / "trainer_state.json").read_text())
+    assert manifest["step"] == 7 and manifest["trainer_state"]["global_step"] == 7
     _, output = _launched(root, "lineage_b")
     notes = [line for line in output.splitlines() if "this launch starts over" in line]
     assert len(notes) == 1, output[-4000:]
     note = notes[0]
     print(note)
     assert f"in {out / 'step_checkpoints'} " in note and f"to {retired}" in note
-    assert "step_000009, is a step checkpoint of this run" in note
+    assert "step_000007, is a step checkpoint of this run" in note
     assert "resume_from_checkpoint=True" in note
 
 
 def test_the_stop_message_names_the_checkpoint_its_command_resumes(uninterrupted):
-    """B stops after step 5 < A's 9; its line names B's step 5 and the command that goes on,
+    """B stops after step 5 < A's 7; its line names B's step 5 and the command that goes on,
     which resumes exactly that checkpoint and ends bit-identical to the uninterrupted run."""
     root = uninterrupted("full").parent
     out = root / "lineage" / "run"
@@ -533,15 +536,15 @@ def test_the_stop_message_names_the_checkpoint_its_command_resumes(uninterrupted
 
 
 def test_the_resumed_launch_goes_on_in_its_own_tensorboard_run(uninterrupted):
-    """Two runs in the folder's logs: A's, steps 1 to 9 as A logged them, and B's, steps 1 to
-    12 each once with the uninterrupted run's loss (B's 1 to 5, its resume's 6 to 12)."""
+    """Two runs in the folder's logs: A's, steps 1 to 7 as A logged them, and B's, steps 1 to
+    8 each once with the uninterrupted run's loss (B's 1 to 5, its resume's 6 to 8)."""
     root = uninterrupted("full").parent
     logs = root / "lineage" / "run" / "logs"
     runs = sorted(logs.glob("run_*"), key=lambda run: _record(run)["started"])
     assert len(runs) == 2, runs
     run_a, run_b = runs
     expected = logged_steps(uninterrupted("full") / "logs")
-    for run, last in ((run_a, LINEAGE_A_STOP), (run_b, 12)):
+    for run, last in ((run_a, LINEAGE_A_STOP), (run_b, STEPS_PER_EPOCH * EPOCHS)):
         steps = logged_steps(run)
         assert list(steps) == list(range(1, last + 1)), (run.name, list(steps))
         for step, loss in steps.items():

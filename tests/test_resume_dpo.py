@@ -2,7 +2,7 @@
 
 LoRA DPO on one device and full DPO on 2 ranks (its reference read again from
 ``ref_checkpointer``, never from a checkpoint), each with AdamW and the config's schedule, a
-step checkpoint after every step, 2 epochs with a partial last window each. The resumed run
+step checkpoint after every step, 2 epochs of 12 pairs in 3 windows of 4. The resumed run
 trains only the steps after the checkpoint it found, with the losses the uninterrupted run
 logged. ``EXACTGA_KILL_SEED`` replays the kill points (printed with ``-rP``).
 
@@ -35,9 +35,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dpo_resume")]
 
 TOLERANCE = 1e-6  # as tests/test_resume.py
 EPOCHS = 2
-STEPS = 10  # 20 pairs, windows of 4: 4 + 4 + 4 + 4 + 4 per epoch
+PAIRS = 12  # windows of 4: 3 steps per epoch, kills after step 1 or 2 (steps before and after)
+STEPS = EPOCHS * PAIRS // 4
 RESUMABLE = {
     "epochs": EPOCHS,
+    "dataset.split": f"train[:{PAIRS}]",
     "save_every_n_steps": 1,
     "metric_logger._component_": "torchtune.training.metric_logging.DiskLogger",
 }

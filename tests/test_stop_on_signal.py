@@ -41,7 +41,10 @@ from recipe_utils import REPO_ROOT, SMALL_MODEL, TUNE, kill_launch, load_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("stop_on_signal")]
 
-SETTINGS = {**SMALL_MODEL, "max_steps_per_epoch": 6, "epochs": 2}  # 12 steps
+# 8 steps: the signal, sent once a second step is done, lands with steps left to resume, and the
+# resumed run crosses the epoch boundary.
+STEPS_PER_EPOCH = 4
+SETTINGS = {**SMALL_MODEL, "max_steps_per_epoch": STEPS_PER_EPOCH, "epochs": 2}
 FINAL = "epoch_1/model-00001-of-00001.safetensors"
 HEADS = {
     0: [
@@ -65,10 +68,10 @@ SCENARIOS = {
 # checkpoint, the printed command going on bit for bit) is the run's, not the process start's.
 FRESH = ("one_device_sigint", "two_ranks_sigterm")
 RERUN = "one_device_sigterm"  # the stopped run whose folder a launch without the key reuses
-# The bar after a second finished step: "epoch 1:  33%|███▎      | 2/6 [...]".
+# The bar after a second finished step: "epoch 1:  50%|█████     | 2/4 [...]".
 SECOND_STEP_DONE = re.compile(r"epoch \d+:[^\r\n]*\|\s*(?:[2-9]|\d\d+)/\d+")
 STOP_LINE = re.compile(
-    r"exactga: stopped by (SIG\w+) after step (\d+) of 12 \(epoch \d of 2\); "
+    r"exactga: stopped by (SIG\w+) after step (\d+) of 8 \(epoch \d of 2\); "
     r"step checkpoint in (\S+)\. To go on: (.+)$",
     re.M,
 )
@@ -191,7 +194,7 @@ def test_the_console_holds_each_step_once_and_no_third_party_noise(runs, scenari
     # The bar's states go forward, each drawn once: tqdm may skip a fast step's state, and
     # draws the latest state once more when the stop line is printed above it (on a terminal
     # the same place). A step drawn twice, as each step was before, fails here.
-    shown = [int(n) for n in re.findall(r"epoch 1:[^\r\n]*\| (\d+)/6 \[", output)]
+    shown = [int(n) for n in re.findall(rf"epoch 1:[^\r\n]*\| (\d+)/{STEPS_PER_EPOCH} \[", output)]
     repeats = len(shown) - len(set(shown))
     assert len(set(shown)) > 1 and shown == sorted(shown) and repeats <= 1, output[-3000:]
 
