@@ -56,15 +56,15 @@ MUTANTS = (
     Mutant(
         "restart_posing_as_resume",  # says it resumes, starts from step 0
         "run/resume.py",
-        "return ResumePoint(ResumeFrom.STEP_CHECKPOINT, found)",
-        "return ResumePoint(ResumeFrom.START)",
+        "resume = ResumePoint(ResumeFrom.STEP_CHECKPOINT, found, checkpointer.world_size)",
+        "resume = ResumePoint(ResumeFrom.START)",
         ("tests/test_resume.py::test_killed_run_resumes_to_the_uninterrupted_weights",),
     ),
     Mutant(
         "packing_mask_crosses_documents",  # one causal mask over the whole packed row
         "data/packing.py",
-        "return packed_block_causal_mask(lengths) if flex else create_block_causal_mask(lengths)",
-        "return create_block_causal_mask([torch.tensor([sum(seq_lens)])])",
+        "return DocumentLengths.of(list(seq_lens), padding)",
+        "return create_block_causal_mask([torch.tensor([sum(seq_lens) + padding])])",
         ("tests/test_packing.py",),
     ),
 )
