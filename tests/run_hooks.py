@@ -29,12 +29,35 @@ STOP_AFTER_STEP = "EXACTGA_TESTS_STOP_AFTER_STEP"
 # it is imported (tests/torchao_eager_runs.py: a 40 s compile on 2 cores, torchao's business).
 FORCE_EAGER = "EXACTGA_TESTS_FORCE_EAGER"
 
+# A GA parity run whose env sets this writes its report as without matplotlib (the report's own
+# path: no parity.png, a line saying so). Drawing the figure is about half of a small report's
+# CPU (constrained layout over two axes per mode); the figure does not depend on the objective
+# (its inputs are the runs' losses and distances), and tests/test_recipe_ga_parity.py and
+# tests/test_ga_parity_distributed.py draw it, fp32 and bf16, and check it. Runs whose tests
+# read only the numbers set this.
+NO_FIGURE = "EXACTGA_TESTS_NO_FIGURE"
+
 
 @contextlib.contextmanager
 def active() -> Iterator[None]:
     """Every hook whose variable the run's environment sets."""
-    with _steady_scaling_pass(), _stop_after_step(), _force_eager():
+    with _steady_scaling_pass(), _stop_after_step(), _force_eager(), _no_figure():
         yield
+
+
+@contextlib.contextmanager
+def _no_figure() -> Iterator[None]:
+    if not os.environ.get(NO_FIGURE):
+        yield
+        return
+    from exactga.parity import report
+
+    real = report._has_matplotlib
+    report._has_matplotlib = lambda: False
+    try:
+        yield
+    finally:
+        report._has_matplotlib = real
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import warnings
 import pytest
 from omegaconf import OmegaConf
 from recipe_utils import SMALL_MODEL, output_of, run_recipe
+from run_hooks import NO_FIGURE
 
 from exactga.accumulation.normalization import NormMode
 from exactga.config.validation import validate_config
@@ -30,23 +31,30 @@ MICRO_BATCHINGS = ("fixed", "by_length", "token_budget")  # the shipped config l
 RUNS = {("naive", mb, split) for mb in ("fixed", "token_budget") for split in SPLITS}
 RUNS |= {("exact", mb, split) for mb in MICRO_BATCHINGS for split in SPLITS}
 # Fixed bounds, never the report's own floor (only checked to be the config's), measured with
-# ``pytest tests/test_recipe_ga_parity_dpo.py -p no:xdist -m slow -rP`` (4 steps of 8 pairs,
-# SGD, fp32, relative L2 of the adapters to the full batch): exact 1.04e-6 to 1.14e-6 under
-# every micro-batching, fp32's rounding of other summation orders, bounded about 2.6x above;
-# naive under token_budget (1 to 4 pairs a micro-batch) 1.04, bounded 10x below.
+# ``pytest tests/test_recipe_ga_parity_dpo.py -p no:xdist -m slow -rP`` (2 steps of 8 pairs,
+# what a split's parity needs, SGD, fp32, relative L2 of the adapters to the full batch): exact
+# 3.6e-7 to 4.1e-7 under every micro-batching (the config's 4 steps: 1.04e-6 to 1.14e-6), fp32's
+# rounding of other summation orders, bounded about 7x above; naive under token_budget (1 to 3
+# pairs a micro-batch) 0.61 (4 steps: 1.04), bounded 6x below.
 DPO_EXACT_BOUND = 3e-6
 DPO_NAIVE_UNEQUAL_MIN = 1e-1
 
 
 @pytest.fixture(scope="module")
 def dpo_report(run_once):
-    """``report.md`` and ``summary.json`` of one LoRA DPO launch (4 steps, 11 runs), as
+    """``report.md`` and ``summary.json`` of one LoRA DPO launch (2 steps, 11 runs), as
     (text, dict)."""
 
     def make(out):
-        overrides = {**SMALL_MODEL, "output_dir": out, "parity.splits": f"[{','.join(SPLITS)}]"}
+        overrides = {
+            **SMALL_MODEL,
+            "output_dir": out,
+            "parity.splits": f"[{','.join(SPLITS)}]",
+            "parity.num_steps": 2,
+        }
         args = [PARITY_RECIPE, "--config", DPO_CONFIG, *(f"{k}={v}" for k, v in overrides.items())]
-        proc = run_recipe(args)
+        # The numbers only: the figure is tests/test_recipe_ga_parity.py's (tests/run_hooks.py).
+        proc = run_recipe(args, extra_env={NO_FIGURE: "1"})
         (out / "launch.log").write_text(output_of(proc))
         assert proc.returncode == 0, output_of(proc)[-4000:]
 

@@ -12,6 +12,7 @@ import pytest
 from kd_utils import SMALL_TEACHER
 from omegaconf import OmegaConf
 from recipe_utils import SMALL_MODEL, output_of, run_recipe
+from run_hooks import NO_FIGURE
 
 from exactga.config.validation import validate_config
 from exactga.parity.schema import GaParityConfig
@@ -46,7 +47,8 @@ def kd_report(run_once):
             "parity.micro_batching": f"[{','.join(MICRO_BATCHINGS)}]",
         }
         args = [PARITY_RECIPE, "--config", KD_CONFIG, *(f"{k}={v}" for k, v in overrides.items())]
-        proc = run_recipe(args)
+        # The numbers only: the figure is tests/test_recipe_ga_parity.py's (tests/run_hooks.py).
+        proc = run_recipe(args, extra_env={NO_FIGURE: "1"})
         assert proc.returncode == 0, output_of(proc)[-4000:]
 
     report_dir = run_once("ga_parity_kd", make) / "parity"

@@ -35,7 +35,7 @@ import pytest
 from grpo_utils import RECIPE, SPLITS, grpo_args, initial_weights, trained_weights
 from many_runs import Run, launch_runs
 from recipe_utils import load_weights, logged_steps, read_scalars, relative_l2
-from run_hooks import STOP_AFTER_STEP
+from run_hooks import NO_FIGURE, STOP_AFTER_STEP
 
 from exactga.checkpoints.contents import BEST_RECORD
 
@@ -139,7 +139,8 @@ def _parity_run(root: Path) -> Run:
             "parity.num_steps": PPO[1],
         },
     )
-    return Run("recipes/ga_parity.py", args, out)
+    # Its losses only: the figure is tests/test_recipe_ga_parity.py's (tests/run_hooks.py).
+    return Run("recipes/ga_parity.py", args, out, {NO_FIGURE: "1"})
 
 
 @pytest.fixture(scope="module")

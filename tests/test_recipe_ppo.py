@@ -53,7 +53,7 @@ from recipe_utils import (
     logged_steps,
     relative_l2,
 )
-from run_hooks import STOP_AFTER_STEP
+from run_hooks import NO_FIGURE, STOP_AFTER_STEP
 
 from exactga.checkpoints.contents import BEST_RECORD
 from exactga.config.validation import validate_config
@@ -190,7 +190,9 @@ def runs(run_once) -> Path:
             "parity.micro_batching": "[fixed]",
         }
         out = root / "parity"
-        runs.append(Run("recipes/ga_parity.py", ppo_args(out, **STEP, **SGD, **parity)[1:], out))
+        # Its verdict only: the figure is tests/test_recipe_ga_parity.py's (tests/run_hooks.py).
+        parity_args = ppo_args(out, **STEP, **SGD, **parity)[1:]
+        runs.append(Run("recipes/ga_parity.py", parity_args, out, {NO_FIGURE: "1"}))
         if TRAIN_STOCK:
             out = root / "stock"
             out.mkdir()
