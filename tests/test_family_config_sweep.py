@@ -15,7 +15,8 @@ at most); every other key as shipped (dtype, master weights, optimizer, loss, ac
 checkpointing, micro-batching, logger, ...). By recipe:
 
 - full and LoRA/QLoRA fine-tuning (one device and distributed), KD (both recipes):
-  ``stock_configs.adapted_config``; KD's teacher twice the student's width;
+  ``stock_configs.adapted_config``, on rows of 32 tokens and windows of 16 (``SEQ_LEN``); KD's
+  teacher twice the student's width;
 - GRPO: the same, keeping its shipped prompts (the bundled arithmetic questions), and its
   ``ref_checkpointer`` reads the same initial weights;
 - LoRA DPO (one device and distributed): ``adapted_dpo_config`` of
@@ -86,6 +87,12 @@ ADAPTED_KEYS |= {"ref_checkpointer", "max_generated_tokens"}
 # to one (optimizer state carried, a second update landing where the split says) is the recipes'
 # own modules' (tests/test_micro_batching_recipes.py, tests/test_recipe_model_families.py, ...).
 STEPS = 1
+# Rows of 32 tokens, half the adaptation's (stock_configs.TOKENIZER_MAX_SEQ_LEN), and Gemma 3's and
+# gpt-oss's sliding windows halved with them (16), so that they still mask. The instruction rows
+# are longer than 64 tokens, so the adaptation's rows were all cut to one length already; a
+# step's compute is in its tokens. DPO keeps its pairs' 512 (tests/test_dpo_stock_configs.py),
+# GRPO its prompts (the completions are its cost).
+SEQ_LEN = stock_configs.TOKENIZER_MAX_SEQ_LEN // 2
 
 
 def _params(runs: list[tuple[str, str]]) -> list:
@@ -98,8 +105,22 @@ def adapted(recipe: str, name: str, output_dir: Path) -> DictConfig:
         cfg = adapted_dpo_config(name, recipe, output_dir)
     else:
         cfg = stock_configs.adapted_config(name, recipe, output_dir)
+    if recipe not in DPO_RECIPES + (GRPO,):
+        _shorter_rows(cfg)
     cfg.max_steps_per_epoch = STEPS
     return cfg
+
+
+def _shorter_rows(cfg: DictConfig) -> None:
+    """Rows of ``SEQ_LEN`` tokens, every sliding window (the models', and the weights' model of
+    the checkpointers) half of that."""
+    cfg.tokenizer.max_seq_len = SEQ_LEN
+    models = [cfg.get(key) for key in ("model", "teacher_model")]
+    # LoRA's checkpointer draws the plain model's weights from a section of its own.
+    models += [cfg[key].model for key in ("checkpointer", "teacher_checkpointer") if key in cfg]
+    for model in models:
+        if isinstance(model, DictConfig) and "sliding_window" in model:
+            model.sliding_window = SEQ_LEN // 2
 
 
 def _out(root: Path, name: str) -> Path:
@@ -216,10 +237,10 @@ def _plain(value: object) -> object:
     return list(value) if isinstance(value, (tuple, list)) else value
 
 
-def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> None:
+def _check_tiny_model(model: DictConfig, stock_model: DictConfig, rows: int, what: str) -> None:
     """``model`` is the family's component builder with the sized builder's arguments but the
     sizes, and builds; Gemma 3's and gpt-oss's have a local and a global layer, the window shorter
-    than the sequences."""
+    than the ``rows`` tokens of a sequence."""
     assert model._component_ == _family_builder(stock_model), what
     _, arguments = stock_configs.stock_component_call(stock_model)
     tiny = OmegaConf.to_container(model, resolve=True)
@@ -233,7 +254,7 @@ def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> 
         else:  # gpt-oss: the builder's default, layers alternating
             kinds = gpt_oss_layer_types(tiny["num_layers"])
         assert set(kinds) == {LOCAL_LAYER, GLOBAL_LAYER}, f"{what}: {kinds}"
-        assert tiny["sliding_window"] < stock_configs.TOKENIZER_MAX_SEQ_LEN, what
+        assert tiny["sliding_window"] < rows, what
     with torch.device("cpu"):
         config.instantiate(model)
 
@@ -246,13 +267,14 @@ def test_every_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
     cfg = adapted(recipe, name, tmp_path)
     assert cfg.device == "cpu" and cfg.epochs == 1
     assert cfg.max_steps_per_epoch == STEPS
-    _check_tiny_model(cfg.model, stock.model, "model")
+    rows = cfg.tokenizer.max_seq_len
+    _check_tiny_model(cfg.model, stock.model, rows, "model")
     for key in stock_configs.LORA_KEYS:
         if key in stock.model:
             assert cfg.model[key] == stock.model[key], key
     assert cfg.model.get("quantize_base", False) == (".qlora_" in stock.model._component_)
     if "teacher_model" in stock:
-        _check_tiny_model(cfg.teacher_model, stock.teacher_model, "teacher_model")
+        _check_tiny_model(cfg.teacher_model, stock.teacher_model, rows, "teacher_model")
     for checkpointer in ("checkpointer", "teacher_checkpointer", "ref_checkpointer"):
         if checkpointer in stock:
             assert cfg[checkpointer]._component_.endswith(".initialized_hf_checkpointer")
