@@ -10,12 +10,13 @@ of the same family built with the family's own component builder (``exactga.mode
 and gpt-oss: a window shorter than the sequences, one local and one global layer; Qwen3 MoE and
 gpt-oss: 4 experts, 2 per token), the tiny tokenizer, local data, a seeded
 initial checkpoint in the family's HF layout (``initialized_hf_checkpointer`` with the config's
-``model_type``), ``device: cpu``, 2 steps (GRPO: completions of 16 tokens at most); every other
-key as shipped (dtype, master weights, optimizer, loss, activation checkpointing, micro-batching,
-logger, ...). By recipe:
+``model_type``), ``device: cpu``, one optimizer step (``STEPS``; GRPO: completions of 16 tokens
+at most); every other key as shipped (dtype, master weights, optimizer, loss, activation
+checkpointing, micro-batching, logger, ...). By recipe:
 
 - full and LoRA/QLoRA fine-tuning (one device and distributed), KD (both recipes):
-  ``stock_configs.adapted_config``; KD's teacher twice the student's width;
+  ``stock_configs.adapted_config``, on rows of 32 tokens and windows of 16 (``SEQ_LEN``); KD's
+  teacher twice the student's width;
 - GRPO: the same, keeping its shipped prompts (the bundled arithmetic questions), and its
   ``ref_checkpointer`` reads the same initial weights;
 - LoRA DPO (one device and distributed): ``adapted_dpo_config`` of
@@ -37,11 +38,13 @@ config adapts and trains; these families on 2 ranks are tests/test_recipe_model_
 module's (tests/test_recipe_kd_distributed.py, tests/test_recipe_dpo_distributed.py,
 tests/test_recipe_grpo.py, ...), and the stock configs' keys on 2 ranks
 tests/test_stock_distributed_configs.py's: a second rank would double the CPU of those runs for
-nothing checked here.
+nothing checked here. A config adapted to the very config another is adapted to, paths aside
+(gpt-oss's 120B_lora, 20B_lora on tiny shapes: ``same_run_as``), is checked on that one's run.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -77,6 +80,19 @@ DISTRIBUTED = [(recipe, name) for recipe, name in SWEEP if recipe in DISTRIBUTED
 ADAPTED_KEYS = {"model", "tokenizer", "dataset", "checkpointer", "device", "output_dir"}
 ADAPTED_KEYS |= {"epochs", "max_steps_per_epoch", "teacher_model", "teacher_checkpointer"}
 ADAPTED_KEYS |= {"ref_checkpointer", "max_generated_tokens"}
+# One optimizer step shows a config trains: the step's loss is finite, and the weights it saves
+# (after the update) are finite too, which is what a second step's loss showed (a NaN update
+# makes the next loss NaN). A step's shipped batch_size x gradient_accumulation_steps
+# micro-batches are the CPU of these runs, so a second step would double it; what two steps add
+# to one (optimizer state carried, a second update landing where the split says) is the recipes'
+# own modules' (tests/test_micro_batching_recipes.py, tests/test_recipe_model_families.py, ...).
+STEPS = 1
+# Rows of 32 tokens, half the adaptation's (stock_configs.TOKENIZER_MAX_SEQ_LEN), and Gemma 3's and
+# gpt-oss's sliding windows halved with them (16), so that they still mask. The instruction rows
+# are longer than 64 tokens, so the adaptation's rows were all cut to one length already; a
+# step's compute is in its tokens. DPO keeps its pairs' 512 (tests/test_dpo_stock_configs.py),
+# GRPO its prompts (the completions are its cost).
+SEQ_LEN = stock_configs.TOKENIZER_MAX_SEQ_LEN // 2
 
 
 def _params(runs: list[tuple[str, str]]) -> list:
@@ -86,12 +102,43 @@ def _params(runs: list[tuple[str, str]]) -> list:
 def adapted(recipe: str, name: str, output_dir: Path) -> DictConfig:
     """Config ``name`` adapted to tiny shapes for ``recipe``, as the module docstring says."""
     if recipe in DPO_RECIPES:
-        return adapted_dpo_config(name, recipe, output_dir)
-    return stock_configs.adapted_config(name, recipe, output_dir)
+        cfg = adapted_dpo_config(name, recipe, output_dir)
+    else:
+        cfg = stock_configs.adapted_config(name, recipe, output_dir)
+    if recipe not in DPO_RECIPES + (GRPO,):
+        _shorter_rows(cfg)
+    cfg.max_steps_per_epoch = STEPS
+    return cfg
+
+
+def _shorter_rows(cfg: DictConfig) -> None:
+    """Rows of ``SEQ_LEN`` tokens, every sliding window (the models', and the weights' model of
+    the checkpointers) half of that."""
+    cfg.tokenizer.max_seq_len = SEQ_LEN
+    models = [cfg.get(key) for key in ("model", "teacher_model")]
+    # LoRA's checkpointer draws the plain model's weights from a section of its own.
+    models += [cfg[key].model for key in ("checkpointer", "teacher_checkpointer") if key in cfg]
+    for model in models:
+        if isinstance(model, DictConfig) and "sliding_window" in model:
+            model.sliding_window = SEQ_LEN // 2
 
 
 def _out(root: Path, name: str) -> Path:
     return root / name.removeprefix("configs/")
+
+
+@functools.cache
+def _adapted_yaml(recipe: str, name: str) -> str:
+    return OmegaConf.to_yaml(adapted(recipe, name, Path("/output_dir")))
+
+
+@functools.cache
+def same_run_as(recipe: str, name: str) -> str:
+    """The config whose run is this one's: the first of ``SWEEP`` adapted to the very same
+    config, paths aside (gpt-oss's 120B_lora is 20B_lora on tiny shapes: the released sizes are
+    all the two differ in); ``name`` itself for every other config."""
+    mine = _adapted_yaml(recipe, name)
+    return next(n for r, n in SWEEP if r == recipe and _adapted_yaml(r, n) == mine)
 
 
 def _run(root: Path, recipe: str, name: str) -> Run:
@@ -114,8 +161,9 @@ def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
     docstring."""
     one, two, on_two_ranks = [], [], set()
     for recipe, name in SINGLE_DEVICE + DISTRIBUTED:
-        # One config per recipe and family: on tiny shapes, gpt-oss's 20B_lora and 120B_lora
-        # differ in nothing but their paths.
+        if same_run_as(recipe, name) != name:
+            continue  # its twin's run is its run
+        # One config per recipe and family on 2 ranks.
         first = (recipe, name.split("/")[1]) not in on_two_ranks
         if (recipe, name) in DISTRIBUTED and _trains_the_router_term(name) and first:
             on_two_ranks.add((recipe, name.split("/")[1]))
@@ -189,10 +237,10 @@ def _plain(value: object) -> object:
     return list(value) if isinstance(value, (tuple, list)) else value
 
 
-def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> None:
+def _check_tiny_model(model: DictConfig, stock_model: DictConfig, rows: int, what: str) -> None:
     """``model`` is the family's component builder with the sized builder's arguments but the
     sizes, and builds; Gemma 3's and gpt-oss's have a local and a global layer, the window shorter
-    than the sequences."""
+    than the ``rows`` tokens of a sequence."""
     assert model._component_ == _family_builder(stock_model), what
     _, arguments = stock_configs.stock_component_call(stock_model)
     tiny = OmegaConf.to_container(model, resolve=True)
@@ -206,7 +254,7 @@ def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> 
         else:  # gpt-oss: the builder's default, layers alternating
             kinds = gpt_oss_layer_types(tiny["num_layers"])
         assert set(kinds) == {LOCAL_LAYER, GLOBAL_LAYER}, f"{what}: {kinds}"
-        assert tiny["sliding_window"] < stock_configs.TOKENIZER_MAX_SEQ_LEN, what
+        assert tiny["sliding_window"] < rows, what
     with torch.device("cpu"):
         config.instantiate(model)
 
@@ -214,18 +262,19 @@ def _check_tiny_model(model: DictConfig, stock_model: DictConfig, what: str) -> 
 @pytest.mark.parametrize("recipe, name", _params(SWEEP))
 def test_every_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
     """Tiny models of the family (student, teacher), seeded checkpoints of the config's
-    model_type, CPU, 2 steps, every other key as shipped; no path outside the run's folder."""
+    model_type, CPU, one step, every other key as shipped; no path outside the run's folder."""
     stock = stock_configs.stock_config(name)
     cfg = adapted(recipe, name, tmp_path)
     assert cfg.device == "cpu" and cfg.epochs == 1
-    assert cfg.max_steps_per_epoch == stock_configs.MAX_STEPS_PER_EPOCH
-    _check_tiny_model(cfg.model, stock.model, "model")
+    assert cfg.max_steps_per_epoch == STEPS
+    rows = cfg.tokenizer.max_seq_len
+    _check_tiny_model(cfg.model, stock.model, rows, "model")
     for key in stock_configs.LORA_KEYS:
         if key in stock.model:
             assert cfg.model[key] == stock.model[key], key
     assert cfg.model.get("quantize_base", False) == (".qlora_" in stock.model._component_)
     if "teacher_model" in stock:
-        _check_tiny_model(cfg.teacher_model, stock.teacher_model, "teacher_model")
+        _check_tiny_model(cfg.teacher_model, stock.teacher_model, rows, "teacher_model")
     for checkpointer in ("checkpointer", "teacher_checkpointer", "ref_checkpointer"):
         if checkpointer in stock:
             assert cfg[checkpointer]._component_.endswith(".initialized_hf_checkpointer")
@@ -243,24 +292,26 @@ def test_every_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
 
 
 def _check_run(root: Path, recipe: str, name: str) -> None:
-    """Exit status 0, a finite loss logged at both steps, the epoch's artefacts on disk (for
-    LoRA the adapters, in PEFT's format too in epoch_0/adapter/)."""
-    out = _out(root, name)
+    """Exit status 0, a finite loss logged at the step, the epoch's artefacts on disk (for
+    LoRA the adapters, in PEFT's format too in epoch_0/adapter/), every saved weight finite."""
+    out = _out(root, same_run_as(recipe, name))
     output = (out / "output.txt").read_text()
     first_error = stock_configs.first_error_line(output)
     assert (out / "returncode").read_text() == "0", f"{first_error}\n{output[-4000:]}"
     losses = stock_configs.logged_losses(out)
-    assert len(losses) == stock_configs.MAX_STEPS_PER_EPOCH, losses
+    assert len(losses) == STEPS, losses
     assert stock_configs.all_finite(losses), losses
     if recipe.startswith("knowledge_distillation"):  # both parts of the loss, logged
         assert {"class_loss", "kd_loss"} <= read_scalars(out / "logs").keys()
     cfg = OmegaConf.load(out / "config.yaml")
     if cfg.get("router_aux_loss_coef", 0) > 0:  # Qwen3 MoE: the router's balance term, trained
         balance = read_scalars(out / "logs")["router/balance_loss"]
-        assert len(balance) == stock_configs.MAX_STEPS_PER_EPOCH, balance
+        assert len(balance) == STEPS, balance
         assert stock_configs.all_finite(balance) and min(balance) > 0, balance
     missing = [f for f in stock_configs.expected_artefacts(cfg) if not (out / f).is_file()]
     assert not missing, f"no {missing} in {out}"
+    not_finite = stock_configs.saved_weights_finite(out, cfg)
+    assert not not_finite, f"values not finite in {not_finite} of {out}"
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ with tests/test_family_config_sweep.py's runs (tests/family_runs.py).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -512,6 +513,16 @@ def _our_logits(family: str, root: Path, out: Path, adapters: bool, tokens) -> t
     return model.eval()(tokens)
 
 
+@functools.cache
+@torch.no_grad()
+def _hf_base_logits(family: str, base_folder: Path) -> torch.Tensor:
+    """transformers' logits of the family's base model on ``_tokens``: one load per family
+    for the four outputs compared with it."""
+    load = FAMILIES[family].get("hf_load", {})
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_folder, **load).eval()
+    return model(_tokens(FAMILIES[family]["hf_config"]["vocab_size"])).logits
+
+
 @pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("split", OUTPUTS, ids=_split_id)
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -523,8 +534,8 @@ def test_outputs_load_in_transformers_and_peft_as_the_fine_tuned_model(runs, fam
     tuned = _our_logits(family, runs.root, out, adapters, tokens)
     auto = transformers.AutoModelForCausalLM
     load = FAMILIES[family].get("hf_load", {})
+    base = _hf_base_logits(family, base_folder)
     with torch.no_grad():
-        base = auto.from_pretrained(base_folder, **load).eval()(tokens).logits
         merged = auto.from_pretrained(out / "epoch_0", **load).eval()(tokens).logits
     gaps = {"from_pretrained(epoch_0)": _rel(merged, tuned)}
     if adapters:

@@ -372,6 +372,27 @@ def all_finite(values: list[float]) -> bool:
     return bool(values) and all(math.isfinite(v) for v in values)
 
 
+def saved_weights_finite(output_dir: Path | str, cfg: DictConfig) -> list[str]:
+    """The weight files among ``expected_artefacts(cfg)`` (safetensors, ``adapter_model.pt``)
+    holding a tensor with a value that is not finite: a step that wrote NaN or inf into the
+    weights, which the loss of that same step (computed before the update) cannot show."""
+    import torch
+    from safetensors.torch import load_file
+
+    bad = []
+    for name in expected_artefacts(cfg):
+        path = Path(output_dir) / name
+        if path.suffix == ".safetensors":
+            tensors = load_file(str(path))
+        elif path.suffix == ".pt":
+            tensors = torch.load(path, weights_only=True)
+        else:
+            continue
+        if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
+            bad.append(name)
+    return bad
+
+
 # The PEFT adapter's files, in its own folder (exactga.run.checkpointing, Note [adapter folder]).
 PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
