@@ -129,7 +129,7 @@ def _args(name: str, base: Path, out: Path) -> list[str]:
         str(_hf_config(name, base, out.parent)),
         *(f"{key}={value}" for key, value in SMALL_MODEL.items()),
         f"output_dir={out}",
-        "max_steps_per_epoch=4",
+        "max_steps_per_epoch=2",
         # Large enough steps that the adapter visibly moves the logits; see the docstring.
         f"optimizer.lr={0.02 if adapters else 1e-3}",
         "lr_scheduler.num_warmup_steps=0",

@@ -97,9 +97,9 @@ def test_metrics_are_stocks_and_ours_and_loss_mixes_both(parity_runs):
 
 
 def test_validation_reports_the_students_losses_at_every_split(parity_runs):
-    """The fp32 case validates after steps 4, 8 and 12: ``val/loss`` is the kd_ratio mix of
+    """The fp32 case validates after steps 2, 4 and 6: ``val/loss`` is the kd_ratio mix of
     ``val/class_loss`` and ``val/kd_loss``, ``val/perplexity`` is exp of the class loss, and
-    8x1, 1x8 and 2x4 (adapters within 2.6e-7 of each other) report the same figures."""
+    8x1, 1x8 and 2x4 (adapters within 3.5e-7 of each other) report the same figures."""
     figures = {
         split: {
             tag: logged_steps(parity_runs[(RESUME_CASE, split)] / "logs", tag)
