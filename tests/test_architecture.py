@@ -9,6 +9,7 @@ fails here, naming the recipe and what it wrote.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 import subprocess
@@ -45,10 +46,17 @@ LIBRARY_ONLY_NAMES = {
 COUNTERS = ("global_step", "epochs_run", "num_skipped_steps", "num_nonfinite_steps")
 
 
+@functools.cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of ``path``'s syntax tree, parsed once for the module: the tests only read
+    them, and most files are read by several tests."""
+    return tuple(ast.walk(ast.parse(path.read_text())))
+
+
 def _names_called(path: Path) -> set[str]:
     """The names a file calls (``f(...)``, ``obj.f(...)``, ``Class(...)``)."""
     called = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Call):
             func = node.func
             called.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", ""))
@@ -98,7 +106,7 @@ def test_training_recipes_leave_the_setup_to_the_run_start(recipe: Path) -> None
 
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
 def test_recipes_build_model_and_optimizer_through_the_run_start(recipe: Path) -> None:
-    for node in ast.walk(ast.parse(recipe.read_text())):
+    for node in _nodes(recipe):
         if isinstance(node, ast.ImportFrom) and node.module in SETUP_INTERNALS:
             imported = {alias.name for alias in node.names} & SETUP_INTERNALS[node.module]
             assert not imported, f"{recipe.name} imports {imported}: use RunStart's methods"
@@ -106,8 +114,7 @@ def test_recipes_build_model_and_optimizer_through_the_run_start(recipe: Path) -
 
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda p: p.stem)
 def test_only_training_progress_moves_the_counters(recipe: Path) -> None:
-    tree = ast.parse(recipe.read_text())
-    for node in ast.walk(tree):
+    for node in _nodes(recipe):
         targets = []
         if isinstance(node, ast.Assign):
             targets = node.targets
@@ -121,7 +128,7 @@ def test_only_training_progress_moves_the_counters(recipe: Path) -> None:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipes_import_no_other_recipe(recipe: Path) -> None:
     others = {p.stem for p in RECIPES}
-    for node in ast.walk(ast.parse(recipe.read_text())):
+    for node in _nodes(recipe):
         if isinstance(node, ast.ImportFrom) and node.module:
             assert node.module.split(".")[-1] not in others, f"{recipe.name} imports a recipe"
             assert not node.module.startswith("recipes"), f"{recipe.name} imports a recipe"
@@ -129,7 +136,7 @@ def test_recipes_import_no_other_recipe(recipe: Path) -> None:
 
 def test_the_library_imports_no_recipe() -> None:
     for path in LIBRARY:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             modules = []
             if isinstance(node, ast.ImportFrom) and node.module:
                 modules = [node.module]
@@ -166,7 +173,7 @@ def test_recipes_leave_the_step_bookkeeping_to_the_library(recipe: Path) -> None
     """The throughput figure and the epoch's data order are decided in exactga.run.steps; see
     [step bookkeeping]. The calls that decide the rest are in LIBRARY_ONLY_NAMES."""
     identifiers = set()
-    for node in ast.walk(ast.parse(recipe.read_text())):
+    for node in _nodes(recipe):
         if isinstance(node, ast.Name):
             identifiers.add(node.id)
         elif isinstance(node, ast.Attribute):
@@ -180,7 +187,7 @@ def test_recipes_leave_the_step_bookkeeping_to_the_library(recipe: Path) -> None
 def _exactga_imports(path: Path) -> set[str]:
     """The exactga modules a file imports (``from exactga.x import y`` names ``exactga.x``)."""
     modules = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.ImportFrom) and node.module:
             modules.add(node.module)
         elif isinstance(node, ast.Import):
@@ -262,8 +269,10 @@ def _package_of(path: Path) -> str:
     return parts[0] if len(parts) > 1 else "exactga"
 
 
+@functools.cache
 def _package_imports() -> dict[str, dict[str, set[str]]]:
-    """package -> {imported package -> the modules of package that import it}."""
+    """package -> {imported package -> the modules of package that import it}, built once for
+    the module's tests (which only read it)."""
     graph: dict[str, dict[str, set[str]]] = {}
     for path in LIBRARY:
         package = _package_of(path)
@@ -323,15 +332,16 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def _module_imports() -> dict[str, set[str]]:
     """module -> the exactga modules it imports anywhere in its file: at the top, inside a
     function, or under ``TYPE_CHECKING`` (``from exactga.x import y`` names ``exactga.x.y``
-    where ``y`` is a module, else ``exactga.x``)."""
+    where ``y`` is a module, else ``exactga.x``). Built once for the module."""
     modules = {_module_name(path): path for path in LIBRARY}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.ImportFrom) and node.module:
                 for alias in node.names:
                     submodule = f"{node.module}.{alias.name}"
@@ -442,9 +452,8 @@ def test_recipes_do_not_branch_on_optimizer_in_backward(recipe: Path) -> None:
         assert name not in source, (
             f"{recipe.name} mentions {name} (exactga.accumulation.optimizers)"
         )
-    tree = ast.parse(source)
     allowed: set[int] = set()  # the flag's copy in __init__ and build_optimizer's argument
-    for node in ast.walk(tree):
+    for node in _nodes(recipe):
         if isinstance(node, ast.Call) and _callee(node) == "build_optimizer":
             allowed |= {id(n) for kw in node.keywords for n in ast.walk(kw.value)}
         elif (
@@ -455,7 +464,7 @@ def test_recipes_do_not_branch_on_optimizer_in_backward(recipe: Path) -> None:
             allowed |= {id(n) for part in (node.value, *node.targets) for n in ast.walk(part)}
     uses = sorted(
         (node.lineno, ast.unparse(node))
-        for node in ast.walk(tree)
+        for node in _nodes(recipe)
         if isinstance(node, ast.Attribute)
         and "optimizer_in_bwd" in node.attr
         and id(node) not in allowed
@@ -496,8 +505,7 @@ def test_the_normaliser_has_no_say_in_a_windows_size() -> None:
 def test_the_training_loop_stays_readable(recipe: Path) -> None:
     """Each training recipe's ``train()`` fits on a screen (at most 60 lines): the loop a user
     edits, with the step's decisions in the library."""
-    tree = ast.parse(recipe.read_text())
-    functions = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
+    functions = [node for node in _nodes(recipe) if isinstance(node, ast.FunctionDef)]
     (train,) = [node for node in functions if node.name == "train"]
     assert train.end_lineno - train.lineno + 1 <= 60
 
@@ -510,7 +518,7 @@ TESTS = REPO / "tests"
 def _imported_top_names(path: Path) -> set[str]:
     """The top-level module names ``path`` imports (``import a.b``, ``from a.b import c``)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -530,7 +538,8 @@ def test_benchmarks_and_tools_import_no_test_module(folder: str) -> None:
 def test_the_tests_patch_no_pytest_internals() -> None:
     """Fixtures and hooks go through pytest's and xdist's public interfaces only."""
     for path in sorted(TESTS.rglob("*.py")):
-        assert "_pytest" not in _imported_top_names(path), path.relative_to(REPO)
+        if "_pytest" in path.read_text():  # a file cannot import it without naming it: parse
+            assert "_pytest" not in _imported_top_names(path), path.relative_to(REPO)
 
 
 # The test modules that start a real ``tune`` process (``recipe_utils.run_tune``, or ``TUNE``

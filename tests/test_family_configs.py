@@ -358,10 +358,17 @@ def test_every_component_resolves(name: str) -> None:
         assert callable(_get_component_from_path(component)), component
 
 
+@cache
+def _validated(name: str) -> DictConfig:
+    """The config as its recipe's ``validate_config`` types it, validated once per test run (the
+    tests only read it)."""
+    recipe = CASES[name].recipe
+    return validate_config(load_config(name), SCHEMAS[recipe], recipe)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_validates_against_its_recipe(name: str) -> None:
-    recipe = CASES[name].recipe
-    cfg = validate_config(load_config(name), SCHEMAS[recipe], recipe)
+    cfg = _validated(name)
     assert cfg.loss_normalization == "exact"
     assert cfg.drop_partial_window is False
 
@@ -377,7 +384,7 @@ def test_router_balance_term_as_released_where_the_recipe_adds_one(name: str) ->
     global batch (the default), where its recipe adds the term; elsewhere (dense models, DPO)
     the coefficient is 0."""
     case = CASES[name]
-    cfg = validate_config(load_config(name), SCHEMAS[case.recipe], case.recipe)
+    cfg = _validated(name)
     released = RELEASE_ROUTER_AUX_LOSS_COEF.get(case.model, 0.0)
     assert cfg.router_aux_loss_coef == (released if case.recipe in ROUTER_RECIPES else 0.0)
     assert str(cfg.router_balance.value) == "global_batch"

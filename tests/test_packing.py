@@ -11,6 +11,7 @@ shape metric and the messages for settings that cannot work. See [packed rows ar
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -205,7 +206,10 @@ def bundled(bundled_dataset):
     return bundled_dataset[0]
 
 
+@functools.cache
 def _epoch(dataset, mode, tokens=None, multiple=None, collate_fn="padded_collate_sft"):
+    """One epoch's windows of ``dataset`` under a setting, drawn once for the module (the tests
+    only read them: ``by_length`` is the baseline of two)."""
     loader = build_dataloader(
         dataset,
         batch_size=8,
