@@ -206,8 +206,8 @@ def test_rank_and_accumulation_splits_match_one_rank(runs, name):
     # The profiler hook's scalars, logged by rank 0 at every step.
     for tag in ("time/step_ms", "time/backward_ms", "throughput/tokens_per_second"):
         assert len(scalars[tag]) == len(scalars["loss"]) and min(scalars[tag]) > 0, tag
-    # A sample at step 2 only (one every 10 steps): too few for a figure (see [saved latency on a busy
-    # machine]), so none is logged; tests/test_recipe_profiling.py logs one.
+    # A sample at step 2 only (one every 10 steps): too few for a figure (see [saved latency on
+    # a busy machine]), so none is logged; tests/test_recipe_profiling.py logs one.
     assert "normalization/saved_ms" not in scalars
 
 
