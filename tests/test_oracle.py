@@ -281,8 +281,9 @@ def test_the_oracle_sees_a_broken_step(kind: str, break_it, monkeypatch) -> None
 def _documents_see_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
     """A packed row under a plain causal mask: each sample attends to the ones before it."""
 
-    def causal(seq_lens, flex):
-        return torch.ones(1, sum(seq_lens), sum(seq_lens), dtype=torch.bool).tril()
+    def causal(seq_lens, flex, padding=0):
+        width = sum(seq_lens) + padding
+        return torch.ones(1, width, width, dtype=torch.bool).tril()
 
     monkeypatch.setattr(packing, "document_mask", causal)
 
