@@ -310,7 +310,7 @@ def _check_run(root: Path, recipe: str, name: str) -> None:
         assert stock_configs.all_finite(balance) and min(balance) > 0, balance
     missing = [f for f in stock_configs.expected_artefacts(cfg) if not (out / f).is_file()]
     assert not missing, f"no {missing} in {out}"
-    not_finite = stock_configs.saved_weights_finite(out, cfg)
+    not_finite = stock_configs.weight_files_not_finite(out, cfg)
     assert not not_finite, f"values not finite in {not_finite} of {out}"
 
 

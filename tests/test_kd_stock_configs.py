@@ -100,4 +100,4 @@ def test_stock_kd_config_runs(runs: Path, recipe: str, name: str) -> None:
     cfg = OmegaConf.load(out / "config.yaml")
     for artefact in stock_configs.expected_artefacts(cfg):
         assert (out / artefact).is_file(), artefact
-    assert not stock_configs.saved_weights_finite(out, cfg), name
+    assert not stock_configs.weight_files_not_finite(out, cfg), name

@@ -372,7 +372,7 @@ def all_finite(values: list[float]) -> bool:
     return bool(values) and all(math.isfinite(v) for v in values)
 
 
-def saved_weights_finite(output_dir: Path | str, cfg: DictConfig) -> list[str]:
+def weight_files_not_finite(output_dir: Path | str, cfg: DictConfig) -> list[str]:
     """The weight files among ``expected_artefacts(cfg)`` (safetensors, ``adapter_model.pt``)
     holding a tensor with a value that is not finite: a step that wrote NaN or inf into the
     weights, which the loss of that same step (computed before the update) cannot show."""
