@@ -6,8 +6,8 @@ their step times swing more than the layouts differ. This one trains nothing: it
 forward and backward of every micro-batch of the same windows under each layout, in one
 process, the layouts' order reversed every other window (A B C, then C B A) so that a change in
 load hits each alike. The config's model (default the tiny config's, fp32) on the bundled data
-tokenized at ``tokenizer.max_seq_len``, each window of ``--window`` samples split as the recipe
-splits it (exactga.data.micro_batching):
+tokenized at ``tokenizer.max_seq_len``, each window of ``--window`` samples (in the data file's
+order, not the sampler's) split as the recipe splits it (exactga.data.micro_batching):
 
 - ``token_budget``: micro-batches of at most ``--budget`` padded positions, longest first,
   padded to their longest sample (torchtune's ``padded_collate_sft``);
