@@ -212,3 +212,20 @@ def test_compiled_layers_attend_each_document_alone_with_the_eager_rows_numbers(
     eager = logits_and_gradients(model, row)
     compiled = logits_and_gradients(compiled_layers(model, fullgraph=False), row)
     assert_same_numbers(compiled, eager)
+
+
+def test_each_row_of_a_batch_attends_its_own_documents() -> None:
+    """Two rows of different spans in one batch: each row's output is its own, computed alone."""
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))
+    spans = [[3, 2, -1], [4, 1, 1]]
+    both = attend_per_document(q, k, v, torch.tensor(spans).as_subclass(DocumentLengths), attend)
+    for r, row_spans in enumerate(spans):
+        alone = DocumentLengths.of(
+            [n for n in row_spans if n > 0], -sum(min(n, 0) for n in row_spans)
+        )
+        row = (t[r : r + 1] for t in (q, k, v))
+        assert torch.equal(both[r : r + 1], attend_per_document(*row, alone, attend))

@@ -87,12 +87,10 @@ def document_mask(seq_lens: Sequence[int], flex: bool, padding: int = 0) -> Any:
     :class:`DocumentLengths` (each document attended alone, the padding not at all), or under
     ``EXACTGA_DENSE_PACKED_MASK=1`` the ``(1, N, N)`` block-causal booleans. The two masks
     attend the padding within itself, as one more document."""
+    if not flex and os.environ.get(DENSE_PACKED_MASK) != "1":
+        return DocumentLengths.of(list(seq_lens), padding)
     lengths = [torch.tensor([*seq_lens, *([padding] if padding else [])], dtype=torch.long)]
-    if flex:
-        return packed_block_causal_mask(lengths)
-    if os.environ.get(DENSE_PACKED_MASK) == "1":
-        return create_block_causal_mask(lengths)
-    return DocumentLengths.of(list(seq_lens), padding)
+    return packed_block_causal_mask(lengths) if flex else create_block_causal_mask(lengths)
 
 
 class _Row:

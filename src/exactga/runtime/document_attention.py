@@ -80,19 +80,20 @@ def attend_per_document(
     within the span it is given. See [per-document attention is exact]."""
     if q.shape[2] != k.shape[2]:
         raise ValueError("per-document attention needs as many keys as queries (no KV-cache)")
-    rows = []
-    for r, row_lengths in enumerate(lengths.as_subclass(torch.Tensor).tolist()):
+    # Splits, not slices: a slice's backward writes its gradient into a zeroed tensor as large
+    # as what it was cut from, once per slice; a split's backward joins the pieces once.
+    rows = zip(*(t.split(1, dim=0) for t in (q, k, v)), strict=True)
+    outputs_of_rows = []
+    all_lengths = lengths.as_subclass(torch.Tensor).tolist()
+    for row_lengths, (row_q, row_k, row_v) in zip(all_lengths, rows, strict=True):
         sizes = [abs(length) for length in row_lengths]
         if sum(sizes) != q.shape[2]:
             raise ValueError(f"document lengths {row_lengths} do not fill a row of {q.shape[2]}")
-        # One split per tensor, not a slice per span: a slice's backward writes its gradient
-        # into a zeroed tensor of the whole row, once per span; a split's joins them once.
-        row = (t if t.shape[0] == 1 else t[r : r + 1] for t in (q, k, v))  # a slice costs so too
-        spans_q, spans_k, spans_v = (t.split(sizes, dim=2) for t in row)
+        spans_q, spans_k, spans_v = (t.split(sizes, dim=2) for t in (row_q, row_k, row_v))
         spans = zip(row_lengths, spans_q, spans_k, spans_v, strict=True)
         outputs = [attend(sq, sk, sv) if n > 0 else _unattended(sq, sv) for n, sq, sk, sv in spans]
-        rows.append(torch.cat(outputs, dim=2))
-    return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+        outputs_of_rows.append(torch.cat(outputs, dim=2))
+    return torch.cat(outputs_of_rows, dim=0) if len(outputs_of_rows) > 1 else outputs_of_rows[0]
 
 
 def _unattended(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
