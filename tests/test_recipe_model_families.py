@@ -11,8 +11,10 @@ harmony tokenizer being another change's) on the bundled instruction data, full 
 device and on 2 gloo ranks, with the loss the families' configs use (the output projection fused
 with the loss, docs/large_vocab.md):
 
-- split invariance at the fp32 floor: 2x2 on one device lands where 4x1 does; 2 ranks (2x1 and
-  1x2 per rank) land where the same recipe on one rank does (4x1);
+- split invariance at the fp32 floor: 2x2 on one device lands where 4x1 does, and so do 2 ranks
+  (2x1 and 1x2 per rank): the distributed configs on one rank trained the one-device 4x1's
+  weights bit for bit in every family (measured 2026-11-29), so that run is their full batch too
+  and no one-rank run of them is made;
 - every output folder loads back as the fine-tuned model, within 1e-4 (relative L2 of the logits):
   ``AutoModelForCausalLM.from_pretrained(epoch_0)`` and, for LoRA, ``PeftModel.from_pretrained(
   base, epoch_0/adapter)`` against our builder with the run's weights (gpt-oss's adapters on
@@ -22,9 +24,12 @@ with the loss, docs/large_vocab.md):
 - compiled (issue #66, under aot_eager): Qwen3's and Gemma 3's full 2x2 where their eager 4x1
   (the full batch) lands, Qwen3 MoE's 2 ranks where 1 rank does with the balance term on, each
   compiled run where its eager twin lands too and with no graph break (the MoE experts' loop
-  included).
+  included), on micro-batches of one shape, as compiled runs are meant to take them (Gemma 3's
+  padded to the rows' 256, ``pad_to_multiple_of``; Qwen3's rows are all one length already):
+  a graph per layer kind, no recompilation for a new length (recompiled, dynamic-length graphs:
+  tests/test_compile_parity.py's Llama runs).
 
-Runs: two groups (tests/many_runs.py): the one-device and one-rank runs, and the 2-rank runs, shared
+Runs: two groups (tests/many_runs.py): the one-device runs, and the 2-rank runs, shared
 with tests/test_family_config_sweep.py's runs (tests/family_runs.py).
 """
 
@@ -256,6 +261,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
         "write_tokenizer": write_gemma3_folder,
         "model_type": "GEMMA3",
+        # Every micro-batch padded to the rows' 256 positions (padding no loss scores; a split
+        # still pads inside its micro-batches): one shape, so the compiled run compiles a graph
+        # per layer kind (the window is each layer's constant) and no more, where two lengths made
+        # it compile again and then once more with the length dynamic (docs/micro_batching.md,
+        # "Compiled": fixed shapes are how to compile). Qwen3's rows here already take one shape.
+        "pad_to_multiple_of": 256,
     },
 }
 
@@ -268,21 +279,18 @@ KINDS = {
 }
 # (kind, ranks, batch_size, gradient_accumulation_steps): 4 sequences a step in every split; 2x2
 # pads inside each micro-batch and accumulates over two.
-ONE_PROCESS = [
-    ("full", 1, 4, 1),
-    ("full", 1, 2, 2),
-    ("full_distributed", 1, 4, 1),
-    ("lora", 1, 4, 1),
-    ("lora", 1, 2, 2),
-    ("lora_distributed", 1, 4, 1),
-]
+# The full batch (4x1) is the one-device recipe's: the distributed configs on one rank trained
+# the very same weights, bit for bit, in every family, full and LoRA (measured 2026-11-29), their
+# keys beyond the one-device configs' (gradient_sync, rank_balancing, FSDP's) acting only between
+# ranks; so the 2-rank splits are held to the one-device 4x1 as well.
+ONE_PROCESS = [("full", 1, 4, 1), ("full", 1, 2, 2), ("lora", 1, 4, 1), ("lora", 1, 2, 2)]
 TWO_RANKS = [("full_distributed", 2, 2, 1), ("lora_distributed", 2, 1, 2)]
 # split -> the split it must land on
 PARITY = {
     ("full", 1, 2, 2): ("full", 1, 4, 1),
-    ("full_distributed", 2, 2, 1): ("full_distributed", 1, 4, 1),
+    ("full_distributed", 2, 2, 1): ("full", 1, 4, 1),
     ("lora", 1, 2, 2): ("lora", 1, 4, 1),
-    ("lora_distributed", 2, 1, 2): ("lora_distributed", 1, 4, 1),
+    ("lora_distributed", 2, 1, 2): ("lora", 1, 4, 1),
 }
 OUTPUTS = [("full", 1, 4, 1), ("full_distributed", 2, 2, 1), ("lora", 1, 4, 1)]
 OUTPUTS += [("lora_distributed", 2, 1, 2)]
@@ -292,15 +300,17 @@ OUTPUTS += [("lora_distributed", 2, 1, 2)]
 # term]): runs with the term on, name -> (family, split, router_balance). global_batch balances
 # each micro-batch over every rank, so 2 ranks x 2 samples take the step 1 rank x 4 samples
 # takes; micro_batch balances each rank's 2 alone, and 1 x 4 on one device balances 1 at a time.
+# One rank is the one-device recipe (as PARITY's full batch), so each run with the term on has an
+# LM-only twin of the same config among the family runs.
 ROUTER_COEF = 0.05  # large enough that the term's gradient shows above fp32 rounding
 ROUTER_RUNS = {
-    "global-1rank-4x1": ("qwen3_moe", ("full_distributed", 1, 4, 1), "global_batch"),
+    "global-1rank-4x1": ("qwen3_moe", ("full", 1, 4, 1), "global_batch"),
     "global-2rank-2x1": ("qwen3_moe", ("full_distributed", 2, 2, 1), "global_batch"),
     "micro-2rank-2x1": ("qwen3_moe", ("full_distributed", 2, 2, 1), "micro_batch"),
-    "global-1rank-1x4": ("qwen3_moe", ("full_distributed", 1, 1, 4), "global_batch"),
-    "gpt_oss-global-1rank-4x1": ("gpt_oss", ("full_distributed", 1, 4, 1), "global_batch"),
+    "global-1rank-1x4": ("qwen3_moe", ("full", 1, 1, 4), "global_batch"),
+    "gpt_oss-global-1rank-4x1": ("gpt_oss", ("full", 1, 4, 1), "global_batch"),
     "gpt_oss-global-2rank-2x1": ("gpt_oss", ("full_distributed", 2, 2, 1), "global_batch"),
-    "gpt_oss-lora-global-1rank-4x1": ("gpt_oss", ("lora_distributed", 1, 4, 1), "global_batch"),
+    "gpt_oss-lora-global-1rank-4x1": ("gpt_oss", ("lora", 1, 4, 1), "global_batch"),
     "gpt_oss-lora-global-2rank-2x1": ("gpt_oss", ("lora_distributed", 2, 2, 1), "global_batch"),
 }
 # gpt-oss with the term on: split -> the split it must land on (as PARITY, the term off).
@@ -312,7 +322,7 @@ GPT_OSS_ROUTER_PARITY = {
 # Compiled (issue #66): splits run again with ``compile=True`` under ``aot_eager`` (dynamo's and
 # AOT autograd's graphs without inductor's code generation, recipe_utils.COMPILE_WITHOUT_INDUCTOR),
 # among the same runs: Qwen3's and Gemma 3's full 2x2 on one device against their eager 4x1 (the
-# full batch), and Qwen3 MoE with the balance term on, 2 ranks x 2 against 1 rank x 4
+# full batch), and Qwen3 MoE with the balance term on, 2 ranks x 2 against one device x 4
 # (global_batch), eager; each also against its eager twin. tests/test_compile_parity.py: the
 # recipes'.
 COMPILED_FAMILIES = ("qwen3", "gemma3")
@@ -368,6 +378,8 @@ def _config(family: str, kind: str, base: Path, tokenizer: Path, folder: Path) -
     cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{tiny}.yaml")
     cfg.model = _model_section(family, adapters)
     cfg.tokenizer = FAMILIES[family]["tokenizer"](tokenizer)
+    if "pad_to_multiple_of" in FAMILIES[family]:
+        cfg.pad_to_multiple_of = FAMILIES[family]["pad_to_multiple_of"]
     # As the shipped configs of these families: the projection computed with the loss.
     cfg.loss = {"_component_": "exactga.accumulation.linear_cross_entropy.LinearCrossEntropyLoss"}
     cfg.checkpointer = {
@@ -407,7 +419,7 @@ def _args(cfg: Path, split: tuple[str, int, int, int], out: Path) -> list[str]:
 
 
 def planned_runs(root: Path) -> tuple[list[Run], list[Run]]:
-    """The one-device and one-rank runs and the 2-rank runs, for tests/family_runs.py to
+    """The one-device runs and the 2-rank runs, for tests/family_runs.py to
     launch (the base models, tokenizers and configs they read are written here)."""
     one, two, configs_of = [], [], {}
     for family in FAMILIES:
@@ -587,9 +599,9 @@ def test_global_batch_balance_takes_the_same_step_on_two_ranks_as_on_one(runs):
 
 @pytest.mark.xdist_group(GROUP)
 def test_the_balance_term_moves_the_step_and_its_objectives_differ_where_documented(runs):
-    """The term is on (without it 1 rank's 4x1 is the LM-only run of the family tests), and the
+    """The term is on (without it one device's 4x1 is the LM-only run of the family tests), and the
     objectives that balance other tokens take measurably other steps."""
-    lm_only = runs("qwen3_moe", ("full_distributed", 1, 4, 1))
+    lm_only = runs("qwen3_moe", ("full", 1, 4, 1))
     ref = _trained(_router_run(runs, "global-1rank-4x1"), adapters=False)
     plain = _trained(lm_only, adapters=False)
     moved = max((ref[k] - plain[k]).abs().max().item() for k in ref if ".mlp.gate." in k)
