@@ -542,10 +542,11 @@ def test_the_tests_patch_no_pytest_internals() -> None:
             assert "_pytest" not in _imported_top_names(path), path.relative_to(REPO)
 
 
-# The test modules that start a real ``tune`` process (``recipe_utils.run_tune``, or ``TUNE``
-# itself): what only a launch shows, as docs/contributing.md (point 9) lists them. Every other
-# recipe run forks its ranks (tests/launcher.py). tests/gpu/ launches on CUDA, each a fresh
-# process that initialises CUDA itself.
+# The test modules that start a real ``tune`` process (``recipe_utils.run_tune``, ``TUNE``
+# itself, or a SLURM job script, which runs ``tune``): what only a launch shows, as
+# docs/contributing.md (point 9) lists them. Every other recipe run forks its ranks
+# (tests/launcher.py). tests/gpu/ launches on CUDA, each a fresh process that initialises CUDA
+# itself.
 REAL_LAUNCHES = {
     "test_bad_input_launch.py",
     "test_dead_rank.py",
@@ -560,7 +561,7 @@ def test_real_tune_launches_stay_in_the_modules_the_contributing_guide_lists() -
         path.name
         for path in TESTS.glob("test_*.py")
         if path.name != Path(__file__).name
-        and re.search(r"\brun_tune\b|\bTUNE\b", path.read_text())
+        and re.search(r"\brun_tune\b|\bTUNE\b|\.sbatch\b", path.read_text())
     }
     assert launching == REAL_LAUNCHES
     guide = (REPO / "docs" / "contributing.md").read_text()

@@ -18,9 +18,11 @@ torchtune. The single-process cases therefore fork from the tests' launch server
 (tests/launcher.py: each case still ``tune run`` on its command line, its status and its own
 output kept), made by module fixtures: the config and row cases in one, the cases reading a copy
 of the finished run in another (their setup needs it), the users' own dataset in a third (its
-own ``PYTHONPATH``). Two 2-rank cases are real ``tune run --nproc_per_node 2`` launches: what
-they test is what exactga's wrap of torchrun prints (another rank's error once, a config error
-without the launcher's traceback); the other 2-rank cases fork their ranks too.
+own ``PYTHONPATH``). Two cases are real ``tune run --nproc_per_node`` launches: what they test
+is what exactga's wrap of torchrun prints. Another rank's error, printed once, takes 2 ranks (of
+a recipe of a few lines); a config error without the launcher's traceback takes the agent alone,
+so 1 rank (that 2 ranks failing on the same key print one message is tests/test_cli_torchrun.py's
+test of the wrap). The other 2-rank cases fork their ranks too.
 """
 
 from __future__ import annotations
@@ -289,9 +291,12 @@ def test_under_torchrun_another_ranks_error_is_printed_once_by_the_launcher(tmp_
 
 
 def test_under_torchrun_a_config_error_is_one_message_without_the_launchers_traceback(tmp_path):
-    """Every rank fails on the key; the launcher's ChildFailedError is not printed."""
+    """The rank fails on the key; the launcher prints its message, rank 0 does not print it
+    too, and the launcher's ChildFailedError is not printed. One rank: what is tested is
+    torchrun's agent and exactga's wrap of it (every rank of two failing on the key: one
+    message, in tests/test_cli_torchrun.py)."""
     out = tmp_path / "out"
-    args = ["--nproc_per_node", "2", *with_recipe(FULL_DISTRIBUTED, tiny_args(out, epoch=2))]
+    args = ["--nproc_per_node", "1", *with_recipe(FULL_DISTRIBUTED, tiny_args(out, epoch=2))]
     proc = run_tune(args)
     assert_fails_naming(proc, out, ["unknown config key 'epoch'", "Did you mean 'epochs'?"])
     assert proc.returncode == 1

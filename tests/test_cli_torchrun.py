@@ -88,6 +88,14 @@ def test_the_wrap_exits_1_quietly_on_user_errors_and_reraises_the_rest(monkeypat
     with pytest.raises(SystemExit):
         Run()._run_distributed(args, False)
     assert capsys.readouterr().err.count("exactga: config key 'epoch' ...") == 1
+    # Every rank failed on the same key (a config error on 2 ranks): one message still.
+    also_marked = failure("/nonexistent", 1)
+    also_marked.message = USER
+    outcome["error"] = ChildFailedError("recipe", {0: marked, 1: also_marked})
+    with pytest.raises(SystemExit) as exit_info:
+        Run()._run_distributed(args, False)
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.count("exactga: config key 'epoch' ...") == 1
     launch_folder = Path(os.environ[cli.LAUNCHER_STOP_FILE_ENV]).parent
     assert not launch_folder.exists()  # removed when the launch ended
     crashed = failure("/nonexistent", 1)  # no error file: torch's generic message

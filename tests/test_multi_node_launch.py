@@ -8,8 +8,12 @@ task's output in a file of its own. Each task is then the script's ``tune run --
 node), and the two agents meet through torchrun's c10d rendezvous on loopback, as the
 multi-node trial of docs/reliability.md ("Dead and hung ranks") does. The job must train what a
 plain ``tune run --nproc_per_node 2`` of the same config trains: one run of 2 ranks, not two
-runs of one rank each (which is what a node that missed the rendezvous would train). Two
-launches in all; docs/meshes.md ("Several nodes") quotes the measured distance (``-rP``).
+runs of one rank each (which is what a node that missed the rendezvous would train). The job is
+the real launch; the plain run beside it is only its reference, so its two ranks are forked
+(tests/launcher.py: the same recipe and numbers, without a torchrun agent and three fresh
+interpreters). That a real ``tune run --nproc_per_node`` runs exactga's recipe is
+tests/test_launching.py's. docs/meshes.md ("Several nodes") quotes the measured distance
+(``-rP``).
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ import shlex
 import socket
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from launcher import start_recipe
 from recipe_utils import (
     INITIAL,
     REPO_ROOT,
@@ -33,7 +37,6 @@ from recipe_utils import (
     output_of,
     read_scalars,
     relative_l2,
-    run_tune,
     tune_env,
 )
 
@@ -113,18 +116,24 @@ def _submit(folder: Path, output_dir: Path) -> subprocess.CompletedProcess:
 
 def test_slurm_script_trains_one_run_across_two_nodes(tmp_path):
     """The job exits 0, started one agent per node, and trained the weights and losses of a
-    plain 2-rank launch of the same config."""
+    plain 2-rank run of the same config (its ranks forked: see the module's docstring)."""
     job_out, reference_out = tmp_path / "job_run", tmp_path / "reference_run"
     reference_args = ["--nproc_per_node", "2", RECIPE, "--config", CONFIG]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        job_future = pool.submit(_submit, tmp_path, job_out)
-        reference = run_tune([*reference_args, *_overrides(reference_out)])
-        job = job_future.result()
+    # The reference's ranks train beside the job.
+    reference = start_recipe(
+        [*reference_args, *_overrides(reference_out)], REPO_ROOT, tune_env(), tmp_path / "ref"
+    )
+    try:
+        job = _submit(tmp_path, job_out)
+        reference_status = reference.wait(timeout=600)
+    finally:
+        reference.kill()
+    reference_output = reference.stdout.read_text() + reference.stderr.read_text()
 
     nodes = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
     report = f"{output_of(job)}\n--- node 0 ---\n{nodes[0]}\n--- node 1 ---\n{nodes[1]}"
     assert job.returncode == 0, report[-6000:]
-    assert reference.returncode == 0, output_of(reference)[-4000:]
+    assert reference_status == 0, reference_output[-4000:]
     print(f"job: {shlex.join(['bash', str(SCRIPT.relative_to(REPO_ROOT)), CONFIG])} ...")
     print(job.stdout.strip())
     assert "--ntasks-per-node=1" in (tmp_path / "srun_options").read_text().split()
