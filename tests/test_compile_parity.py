@@ -11,9 +11,9 @@ tests/test_recipe_dpo_lora.py, tests/test_recipe_grpo.py) cut to 2 steps, with `
 SFT, LoRA and LoRA DPO pad every micro-batch to one sequence length (``pad_to_multiple_of`` at
 the tokenizer's ``max_seq_len``, both runs of a case), the product's advice for compiled runs:
 each layer compiles for one shape instead of recompiling dynamic when the length first changes
-(the dynamic path's parity: tests/test_recipe_model_families.py's compiled splits; GRPO's
-generation recompiles as it must). Every compiled run compiled: its end-of-run line reports
-graphs, and no graph break.
+(a split compiled dynamic after a length change: tests/test_recipe_model_families.py's Gemma 3,
+docs/micro_batching.md; GRPO's generation recompiles as it must, padded or not). Every compiled
+run compiled: its end-of-run line reports graphs, and no graph break.
 
 The backend is ``aot_eager`` (recipe_utils.COMPILE_WITHOUT_INDUCTOR): dynamo's capture and AOT
 autograd's graphs, the graphs the step runs, without inductor's code generation (its kernels are
