@@ -30,6 +30,7 @@ from kd_utils import (
     NO_TORCHRUN_RUN,
     PARITY_STEPS,
     PEFT_ADAPTERS,
+    UNTIED_STEPS,
     UNTIED_TEACHER,
     VALIDATED_STEPS,
     VALIDATION_TAGS,
@@ -56,7 +57,8 @@ TWO_RANKS = {"recipe": KD_DISTRIBUTED_RECIPE, "config": KD_DISTRIBUTED_CONFIG, "
 RANK_SPLITS = [("fp64_masked", 4, 1), ("fp32_train_on_input", 1, 4)]
 # One rank of the distributed recipe, 8x1, against two ranks 1x4 (the same global batch), fp32:
 # launched through torchrun, here; without it, with an untied teacher, NO_TORCHRUN_RUN of
-# tests/kd_utils.py. The bound is the fp32 parity bound, 2e-6.
+# tests/kd_utils.py, and its two-rank twin: 3 steps (UNTIED_STEPS), the pair compared with nothing
+# else. The bound is the fp32 parity bound, 2e-6.
 
 
 def _two_rank_args(out: Path, case: str, batch_size: int, ga: int) -> list[str]:
@@ -70,7 +72,9 @@ def _one_rank_args(out: Path) -> list[str]:
 
 
 def _two_rank_untied_args(out: Path) -> list[str]:
-    args = parity_args(out, "fp32_train_on_input", 1, 4, **TWO_RANKS)
+    args = parity_args(
+        out, "fp32_train_on_input", 1, 4, max_steps_per_epoch=UNTIED_STEPS, **TWO_RANKS
+    )
     return [*args, "save_every_n_steps=null", *UNTIED_TEACHER]
 
 
@@ -143,13 +147,13 @@ def test_two_ranks_match_one_rank(runs, case, batch_size, ga):
 
 
 @pytest.mark.parametrize(
-    ("one_rank", "two_ranks"),
+    ("one_rank", "two_ranks", "steps"),
     [
-        ("one_rank_torchrun", "fp32_train_on_input_1x4x2"),
-        ("one_rank_no_torchrun_untied", "untied_1x4x2"),
+        ("one_rank_torchrun", "fp32_train_on_input_1x4x2", PARITY_STEPS),
+        ("one_rank_no_torchrun_untied", "untied_1x4x2", UNTIED_STEPS),
     ],
 )
-def test_one_rank_trains_and_matches_two_ranks(runs, one_rank, two_ranks):
+def test_one_rank_trains_and_matches_two_ranks(runs, one_rank, two_ranks, steps):
     """Issue #22: one rank of the distributed recipe (sharded teacher) trains every step and
     lands within 2e-6 (fp32) of two ranks at the same global batch, tied or untied teacher."""
     run, reference = runs[one_rank], runs[two_ranks]
@@ -161,7 +165,7 @@ def test_one_rank_trains_and_matches_two_ranks(runs, one_rank, two_ranks):
     print(f"{one_rank} vs {two_ranks}: relative L2 {rel:.3e}")
     assert rel <= CASES["fp32_train_on_input"][1]
     ours, ref = read_scalars(run / "logs"), read_scalars(reference / "logs")
-    assert len(ours["loss"]) == len(ref["loss"]) == PARITY_STEPS
+    assert len(ours["loss"]) == len(ref["loss"]) == steps
     assert ours["loss_tokens"] == ref["loss_tokens"]
 
 

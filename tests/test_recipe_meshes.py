@@ -5,14 +5,18 @@ Every distributed recipe that takes the keys runs HSDP 2 x 2 (``data_parallel_re
 replicas of a model sharded over two ranks), and the one that takes tensor parallelism (full
 fine-tuning) runs tp 2 x dp 2 and tp 2 x 2 replicas; each must land on its recipe's 1-rank
 full-batch run (8 sequences, ga 1) at the fp32 floor. Full fine-tuning also runs each mesh with
-packed rows, length-balanced ranks and validation after every step, against a 1-rank run that
-validates the same rows: the same weights, and the same validation figures. The 4-rank runs run
-one after another, the references beside them (tests/many_runs.py). The data are the tiny
-variable-length sets with masked prompts; two SGD steps (AdamW's first updates divide tiny
-gradients by their own magnitude and would magnify rounding). Full fine-tuning clips where it
-bites: under tensor parallelism over data-parallel ranks its gradients are DTensors of two meshes
-(exactga.accumulation.step.clip_grad_norm_over_meshes). Run with ``-rP`` to see the measured
-distances (docs/meshes.md quotes them).
+packed rows, length-balanced ranks and validation after every step, unclipped, against a 1-rank
+run that validates the same rows: the same weights, and the same validation figures. The 4-rank
+runs run one after another, the references beside them (tests/many_runs.py). The data are the
+tiny variable-length sets with masked prompts; two SGD steps (AdamW's first updates divide tiny
+gradients by their own magnitude and would magnify rounding). Full fine-tuning's unpacked runs
+clip where it bites: under tensor parallelism over data-parallel ranks its gradients are DTensors
+of two meshes (exactga.accumulation.step.clip_grad_norm_over_meshes); the packed runs' gradients
+have the same layout on each mesh, so they do not clip again (each clip of DTensors on a 2-D mesh
+costs most of a step). The unpacked tensor-parallel runs pad every micro-batch to one length
+(``ONE_LENGTH``: DTensor's sharding cache, keyed by shapes, then serves every micro-batch after
+the first); the rows keep their varied lengths and masked prompts. Run with ``-rP`` to see the
+measured distances (docs/meshes.md quotes them).
 """
 
 from __future__ import annotations
@@ -89,17 +93,26 @@ VALIDATED = ["dataset_val=${dataset}", "run_val_every_n_steps=1", "batch_size_va
 VALIDATED += ["max_val_batches=4"]
 # Packed rows (of the tiny model's max_seq_len), the ranks length-balanced (the default) and
 # validation, on every mesh: full fine-tuning, against its 1-rank reference that validates.
-PACKED_VALIDATED = ["micro_batching=packed", "micro_batch_tokens=512", *VALIDATED]
+# Unclipped: the clip over the meshes is the unpacked runs' claim, on gradients of the same
+# layout (each mesh's DTensors are the plan's, whatever the rows), and on a 2-D mesh each clip
+# pays DTensor's uncached propagation for its foreach ops over every gradient, most of a step.
+UNCLIPPED = ["clip_grad_norm=null"]
+PACKED_VALIDATED = ["micro_batching=packed", "micro_batch_tokens=512", *VALIDATED, *UNCLIPPED]
+# Tensor parallelism sends every linear through DTensor's dispatch, whose sharding cache is keyed
+# by shapes: each micro-batch of a new sequence length paid the uncached propagation again. So
+# the unpacked TP runs pad every micro-batch to one length, the tokenizer's max_seq_len (exact:
+# padding is masked; the rows keep their lengths and masked prompts). Packed rows are 512 long.
+ONE_LENGTH = ["pad_to_multiple_of=256"]
 
 
 def _run(root: Path, recipe: str, name: str, keys: list[str], batch_size: int, ga: int) -> Run:
     recipe_file, config, _ = RECIPES[recipe]
     out = root / name
     args = ["--config", config, f"output_dir={out}", f"batch_size={batch_size}"]
-    args += [f"gradient_accumulation_steps={ga}", *COMMON, *SMALL, *keys]
+    args += [f"gradient_accumulation_steps={ga}", *COMMON, *SMALL]
     if recipe == "kd":
         args += [f"{key}={value}" for key, value in SMALL_TEACHER.items()]
-    return Run(recipe_file, args + OWN_KEYS.get(recipe, []), out)
+    return Run(recipe_file, [*args, *OWN_KEYS.get(recipe, []), *keys], out)  # keys last: they win
 
 
 def _four_rank_runs(root: Path) -> list[Run]:
@@ -109,18 +122,20 @@ def _four_rank_runs(root: Path) -> list[Run]:
             if "tp" in mesh and not takes_tp:
                 continue
             batch_size = GLOBAL_BATCH // (dp * GA)
+            keys = [*keys, *(ONE_LENGTH if "tp" in mesh else [])]
             runs.append(_run(root, recipe, f"{recipe}_{mesh}", keys, batch_size, GA))
     for mesh, (keys, dp) in MESHES.items():  # full fine-tuning on every mesh, packed, validated
         batch_size = GLOBAL_BATCH // (dp * GA)
-        run = _run(root, "full", f"full_{mesh}_packed", [*keys, *PACKED_VALIDATED], batch_size, GA)
-        runs.append(run)
+        keys = [*keys, *PACKED_VALIDATED]
+        runs.append(_run(root, "full", f"full_{mesh}_packed", keys, batch_size, GA))
     return runs
 
 
 def _launch_all(root: Path) -> None:
     # One rank, no torchrun: each distributed recipe trains as one rank (its own group).
     references = [_run(root, recipe, f"{recipe}_ref", [], GLOBAL_BATCH, 1) for recipe in RECIPES]
-    references.append(_run(root, "full", "full_ref_validated", VALIDATED, GLOBAL_BATCH, 1))
+    validated = [*VALIDATED, *UNCLIPPED]
+    references.append(_run(root, "full", "full_ref_validated", validated, GLOBAL_BATCH, 1))
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [
             pool.submit(launch_runs, _four_rank_runs(root), nproc=4),
