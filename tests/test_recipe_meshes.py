@@ -12,11 +12,11 @@ tiny variable-length sets with masked prompts; two SGD steps (AdamW's first upda
 gradients by their own magnitude and would magnify rounding). Full fine-tuning's unpacked runs
 clip where it bites: under tensor parallelism over data-parallel ranks its gradients are DTensors
 of two meshes (exactga.accumulation.step.clip_grad_norm_over_meshes); the packed runs' gradients
-have the same layout on each mesh, so they do not clip again (each clip of DTensors on a 2-D mesh
-costs most of a step). The unpacked tensor-parallel runs pad every micro-batch to one length
-(``ONE_LENGTH``: DTensor's sharding cache, keyed by shapes, then serves every micro-batch after
-the first); the rows keep their varied lengths and masked prompts. Run with ``-rP`` to see the
-measured distances (docs/meshes.md quotes them).
+have the same layout on each mesh, so they do not clip again (the first clip on a 2-D mesh
+costs most of a 2-step run's CPU). The unpacked tensor-parallel runs pad every micro-batch to
+one length (``ONE_LENGTH``: DTensor's sharding cache, keyed by shapes, then serves every
+micro-batch after the first); the rows keep their varied lengths and masked prompts. Run with
+``-rP`` to see the measured distances (docs/meshes.md quotes them).
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ VALIDATED += ["max_val_batches=4"]
 # Packed rows (of the tiny model's max_seq_len), the ranks length-balanced (the default) and
 # validation, on every mesh: full fine-tuning, against its 1-rank reference that validates.
 # Unclipped: the clip over the meshes is the unpacked runs' claim, on gradients of the same
-# layout (each mesh's DTensors are the plan's, whatever the rows), and on a 2-D mesh each clip
-# pays DTensor's uncached propagation for its foreach ops over every gradient, most of a step.
+# layout (each mesh's DTensors are the plan's, whatever the rows), and on a 2-D mesh the first
+# clip pays DTensor's uncached propagation for its foreach ops over every gradient (seconds of
+# CPU per rank: most of a 2-step run's).
 UNCLIPPED = ["clip_grad_norm=null"]
 PACKED_VALIDATED = ["micro_batching=packed", "micro_batch_tokens=512", *VALIDATED, *UNCLIPPED]
 # Tensor parallelism sends every linear through DTensor's dispatch, whose sharding cache is keyed
