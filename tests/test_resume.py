@@ -500,7 +500,7 @@ def _lineage_stop(root: Path, name: str, expected_status: int = 143) -> re.Match
 
 
 def test_a_launch_that_starts_over_retires_the_earlier_launchs_checkpoints(uninterrupted):
-    """B starts over where A stopped after step 6: A's step checkpoints (5 and 6) are moved,
+    """B starts over where A stopped after step 7: A's step checkpoints (6 and 7) are moved,
     intact, into one retired folder, and B's log says where, and that they are of this run."""
     root = uninterrupted("full").parent
     out = root / "lineage" / "run"
