@@ -1,7 +1,8 @@
 """Length-aware micro-batching (issue #12) through the real ``tune run`` on CPU.
 
 Tier (b) of docs/contributing.md point 9. Every run steps on the same 32 sequences per step (same
-seed, same sampler order); only ``micro_batching`` and the split differ:
+seed, same sampler order over the data's first 256 rows), 2 steps with SGD and 3 with AdamW; only
+``micro_batching`` and the split differ:
 
 - ``fixed`` 32x1, ``by_length`` 4x8, ``token_budget`` 32x1 (1024 padded positions per
   micro-batch) and ``packed`` 4x8 (rows of 512 positions) end within the parity bound of each
@@ -59,9 +60,18 @@ DISTRIBUTED_CONFIG = "configs/tiny/full_distributed.yaml"
 COUNTER = REPO_ROOT / "tests/collective_counter"
 ADAPTERS = "epoch_0/adapter_model.pt"
 
-STEPS = 3
+# Steps per run, by optimizer. SGD's modes sit at their floor from the first step, so its runs,
+# and LoRA's (SGD too), take 2, the fewest in which a second step starts from weights the first
+# moved. AdamW's take 3: its floor falls with steps (see OPTIMIZERS), and the resume tests kill
+# its runs after step 1 and need a step left after the next.
+PARITY_STEPS = {"sgd": 2, "adamw": 3}
+ADAMW_STEPS = PARITY_STEPS["adamw"]  # the steps of the runs the resume and filler tests read
 BUDGET = 1024  # token_budget's padded positions per micro-batch: 4 sequences of max_seq_len 256
 ROW = 512  # packed's positions per row: the tiny model's max_seq_len
+# The data's first 256 rows, twice the 96 sequences a run reads (3 steps of 32): a 2-rank run's
+# length index (rank_balancing: by_tokens) then tokenizes 128 rows on each rank at start-up
+# instead of the shipped 2,069's half. Every run of the module and the planner below take it.
+DATA = "train[:256]"
 # The modes on one device, 32 sequences per step: (batch_size, gradient_accumulation_steps, mode).
 MODES = {
     "fixed": (32, 1, {"micro_batching": "fixed"}),
@@ -69,9 +79,9 @@ MODES = {
     "token_budget": (32, 1, {"micro_batching": "token_budget", "micro_batch_tokens": BUDGET}),
     "packed": (4, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
 }
-# Two ranks, 32 sequences per step in all. On the shipped data a budget of 512 plans the same
-# counts on both ranks in the first three windows (6, 5, 6), 384 plans 9, 8, 10 on rank 0 and
-# 9, 8, 9 on rank 1, so the filler path runs in the third. The token_budget run syncs
+# Two ranks, 32 sequences per step in all. On DATA's rows a budget of 640 plans the same counts
+# on both ranks in the first three windows (5, 5, 5), 384 plans 7, 8, 8 on rank 0 and 7, 9, 7 on
+# rank 1, so the filler path runs in the second and third. The token_budget run syncs
 # gradients every micro-batch: the collective counter then sees how many micro-batches each
 # rank ran (one reduce-scatter per FSDP unit per micro-batch). by_length on 2 ranks is the
 # distributed config's default, trained against one device in tests/test_recipe_full_distributed.py.
@@ -83,8 +93,8 @@ TWO_RANKS = {
             "micro_batching": "token_budget",
             "micro_batch_tokens": 384,
             "gradient_sync": "every_micro_batch",
-            # The default rank_balancing: by_tokens, under which the ranks still plan 10 and 9
-            # micro-batches in the third window, so its fillers run with balanced ranks.
+            # The default rank_balancing: by_tokens, under which the ranks still plan 8 and 9
+            # micro-batches in the second window, so its fillers run with balanced ranks.
         },
     ),
     "packed": (2, 8, {"micro_batching": "packed", "micro_batch_tokens": ROW}),
@@ -105,7 +115,7 @@ FSDP_UNITS = SMALL_MODEL["model.num_layers"] + 1  # the layers and the root
 # No clipping and no warm-up, so the comparison is about the gradient alone and the first step
 # moves the weights; fp32 whatever the config's default.
 PARITY = {
-    "max_steps_per_epoch": STEPS,
+    "dataset.split": DATA,
     "clip_grad_norm": "null",
     "lr_scheduler.num_warmup_steps": 0,
     "dtype": "fp32",
@@ -122,10 +132,11 @@ OPTIMIZERS = {
     # divides each element's update by that element's own gradient scale, so in its first steps
     # an element whose gradient is near eps turns fp32 rounding into lr-sized differences: after
     # 3 steps the modes measured 0.9e-5 to 1.8e-5 apart with eps 1e-8 (1.2e-5 after 6 steps), and
-    # 1.1e-6 with eps 1e-6 (64 sequences a step). With eps 1e-6 and 32 sequences a step: 0.87e-6
-    # to 1.34e-6 on one device, 1.06e-6 and 1.18e-6 on 2 ranks; SGD 0.32e-6 to 0.33e-6. The
-    # larger eps keeps the check on the normalisation, not on that amplification
-    # (tests/test_recipe_lora_single_device.py does the same in fp64).
+    # 1.1e-6 with eps 1e-6 (64 sequences a step). With eps 1e-6, 32 sequences a step of DATA,
+    # 3 steps, measured 2026-11-29: 1.23e-6 to 1.30e-6 on one device, 1.13e-6 and 1.44e-6 on 2
+    # ranks; SGD after 2 steps 0.34e-6 to 0.36e-6 (2 ranks 0.34e-6). The larger eps keeps the
+    # check on the normalisation, not on that amplification (tests/test_recipe_lora_single_device.py
+    # does the same in fp64).
     "adamw": {"optimizer.eps": 1e-6},
 }
 TOLERANCE = 1e-5
@@ -135,7 +146,8 @@ RESUMABLE = {"save_every_n_steps": 1}
 # LoRA with plain SGD (as above). Its B matrices start at zero, so AdamW's amplification of
 # rounding is at its worst on the adapters: with the config's AdamW the fp32 modes measured
 # 0.5e-6 to 2.2e-6 apart after 3 steps (at the bound), with SGD 0.84e-6 at 64 sequences a step
-# and 0.71e-6 to 0.72e-6 at 32 (fp64: 1.3e-8 at 64, 2.9e-8 at 32). fp64 uses torch's
+# and 0.71e-6 to 0.72e-6 at 32 (fp64: 1.3e-8 at 64, 2.9e-8 at 32); 2 steps of 32 of DATA
+# measured 1.9e-7 to 2.3e-7 (fp64 3.8e-8) on 2026-11-29. fp64 uses torch's
 # CrossEntropyLoss (the chunked loss upcasts to fp32 only). Each fp64 launch is the slowest of
 # the module, so fp64 compares one pair.
 LORA_PRECISIONS = {  # precision: (overrides, tolerance, modes)
@@ -157,6 +169,7 @@ def _settings(split: tuple[int, int, dict[str, object]], optimizer: str) -> dict
     batch_size, ga, micro_batching = split
     settings = {
         **PARITY,
+        "max_steps_per_epoch": PARITY_STEPS[optimizer],
         "batch_size": batch_size,
         "gradient_accumulation_steps": ga,
         **micro_batching,
@@ -308,7 +321,7 @@ def test_modes_end_at_the_same_weights(full_runs, optimizer):
     reference = full_runs / f"{optimizer}_fixed"
     w_ref, w_init = load_weights(reference / TRAINED), load_weights(reference / INITIAL)
     ref_scalars = read_scalars(reference / "logs")
-    assert len(ref_scalars["loss"]) == STEPS
+    assert len(ref_scalars["loss"]) == PARITY_STEPS[optimizer]
     for mode in ("by_length", "token_budget", "packed"):
         run = full_runs / f"{optimizer}_{mode}"
         scalars = read_scalars(run / "logs")
@@ -333,7 +346,7 @@ def test_regrouping_lowers_the_logged_padding(full_runs):
             "throughput/micro_batch_shapes",
         )
         for tag in tags:
-            assert len(scalars.get(tag, [])) == STEPS, (mode, tag, scalars.get(tag))
+            assert len(scalars.get(tag, [])) == ADAMW_STEPS, (mode, tag, scalars.get(tag))
         assert min(scalars["throughput/loss_tokens_per_second"]) > 0
         padding[mode] = scalars["throughput/padding_fraction"]
         shapes[mode] = scalars["throughput/micro_batch_shapes"]
@@ -341,7 +354,7 @@ def test_regrouping_lowers_the_logged_padding(full_runs):
     print(f"padding fraction per step: {padding}; distinct shapes so far: {shapes}")
     for mode in ("by_length", "token_budget", "packed"):
         assert all(p < f for p, f in zip(padding[mode], padding["fixed"], strict=True)), mode
-    assert shapes["packed"] == [1.0] * STEPS
+    assert shapes["packed"] == [1.0] * ADAMW_STEPS
     by_length = shapes["by_length"]  # 8 micro-batches a step, each its longest sample's length
     assert by_length == sorted(by_length) and by_length[-1] > 1
 
@@ -361,7 +374,7 @@ def test_lora_modes_end_at_the_same_adapters(lora_runs, precision):
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[precision]
     assert all(tensor.dtype == dtype for tensor in a_ref.values())
     ref_scalars = read_scalars(reference / "logs")
-    assert len(ref_scalars["loss"]) == STEPS
+    assert len(ref_scalars["loss"]) == PARITY_STEPS["sgd"]
     for mode in (mode for mode in modes if mode != "fixed"):
         run = lora_runs / f"{precision}_{mode}"
         assert read_scalars(run / "logs")["loss_tokens"] == ref_scalars["loss_tokens"]
@@ -393,8 +406,8 @@ def test_two_ranks_end_at_the_one_device_weights(full_runs, two_rank_runs, mode,
 
 
 def _planned_micro_batches() -> list[list[int]]:
-    """How many micro-batches each rank's first STEPS windows of the 2-rank token_budget run
-    split into, from the loader every recipe builds (exactga.data.loader) on the config's data."""
+    """How many micro-batches each rank's first ADAMW_STEPS windows of the 2-rank token_budget run
+    split into, from the loader every recipe builds (exactga.data.loader) on the runs' data."""
     from omegaconf import OmegaConf
     from torchtune import config
 
@@ -406,6 +419,7 @@ def _planned_micro_batches() -> list[list[int]]:
     cfg = OmegaConf.load(REPO_ROOT / DISTRIBUTED_CONFIG)
     cfg.tokenizer.path = str(REPO_ROOT / cfg.tokenizer.path)
     cfg.dataset.data_files = str(REPO_ROOT / cfg.dataset.data_files)
+    cfg.dataset.split = DATA
     tokenizer = config.instantiate(cfg.tokenizer)
     budget = MicroBatchingSettings(
         MicroBatching.TOKEN_BUDGET, batch_size, settings["micro_batch_tokens"]
@@ -427,7 +441,7 @@ def _planned_micro_batches() -> list[list[int]]:
             rank_balancing=RankBalancing.BY_TOKENS,  # the distributed recipes' default
         )
         loader.sampler.set_epoch(0)
-        return [len(window.micro_batches) for window in itertools.islice(loader, STEPS)]
+        return [len(window.micro_batches) for window in itertools.islice(loader, ADAMW_STEPS)]
 
     return [planned(rank) for rank in range(2)]
 
@@ -448,7 +462,7 @@ def test_token_budget_ranks_with_fewer_micro_batches_run_fillers(two_rank_runs):
         assert ran == busiest, f"rank {rank} ran {ran} micro-batches per step"
     imbalance = read_scalars(two_rank_runs / "token_budget" / "logs")["throughput/rank_imbalance"]
     print(f"token_budget throughput/rank_imbalance per step: {imbalance}")
-    assert len(imbalance) == STEPS and max(imbalance) > 1
+    assert len(imbalance) == ADAMW_STEPS and max(imbalance) > 1
 
 
 # --- resume --------------------------------------------------------------------------------
@@ -478,8 +492,9 @@ def test_killed_run_resumes_bit_identical(request, num_ranks, mode):
 
     losses = read_scalars(folder / "logs")["loss"]
     expected = read_scalars(uninterrupted / "logs")["loss"]
-    assert 1 <= len(losses) < STEPS, losses  # went on mid-epoch, from step 1 or 2
-    print(f"{num_ranks} rank {mode}: resumed after step {STEPS - len(losses)}; losses {losses}")
+    assert 1 <= len(losses) < ADAMW_STEPS, losses  # went on mid-epoch, from step 1 or 2
+    resumed_after = ADAMW_STEPS - len(losses)
+    print(f"{num_ranks} rank {mode}: resumed after step {resumed_after}; losses {losses}")
     assert losses == expected[-len(losses) :]
     final, reference = load_weights(out / TRAINED), load_weights(uninterrupted / TRAINED)
     assert final.keys() == reference.keys()

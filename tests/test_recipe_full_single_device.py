@@ -44,10 +44,12 @@ STOCK_CONFIG = (
 # the full gradient only up to rounding anyway, but keeps the comparison about the loss alone.
 # Warm-up is dropped so that the first step's learning rate is not zero. Two steps already make
 # the optimizer state and the second step's weights count; SGD's splits sit at ~3e-7 from the
-# first steps on (measured at 4). Fewer steps raise the AdamW floor: its first updates divide
-# tiny gradients by their own magnitude, so their rounding weighs more against the distance
-# travelled (3 steps measured ~9e-6, 4 up to 5.8e-6, 6 up to 4.7e-6, 12 ~3e-7): AdamW runs 6.
-PARITY_STEPS = {"sgd": 4, "adamw": 6}
+# first steps on (4 steps measured ~3e-7; 2 steps 2.5e-7 to 3.5e-7, 2026-11-29), so SGD runs 2,
+# and the negative control with it (naive 1x8 1.5e-1 from 8x1 after 2). Fewer steps raise the
+# AdamW floor: its first updates divide tiny gradients by their own magnitude, so their rounding
+# weighs more against the distance travelled (3 steps measured ~9e-6, 4 up to 5.8e-6, 6 up to
+# 4.7e-6, 12 ~3e-7): AdamW runs 6.
+PARITY_STEPS = {"sgd": 2, "adamw": 6}
 SPLITS = [(8, 1), (1, 8), (2, 4)]  # batch_size x gradient_accumulation_steps
 OPTIMIZERS = {
     # The tiny config's AdamW has weight_decay, which SGD would also accept; removed so that
