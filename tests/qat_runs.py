@@ -86,7 +86,6 @@ def _split_launches() -> dict[str, tuple[tuple[str, str], int, dict]]:
 # (recipe and config, ranks (0: no torchrun), overrides).
 LAUNCHES = {
     "full_1x8x1": (FULL, 0, {**PARITY, **FULL_ON, "batch_size": 8}),
-    "lora_1x8x1": (LORA, 0, {**PARITY, "batch_size": 8}),
     **_split_launches(),
     # fake_quant_after_n_steps: on after 4 steps; never within the run; and the plain recipe.
     "full_fq_after_4": (FULL, 0, {**PARITY, "batch_size": 8, "fake_quant_after_n_steps": 4}),
