@@ -29,6 +29,10 @@ INT8_ACT_INT4_WEIGHT = "torchtune.training.quantization.Int8DynActInt4WeightQATQ
 INT4_WEIGHT_ONLY = "torchtune.training.quantization.Int4WeightOnlyQATQuantizer"
 STEPS = 6  # the AdamW runs: fake quantisation switched on after 4 steps still has steps to part
 SPLIT_STEPS = 3  # the split runs, each step checkpointed: int8 activations part them at step 2
+# The split runs' data: the first 64 rows, over twice the 24 sequences a run reads (3 steps of
+# 8), the same rows for every split and its one-process reference; a 2-rank run's length index
+# (``rank_balancing: by_tokens``) then tokenizes 64 rows, not 2,069.
+SPLIT_ROWS = 64
 
 # fp32, 6 AdamW steps, no clipping, no warm-up; fake quantisation from the first step, with a
 # group size that divides the small model's widths (64, 128).
@@ -53,6 +57,7 @@ SPLIT = {
     # step's forward in-process.
     "tokenizer.max_seq_len": 64,
     "dataset.train_on_input": True,
+    "dataset.split": f"train[:{SPLIT_ROWS}]",
 }
 FULL_ON = {"fake_quant_after_n_steps": "null"}
 FULL_OFF = {"fake_quant_after_n_steps": SPLIT_STEPS}  # switched on after the run's last step
@@ -81,7 +86,6 @@ def _split_launches() -> dict[str, tuple[tuple[str, str], int, dict]]:
 # (recipe and config, ranks (0: no torchrun), overrides).
 LAUNCHES = {
     "full_1x8x1": (FULL, 0, {**PARITY, **FULL_ON, "batch_size": 8}),
-    "lora_1x8x1": (LORA, 0, {**PARITY, "batch_size": 8}),
     **_split_launches(),
     # fake_quant_after_n_steps: on after 4 steps; never within the run; and the plain recipe.
     "full_fq_after_4": (FULL, 0, {**PARITY, "batch_size": 8, "fake_quant_after_n_steps": 4}),
@@ -111,6 +115,7 @@ STOCK_SELECTION = [
     # LoRA: tied embeddings, 4 x 8 micro-batches per rank, a cosine schedule with warm-up
     ("qat_lora_finetune_distributed", "llama3_2/1B_qat_lora"),
 ]
+STOCK_RANKS = 2  # stock_configs.launch_args's default
 
 # The resume scenario: AdamW with warm-up and a cosine schedule, clipping, 2 x 2 micro-batches,
 # two epochs of 4 steps, a step checkpoint after each, fake quantisation switched on after 3
@@ -211,9 +216,20 @@ def _two_rank_runs(root: Path) -> list[Run]:
     runs.append(Run("recipes/ga_parity.py", args, parity))
     for recipe, name in STOCK_SELECTION:
         out = stock_folder(root, recipe, name)
-        _, _, recipe_file, *args = stock_configs.launch_args(name, recipe, out)
-        runs.append(Run(recipe_file, args, out))
+        nproc, ranks, recipe_file, *args = stock_configs.launch_args(name, recipe, out)
+        assert (nproc, ranks) == ("--nproc_per_node", str(STOCK_RANKS))
+        runs.append(Run(recipe_file, [*args, _stock_data_slice(name)], out))
     return runs
+
+
+def _stock_data_slice(name: str) -> str:
+    """A stock config's run on the data's first rows, twice what it reads (batch size x
+    accumulation x ranks x steps) and at least 64, on the command line (the adapted config as
+    written is tools/stock_configs.py's): the claim is that the config runs its steps, nothing
+    of the whole set, and the run's length index then tokenizes these rows, not all 2,069."""
+    cfg = stock_configs.stock_config(name)
+    per_step = cfg.batch_size * cfg.get("gradient_accumulation_steps", 1) * STOCK_RANKS
+    return f"dataset.split=train[:{max(64, 2 * per_step * stock_configs.MAX_STEPS_PER_EPOCH)}]"
 
 
 def stock_folder(root: Path, recipe: str, name: str) -> Path:

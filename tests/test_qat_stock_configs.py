@@ -5,8 +5,8 @@ the stock ``quantizer.groupsize: 256`` divides every linear's input width, tiny 
 and initial checkpoint, ``device: cpu``, 2 steps; every other key as shipped: bf16, fused AdamW,
 activation checkpointing, ``custom_sharded_layers``, accumulation, the quantizer). All six
 adapt here in-process; two launch in CI (``qat_runs.STOCK_SELECTION``, one per recipe, in the
-QAT tests' shared 2-rank launch, tests/qat_runs.py); all six launch with
-``tools/stock_config_sweep.py --only qat``.
+QAT tests' shared 2-rank launch, tests/qat_runs.py, each on the data's first rows: twice what it
+reads, at least 64); all six launch with ``tools/stock_config_sweep.py --only qat``.
 """
 
 from __future__ import annotations

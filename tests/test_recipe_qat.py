@@ -449,7 +449,9 @@ def test_the_saved_weights_convert_and_the_converted_model_runs(runs: Path, tmp_
     from torchtune.training.quantization import Int8DynActInt4WeightQATQuantizer
 
     groupsize = PARITY["quantizer.groupsize"]
-    for name in ("full_1x8x1", "lora_1x8x1"):  # LoRA's merged weights are plain weights too
+    # LoRA's merged weights are plain weights too: the LoRA split runs' full batch (3 SGD
+    # steps) stands for any LoRA QAT run's.
+    for name in ("full_1x8x1", "lora_split_1x8x1"):
         converted, logits = _prepared_and_converted(
             runs / name / "epoch_0", Int8DynActInt4WeightQATQuantizer(groupsize), tmp_path / name
         )
