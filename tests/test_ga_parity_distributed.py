@@ -6,9 +6,13 @@ splits over both ranks, ``2x2x2`` and ``1x4x2``, under every normalisation mode,
 ``token_budget`` may plan unequal counts, evened out with zero-weight fillers). Exact stays at the
 fp32 floor across ranks under every micro-batching (docs/ga_parity.md), naive lands about 0.1 to
 0.2 away. A second, short run trains a split over both ranks in bf16 over fp32 master weights
-(FSDP2's bf16 policy, as the distributed recipes shard), beside the fp32 full batch. Both runs
-run one after another, each forked from the tests' server (tests/many_runs.py: still the recipe
-as ``tune run`` starts it).
+(FSDP2's bf16 policy, as the distributed recipes shard), beside the fp32 full batch; rank 0
+draws its figure (one column of curves, a 2-rank split's name), the check that a 2-rank report
+draws one. The fp32 run's five columns would be plot()'s one-device fp32 figure again, drawn
+and checked by tests/test_recipe_ga_parity.py (plot() reads the runs' losses and distances
+only), so it skips the figure (tests/run_hooks.py's NO_FIGURE): rank 0 drew it in 3.8 CPU-s,
+bf16's in 1.5. Both runs run one after another, each forked from the tests' server
+(tests/many_runs.py: still the recipe as ``tune run`` starts it).
 """
 
 from __future__ import annotations
@@ -85,8 +89,8 @@ def launched(run_once):
             "bf16": _args(root / "bf16", BF16_STEPS, *BF16),
         }
         planned = {name: run_of(args, root / name)[1] for name, args in runs.items()}
-        # bf16's numbers only: its figure (fp32's curve beside) is tests/test_recipe_ga_parity.py's.
-        planned["bf16"] = planned["bf16"]._replace(env={NO_FIGURE: "1"})
+        # fp32's numbers only: the figure is bf16's (see the module's docstring).
+        planned["fp32"] = planned["fp32"]._replace(env={NO_FIGURE: "1"})
         launch_runs(list(planned.values()), nproc=2)
 
     def get(name: str) -> Path:
@@ -133,8 +137,6 @@ def test_splits_across_two_ranks_match_the_full_batch(launched):
         for split in SPLITS:
             assert f"| exact | {micro_batching} | {split} |" in report
     assert "| 2x2x2 | token_budget (512) |" in report  # the comparison section
-    png = (report_dir / "parity.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 20_000
     # Rank 0 alone writes: one TensorBoard run per run, one events file each.
     tensorboard = report_dir / "tensorboard"
     runs_logged = {tuple(path.relative_to(tensorboard).parts) for path in tensorboard.glob("*/*/*")}
@@ -146,7 +148,8 @@ def test_splits_across_two_ranks_match_the_full_batch(launched):
 
 
 def test_a_bf16_split_across_two_ranks_sits_within_the_precisions_floor(launched):
-    summary = json.loads((launched("bf16") / "parity" / "summary.json").read_text())
+    report_dir = launched("bf16") / "parity"
+    summary = json.loads((report_dir / "summary.json").read_text())
     (run,) = summary["runs"]
     precision_cost = summary["reference_relative_l2_to_fp32"]
     print(
@@ -159,3 +162,5 @@ def test_a_bf16_split_across_two_ranks_sits_within_the_precisions_floor(launched
     assert BF16_EXACT_MIN < run["relative_l2"] <= BF16_EXACT_BOUND
     assert run["relative_l2"] <= summary["floor"]
     assert run["relative_l2_to_fp32"] > 0
+    png = (report_dir / "parity.png").read_bytes()  # drawn by rank 0 of the two
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000

@@ -38,7 +38,12 @@ TOLERANCE = 1e-5
 # (so the first step moves the weights) and no clipping (optimizer_in_bwd cannot clip).
 # Three steps: the second and third read the AdamW state the first left. Both runs do the same
 # arithmetic on the same shards, in another order only: 6 steps measured bit-identical weights.
+# Each run reads 24 samples; all of this module's runs read the data's first 64 rows
+# (``SLICE``), so each rank's length index (rank_balancing: by_tokens) tokenizes 64 rows, not
+# all 2,069.
+SLICE = {"dataset.split": "train[:64]"}
 IN_BWD_RUN = {
+    **SLICE,
     "batch_size": 4,
     "gradient_accumulation_steps": 1,
     "max_steps_per_epoch": 3,
@@ -52,6 +57,7 @@ IN_BWD_RUN = {
 # (a tied output is refused by name: see test_tied_output_with_tensor_parallelism_is_refused).
 TP_RUN = {
     **SMALL_MODEL,
+    **SLICE,
     "model.tie_word_embeddings": False,
     "batch_size": 8,
     "gradient_accumulation_steps": 1,

@@ -11,7 +11,8 @@ same values whatever the number of ranks (``exactga.runtime.distributed.initiali
 Parity runs are in fp64 with torch's CrossEntropyLoss and plain SGD. Even so, torchtune's RoPE
 computes in fp32 (``x.float()`` in ``RotaryPositionalEmbeddings.forward``), so the splits'
 different matmul shapes occasionally flip an fp32 rounding of q and k: that is the floor the
-1e-7 checks sit on (2.9e-8 to 3.9e-8 printed for the splits after these 8 SGD steps, 2026-11-22).
+1e-7 checks sit on (2.4e-8 to 4.3e-8 printed for the splits after these 4 SGD steps, 2026-11-29;
+8 steps printed 1.6e-8 to 2.7e-8).
 AdamW, which amplifies the relative error of near-zero gradient entries, lands further: 9.8e-8
 in fp64 after 12 steps of 2 ranks 2x2 in recipes/ga_parity.py (docs/lora_finetune_distributed.md),
 which is why these checks use SGD. Run with ``-rP`` to see the distances.
@@ -49,7 +50,10 @@ BASE = "base_model/model.safetensors"
 PARITY_TOLERANCE = 1e-7
 
 # fp64, no clipping, no warm-up, plain SGD with a large lr so the adapters move far beyond
-# rounding; sequences cut to 128 tokens to keep each step cheap.
+# rounding; sequences cut to 128 tokens to keep each step cheap. 4 steps: a split's parity needs
+# 2 (the later ones start from the weights the earlier made); the docstring has the distances.
+# The runs read 32 samples (4 steps x 8): every run reads the data's first 128 rows, so each
+# rank's length index (rank_balancing: by_tokens) tokenizes 128 rows, not all 2,069.
 PARITY = {
     "dtype": "fp64",
     "loss._component_": "torch.nn.CrossEntropyLoss",
@@ -59,7 +63,8 @@ PARITY = {
     "clip_grad_norm": "null",
     "lr_scheduler.num_warmup_steps": 0,
     "tokenizer.max_seq_len": 128,
-    "max_steps_per_epoch": 8,
+    "max_steps_per_epoch": 4,
+    "dataset.split": "train[:128]",
 }
 
 
@@ -103,6 +108,7 @@ def _launch_all(root: Path) -> None:
     EMPTY_RANK = {  # noqa: N806 - a table of settings, like PARITY
         **PARITY,
         "dataset.data_files": data,
+        "dataset.split": "train",  # all 32 rows of its own
         "shuffle": False,
         "rank_balancing": "none",  # the rows are laid out for stock's deal: an empty rank
         "tokenizer.max_seq_len": 64,

@@ -30,12 +30,16 @@ LOSSES = {
 }
 UNITS = {"ipo": "pairs", "simpo": "pairs", "orpo": "pairs and chosen_tokens", "kto": "examples"}
 SPLITS = "[2x4,2x2x2]"  # against the 8x1 full batch: GA 4 on one rank, GA 2 on each of two
-# Bounds, never the report's own floor: measured with ``pytest
+# Each side cut to 256 tokens (with the config's 512 the full batch's rows, padded to the
+# window's longest side, were 73.5% padding) and token_budget's budget halved with it (512: a
+# pair of two 256-token sides alone), so a budget still plans unequal units (1 to 3 a
+# micro-batch) and, over two ranks, unequal counts (3.5 a rank a step: fillers); the pairs' sides
+# still differ in length. Bounds, never the report's own floor: measured with ``pytest
 # tests/test_recipe_preference_losses.py -p no:xdist -m slow -s`` (2 steps, what a split's
-# parity needs: the second starts from the weights the first step's gradient made), exact 3.0e-7
-# to 3.9e-7 over every loss, split and micro-batching (3 steps: 5.0e-7 to 1.3e-6); naive under
-# token_budget (1 to 4 units a micro-batch) 0.26 to 0.60 (3 steps: 0.33 to 0.78). docs/dpo.md
-# has the 4-step table of every loss.
+# parity needs: the second starts from the weights the first step's gradient made), exact 2.3e-7
+# to 3.9e-7 over every loss, split and micro-batching (512 tokens, budget 1024: 3.0e-7 to
+# 3.9e-7; 3 steps: 5.0e-7 to 1.3e-6); naive under token_budget 0.31 to 0.70 (512 tokens: 0.26 to
+# 0.60). docs/dpo.md has the 4-step table of every loss, on the config's lengths.
 EXACT_BOUND = 3e-6
 NAIVE_UNEQUAL_MIN = 1e-1
 
@@ -62,6 +66,8 @@ def _make_runs(root: Path) -> None:
             "parity.splits": SPLITS,
             "parity.micro_batching": "[fixed,token_budget]",
             "parity.num_steps": 2,
+            "tokenizer.max_seq_len": 256,  # see the bounds' comment
+            "parity.micro_batch_tokens": 512,
         }
         # The numbers only: the figure is tests/test_recipe_ga_parity.py's (tests/run_hooks.py).
         parity = run_of(_args(PARITY, overrides), root / name)[1]
