@@ -15,8 +15,9 @@ at most); every other key as shipped (dtype, master weights, optimizer, loss, ac
 checkpointing, micro-batching, logger, ...). By recipe:
 
 - full and LoRA/QLoRA fine-tuning (one device and distributed), KD (both recipes):
-  ``stock_configs.adapted_config``, on rows of 32 tokens and windows of 16 (``SEQ_LEN``); KD's
-  teacher twice the student's width;
+  ``stock_configs.adapted_config``, on rows of 32 tokens and windows of 16 (``SEQ_LEN``), the
+  data file's first 128 rows (``DATA_ROWS``, twice what a step reads); KD's teacher twice the
+  student's width;
 - GRPO: the same, keeping its shipped prompts (the bundled arithmetic questions), and its
   ``ref_checkpointer`` reads the same initial weights;
 - LoRA DPO (one device and distributed): ``adapted_dpo_config`` of
@@ -93,6 +94,11 @@ STEPS = 1
 # step's compute is in its tokens. DPO keeps its pairs' 512 (tests/test_dpo_stock_configs.py),
 # GRPO its prompts (the completions are its cost).
 SEQ_LEN = stock_configs.TOKENIZER_MAX_SEQ_LEN // 2
+# The fine-tuning and KD runs read the data file's first 128 rows, twice the most a step of theirs
+# takes (8 x 8 on one device, 2 x 8 x 2 ranks): a 2-rank run's start-up tokenizes every row it
+# may deal out (rank_balancing: by_tokens), the whole file's 2,069 in 0.3-1.4 s of wall on a
+# loaded machine, 128 in 0.04-0.12 s; one process builds no such index, and draws its rows alike.
+DATA_ROWS = 128
 
 
 def _params(runs: list[tuple[str, str]]) -> list:
@@ -107,6 +113,7 @@ def adapted(recipe: str, name: str, output_dir: Path) -> DictConfig:
         cfg = stock_configs.adapted_config(name, recipe, output_dir)
     if recipe not in DPO_RECIPES + (GRPO,):
         _shorter_rows(cfg)
+        cfg.dataset.split = f"train[:{DATA_ROWS}]"
     cfg.max_steps_per_epoch = STEPS
     return cfg
 
@@ -267,6 +274,10 @@ def test_every_config_adapts(recipe: str, name: str, tmp_path: Path) -> None:
     cfg = adapted(recipe, name, tmp_path)
     assert cfg.device == "cpu" and cfg.epochs == 1
     assert cfg.max_steps_per_epoch == STEPS
+    if recipe not in DPO_RECIPES + (GRPO,):  # the slice holds twice what a run reads
+        ranks = 2 if (recipe, name) in DISTRIBUTED and _trains_the_router_term(name) else 1
+        read = STEPS * cfg.batch_size * cfg.gradient_accumulation_steps * ranks
+        assert cfg.dataset.split == f"train[:{DATA_ROWS}]" and 2 * read <= DATA_ROWS, read
     rows = cfg.tokenizer.max_seq_len
     _check_tiny_model(cfg.model, stock.model, rows, "model")
     for key in stock_configs.LORA_KEYS:

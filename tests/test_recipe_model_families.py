@@ -7,9 +7,9 @@ the rows, gpt-oss with a sliding and a full layer, a window of 16 on longer rows
 biases moved away from transformers' init) is read through exactga's checkpointer (``model_type:
 QWEN3`` / ``QWEN3_MOE`` / ``GEMMA3`` / ``GPT_OSS``) and trained with the family's own tokenizer
 (tiny files laid out as the release's, tests/tokenizer_files.py; gpt-oss: configs/tiny/'s, its
-harmony tokenizer being another change's) on the bundled instruction data, full and LoRA, on one
-device and on 2 gloo ranks, with the loss the families' configs use (the output projection fused
-with the loss, docs/large_vocab.md):
+harmony tokenizer being another change's) on the bundled instruction data (its first 64 rows,
+``DATA_ROWS``), full and LoRA, on one device and on 2 gloo ranks, with the loss the families'
+configs use (the output projection fused with the loss, docs/large_vocab.md):
 
 - split invariance at the fp32 floor: 2x2 on one device lands where 4x1 does, and so do 2 ranks
   (2x1 and 1x2 per rank): the distributed configs on one rank trained the one-device 4x1's
@@ -24,9 +24,9 @@ with the loss, docs/large_vocab.md):
 - compiled (issue #66, under aot_eager): Qwen3's and Gemma 3's full 2x2 where their eager 4x1
   (the full batch) lands, Qwen3 MoE's 2 ranks where 1 rank does with the balance term on, each
   compiled run where its eager twin lands too and with no graph break (the MoE experts' loop
-  included), on micro-batches of one shape, as compiled runs are meant to take them (Gemma 3's
-  padded to the rows' 256, ``pad_to_multiple_of``; Qwen3's rows are all one length already):
-  a graph per layer kind, no recompilation for a new length (recompiled, dynamic-length graphs:
+  included), on micro-batches of one shape, as compiled runs are meant to take them (Qwen3's,
+  Qwen3 MoE's and Gemma 3's padded to the rows' 256, ``pad_to_multiple_of``): a graph per layer
+  kind, no recompilation for a new length (recompiled, dynamic-length graphs:
   tests/test_compile_parity.py's Llama runs).
 
 Runs: two groups (tests/many_runs.py): the one-device runs, and the 2-rank runs, shared
@@ -60,6 +60,12 @@ pytestmark = pytest.mark.slow
 # Two steps of 4 sequences: the second starts from the first's weights. Qwen3's vocabulary (about
 # 152k) makes each token's loss the cost of these runs, so steps and sequences are few.
 STEPS = 2
+# Every run reads the data file's first 64 rows (8x the 2 x 4 samples a run trains on): a
+# 2-rank run's start-up tokenizes the rows it may deal out (rank_balancing: by_tokens, the
+# distributed configs' default): the whole file's 2,069 rows took 1.5-3.5 s of wall with Qwen3's
+# tokenizer on a loaded machine, about 1 CPU-s a run; 64 take 0.05 s. Every run the tests compare
+# reads the same rows.
+DATA_ROWS = 64
 PARITY_TOLERANCE = 1e-5  # relative L2 of the weight difference over the update, fp32
 LOAD_BOUND = 1e-4  # relative L2 of the logits
 MIN_EFFECT = 1e-2  # fine-tuning moves the logits at least this much, relative
@@ -74,6 +80,12 @@ LORA = {
 # family -> (transformers class and config, our builder's arguments, tokenizer section,
 # checkpointer model_type)
 QWEN3_VOCAB = 151_936  # the tiny tokenizer keeps Qwen3's special-token ids (151643-151668)
+# The Qwen3 models' width: their vocabulary makes the output projection (tokens x vocabulary x
+# width, in the fused loss and its backward) and its weight, gathered by FSDP, most of their runs'
+# CPU, so they are 32 wide (64 before: the Qwen3 and Qwen3 MoE runs took 1.7-2x the CPU-s); the
+# heads keep their head_dim, so it is still not width / heads, as in the releases.
+QWEN3_WIDTH = 32
+ROW_POSITIONS = 256  # every family's tokenizer cuts rows to 256 tokens
 TINY_VOCAB = 2048  # configs/tiny/tokenizer.model's 2000 pieces, rounded up
 # gpt-oss's YaRN, rescaled to the tiny rows: positions past the original 64 are interpolated.
 GPT_OSS_YARN = {
@@ -91,8 +103,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "hf_config_class": "Qwen3Config",
         "hf_config": {
             "vocab_size": QWEN3_VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
+            "hidden_size": QWEN3_WIDTH,
+            "intermediate_size": 2 * QWEN3_WIDTH,
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
@@ -105,8 +117,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "builder": "exactga.models.qwen3.qwen3",
         "model": {
             "vocab_size": QWEN3_VOCAB,
-            "embed_dim": 64,
-            "intermediate_dim": 128,
+            "embed_dim": QWEN3_WIDTH,
+            "intermediate_dim": 2 * QWEN3_WIDTH,
             "num_layers": 2,
             "num_heads": 4,
             "num_kv_heads": 2,
@@ -119,17 +131,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tokenizer": lambda folder: {
             "_component_": "exactga.models.qwen3.qwen3_tokenizer",
             "path": str(folder / "tokenizer.json"),
-            "max_seq_len": 256,
+            "max_seq_len": ROW_POSITIONS,
         },
         "write_tokenizer": write_qwen3_folder,
         "model_type": "QWEN3",
+        "pad_to_multiple_of": ROW_POSITIONS,  # one shape, as Gemma 3's (below)
     },
     "qwen3_moe": {
         "hf_class": "Qwen3MoeForCausalLM",
         "hf_config_class": "Qwen3MoeConfig",
         "hf_config": {
             "vocab_size": QWEN3_VOCAB,
-            "hidden_size": 64,
+            "hidden_size": QWEN3_WIDTH,
             "intermediate_size": 128,
             "moe_intermediate_size": 32,
             "num_experts": 8,
@@ -147,7 +160,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "builder": "exactga.models.qwen3_moe.qwen3_moe",
         "model": {
             "vocab_size": QWEN3_VOCAB,
-            "embed_dim": 64,
+            "embed_dim": QWEN3_WIDTH,
             "moe_intermediate_dim": 32,
             "num_experts": 8,
             "num_experts_per_tok": 2,
@@ -164,10 +177,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tokenizer": lambda folder: {
             "_component_": "exactga.models.qwen3.qwen3_tokenizer",
             "path": str(folder / "tokenizer.json"),
-            "max_seq_len": 256,
+            "max_seq_len": ROW_POSITIONS,
         },
         "write_tokenizer": write_qwen3_folder,
         "model_type": "QWEN3_MOE",
+        "pad_to_multiple_of": ROW_POSITIONS,  # one shape, as Gemma 3's (below)
     },
     "gpt_oss": {
         "hf_class": "GptOssForCausalLM",
@@ -212,7 +226,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tokenizer": lambda folder: {
             "_component_": "torchtune.models.llama2.llama2_tokenizer",
             "path": str(REPO_ROOT / "configs" / "tiny" / "tokenizer.model"),
-            "max_seq_len": 256,
+            "max_seq_len": ROW_POSITIONS,
             "prompt_template": None,
         },
         "write_tokenizer": lambda folder: folder,
@@ -257,7 +271,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tokenizer": lambda folder: {
             "_component_": "exactga.models.gemma3.gemma3_tokenizer",
             "path": str(folder / "tokenizer.json"),
-            "max_seq_len": 256,
+            "max_seq_len": ROW_POSITIONS,
         },
         "write_tokenizer": write_gemma3_folder,
         "model_type": "GEMMA3",
@@ -265,8 +279,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
         # still pads inside its micro-batches): one shape, so the compiled run compiles a graph
         # per layer kind (the window is each layer's constant) and no more, where two lengths made
         # it compile again and then once more with the length dynamic (docs/micro_batching.md,
-        # "Compiled": fixed shapes are how to compile). Qwen3's rows here already take one shape.
-        "pad_to_multiple_of": 256,
+        # "Compiled": fixed shapes are how to compile). The Qwen3 families' too: most of their
+        # rows fill the 256, not all (Qwen3's compiled 2x2 on the 64 rows' samples: 3 graphs, one
+        # of them recompiled for a micro-batch of 194).
+        "pad_to_multiple_of": ROW_POSITIONS,
     },
 }
 
@@ -408,6 +424,7 @@ def _args(cfg: Path, split: tuple[str, int, int, int], out: Path) -> list[str]:
         f"batch_size={bs}",
         f"gradient_accumulation_steps={ga}",
         f"max_steps_per_epoch={STEPS}",
+        f"dataset.split=train[:{DATA_ROWS}]",
         "clip_grad_norm=null",
         "lr_scheduler.num_warmup_steps=0",
         # Plain gradient descent with steps large enough that the update dwarfs fp32 rounding
@@ -497,11 +514,16 @@ def test_a_split_lands_where_the_full_batch_does(runs, family, split):
 
 
 def _tokens(vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (4, 40), generator=torch.Generator().manual_seed(1))
+    """Two rows of 40 random tokens (longer than gpt-oss's and Gemma 3's windows): Qwen3's
+    logits of them are 12M numbers, and their comparisons most of the outputs test's time."""
+    return torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    """Relative L2 of ``a - b`` over ``b``, summed in float64 (no float64 copy of the logits:
+    a difference of fp32 values within a factor 2 of each other is exact in fp32)."""
+    diff = torch.linalg.vector_norm(a - b, dtype=torch.float64)
+    return (diff / torch.linalg.vector_norm(b, dtype=torch.float64)).item()
 
 
 @torch.no_grad()
