@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import gc
 import json
 import multiprocessing
@@ -256,6 +257,7 @@ def _run_rank(argv: list[str], env: dict[str, str], cwd: str, stdout: Path, stde
     for stream, path in ((1, stdout), (2, stderr)):
         with open(path, "a") as file:  # appending: the ranks' lines interleave, none lost
             os.dup2(file.fileno(), stream)
+    faulthandler.enable()  # a rank that crashes in C (a segfault in gloo) prints its Python stack
     _put_python_path_first(env.get("PYTHONPATH", ""))
     sys.argv = argv
     sys.orig_argv = [sys.executable, *argv]  # what `tune` (a Python script) has

@@ -122,3 +122,16 @@ def test_each_rank_logs_its_cost_where_asked_and_the_summary_adds_them(tmp_path:
     totals = run_costs.costs_by_module(log.read_text().splitlines())
     ranks, cpu, _ = totals["tests/test_launcher.py"]
     assert ranks == 2 and cpu == pytest.approx(sum(line["cpu_s"] for line in lines))
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_in_c_prints_its_python_stack(tmp_path: Path) -> None:
+    """A segfault (in gloo, say) kills a rank with no traceback; faulthandler names the frame."""
+    (tmp_path / "crash.py").write_text(
+        "import ctypes\n\ndef crash():\n    ctypes.string_at(0)\n\ncrash()\n"
+    )
+    (tmp_path / "crash.yaml").write_text("{}\n")
+    proc = run_recipe(["crash.py", "--config", "crash.yaml"], cwd=tmp_path)
+    assert proc.returncode == -11, output_of(proc)
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, output_of(proc)
+    assert 'crash.py", line 4 in crash' in proc.stderr, output_of(proc)
