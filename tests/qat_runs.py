@@ -218,18 +218,9 @@ def _two_rank_runs(root: Path) -> list[Run]:
         out = stock_folder(root, recipe, name)
         nproc, ranks, recipe_file, *args = stock_configs.launch_args(name, recipe, out)
         assert (nproc, ranks) == ("--nproc_per_node", str(STOCK_RANKS))
-        runs.append(Run(recipe_file, [*args, _stock_data_slice(name)], out))
+        data = stock_configs.data_slice_override(name, STOCK_RANKS)
+        runs.append(Run(recipe_file, [*args, data], out))
     return runs
-
-
-def _stock_data_slice(name: str) -> str:
-    """A stock config's run on the data's first rows, twice what it reads (batch size x
-    accumulation x ranks x steps) and at least 64, on the command line (the adapted config as
-    written is tools/stock_configs.py's): the claim is that the config runs its steps, nothing
-    of the whole set, and the run's length index then tokenizes these rows, not all 2,069."""
-    cfg = stock_configs.stock_config(name)
-    per_step = cfg.batch_size * cfg.get("gradient_accumulation_steps", 1) * STOCK_RANKS
-    return f"dataset.split=train[:{max(64, 2 * per_step * stock_configs.MAX_STEPS_PER_EPOCH)}]"
 
 
 def stock_folder(root: Path, recipe: str, name: str) -> Path:

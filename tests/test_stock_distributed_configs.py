@@ -2,19 +2,18 @@
 
 Each stock config is adapted by tools/stock_configs.py (tiny model of the same family, tiny
 tokenizer, data and initial checkpoint, ``device: cpu``, 2 steps; every other key as shipped)
-and launched through the real ``tune run --nproc_per_node 2`` on gloo ranks, on the data's
-first rows (twice what the run reads, at least 64: ``_data_slice``). All 57 run in
-tools/stock_config_sweep.py; CI launches the 12 below, one per model family, which between them
-cover full and LoRA fine-tuning with activation checkpointing on and off, DoRA, QLoRA,
+and launched through the real ``tune run --nproc_per_node 2`` on gloo ranks, on the data's first
+rows (twice what the run reads, at least 64: ``stock_configs.data_slice_override``). All 57 run
+in tools/stock_config_sweep.py; CI launches the 12 below, one per model family, which between
+them cover full and LoRA fine-tuning with activation checkpointing on and off, DoRA, QLoRA,
 ``custom_sharded_layers``, ``fsdp_cpu_offload``, tied and untied embeddings and adapter-only
 saving (``test_selection_covers_families_and_flags`` keeps that true). Two of exactga's own
-distributed configs (``stock_configs.OUR_CONFIGS``, adapted the same way) run among the same runs;
-tests/test_distributed_model_configs.py checks all ten in-process. The runs are made once,
-in a module fixture shared by the xdist workers, one after another
-(tests/many_runs.py): each config still goes through the recipe as ``tune run`` starts it, with
-a process group of its own, its ranks forked from a server that imported torch and torchtune once
-(the imports were most of a fresh launch: about 20 of its 30 s).
-"""
+distributed configs (``stock_configs.OUR_CONFIGS``, adapted the same way) run among the same
+runs; tests/test_distributed_model_configs.py checks all ten in-process. The runs are made once,
+in a module fixture shared by the xdist workers, one after another (tests/many_runs.py): each
+config still goes through the recipe as ``tune run`` starts it, with a process group of its own,
+its ranks forked from a server that imported torch and torchtune once (the imports were most of
+a fresh launch: about 20 of its 30 s)."""
 
 from __future__ import annotations
 
@@ -76,24 +75,14 @@ def _out(root: Path, recipe: str, name: str) -> Path:
     return root / recipe / name
 
 
-def _data_slice(name: str) -> str:
-    """The first rows of the data that the run needs, twice over (at least 64): the config's
-    samples per step (batch size x accumulation x ranks) over its steps. The claim is that the
-    config runs its steps, not anything of the whole set; the length index each run builds
-    (``rank_balancing: by_tokens``) then reads these rows, not all 2,069."""
-    cfg = _stock_cfg(name)
-    per_step = cfg.batch_size * cfg.get("gradient_accumulation_steps", 1) * RANKS
-    return f"dataset.split=train[:{max(64, 2 * per_step * stock_configs.MAX_STEPS_PER_EPOCH)}]"
-
-
 def _run(root: Path, recipe: str, name: str) -> Run:
-    """One config's run on a slice of the data (:func:`_data_slice`, on the command line: the
-    adapted config as written is tools/stock_configs.py's); its exit status and output are kept
-    for the test that reads them."""
+    """One config's run on a slice of the data (``stock_configs.data_slice_override``, on the
+    command line: the adapted config as written is tools/stock_configs.py's); its exit status
+    and output are kept for the test that reads them."""
     out = _out(root, recipe, name)
     nproc, ranks, recipe_file, *args = stock_configs.launch_args(name, recipe, out)
     assert (nproc, ranks) == ("--nproc_per_node", str(RANKS))
-    return Run(recipe_file, [*args, _data_slice(name)], out)
+    return Run(recipe_file, [*args, stock_configs.data_slice_override(name, RANKS)], out)
 
 
 def _launch_all(root: Path) -> None:

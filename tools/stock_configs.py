@@ -141,6 +141,17 @@ def stock_config(name: str) -> DictConfig:
     return cfg
 
 
+def data_slice_override(name: str, ranks: int) -> str:
+    """The command-line override that trains stock config ``name`` on ``ranks`` ranks on the
+    data's first rows: twice what its ``MAX_STEPS_PER_EPOCH`` steps read (batch size x
+    accumulation x ranks per step), at least 64. For runs whose claim is that the config runs
+    its steps, nothing of the whole set: a multi-rank run's length index (``rank_balancing:
+    by_tokens``) then tokenizes these rows, not the whole dataset."""
+    cfg = stock_config(name)
+    per_step = cfg.batch_size * cfg.get("gradient_accumulation_steps", 1) * ranks
+    return f"dataset.split=train[:{max(64, 2 * per_step * MAX_STEPS_PER_EPOCH)}]"
+
+
 def stock_component_call(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     """The component builder a stock model section ends in, and the arguments it gets.
 
