@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import stock_configs
-from many_runs import Run, launch_runs
+from many_runs import Run, launch_runs, run_of
 from recipe_utils import SMALL_MODEL, latest_step_checkpoint, launch_and_kill
 
 FULL = ("recipes/qat_distributed.py", "configs/tiny/qat_distributed.yaml")
@@ -115,7 +115,6 @@ STOCK_SELECTION = [
     # LoRA: tied embeddings, 4 x 8 micro-batches per rank, a cosine schedule with warm-up
     ("qat_lora_finetune_distributed", "llama3_2/1B_qat_lora"),
 ]
-STOCK_RANKS = 2  # stock_configs.launch_args's default
 
 # The resume scenario: AdamW with warm-up and a cosine schedule, clipping, 2 x 2 micro-batches,
 # two epochs of 4 steps, a step checkpoint after each, fake quantisation switched on after 3
@@ -216,10 +215,9 @@ def _two_rank_runs(root: Path) -> list[Run]:
     runs.append(Run("recipes/ga_parity.py", args, parity))
     for recipe, name in STOCK_SELECTION:
         out = stock_folder(root, recipe, name)
-        nproc, ranks, recipe_file, *args = stock_configs.launch_args(name, recipe, out)
-        assert (nproc, ranks) == ("--nproc_per_node", str(STOCK_RANKS))
-        data = stock_configs.data_slice_override(name, STOCK_RANKS)
-        runs.append(Run(recipe_file, [*args, data], out))
+        nproc, run = run_of(stock_configs.launch_args(name, recipe, out, sliced=True), out)
+        assert nproc == 2  # these runs are launched on 2 ranks
+        runs.append(run)
     return runs
 
 

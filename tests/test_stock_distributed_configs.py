@@ -3,7 +3,7 @@
 Each stock config is adapted by tools/stock_configs.py (tiny model of the same family, tiny
 tokenizer, data and initial checkpoint, ``device: cpu``, 2 steps; every other key as shipped)
 and launched through the real ``tune run --nproc_per_node 2`` on gloo ranks, on the data's first
-rows (twice what the run reads, at least 64: ``stock_configs.data_slice_override``). All 57 run
+rows (twice what the run reads, at least 64: ``launch_args(..., sliced=True)``). All 57 run
 in tools/stock_config_sweep.py; CI launches the 12 below, one per model family, which between
 them cover full and LoRA fine-tuning with activation checkpointing on and off, DoRA, QLoRA,
 ``custom_sharded_layers``, ``fsdp_cpu_offload``, tied and untied embeddings and adapter-only
@@ -22,12 +22,11 @@ from pathlib import Path
 import pytest
 import stock_configs
 import torch
-from many_runs import Run, launch_runs
+from many_runs import Run, launch_runs, run_of
 from omegaconf import DictConfig, OmegaConf
 from recipe_utils import load_weights
 
 FULL, LORA = stock_configs.RECIPES
-RANKS = 2  # stock_configs.launch_args's default
 
 # (recipe, stock config): what each adds to the coverage.
 SELECTION = [
@@ -76,13 +75,13 @@ def _out(root: Path, recipe: str, name: str) -> Path:
 
 
 def _run(root: Path, recipe: str, name: str) -> Run:
-    """One config's run on a slice of the data (``stock_configs.data_slice_override``, on the
-    command line: the adapted config as written is tools/stock_configs.py's); its exit status
-    and output are kept for the test that reads them."""
+    """One config's run on a slice of the data (``launch_args(..., sliced=True)``: on the command
+    line, the adapted config as written is tools/stock_configs.py's); its exit status and output
+    are kept for the test that reads them."""
     out = _out(root, recipe, name)
-    nproc, ranks, recipe_file, *args = stock_configs.launch_args(name, recipe, out)
-    assert (nproc, ranks) == ("--nproc_per_node", str(RANKS))
-    return Run(recipe_file, [*args, stock_configs.data_slice_override(name, RANKS)], out)
+    nproc, run = run_of(stock_configs.launch_args(name, recipe, out, sliced=True), out)
+    assert nproc == 2  # what launch_runs starts
+    return run
 
 
 def _launch_all(root: Path) -> None:

@@ -350,24 +350,31 @@ def _paths_outside(cfg: DictConfig, output_dir: Path) -> list[str]:
 
 
 def launch_args(
-    name: str, recipe: str, output_dir: Path | str, nproc_per_node: int = 2
+    name: str,
+    recipe: str,
+    output_dir: Path | str,
+    nproc_per_node: int = 2,
+    sliced: bool = False,
 ) -> list[str]:
     """``tune run`` arguments for the adapted config, written to ``output_dir/config.yaml``; the
-    one-device PPO recipe runs without torchrun."""
+    one-device PPO recipe runs without torchrun. ``sliced`` adds :func:`data_slice_override` for
+    the ranks launched, on the command line (the config as written keeps the whole dataset)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     config_path = output_dir / "config.yaml"
     if recipe == PPO:
         OmegaConf.save(adapted_ppo_config(name, output_dir), config_path)
-        return [f"recipes/{recipe}.py", "--config", str(config_path)]
+        args = [f"recipes/{recipe}.py", "--config", str(config_path)]
+        return [*args, data_slice_override(name, 1)] if sliced else args
     OmegaConf.save(adapted_config(name, recipe, output_dir), config_path)
-    return [
+    args = [
         "--nproc_per_node",
         str(nproc_per_node),
         recipe_script(recipe),
         "--config",
         str(config_path),
     ]
+    return [*args, data_slice_override(name, nproc_per_node)] if sliced else args
 
 
 def logged_losses(output_dir: Path | str) -> list[float]:
