@@ -20,8 +20,10 @@ every weight random (sinks, all biases and norm scales away from their init).
   term ``coef`` times it; the grouped-matmul experts are the loop's, forward and backward; LoRA
   starts as its base and torchtune's merge folds the attention and stacked expert adapters in.
 - packed rows (a document longer than the window) give each document's logits alone, with the
-  dense block-causal mask and with a ``BlockMask`` (flex attention: forward only, it has no CPU
-  backward); KV-cache decoding past the window gives the full forward's logits.
+  dense block-causal mask and with a ``BlockMask`` (flex attention), and under the ``BlockMask``
+  every parameter's gradient, the sinks' through flex's log-sum-exp, is the dense mask's (flex
+  attention's unfused backward, its CPU refusal lifted); KV-cache decoding past the window gives
+  the full forward's logits.
 - config.json: a one-line ``gpt_oss`` section takes the folder's shape and gives HF's logits.
 """
 
@@ -450,30 +452,76 @@ def test_sized_builders_have_the_released_parameter_counts() -> None:
         assert count == sum(p.numel() for p in reference.parameters()), name
 
 
+def flex_document_mask(lengths: list[int]):
+    """One packed row's block-causal ``BlockMask`` on the CPU (torchtune's
+    ``packed_block_causal_mask`` makes one only where CUDA runs flex attention)."""
+    document = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+
+    def block_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (document[q_idx] == document[kv_idx])
+
+    return create_block_mask(block_causal, 1, None, sum(lengths), sum(lengths), device="cpu")
+
+
 @pytest.mark.filterwarnings("ignore:.*without torch.compile.*:UserWarning")
 @pytest.mark.parametrize("flex", [False, True], ids=["dense-mask", "block-mask"])
 def test_packed_documents_get_the_logits_they_get_alone(hf_folder: Path, flex: bool) -> None:
     """Packed rows' per-document masks, dense or a ``BlockMask`` (flex attention: the sinks
-    through its log-sum-exp; forward only, flex attention has no CPU backward)."""
+    through its log-sum-exp; the backward: the next test)."""
     ours = ours_from(hf_folder)
     lengths = [4, 8]  # the second document is longer than the window
     ids = tokens()[:1, : sum(lengths)]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    if flex:
-        document = torch.tensor([0] * lengths[0] + [1] * lengths[1])
-
-        def block_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (document[q_idx] == document[kv_idx])
-
-        mask = create_block_mask(block_causal, 1, None, sum(lengths), sum(lengths), device="cpu")
-    else:
-        mask = create_block_causal_mask([torch.tensor(lengths)])
+    mask = (
+        flex_document_mask(lengths) if flex else create_block_causal_mask([torch.tensor(lengths)])
+    )
     with torch.no_grad():
         packed = ours(ids, mask=mask, input_pos=positions)
         alone = torch.cat([ours(ids[:, : lengths[0]]), ours(ids[:, lengths[0] :])], dim=1)
     error = relative_error(packed, alone)
     print(f"gpt-oss logits, packed ({'flex' if flex else 'dense'}) against alone: {error:.2e}")
     assert error < BOUND
+
+
+def packed_row_gradients(model: nn.Module, lengths: list[int], mask) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of one packed row's logits against a fixed random probe."""
+    ids = tokens()[:1].repeat(1, 2)[:, : sum(lengths)]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, mask=mask, input_pos=positions)
+    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    (logits * probe).sum().backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.filterwarnings("ignore:.*without torch.compile.*:UserWarning")
+def test_the_sinks_backward_through_flex_attention_is_the_dense_masks(
+    hf_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sinks' gradient through flex attention's log-sum-exp (``sigmoid(lse - sink)``, the
+    path packed rows take on CUDA) equals the dense per-document mask's, every parameter's.
+
+    torch 2.13 refuses flex attention's backward on a CPU in ``_validate_device`` because it has
+    no fused CPU kernel; uncompiled, flex attention runs its unfused implementation, whose
+    backward (the log-sum-exp's gradient included) is the same on every device. The test lifts
+    that one check to run it: it checks our formula through torch's autograd of flex attention.
+    The fused CUDA kernel's backward is tests/gpu/test_gpu_gpt_oss.py's."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    model = ours_from(hf_folder).train()
+    lengths = [5, 11, 8]  # three documents; the second and third outrun the window of 4
+    dense = packed_row_gradients(model, lengths, create_block_causal_mask([torch.tensor(lengths)]))
+    flex = packed_row_gradients(model, lengths, flex_document_mask(lengths))
+    sinks = [name for name in dense if name.endswith("attn.sinks")]
+    assert len(sinks) == len(model.layers)
+    assert all(dense[name].abs().min() > 0 for name in sinks)  # every head's sink trains
+    gaps = {name: relative_error(flex[name], dense[name]) for name in dense}
+    print(
+        f"gpt-oss gradients, flex against dense: sinks {max(gaps[n] for n in sinks):.2e}, "
+        f"worst {max(gaps.values()):.2e}"
+    )
+    assert max(gaps.values()) < BOUND, max(gaps, key=gaps.get)
 
 
 def test_kv_cache_decoding_past_the_window_matches_full_forward(hf_folder: Path) -> None:

@@ -1,10 +1,11 @@
 """gpt-oss on CUDA (issues #65 and #68): transformers' logits on the GPU, and the sinks' backward
-through flex attention, the one path of the family no CPU can run.
+through flex attention's fused kernels, the one path of the family no CPU can run.
 
 The CPU tests (tests/test_models_gpt_oss.py) hold our model to transformers' in fp32 on the
-dense-mask path, and flex attention's forward on packed rows to the documents alone; flex
-attention has no backward on a CPU, so the gradient of the learned sinks through its log-sum-exp
-(``exactga.models.gpt_oss._attention``) is checked here:
+dense-mask path, flex attention's forward on packed rows to the documents alone, and the sinks'
+gradient through flex's log-sum-exp to the dense mask's with flex's unfused backward (torch
+refuses flex's backward on a CPU; the test lifts that check). The fused CUDA kernels, compiled as
+the recipes run them (``exactga.models.gpt_oss._attention``), are checked here:
 
 - the tiny random model (a sliding and a full layer, sinks and biases perturbed, expert weights
   past the clamp) gives transformers' logits on DEVICE in fp32 (see [fp32 bound] in
