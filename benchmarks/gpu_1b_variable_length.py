@@ -22,7 +22,9 @@ Per run: ms per step (median over the steps after warm-up, from the ``loss`` eve
 times), tokens/s (the samples' own tokens, padding excluded, over the timed steps' time), MFU
 (those tokens' model FLOPs, ``6 N`` per token plus ``12 L d T`` attention for a sample of
 ``T`` tokens (PaLM, appendix B), over the device's dense bf16 peak), the padding share of the
-positions processed, peak GPU memory (the recipes' ``peak_memory_alloc``), the number of
+positions processed, peak GPU memory (the recipes' ``peak_memory_alloc``), under ``compile``
+dynamo's graphs and graph breaks at the run's end (the recipe's ``compile/graphs`` and
+``compile/graph_breaks``; a packed row's flex attention breaks no layer's graph), the number of
 distinct micro-batch shapes the run's forward saw (replayed from exactga's loader on the host:
 the same sampler, seed and split), and, in the first group run, each run's trained weights
 against the ``fixed`` run's (relative L2 over the update; bf16 rounding differs between splits,
@@ -117,6 +119,7 @@ class Row:
     padding: float | None  # None: stock, which trains the fixed run's micro-batches
     peak_gib: float | None
     shapes: int
+    compiled: tuple[int, int] | None  # dynamo's graphs and graph breaks; None: an eager run
     rel_l2_to_fixed: float | None
 
 
@@ -279,6 +282,7 @@ def result_row(group: str, name: str, result: Any, lengths, shapes) -> Row:
         padding=None if name == "stock" or not result.padding else result.padding[0],
         peak_gib=result.gpu_peak_gib,
         shapes=len({shape for step in shapes[name] for shape in step}),
+        compiled=result.compiled,
         rel_l2_to_fixed=None,
     )
 
@@ -337,8 +341,8 @@ def markdown(rows: list[Row], args: argparse.Namespace, device: str) -> str:
         "bf16), fused AdamW, no clipping.",
         "",
         "| group | run | ms/step | speed-up vs stock | tokens/s | MFU | padding | peak GPU GiB "
-        "| distinct shapes | rel-L2 to fixed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| distinct shapes | graphs (breaks) | rel-L2 to fixed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     stock = {row.group: row.ms_per_step for row in rows if row.mode == "stock"}
     for row in rows:
@@ -353,6 +357,7 @@ def markdown(rows: list[Row], args: argparse.Namespace, device: str) -> str:
             "as fixed" if row.padding is None else f"{100 * row.padding:.1f}%",
             "n/a" if row.peak_gib is None else f"{row.peak_gib:.1f}",
             str(row.shapes),
+            "eager" if row.compiled is None else f"{row.compiled[0]} ({row.compiled[1]})",
             "" if row.rel_l2_to_fixed is None else f"{row.rel_l2_to_fixed:.1e}",
         ]
         lines.append("| " + " | ".join(cells) + " |")

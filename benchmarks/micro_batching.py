@@ -138,6 +138,7 @@ class RunResult:
     gpu_peak_gib: float | None
     padding: tuple[float, int] | None  # (fraction, positions processed) over the whole run
     num_shapes: int | None  # distinct micro-batch shapes in the epoch; None where not logged
+    compiled: tuple[int, int] | None  # dynamo's graphs and graph breaks at the end; None: eager
 
 
 def run_specs(args: argparse.Namespace) -> list[RunSpec]:
@@ -322,6 +323,7 @@ def measure(spec: RunSpec, repeat: int, args: argparse.Namespace, out_root: Path
     tokens = scalars.get("loss_tokens")  # stock does not log it
     gpu_peak = scalars.get("peak_memory_alloc")
     shapes = scalars.get("throughput/micro_batch_shapes")  # nor this
+    graphs, breaks = scalars.get("compile/graphs"), scalars.get("compile/graph_breaks")
     match = PADDING_LINE.search(log_path.read_text(errors="replace"))
     return RunResult(
         spec=spec,
@@ -334,7 +336,13 @@ def measure(spec: RunSpec, repeat: int, args: argparse.Namespace, out_root: Path
         gpu_peak_gib=max(v for _, v in gpu_peak.values()) if gpu_peak else None,
         padding=(float(match[1]) / 100, int(match[2].replace(",", ""))) if match else None,
         num_shapes=int(max(v for _, v in shapes.values())) if shapes else None,
+        compiled=(int(last_value(graphs)), int(last_value(breaks))) if graphs and breaks else None,
     )
+
+
+def last_value(scalar: dict[int, tuple[float, float]]) -> float:
+    """A logged scalar's value at its last step."""
+    return scalar[max(scalar)][1]
 
 
 def load_weights(output_dir: Path) -> dict[str, torch.Tensor]:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import create_block_mask
 from torchtune.models.qwen2 import qwen2
 from torchtune.modules.attention_utils import create_block_causal_mask
 from unit_utils import tiny_model
@@ -90,15 +92,15 @@ def random_model(family: str) -> nn.Module:
     return model
 
 
-def packed_row() -> dict[str, torch.Tensor]:
-    """One packed row of ``LENGTHS`` random documents and ``PADDING`` positions, as the
+def packed_row(lengths: list[int] = LENGTHS, padding: int = PADDING) -> dict[str, torch.Tensor]:
+    """One packed row of random documents of ``lengths`` and ``padding`` positions, as the
     ``packed`` collate makes it (its ``mask`` the document lengths)."""
     generator = torch.Generator().manual_seed(2)
     samples = []
-    for length in LENGTHS:
+    for length in lengths:
         ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
         samples.append({"tokens": ids, "labels": ids})
-    row = pack_samples(samples, capacity=sum(LENGTHS) + PADDING)
+    row = pack_samples(samples, capacity=sum(lengths) + padding)
     return {key: row[key] for key in ("tokens", "mask", "input_pos")}
 
 
@@ -157,6 +159,21 @@ def dense_row(row: dict) -> dict:
     return {**row, "mask": create_block_causal_mask([torch.tensor(spans)])}
 
 
+def flex_row(row: dict) -> dict:
+    """``row`` under flex attention's ``BlockMask``, as packed rows carry it on CUDA (torchtune's
+    ``packed_block_causal_mask``, made here on the CPU: causal within each document, the padding
+    one more document), in blocks of 8 so that a row has full, partial and skipped blocks."""
+    spans = torch.tensor([abs(length) for length in row["mask"].tolist()[0]])
+    document = torch.repeat_interleave(torch.arange(len(spans)), spans)[None]
+
+    def block_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
+
+    size = int(spans.sum())
+    mask = create_block_mask(block_causal, 1, None, size, size, device="cpu", BLOCK_SIZE=8)
+    return {**row, "mask": mask}
+
+
 def test_the_padding_is_never_attended_and_its_output_is_zero() -> None:
     """[padding is not attended]: one attention call per document, none for the padding."""
     calls = []
@@ -212,6 +229,37 @@ def test_compiled_layers_attend_each_document_alone_with_the_eager_rows_numbers(
     eager = logits_and_gradients(model, row)
     compiled = logits_and_gradients(compiled_layers(model, fullgraph=False), row)
     assert_same_numbers(compiled, eager)
+
+
+@pytest.fixture
+def flex_backward_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.13 refuses flex attention's backward on a CPU (``_validate_device``: it has no
+    fused CPU kernel); its unfused implementation, which eager runs and ``aot_eager`` traces,
+    has one on every device. Lifted for the test, so that CUDA's path runs here up to the
+    kernels."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+
+
+@pytest.mark.filterwarnings("ignore:.*without torch.compile.*:UserWarning")
+@pytest.mark.usefixtures("scalar_outputs_traced", "flex_backward_on_the_cpu")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_layer_compiles_flex_attention_into_one_graph(family: str) -> None:
+    """[flex attention inside a compiled layer]: on a packed row's ``BlockMask`` (CUDA's mask)
+    every family's layer, Gemma 3's window narrowed and gpt-oss's sinks included, is one graph
+    (``fullgraph``: any break fails), eager and compiled give the dense mask's logits and
+    gradients, and a row of other documents compiles nothing new."""
+    model = random_model(family)
+    row = packed_row()
+    dense = logits_and_gradients(model, dense_row(row))
+    assert_same_numbers(logits_and_gradients(model, flex_row(row)), dense)
+    compiled = compiled_layers(model, fullgraph=True)
+    assert_same_numbers(logits_and_gradients(compiled, flex_row(row)), dense)
+    graphs = counters["stats"]["unique_graphs"]
+    other = packed_row(lengths=[5, 12, 10], padding=PADDING)  # as long, other documents
+    logits_and_gradients(compiled, flex_row(other))
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_each_row_of_a_batch_attends_its_own_documents() -> None:

@@ -24,7 +24,22 @@ across documents. Measured side by side (benchmarks/micro_batching.py, the tiny 
 rows of 1024, inductor, 2026-11-29; docs/micro_batching.md "Compiled"): compiled with the loop
 outside the graph, 0.95x the eager packed step time; compiled on one dense graph, 1.22x. The
 breaks are the faster choice, so they stay. On CUDA packed rows carry flex attention's
-``BlockMask``, which compiles into the layer's graph.
+``BlockMask``, which compiles into the layer's graph (see [flex attention inside a compiled
+layer]).
+
+Note [flex attention inside a compiled layer]
+Flex attention is fast only compiled: uncompiled it computes every score of the row. torchtune
+0.6.1 therefore compiles it on its own and hides the call from an enclosing compile
+(``compile_friendly_flex_attention``, under ``torch.compiler.disable``), so with ``compile: True``
+every layer of a packed row broke its graph around attention: two graphs and a return to Python
+per layer, the host overhead compiling is meant to remove (flex attention's authors say as much
+in pytorch/pytorch#149767). :func:`attend_flex` takes either road: while dynamo traces a layer
+(``torch.compiler.is_compiling()``) it calls ``flex_attention`` itself, which enters the layer's
+graph and is compiled with it into one kernel; run eagerly it calls flex attention compiled on
+its own, as torchtune does. A new row's ``BlockMask`` is a graph input like a tensor (its mask
+function's captured document ids included), so a new row compiles nothing
+(tests/test_document_attention.py: every family's layer as one graph on a ``BlockMask`` row,
+a second row of other documents without a recompilation).
 
 Note [per-document attention is exact]
 Under the block-causal mask a query's softmax runs over the keys of its own document up to
@@ -43,14 +58,53 @@ hundred positions on the last row of a window, is not computed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 from torchtune import config
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@functools.cache
+def _flex_attention_compiled_alone() -> Callable:
+    # Outside a compiled graph, as torchtune's flex_attention_compiled (dynamic=False: a packed
+    # row has one shape).
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Flex attention of ``[b, n_h, s, h_d]`` heads on ``block_mask``: inside the graph of a
+    layer being compiled, or compiled on its own when run eagerly on CUDA (uncompiled
+    elsewhere: a CPU runs flex attention's forward only). With ``return_lse`` also each row's
+    log-sum-exp ``[b, n_h, s]`` (float32). See [flex attention inside a compiled layer]."""
+    if torch.compiler.is_compiling():
+        attend = flex_attention  # traced into the enclosing graph
+    elif q.is_cuda:
+        attend = _flex_attention_compiled_alone()
+    else:
+        attend = flex_attention
+    aux = AuxRequest(lse=True) if return_lse else None
+    result = attend(
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_aux=aux
+    )
+    if return_lse:
+        output, aux_output = result
+        return output, aux_output.lse
+    return result
 
 
 class DocumentLengths(torch.Tensor):
@@ -106,9 +160,15 @@ AttentionCall = Callable[..., torch.Tensor]
 
 def _with_document_lengths(attention_call: AttentionCall) -> AttentionCall:
     """torchtune's ``_attention_call(q, k, v, mask, dropout_p, is_causal)`` that runs per
-    document when ``mask`` is :class:`DocumentLengths`, and as before on any other mask."""
+    document when ``mask`` is :class:`DocumentLengths`, flex attention through
+    :func:`attend_flex` on a ``BlockMask`` (into a compiled layer's graph, see [flex attention
+    inside a compiled layer]), and as before on any other mask."""
 
     def call(q, k, v, mask, dropout_p, is_causal):
+        if isinstance(mask, BlockMask):
+            if dropout_p > 0.0:
+                raise ValueError("Flex attention (a BlockMask) does not support attention dropout")
+            return attend_flex(q, k, v, mask)  # torchtune's call: its default scale, heads repeated
         if isinstance(mask, DocumentLengths):
             return attend_per_document(
                 q,

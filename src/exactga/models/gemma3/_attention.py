@@ -26,7 +26,6 @@ and, for a packed row, the distance within its document.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 
@@ -37,12 +36,11 @@ from torch.nn.attention.flex_attention import (
     BlockMask,
     and_masks,
     create_block_mask,
-    flex_attention,
 )
 from torchtune.modules import MultiHeadAttention
 from torchtune.modules.attention_utils import _MaskType
 
-from exactga.runtime.document_attention import DocumentLengths, attend_per_document
+from exactga.runtime.document_attention import DocumentLengths, attend_flex, attend_per_document
 
 
 class WindowedBlockMasks:
@@ -58,23 +56,32 @@ class WindowedBlockMasks:
         self._window: int | None = None
         self._narrowed: BlockMask | None = None
 
-    @torch.compiler.disable
     def narrowed(self, block_mask: BlockMask, window: int) -> BlockMask:
-        """``block_mask`` and'ed with ``q_idx - kv_idx < window``; cached for the last mask."""
+        """``block_mask`` and'ed with ``q_idx - kv_idx < window``; cached for the last mask
+        when run eagerly. In a layer being compiled it is derived in the layer's graph: a
+        Python-side cache there would break the graph (see [flex attention inside a compiled
+        layer] in exactga.runtime.document_attention)."""
+        if torch.compiler.is_compiling():
+            return _narrowed(block_mask, window)
         source = self._source() if self._source is not None else None
         if source is block_mask and self._window == window:
             return self._narrowed
-        narrowed = create_block_mask(
-            and_masks(block_mask.mask_mod, _within_window(window)),
-            B=block_mask.kv_num_blocks.shape[0],
-            H=block_mask.kv_num_blocks.shape[1],
-            Q_LEN=block_mask.seq_lengths[0],
-            KV_LEN=block_mask.seq_lengths[1],
-            device=block_mask.kv_num_blocks.device,
-            BLOCK_SIZE=block_mask.BLOCK_SIZE,
-        )
+        narrowed = _narrowed(block_mask, window)
         self._source, self._window, self._narrowed = weakref.ref(block_mask), window, narrowed
         return narrowed
+
+
+def _narrowed(block_mask: BlockMask, window: int) -> BlockMask:
+    """``block_mask`` and'ed with ``q_idx - kv_idx < window``, its blocks derived anew."""
+    return create_block_mask(
+        and_masks(block_mask.mask_mod, _within_window(window)),
+        B=block_mask.kv_num_blocks.shape[0],
+        H=block_mask.kv_num_blocks.shape[1],
+        Q_LEN=block_mask.seq_lengths[0],
+        KV_LEN=block_mask.seq_lengths[1],
+        device=block_mask.kv_num_blocks.device,
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+    )
 
 
 def _within_window(window: int) -> Callable:
@@ -95,19 +102,6 @@ def causal_band(query_slots: torch.Tensor, kv_len: int) -> torch.Tensor:
     """``[s_q, kv_len]`` booleans: key slot ``j`` is at or before the query's slot."""
     key_slots = torch.arange(kv_len, device=query_slots.device)
     return query_slots[:, None] >= key_slots[None, :]
-
-
-@functools.cache
-def _compiled_flex_attention() -> Callable:
-    # As torchtune: flex attention is fast only compiled (uncompiled it materialises the scores).
-    return torch.compile(flex_attention, dynamic=False)
-
-
-@torch.compiler.disable(recursive=False)
-def _flex_attention(q, k, v, *, block_mask, scale) -> torch.Tensor:
-    # Kept out of an enclosing torch.compile, as torchtune's compile_friendly_flex_attention.
-    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
-    return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 class Gemma3Attention(MultiHeadAttention):
@@ -239,7 +233,7 @@ class Gemma3Attention(MultiHeadAttention):
         if isinstance(mask, BlockMask):
             if dropout > 0.0:
                 raise ValueError("Flex attention (a BlockMask) does not support attention dropout")
-            return _flex_attention(q, k, v, block_mask=mask, scale=self.scaling)
+            return attend_flex(q, k, v, mask, scale=self.scaling, enable_gqa=True)
         k, v = self._repeat_kv(k), self._repeat_kv(v)
         is_causal = mask is None and not (self.kv_cache is not None and self.cache_enabled)
         return F.scaled_dot_product_attention(

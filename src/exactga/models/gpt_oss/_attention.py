@@ -20,30 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
-from exactga.models.gemma3._attention import (
-    Gemma3Attention,
-    _compiled_flex_attention,
-    causal_band,
-)
-
-
-@torch.compiler.disable(recursive=False)
-def _flex_attention_with_lse(q, k, v, *, block_mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flex attention's output ``[b, n_h, s, h_d]`` and row log-sum-exp ``[b, n_h, s]``
-    (float32), compiled on CUDA and kept out of an enclosing compile, as Gemma 3's."""
-    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
-    output, aux = attend(
-        q,
-        k,
-        v,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=True,
-        return_aux=AuxRequest(lse=True),
-    )
-    return output, aux.lse
+from exactga.models.gemma3._attention import Gemma3Attention, causal_band
+from exactga.runtime.document_attention import attend_flex
 
 
 class GptOssAttention(Gemma3Attention):
@@ -90,6 +70,8 @@ class GptOssAttention(Gemma3Attention):
         """Flex attention with the sinks: its output times ``sigmoid(lse - sink)``."""
         if self.training and self.attn_dropout > 0.0:
             raise ValueError("Flex attention (a BlockMask) does not support attention dropout")
-        output, lse = _flex_attention_with_lse(q, k, v, block_mask=block_mask, scale=self.scaling)
+        output, lse = attend_flex(
+            q, k, v, block_mask, scale=self.scaling, enable_gqa=True, return_lse=True
+        )
         kept = torch.sigmoid(lse - self.sinks.float().reshape(1, -1, 1))  # 1 - the sink's share
         return output * kept.unsqueeze(-1).to(output.dtype)
