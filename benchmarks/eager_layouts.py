@@ -19,7 +19,9 @@ order, not the sampler's) split as the recipe splits it (exactga.data.micro_batc
 The loss of a micro-batch is the sum of its tokens' cross-entropies on the labels after the
 shift, as the recipes' exact normalisation sums it. It prints per layout the total time over the
 windows, the positions processed and their padding share, then each packed layout's time over
-``token_budget``'s.
+``token_budget``'s: in total, and window by window (the median of the windows' ratios, their
+quartiles, and in how many windows the packed layout was the faster), since a ratio of totals
+hides how much the machine moved between windows.
 
 Run from the repository root::
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -127,13 +130,14 @@ def main() -> None:
     split = {name: [layout(w) for w in data] for name, layout in layouts.items()}
     for name in layouts:  # warm-up, each layout
         forward_backward(model, split[name][0])
-    seconds = dict.fromkeys(layouts, 0.0)
+    per_window: dict[str, list[float]] = {name: [] for name in layouts}
     load_before = os.getloadavg()
     for index in range(len(data)):
         order = list(layouts) if index % 2 == 0 else list(layouts)[::-1]
         for name in order:
-            seconds[name] += forward_backward(model, split[name][index])
+            per_window[name].append(forward_backward(model, split[name][index]))
     load_after = os.getloadavg()
+    seconds = {name: sum(times) for name, times in per_window.items()}
     print(
         f"# {args.config}, {len(data)} windows of {args.window} samples at "
         f"tokenizer.max_seq_len={args.max_seq_len}; torch {torch.__version__}, {args.threads} "
@@ -148,6 +152,21 @@ def main() -> None:
         )
     for name in list(layouts)[1:]:
         print(f"{name} / token_budget, total time: {seconds[name] / seconds['token_budget']:.3f}x")
+    for name in list(layouts)[1:]:
+        print(window_by_window(name, per_window[name], per_window["token_budget"]))
+
+
+def window_by_window(name: str, times: list[float], budget_times: list[float]) -> str:
+    """``name``'s time over ``token_budget``'s, each window against the same window: the median
+    ratio, its quartiles, and the windows in which ``name`` was the faster."""
+    ratios = sorted(t / b for t, b in zip(times, budget_times, strict=True))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    faster = sum(ratio < 1 for ratio in ratios)
+    return (
+        f"{name} / token_budget, window by window: median {statistics.median(ratios):.3f}x "
+        f"(quartiles {quartiles[0]:.3f}x to {quartiles[2]:.3f}x), faster in {faster} of "
+        f"{len(ratios)} windows"
+    )
 
 
 if __name__ == "__main__":

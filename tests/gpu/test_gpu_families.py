@@ -14,7 +14,9 @@ transformers in fp32. Their helpers build the same models here, on ``cuda_runs.D
   mask their collation builds, ``exactga.data.packing.document_mask``): documents
   packed in one row get the logits they get alone, and one document's ``BlockMask`` gives
   transformers' sliding-window logits, on a row long enough for the window to leave whole
-  128-token blocks full, partial and empty.
+  128-token blocks full, partial and empty; its layers compiled by inductor with
+  ``fullgraph=True`` (flex attention and the window's narrowing inside each layer's graph)
+  give eager's logits and gradients.
 - ``LinearCrossEntropyLoss`` at Qwen3's vocabulary (151,936) gives materialised logits' loss and
   gradients, with a lower peak of GPU memory.
 - Qwen3 MoE: router statistics summed over micro-batches are the whole batch's; the expert
@@ -300,6 +302,48 @@ def test_gemma3_packed_documents_get_their_own_logits_under_flex(tmp_path, recor
     ]
     record_property("fp32_relative_l2_packed_vs_alone", ", ".join(f"{g:.2e}" for g in gaps))
     assert max(gaps) < FP32_BOUND  # See [fp32 bound]
+
+
+def compile_each_layer(model: nn.Module) -> nn.Module:
+    """``model``'s layers compiled as the recipes compile them (exactga's ``compile_layers``:
+    torchtune's per-layer compile, sizes traced), but with ``fullgraph=True``, so that a graph
+    break fails; the CPU rehearsal traces with ``aot_eager`` and allows the breaks its
+    per-document attention takes (no ``BlockMask`` there)."""
+    torch._dynamo.reset()
+    for layer in model.layers:
+        layer.compile(backend="aot_eager" if DRY_RUN else "inductor", fullgraph=not DRY_RUN)
+    return model
+
+
+def logits_and_gradients(model: nn.Module, ids, mask, positions) -> tuple[torch.Tensor, dict]:
+    """The row's logits and every parameter's gradient of a fixed random weighting of them."""
+    logits = model(ids, mask=mask, input_pos=positions)
+    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    (logits * probe).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def test_gemma3_layers_compile_flex_attention_into_one_graph(tmp_path, record_property):
+    """[flex attention inside a compiled layer] (exactga.runtime.document_attention): Gemma 3's
+    layers, each compiled by inductor with ``fullgraph=True`` on a packed row's ``BlockMask``
+    (the sliding layers narrow it to their window inside their graphs), give eager's logits and
+    every gradient in fp32."""
+    state = long_gemma3_state(tmp_path / "hf")
+    ids, positions = gemma3_cpu.packed_row(DOCUMENTS)
+    ids, positions = ids.to(DEVICE), positions.to(DEVICE)
+    mask = document_block_mask(DOCUMENTS)
+    eager = logits_and_gradients(long_gemma3(state, torch.float32), ids, mask, positions)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        model = compile_each_layer(long_gemma3(state, torch.float32))
+        compiled = logits_and_gradients(model, ids, mask, positions)
+    logits_gap = relative_error(compiled[0], eager[0])
+    gradient_gaps = {name: relative_error(compiled[1][name], g) for name, g in eager[1].items()}
+    worst = max(gradient_gaps, key=gradient_gaps.get)
+    record_property("fp32_relative_l2_compiled_vs_eager_logits", f"{logits_gap:.2e}")
+    record_property("fp32_worst_gradient", f"{worst}: {gradient_gaps[worst]:.2e}")
+    assert compiled[1].keys() == eager[1].keys()
+    assert max(logits_gap, gradient_gaps[worst]) < FP32_BOUND  # See [fp32 bound]
 
 
 def test_gemma3_sliding_window_under_flex_is_transformers(tmp_path, record_property):

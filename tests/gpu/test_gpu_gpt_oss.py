@@ -14,11 +14,12 @@ the recipes run them (``exactga.models.gpt_oss._attention``), are checked here:
   eager attention and eager experts, the definitions;
 - a packed row under flex attention (the ``BlockMask`` the recipes' collation builds, compiled
   on CUDA) gives every parameter, the sinks first, the gradients the dense per-document mask
-  gives, in fp32, and the sinks' gradients are non-zero.
+  gives, in fp32, and the sinks' gradients are non-zero; so do its layers compiled by inductor
+  with ``fullgraph=True``, flex attention and the sinks inside each layer's graph.
 
 ``EXACTGA_GPU_DRY_RUN=1`` rehearses both on the CPU, where packed rows carry the dense mask on
 both sides (the comparison is then of a path with itself: a rehearsal of the imports and
-shapes, not a check).
+shapes, not a check); the compiled layers there are traced with ``aot_eager``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cuda_runs import DEVICE
 from test_gpu_families import (
     BF16_FACTOR,
     FP32_BOUND,
+    compile_each_layer,
     hf_on_device,
     median_token_error,
     ours_on_device,
@@ -83,13 +85,18 @@ def test_gpt_oss_gives_transformers_logits_in_fp32_and_bf16(folder_and_state, re
     assert ours_bf16 <= BF16_FACTOR * hf_bf16  # See [bf16 bound]
 
 
-def _packed_gradients(state: dict[str, torch.Tensor], flex: bool) -> dict[str, torch.Tensor]:
+def _packed_gradients(
+    state: dict[str, torch.Tensor], flex: bool, compiled: bool = False
+) -> dict[str, torch.Tensor]:
     """Every parameter's gradient of one packed row's logits against fixed random weights, under
     the per-document mask the recipes' collation builds on CUDA (``flex``: a ``BlockMask``) or
-    the dense block-causal mask."""
+    the dense block-causal mask; ``compiled``: each layer compiled with ``fullgraph=True``
+    (``compile_each_layer``)."""
     with training.set_default_dtype(torch.float32), torch.device(DEVICE):
         model = build()
     model.load_state_dict(state, strict=True)
+    if compiled:
+        compile_each_layer(model)
     ids = gpt_oss_cpu.tokens()[:1].repeat(1, 2)[:, : sum(DOCUMENTS)].to(DEVICE)
     positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None].to(DEVICE)
     if flex:
@@ -116,3 +123,20 @@ def test_the_sinks_backward_under_flex_is_the_dense_masks(folder_and_state, reco
     record_property("worst_grad_relative_l2_flex_vs_dense", f"{max(gaps.values()):.2e}")
     assert all(dense_grads[name].abs().sum() > 0 for name in sinks)
     assert max(gaps.values()) < FP32_BOUND, max(gaps, key=gaps.get)
+
+
+def test_compiled_layers_take_the_sinks_flex_attention_into_their_graphs(
+    folder_and_state, record_property
+):
+    """[flex attention inside a compiled layer] (exactga.runtime.document_attention): gpt-oss's
+    layers compiled by inductor with ``fullgraph=True`` on a packed row's ``BlockMask``, the
+    sinks applied through flex's log-sum-exp inside the graph, give the dense mask's gradients
+    (eager), every parameter's, in fp32."""
+    _, state = folder_and_state
+    dense_grads = _packed_gradients(state, flex=False)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled_grads = _packed_gradients(state, flex=uses_flex_attention(DEVICE), compiled=True)
+    gaps = {name: relative_error(compiled_grads[name], dense_grads[name]) for name in dense_grads}
+    worst = max(gaps, key=gaps.get)
+    record_property("worst_grad_relative_l2_compiled_flex_vs_dense", f"{worst}: {gaps[worst]:.2e}")
+    assert gaps[worst] < FP32_BOUND, worst
