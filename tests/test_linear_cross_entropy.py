@@ -17,6 +17,8 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchtune.models.llama3 import lora_llama3
@@ -33,6 +35,7 @@ from exactga.accumulation.linear_cross_entropy import (
     linear_cross_entropy,
 )
 from exactga.accumulation.loss_units import IGNORE_INDEX, LOSS_POSITIONS, loss_positions
+from exactga.model_build.trained import build_loss
 from exactga.models.gemma3 import gemma3
 from exactga.models.qwen3 import qwen3
 from exactga.runtime.precision import Precision
@@ -364,6 +367,53 @@ def test_a_compiled_loss_is_still_recognised():
     loss_fn = LinearCrossEntropyLoss()
     assert fusable_loss(torch.compile(loss_fn)) is loss_fn
     assert fusable_loss(CEWithChunkedOutputLoss()) is None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_compiled_chunks_give_the_eager_sums_and_compile_a_bounded_number_of_times(
+    monkeypatch, precision
+):
+    """[fused loss under compile]: with its chunks compiled the fused loss gives the eager
+    loss and gradients, and once it has met a chunk of several rows, chunks of one row and a
+    micro-batch of one row (torch specialises a size of 1), micro-batches of other row counts
+    compile nothing new: the chunks are dynamic. Traced with ``aot_eager`` (torchtune's
+    ``TORCH_COMPILE_BACKEND``): the operators inductor would fuse, without a C++ compiler's
+    minutes; ``benchmarks/kernel_counts.py --loss fused`` runs inductor's kernels."""
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    weight = output_weight(tiny_decoder(tied=False))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
+    graphs = [counters["stats"]["unique_graphs"]]
+    # 29 rows: chunks of 4 and a last one of 1; 5: chunks of 1; then one row; then others.
+    for rows in (29, 5, 1, 17, 64, 40, 100):
+        generator = torch.Generator().manual_seed(rows)
+        hidden = torch.randn(rows, EMBED, generator=generator)
+        targets = torch.randint(0, VOCAB, (rows,), generator=generator)
+        targets[1::3] = IGNORE_INDEX
+        results = {}
+        for compiled in (False, True):
+            loss_fn = LinearCrossEntropyLoss()
+            if compiled:
+                loss_fn.compile_chunks()
+            with autocast:
+                results[compiled] = summed_loss_and_grads(
+                    lambda h, w, f=loss_fn, t=targets: f.from_hidden(h, w, t), hidden, weight
+                )
+        for name, got, expected in zip(("loss", "d/dh", "d/dw"), *results.values(), strict=True):
+            assert rel_err(got, expected) <= FP32_FLOOR, (rows, name)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] > graphs[0], graphs  # the chunks compiled
+    assert len(set(graphs[3:])) == 1, graphs  # nothing new after the first three row counts
+
+
+def test_a_compiled_runs_loss_compiles_the_fused_chunks():
+    model = tiny_decoder(tied=True)
+    fused_cfg = OmegaConf.create(
+        {"_component_": f"{LinearCrossEntropyLoss.__module__}.LinearCrossEntropyLoss"}
+    )
+    compiled_loss = build_loss(fused_cfg, model, compile_loss=True)
+    assert fusable_loss(compiled_loss).compiled
+    assert not fusable_loss(build_loss(fused_cfg, model, compile_loss=False)).compiled
 
 
 def test_model_is_restored_even_when_the_forward_fails():

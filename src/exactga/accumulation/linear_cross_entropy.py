@@ -62,8 +62,10 @@ usual contract.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +81,7 @@ def linear_cross_entropy(
     *,
     chunk_size: int,
     ignore_index: int = IGNORE_INDEX,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """``sum_i CE(hidden[i] @ weight.T, targets[i])`` over rows whose target is not
     ``ignore_index``, in fp32, computed ``chunk_size`` rows at a time; see [projection fused
@@ -90,6 +93,8 @@ def linear_cross_entropy(
         targets: ``(rows,)`` class indices; ``ignore_index`` rows add nothing, not even a gradient.
         chunk_size: rows a chunk; at most ``chunk_size x vocab`` logits exist at once.
         ignore_index: the target value that is not scored.
+        compiled: run each chunk's work through ``torch.compile`` (see [fused loss under
+            compile]); the same sums, rounded as inductor's fused kernels round them.
 
     Returns:
         The summed loss, a 0-dim fp32 tensor (0 when no row is scored). The projection runs in
@@ -104,7 +109,7 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     compute_dtype = _compute_dtype(hidden, weight)
     return _LinearCrossEntropySum.apply(
-        hidden, weight, targets, chunk_size, ignore_index, compute_dtype
+        hidden, weight, targets, chunk_size, ignore_index, compute_dtype, compiled
     )
 
 
@@ -141,6 +146,12 @@ class LinearCrossEntropyLoss(nn.Module):
         self.num_output_chunks = num_output_chunks
         self.chunk_size = chunk_size
         self.ignore_index = ignore_index
+        self.compiled = False  # see compile_chunks
+
+    def compile_chunks(self) -> None:
+        """Compile the fused path's work on each chunk (``compile: True``; see [fused loss under
+        compile]): it runs inside the decoder's forward, which no compiled layer covers."""
+        self.compiled = True
 
     def rows_per_chunk(self, num_rows: int) -> int:
         """The fused loss's chunk for a micro-batch of ``num_rows`` rows."""
@@ -159,6 +170,7 @@ class LinearCrossEntropyLoss(nn.Module):
             labels,
             chunk_size=self.rows_per_chunk(hidden.size(0)),
             ignore_index=self.ignore_index,
+            compiled=self.compiled,
         )
         return total / self._num_scored(labels)
 
@@ -182,7 +194,7 @@ class LinearCrossEntropyLoss(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_output_chunks={self.num_output_chunks}, chunk_size={self.chunk_size}, "
-            f"ignore_index={self.ignore_index}"
+            f"ignore_index={self.ignore_index}, compiled={self.compiled}"
         )
 
     def _summed_ce(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -218,24 +230,25 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         chunk_size: int,
         ignore_index: int,
         compute_dtype: torch.dtype,
+        compiled: bool,
     ) -> torch.Tensor:
         scored = targets != ignore_index
         safe_targets = targets.masked_fill(~scored, 0)  # any valid index: the row weighs 0
         logsumexp = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        chunk_loss = _compiled(_chunk_loss) if compiled else _chunk_loss
         with _autocast_off(hidden):
             projection = weight.to(compute_dtype)  # one cast a pass, as autocast's F.linear
             for rows in _row_chunks(hidden.size(0), chunk_size):
-                logits = _chunk_logits(hidden[rows], projection)
-                target_logits = logits.gather(1, safe_targets[rows].unsqueeze(1)).squeeze(1)
-                logsumexp[rows] = _logsumexp_(logits)  # overwrites logits, no copy of them
-                row_losses = logsumexp[rows] - target_logits
-                total += torch.where(scored[rows], row_losses, 0.0).sum()
-                del logits  # before the next chunk's: one chunk's logits at a time
+                logsumexp[rows], loss = chunk_loss(
+                    hidden[rows], projection, safe_targets[rows], scored[rows]
+                )
+                total += loss
         # The weight itself, not its cast: the cast is redone in the backward rather than kept.
         ctx.save_for_backward(hidden, weight, safe_targets, scored, logsumexp)
         ctx.chunk_size = chunk_size
         ctx.compute_dtype = compute_dtype
+        ctx.compiled = compiled
         return total
 
     @staticmethod
@@ -250,20 +263,68 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # in place, as its chunked-logits gradient would (no vocab x embed fp32 buffer).
         grad_weight = torch.zeros_like(weight) if wants_weight else None
         row_weights = scored.to(torch.float32) * grad_total  # ignored rows: exactly 0
+        chunk_grad_logits = _compiled(_chunk_grad_logits) if ctx.compiled else _chunk_grad_logits
         with _autocast_off(hidden):
             projection = weight.to(ctx.compute_dtype)
             for rows in _row_chunks(hidden.size(0), ctx.chunk_size):
                 inputs = hidden[rows].to(ctx.compute_dtype)
-                grad_logits = _chunk_logits(inputs, projection)  # recomputed, as kept nowhere
-                _softmax_minus_one_hot_(grad_logits, logsumexp[rows], safe_targets[rows])
-                grad_logits = grad_logits.mul_(row_weights[rows].unsqueeze(1))
-                grad_logits = grad_logits.to(ctx.compute_dtype)
+                grad_logits = chunk_grad_logits(
+                    inputs, projection, logsumexp[rows], safe_targets[rows], row_weights[rows]
+                )
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad_logits @ projection
                 if grad_weight is not None:
                     _accumulate_product_(grad_weight, grad_logits.T, inputs)
                 del grad_logits  # before the next chunk's: one chunk's logits at a time
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+# Note [fused loss under compile]
+# The fused loss runs inside the decoder's forward (exactga.accumulation.forward), which
+# ``compile: True`` does not compile: torchtune compiles each layer, and ``compile_loss`` the
+# loss module's ``forward``, which the fused path never calls. So a compiled run would leave
+# each chunk's dozen eager kernels as they are (logits' cast, maximum, exp, sum, log, gather,
+# the masked sum; in the backward the softmax, the one-hot, the row weights, the cast). With
+# ``compile_chunks`` each chunk's work, the products aside, is a compiled function of its own
+# (``dynamic=True``: a micro-batch's scored rows, and so its chunks, change in size from one
+# micro-batch to the next, which would otherwise recompile). The chunk loop and what is kept
+# for the backward stay as they are, so no more than a chunk's logits (in inductor's buffers
+# now) exist at once; the sums are the same sums, rounded as inductor's fused reductions round
+# them (tests/test_linear_cross_entropy.py).
+
+
+def _compiled(chunk_function: Callable) -> Callable:
+    # The backend as torchtune's compile_model and compile_loss choose it.
+    return _compiled_with(chunk_function, os.environ.get("TORCH_COMPILE_BACKEND", "inductor"))
+
+
+@functools.cache
+def _compiled_with(chunk_function: Callable, backend: str) -> Callable:
+    return torch.compile(chunk_function, dynamic=True, backend=backend)
+
+
+def _chunk_loss(
+    hidden: torch.Tensor, projection: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's rows' logsumexp (fp32) and its scored rows' summed loss."""
+    logits = _chunk_logits(hidden, projection)
+    target_logits = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    logsumexp = _logsumexp_(logits)  # overwrites logits, no copy of them
+    return logsumexp, torch.where(scored, logsumexp - target_logits, 0.0).sum()
+
+
+def _chunk_grad_logits(
+    inputs: torch.Tensor,
+    projection: torch.Tensor,
+    logsumexp: torch.Tensor,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor,
+) -> torch.Tensor:
+    """A chunk's gradient with respect to its logits, in the projection's dtype: the logits
+    recomputed (kept nowhere), ``softmax - one_hot`` in fp32, times each row's weight."""
+    grad_logits = _chunk_logits(inputs, projection)
+    _softmax_minus_one_hot_(grad_logits, logsumexp, targets)
+    return grad_logits.mul_(row_weights.unsqueeze(1)).to(projection.dtype)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

@@ -258,10 +258,15 @@ def build_model(
 
 
 def build_loss(cfg_loss: DictConfig, model: nn.Module, *, compile_loss: bool) -> nn.Module:
-    """The config's token loss, compiled when asked; a chunked loss (``num_output_chunks``)
-    has ``model`` return its logits in as many chunks, which is what that loss takes."""
+    """The config's token loss, compiled when asked (the fused loss's chunks too, see [fused
+    loss under compile]); a chunked loss (``num_output_chunks``) has ``model`` return its
+    logits in as many chunks, which is what that loss takes."""
     loss_fn = config.instantiate(cfg_loss)
     if compile_loss:
+        # Work a loss does outside its forward (the fused loss's, inside the model's forward)
+        # is compiled by the loss itself when asked.
+        if hasattr(loss_fn, "compile_chunks"):
+            loss_fn.compile_chunks()
         loss_fn = training.compile_loss(loss_fn, verbose=distributed.is_rank_zero())
     if hasattr(loss_fn, "num_output_chunks"):
         model.set_num_output_chunks(loss_fn.num_output_chunks)
