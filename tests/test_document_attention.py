@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
+from torchtune import training
 from torchtune.models.qwen2 import qwen2
 from torchtune.modules.attention_utils import create_block_causal_mask
 from unit_utils import tiny_model
@@ -242,12 +243,17 @@ def flex_backward_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
 
 
+# The three ways a family's attention takes a BlockMask: torchtune's MultiHeadAttention (Llama,
+# Qwen2, Qwen3, Qwen3 MoE: one wrapped call), Gemma 3's (its window narrowed), gpt-oss's (sinks).
+FLEX_PATHS = ["llama", "gemma3", "gpt_oss"]
+
+
 @pytest.mark.filterwarnings("ignore:.*without torch.compile.*:UserWarning")
 @pytest.mark.usefixtures("scalar_outputs_traced", "flex_backward_on_the_cpu")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FLEX_PATHS)
 def test_each_familys_layer_compiles_flex_attention_into_one_graph(family: str) -> None:
     """[flex attention inside a compiled layer]: on a packed row's ``BlockMask`` (CUDA's mask)
-    every family's layer, Gemma 3's window narrowed and gpt-oss's sinks included, is one graph
+    each attention's layer, Gemma 3's window narrowed and gpt-oss's sinks included, is one graph
     (``fullgraph``: any break fails), eager and compiled give the dense mask's logits and
     gradients, and a row of other documents compiles nothing new."""
     model = random_model(family)
@@ -260,6 +266,26 @@ def test_each_familys_layer_compiles_flex_attention_into_one_graph(family: str) 
     other = packed_row(lengths=[5, 12, 10], padding=PADDING)  # as long, other documents
     logits_and_gradients(compiled, flex_row(other))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.filterwarnings("ignore:.*without torch.compile.*:UserWarning")
+@pytest.mark.usefixtures("scalar_outputs_traced", "flex_backward_on_the_cpu")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_checkpointed_compiled_layers_under_flex_attention_give_the_dense_masks_numbers(
+    family: str,
+) -> None:
+    """Activation checkpointing around compiled layers on a ``BlockMask``: the dense mask's
+    logits and gradients. Llama's layer stays one graph; a sliding layer of Gemma 3 breaks once
+    (see [flex attention inside a compiled layer]), and compiles as the recipes compile, with
+    breaks allowed."""
+    model = random_model(family)
+    row = packed_row()
+    dense = logits_and_gradients(model, dense_row(row))
+    training.set_activation_checkpointing(model, auto_wrap_policy={type(model.layers[0])})
+    compiled = compiled_layers(model, fullgraph=family == "llama")
+    logits, grads = logits_and_gradients(compiled, flex_row(row))
+    unwrapped = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in grads.items()}
+    assert_same_numbers((logits, unwrapped), dense)
 
 
 def test_each_row_of_a_batch_attends_its_own_documents() -> None:

@@ -39,7 +39,9 @@ graph and is compiled with it into one kernel; run eagerly it calls flex attenti
 its own, as torchtune does. A new row's ``BlockMask`` is a graph input like a tensor (its mask
 function's captured document ids included), so a new row compiles nothing
 (tests/test_document_attention.py: every family's layer as one graph on a ``BlockMask`` row,
-a second row of other documents without a recompilation).
+a second row of other documents without a recompilation). One break is left, under activation
+checkpointing only: a sliding layer's window narrowed by ``create_block_mask`` (Gemma 3,
+gpt-oss), which dynamo does not trace inside a checkpointed region.
 
 Note [per-document attention is exact]
 Under the block-causal mask a query's softmax runs over the keys of its own document up to
