@@ -35,11 +35,11 @@ every layer of a packed row broke its graph around attention: two graphs and a r
 per layer, the host overhead compiling is meant to remove (flex attention's authors say as much
 in pytorch/pytorch#149767). :func:`attend_flex` takes either road: while dynamo traces a layer
 (``torch.compiler.is_compiling()``) it calls ``flex_attention`` itself, which enters the layer's
-graph and is compiled with it into one kernel; run eagerly it calls flex attention compiled on
-its own, as torchtune does. A new row's ``BlockMask`` is a graph input like a tensor (its mask
-function's captured document ids included), so a new row compiles nothing
-(tests/test_document_attention.py: every family's layer as one graph on a ``BlockMask`` row,
-a second row of other documents without a recompilation). One break is left, under activation
+graph and is compiled with it; run eagerly it calls flex attention compiled on its own, as
+torchtune does. A new row's ``BlockMask`` is a graph input like a tensor (its mask function's
+captured document ids included), so a new row compiles nothing
+(tests/test_document_attention.py: a layer of each attention that takes a ``BlockMask`` as one
+graph, a second row of other documents without a recompilation). One break is left, under activation
 checkpointing only: a sliding layer's window narrowed by ``create_block_mask`` (Gemma 3,
 gpt-oss), which dynamo does not trace inside a checkpointed region.
 
