@@ -484,12 +484,14 @@ def test_packed_documents_get_the_logits_they_get_alone(hf_folder: Path, flex: b
 
 
 def packed_row_gradients(model: nn.Module, lengths: list[int], mask) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient of one packed row's logits against a fixed random probe."""
-    ids = tokens()[:1].repeat(1, 2)[:, : sum(lengths)]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    """Every parameter's gradient of one packed row's logits against a fixed random probe, on
+    the model's device (tests/gpu/test_gpu_gpt_oss.py runs it on CUDA)."""
+    device = next(model.parameters()).device
+    ids = tokens()[:1].repeat(1, 2)[:, : sum(lengths)].to(device)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
     model.zero_grad(set_to_none=True)
     logits = model(ids, mask=mask, input_pos=positions)
-    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)).to(device)
     (logits * probe).sum().backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 

@@ -97,16 +97,11 @@ def _packed_gradients(
     model.load_state_dict(state, strict=True)
     if compiled:
         compile_each_layer(model)
-    ids = gpt_oss_cpu.tokens()[:1].repeat(1, 2)[:, : sum(DOCUMENTS)].to(DEVICE)
-    positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None].to(DEVICE)
     if flex:
         mask = document_mask(DOCUMENTS, flex=True)
     else:
         mask = create_block_causal_mask([torch.tensor(DOCUMENTS)]).to(DEVICE)
-    logits = model(ids, mask=mask, input_pos=positions)
-    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    (logits * probe).sum().backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return gpt_oss_cpu.packed_row_gradients(model, DOCUMENTS, mask)
 
 
 def test_the_sinks_backward_under_flex_is_the_dense_masks(folder_and_state, record_property):
