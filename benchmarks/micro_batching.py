@@ -32,7 +32,9 @@ checkpointing are left out) and the speed-up over stock; the same in CPU time of
 process over those steps (sampled from ``/proc``), which a shared machine's load distorts far
 less than wall time; loss tokens per second; the padding share of the positions processed
 (the end-of-run ``exactga: padding was ...`` line); the distinct micro-batch shapes of the epoch
-(the ``throughput/micro_batch_shapes`` scalar); peak memory; and how far the trained weights
+(the ``throughput/micro_batch_shapes`` scalar); a compiled run's graphs and graph breaks at
+its end (the ``compile/graphs`` and ``compile/graph_breaks`` scalars); peak memory; and how far
+the trained weights
 land from the ``fixed`` run's, ``||w - w_fixed|| / ||w_fixed - w_init||``. Below the table,
 ``packed``'s speed against ``token_budget``'s and against ``packed_dense``'s, pair by pair.
 
@@ -412,6 +414,7 @@ def table_row(
         f"{100 * padding[0]:.1f}%{mark}" if padding else "n/a",
         f"{padding[1]:,}{mark}" if padding else "n/a",
         f"{counted[0].num_shapes}{mark}" if counted[0].num_shapes else "n/a",
+        compilations(runs),
         f"{max(r.usage.max_rss_mib for r in runs):.0f}",
     ]
     gpu_peaks = [r.gpu_peak_gib for r in runs if r.gpu_peak_gib is not None]
@@ -419,6 +422,15 @@ def table_row(
         cells.append(f"{max(gpu_peaks):.2f}" if gpu_peaks else "n/a")
     cells.append("0 (reference)" if gap is None else f"{gap:.2e}")
     return cells
+
+
+def compilations(runs: list[RunResult]) -> str:
+    """A compiled configuration's graphs and graph breaks (the most over its repeats), "eager"
+    for the others."""
+    counts = [r.compiled for r in runs if r.compiled is not None]
+    if not counts:
+        return "eager"
+    return f"{max(graphs for graphs, _ in counts)} ({max(breaks for _, breaks in counts)})"
 
 
 def format_table(results: list[RunResult], specs: list[RunSpec]) -> list[str]:
@@ -436,6 +448,7 @@ def format_table(results: list[RunResult], specs: list[RunSpec]) -> list[str]:
         "padding",
         "positions",
         "shapes",
+        "graphs (breaks)",
         "peak RSS MiB",
         *(["peak GPU alloc GiB"] if gpu_column else []),
         "rel-L2 to fixed",
