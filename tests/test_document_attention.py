@@ -18,11 +18,15 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
-from torch.nn.attention.flex_attention import create_block_mask
 from torchtune import training
 from torchtune.models.qwen2 import qwen2
 from torchtune.modules.attention_utils import create_block_causal_mask
-from unit_utils import tiny_model
+from unit_utils import (
+    allow_flex_backward_on_cpu,
+    compiled_layers,
+    cpu_document_block_mask,
+    tiny_model,
+)
 
 from exactga.data.packing import DENSE_PACKED_MASK, pack_samples
 from exactga.models.gemma3 import gemma3
@@ -161,18 +165,10 @@ def dense_row(row: dict) -> dict:
 
 
 def flex_row(row: dict) -> dict:
-    """``row`` under flex attention's ``BlockMask``, as packed rows carry it on CUDA (torchtune's
-    ``packed_block_causal_mask``, made here on the CPU: causal within each document, the padding
+    """``row`` under flex attention's ``BlockMask``, as packed rows carry it on CUDA (the padding
     one more document), in blocks of 8 so that a row has full, partial and skipped blocks."""
-    spans = torch.tensor([abs(length) for length in row["mask"].tolist()[0]])
-    document = torch.repeat_interleave(torch.arange(len(spans)), spans)[None]
-
-    def block_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
-
-    size = int(spans.sum())
-    mask = create_block_mask(block_causal, 1, None, size, size, device="cpu", BLOCK_SIZE=8)
-    return {**row, "mask": mask}
+    spans = [abs(length) for length in row["mask"].tolist()[0]]
+    return {**row, "mask": cpu_document_block_mask(spans, block_size=8)}
 
 
 def test_the_padding_is_never_attended_and_its_output_is_zero() -> None:
@@ -188,16 +184,6 @@ def test_the_padding_is_never_attended_and_its_output_is_zero() -> None:
     assert calls == [3, 2]
     assert output.shape == (1, 2, 7, 4) and not output[:, :, 5:].any()
     assert torch.equal(output[:, :, :3], attend(q[:, :, :3], k[:, :, :3], v[:, :, :3]))
-
-
-def compiled_layers(model: nn.Module, fullgraph: bool) -> nn.Module:
-    """``model`` with each layer compiled as torchtune's ``compile_model`` compiles it, under
-    ``aot_eager``: forward and backward traced as inductor would, without generating kernels
-    (seconds, not minutes, on a CPU); ``fullgraph`` fails on any graph break."""
-    torch._dynamo.reset()
-    for layer in model.layers:
-        layer.compile(backend="aot_eager", fullgraph=fullgraph)
-    return model
 
 
 @pytest.fixture
@@ -234,13 +220,8 @@ def test_compiled_layers_attend_each_document_alone_with_the_eager_rows_numbers(
 
 @pytest.fixture
 def flex_backward_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch 2.13 refuses flex attention's backward on a CPU (``_validate_device``: it has no
-    fused CPU kernel); its unfused implementation, which eager runs and ``aot_eager`` traces,
-    has one on every device. Lifted for the test, so that CUDA's path runs here up to the
-    kernels."""
-    import torch.nn.attention.flex_attention as flex_module
-
-    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    """See ``unit_utils.allow_flex_backward_on_cpu``."""
+    allow_flex_backward_on_cpu(monkeypatch)
 
 
 # The three ways a family's attention takes a BlockMask: torchtune's MultiHeadAttention (Llama,

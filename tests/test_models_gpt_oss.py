@@ -37,11 +37,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask
 from torchtune import training
 from torchtune.models.convert_weights import tune_to_peft_adapter_config
 from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
+from unit_utils import allow_flex_backward_on_cpu, cpu_document_block_mask, probe_gradients
 
 from exactga.models.checkpointer import FullModelHFCheckpointer
 from exactga.models.gpt_oss import (
@@ -452,17 +452,6 @@ def test_sized_builders_have_the_released_parameter_counts() -> None:
         assert count == sum(p.numel() for p in reference.parameters()), name
 
 
-def flex_document_mask(lengths: list[int]):
-    """One packed row's block-causal ``BlockMask`` on the CPU (torchtune's
-    ``packed_block_causal_mask`` makes one only where CUDA runs flex attention)."""
-    document = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-
-    def block_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (document[q_idx] == document[kv_idx])
-
-    return create_block_mask(block_causal, 1, None, sum(lengths), sum(lengths), device="cpu")
-
-
 @pytest.mark.filterwarnings("ignore:.*without torch.compile.*:UserWarning")
 @pytest.mark.parametrize("flex", [False, True], ids=["dense-mask", "block-mask"])
 def test_packed_documents_get_the_logits_they_get_alone(hf_folder: Path, flex: bool) -> None:
@@ -473,7 +462,9 @@ def test_packed_documents_get_the_logits_they_get_alone(hf_folder: Path, flex: b
     ids = tokens()[:1, : sum(lengths)]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     mask = (
-        flex_document_mask(lengths) if flex else create_block_causal_mask([torch.tensor(lengths)])
+        cpu_document_block_mask(lengths)
+        if flex
+        else create_block_causal_mask([torch.tensor(lengths)])
     )
     with torch.no_grad():
         packed = ours(ids, mask=mask, input_pos=positions)
@@ -489,11 +480,7 @@ def packed_row_gradients(model: nn.Module, lengths: list[int], mask) -> dict[str
     device = next(model.parameters()).device
     ids = tokens()[:1].repeat(1, 2)[:, : sum(lengths)].to(device)
     positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
-    model.zero_grad(set_to_none=True)
-    logits = model(ids, mask=mask, input_pos=positions)
-    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)).to(device)
-    (logits * probe).sum().backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return probe_gradients(model, ids, mask, positions)[1]
 
 
 @pytest.mark.filterwarnings("ignore:.*without torch.compile.*:UserWarning")
@@ -508,13 +495,11 @@ def test_the_sinks_backward_through_flex_attention_is_the_dense_masks(
     backward (the log-sum-exp's gradient included) is the same on every device. The test lifts
     that one check to run it: it checks our formula through torch's autograd of flex attention.
     The fused CUDA kernel's backward is tests/gpu/test_gpu_gpt_oss.py's."""
-    import torch.nn.attention.flex_attention as flex_module
-
-    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    allow_flex_backward_on_cpu(monkeypatch)
     model = ours_from(hf_folder).train()
     lengths = [5, 11, 8]  # three documents; the second and third outrun the window of 4
     dense = packed_row_gradients(model, lengths, create_block_causal_mask([torch.tensor(lengths)]))
-    flex = packed_row_gradients(model, lengths, flex_document_mask(lengths))
+    flex = packed_row_gradients(model, lengths, cpu_document_block_mask(lengths))
     sinks = [name for name in dense if name.endswith("attn.sinks")]
     assert len(sinks) == len(model.layers)
     assert all(dense[name].abs().min() > 0 for name in sinks)  # every head's sink trains

@@ -1,5 +1,6 @@
 """Helpers for the tests that launch no recipe: a tiny model, hand-made rows, the recipes' loss
-step, the 2-rank gloo harness, and the config files.
+step, packed rows under flex attention on the CPU, the 2-rank gloo harness, and the config
+files.
 
 Plain functions, imported by name (``from unit_utils import make_rows``), for two reasons: the
 rank processes of the 2-rank harness import them as well, and tests/gpu/conftest.py replaces the
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 import torchtune
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torchtune._recipe_registry import get_all_recipes
 from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
@@ -204,6 +206,55 @@ def full_batch_grad(model: nn.Module, rows: list) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+# --- packed rows under flex attention, on the CPU ------------------------------------------------
+
+
+def cpu_document_block_mask(lengths: list[int], block_size: int = 128) -> BlockMask:
+    """One packed row's flex-attention ``BlockMask`` as packed rows carry it on CUDA (causal
+    within each document of ``lengths``), made on the CPU: torchtune's
+    ``packed_block_causal_mask`` makes one only where CUDA runs flex attention. A smaller
+    ``block_size`` gives a short row full, partial and skipped blocks."""
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+
+    def block_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
+
+    size = sum(lengths)
+    return create_block_mask(block_causal, 1, None, size, size, device="cpu", BLOCK_SIZE=block_size)
+
+
+def allow_flex_backward_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lift torch 2.13's refusal of flex attention's backward on a CPU (``_validate_device``),
+    which it makes for want of a fused CPU kernel: flex attention's unfused implementation, which
+    eager runs and ``aot_eager`` traces, has a backward on every device. CUDA's path then runs
+    on the CPU up to the kernels."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+
+
+def compiled_layers(model: nn.Module, fullgraph: bool, backend: str = "aot_eager") -> nn.Module:
+    """``model`` with each layer compiled as torchtune's ``compile_model`` compiles it; by
+    default under ``aot_eager``: forward and backward traced as inductor would, without
+    generating kernels (seconds, not minutes, on a CPU); ``fullgraph`` fails on any graph
+    break."""
+    torch._dynamo.reset()
+    for layer in model.layers:
+        layer.compile(backend=backend, fullgraph=fullgraph)
+    return model
+
+
+def probe_gradients(model: nn.Module, ids, mask, positions) -> tuple[torch.Tensor, dict]:
+    """One row's logits and every parameter's gradient of a fixed random weighting of them, on
+    the model's device."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, mask=mask, input_pos=positions)
+    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    (logits * probe.to(logits.device)).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
 
 
 # --- the 2-rank harness ------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from cuda_runs import DEVICE, DRY_RUN, cuda_only
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from torchtune import training
+from unit_utils import compiled_layers, probe_gradients
 
 from exactga.accumulation.linear_cross_entropy import LinearCrossEntropyLoss
 from exactga.accumulation.loss_units import IGNORE_INDEX
@@ -305,23 +306,12 @@ def test_gemma3_packed_documents_get_their_own_logits_under_flex(tmp_path, recor
 
 
 def compile_each_layer(model: nn.Module) -> nn.Module:
-    """``model``'s layers compiled as the recipes compile them (exactga's ``compile_layers``:
-    torchtune's per-layer compile, sizes traced), but with ``fullgraph=True``, so that a graph
-    break fails; the CPU rehearsal traces with ``aot_eager`` and allows the breaks its
-    per-document attention takes (no ``BlockMask`` there)."""
-    torch._dynamo.reset()
-    for layer in model.layers:
-        layer.compile(backend="aot_eager" if DRY_RUN else "inductor", fullgraph=not DRY_RUN)
-    return model
-
-
-def logits_and_gradients(model: nn.Module, ids, mask, positions) -> tuple[torch.Tensor, dict]:
-    """The row's logits and every parameter's gradient of a fixed random weighting of them."""
-    logits = model(ids, mask=mask, input_pos=positions)
-    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    (logits * probe).sum().backward()
-    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), grads
+    """``model``'s layers compiled by inductor as the recipes compile them, but with
+    ``fullgraph=True``, so that a graph break fails; the CPU rehearsal traces with ``aot_eager``
+    and allows the breaks its per-document attention takes (no ``BlockMask`` there)."""
+    return compiled_layers(
+        model, fullgraph=not DRY_RUN, backend="aot_eager" if DRY_RUN else "inductor"
+    )
 
 
 def test_gemma3_layers_compile_flex_attention_into_one_graph(tmp_path, record_property):
@@ -333,10 +323,10 @@ def test_gemma3_layers_compile_flex_attention_into_one_graph(tmp_path, record_pr
     ids, positions = gemma3_cpu.packed_row(DOCUMENTS)
     ids, positions = ids.to(DEVICE), positions.to(DEVICE)
     mask = document_block_mask(DOCUMENTS)
-    eager = logits_and_gradients(long_gemma3(state, torch.float32), ids, mask, positions)
+    eager = probe_gradients(long_gemma3(state, torch.float32), ids, mask, positions)
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         model = compile_each_layer(long_gemma3(state, torch.float32))
-        compiled = logits_and_gradients(model, ids, mask, positions)
+        compiled = probe_gradients(model, ids, mask, positions)
     logits_gap = relative_error(compiled[0], eager[0])
     gradient_gaps = {name: relative_error(compiled[1][name], g) for name, g in eager[1].items()}
     worst = max(gradient_gaps, key=gradient_gaps.get)
