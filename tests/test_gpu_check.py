@@ -109,3 +109,38 @@ def test_a_finished_benchmarks_figures_reach_the_report(tmp_path: Path, monkeypa
     assert json.loads((tmp_path / "fake.json").read_text())["markdown"].startswith("| a | b |")
     report = gpu_check.render_report(args, environment, None, None, [result], 1.0)
     assert "| 1 | 2 |" in report
+
+
+def _no_cuda(monkeypatch) -> None:
+    # What the probe of a CPU-only torch reports, without starting an interpreter for it.
+    monkeypatch.setattr(
+        gpu_check, "probe", lambda python, env=None: {"torch": "2.13.0+cpu", "cuda_available": False}
+    )
+
+
+def test_without_cuda_the_check_stops_with_one_message_and_writes_no_report(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    _no_cuda(monkeypatch)
+    report = tmp_path / "report.md"
+    status = gpu_check.main(
+        ["--python", sys.executable, "--work-dir", str(tmp_path / "work"), "--report", str(report)]
+    )
+    assert status == 2  # not green: it would have skipped every test and measured nothing
+    assert not report.exists()
+    message = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "sees no CUDA device (torch 2.13.0+cpu)" in message and "--rehearse" in message
+
+
+def test_a_rehearsal_runs_without_cuda_and_never_writes_over_the_gpu_report(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    _no_cuda(monkeypatch)
+    work = tmp_path / "work"
+    args = ["--python", sys.executable, "--work-dir", str(work), "--rehearse"]
+    assert gpu_check.parse_args(args).report == work / "gpu_report.md"
+    assert gpu_check.parse_args([]).report == Path("docs/gpu_report.md")
+    assert gpu_check.main([*args, "--skip-tests", "--skip-benchmarks"]) == 0
+    report = (work / "gpu_report.md").read_text()
+    assert report.startswith("# GPU check report (a rehearsal: nothing measured)")
+    assert "rehearsal all green: nothing was measured on a GPU" in capsys.readouterr().out
