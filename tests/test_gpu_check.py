@@ -113,9 +113,8 @@ def test_a_finished_benchmarks_figures_reach_the_report(tmp_path: Path, monkeypa
 
 def _no_cuda(monkeypatch) -> None:
     # What the probe of a CPU-only torch reports, without starting an interpreter for it.
-    monkeypatch.setattr(
-        gpu_check, "probe", lambda python, env=None: {"torch": "2.13.0+cpu", "cuda_available": False}
-    )
+    cpu_torch = {"torch": "2.13.0+cpu", "cuda_available": False}
+    monkeypatch.setattr(gpu_check, "probe", lambda python, env=None: cpu_torch)
 
 
 def test_without_cuda_the_check_stops_with_one_message_and_writes_no_report(
