@@ -51,17 +51,17 @@ tensorboard: install
 	$(VENV)/bin/tensorboard --logdir $(TB_LOGDIR) --host localhost
 
 # make gpu-check: the GPU tests and benchmarks in their own virtual environment, and one report
-# (docs/gpu_report.md); see docs/quickstart.md, "GPU check". GPU_TORCH is installed only when
-# $(PYTHON) has no CUDA torch to reuse; GPU_WHEELS=DIR installs offline from a wheel folder;
+# (docs/gpu_report.md unless GPU_REPORT names another); see docs/quickstart.md, "GPU check".
+# GPU_TORCH is installed only when $(PYTHON) has no CUDA torch to reuse; GPU_WHEELS=DIR installs offline from a wheel folder;
 # GPU_CHECK_ARGS passes more options (python3 tools/gpu_check.py --help).
 GPU_VENV ?= .venv-gpu
 GPU_TORCH ?= torch --index-url https://download.pytorch.org/whl/cu128
 GPU_WHEELS ?=
-GPU_REPORT ?= docs/gpu_report.md
+GPU_REPORT ?=
 GPU_CHECK_ARGS ?=
 
 .PHONY: gpu-check
 gpu-check:
 	$(PYTHON) tools/gpu_check.py --venv $(GPU_VENV) --torch "$(GPU_TORCH)" \
-		--report $(GPU_REPORT) $(if $(GPU_WHEELS),--wheels $(GPU_WHEELS)) \
+		$(if $(GPU_REPORT),--report $(GPU_REPORT)) $(if $(GPU_WHEELS),--wheels $(GPU_WHEELS)) \
 		--invoked-as "make gpu-check$(if $(GPU_WHEELS), GPU_WHEELS=$(GPU_WHEELS))" $(GPU_CHECK_ARGS)
