@@ -52,8 +52,9 @@ tensorboard: install
 
 # make gpu-check: the GPU tests and benchmarks in their own virtual environment, and one report
 # (docs/gpu_report.md unless GPU_REPORT names another); see docs/quickstart.md, "GPU check".
-# GPU_TORCH is installed only when $(PYTHON) has no CUDA torch to reuse; GPU_WHEELS=DIR installs offline from a wheel folder;
-# GPU_CHECK_ARGS passes more options (python3 tools/gpu_check.py --help).
+# GPU_TORCH is installed only when $(PYTHON) has no CUDA torch to reuse; GPU_WHEELS=DIR installs
+# offline from a wheel folder; GPU_CHECK_ARGS passes more options (python3 tools/gpu_check.py
+# --help), e.g. --rehearse to run each part's no-CUDA path on a machine without a GPU.
 GPU_VENV ?= .venv-gpu
 GPU_TORCH ?= torch --index-url https://download.pytorch.org/whl/cu128
 GPU_WHEELS ?=
