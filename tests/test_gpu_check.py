@@ -143,3 +143,13 @@ def test_a_rehearsal_runs_without_cuda_and_never_writes_over_the_gpu_report(
     report = (work / "gpu_report.md").read_text()
     assert report.startswith("# GPU check report (a rehearsal: nothing measured)")
     assert "rehearsal all green: nothing was measured on a GPU" in capsys.readouterr().out
+
+
+def test_a_rehearsal_that_finds_cuda_is_not_labelled_as_measuring_nothing() -> None:
+    args = gpu_check.parse_args(["--rehearse"])
+    environment = gpu_check.Environment(sys.executable, None, "this interpreter")
+    on_gpu = {"cuda_available": True, "device": "NVIDIA H200"}
+    report = gpu_check.render_report(args, environment, on_gpu, None, None, 1.0)
+    assert report.startswith("# GPU check report\n")
+    without = gpu_check.render_report(args, environment, {"cuda_available": False}, None, None, 1.0)
+    assert without.startswith("# GPU check report (a rehearsal: nothing measured)\n")
